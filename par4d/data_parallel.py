@@ -1,0 +1,66 @@
+"""Gradient synchronization over the batch shards (data x z).
+
+Each rank back-propagates the mean loss of its own samples. The z reduce-scatter
+of Algorithm 1 already summed Ŵ's gradient over z; every other gradient is still
+partial over the axes in its :class:`~par4d.layout.ParamSpec` ``grad_sum``. This
+module sums the rest (bucketed: one all-reduce per group of axes and bucket) and
+divides by the number of batch shards G_data * G_z, so every gradient equals the
+single-device gradient of the mean loss over the global batch.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.nn as nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from par4d import comm
+from par4d.grid import Grid
+from par4d.layout import spec
+
+BUCKET_BYTES = 25 * 2**20
+
+
+def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    buckets, current, size = [], [], 0
+    for t in tensors:
+        if current and size + t.numel() * t.element_size() > limit:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(t)
+        size += t.numel() * t.element_size()
+    return buckets + ([current] if current else [])
+
+
+@torch.no_grad()
+def sync_gradients(model: nn.Module, grid: Grid, bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Sum every parameter's gradient over its partial axes; divide by G_data * G_z.
+
+    Call after ``backward()`` and before the optimizer step, on every rank.
+    """
+    groups: dict[tuple[str, ...], list[torch.Tensor]] = defaultdict(list)
+    for name, param in model.named_parameters():
+        placement = spec(param)
+        if placement is None:
+            raise ValueError(f"parameter {name!r} is not a par4d parameter (no ParamSpec); "
+                             f"build the model from par4d.nn layers")
+        if param.grad is not None:
+            groups[placement.grad_sum].append(param.grad)
+    scale = 1.0 / grid.size("z", "data")
+    for axes in sorted(groups):
+        for bucket in _buckets(groups[axes], bucket_bytes):
+            flat = _flatten_dense_tensors(bucket)
+            comm.all_reduce(grid, flat, *axes)
+            flat.mul_(scale)
+            for grad, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                grad.copy_(synced)
+
+
+@torch.no_grad()
+def global_mean(value: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """Mean of a per-rank batch statistic over the batch shards (data x z)."""
+    out = value.detach().clone().reshape(1)
+    comm.all_reduce(grid, out, "z", "data")
+    return out[0] / grid.size("z", "data")

@@ -1,0 +1,204 @@
+"""The 4D (+pipe) process grid: sizes, coordinates and process groups.
+
+Rank layout, innermost first (DESIGN §1)::
+
+    rank = (((pipe * G_data + data) * G_z + z) * G_y + y) * G_x + x
+
+so ``x`` varies fastest. Single-axis groups come from torch's DeviceMesh; groups
+spanning several axes (e.g. ``("z", "data")`` for gradient sync) are built once at
+construction, collectively, so nothing is created lazily behind a user's back.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from par4d.comm import Ledger
+
+AXES: tuple[str, ...] = ("x", "y", "z", "data", "pipe")
+"""Axis names, innermost first. The only names par4d accepts for grid axes."""
+
+# Multi-axis groups built at construction (each a tuple in AXES order).
+_COMBINED: tuple[tuple[str, ...], ...] = (("z", "data"), ("x", "y", "z"))
+
+
+def _check_axes(axes: Iterable[str]) -> tuple[str, ...]:
+    axes = tuple(axes)
+    unknown = [a for a in axes if a not in AXES]
+    if unknown:
+        raise ValueError(f"unknown grid axis {unknown[0]!r}; valid axes are {', '.join(AXES)}")
+    return tuple(a for a in AXES if a in axes)
+
+
+def validate_sizes(sizes: dict[str, int], world_size: int) -> dict[str, int]:
+    """Check a grid shape against a world size; return it completed with 1s.
+
+    Raises ``ValueError`` naming the numbers. Pure: no collective, so every rank
+    raises the same error before any communication starts.
+    """
+    _check_axes(sizes)
+    full = {a: 1 for a in AXES}
+    for axis, size in sizes.items():
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"grid axis {axis}={size!r} must be an integer >= 1")
+        full[axis] = size
+    product = math.prod(full.values())
+    if product != world_size:
+        shape = " * ".join(f"{a}={full[a]}" for a in AXES)
+        raise ValueError(
+            f"grid {shape} = {product} ranks, but the job has world size {world_size}; "
+            f"the product of the axis sizes must equal the world size"
+        )
+    return full
+
+
+@dataclass(eq=False)
+class Grid:
+    """A validated grid over the current torch.distributed job.
+
+    Build it with :func:`par4d.init`. ``size(axis)``, ``coord(axis)`` and
+    ``group(*axes)`` answer for this rank; ``ledger`` records every collective
+    par4d issues on this grid.
+    """
+
+    sizes: dict[str, int]
+    rank: int
+    device: torch.device
+    mesh: DeviceMesh
+    ledger: Ledger = field(default_factory=Ledger)
+    _groups: dict[tuple[str, ...], dist.ProcessGroup] = field(default_factory=dict, repr=False)
+
+    def size(self, *axes: str) -> int:
+        """Number of ranks along the given axes (their product)."""
+        return math.prod(self.sizes[a] for a in _check_axes(axes))
+
+    def coord(self, axis: str) -> int:
+        """This rank's coordinate along ``axis``."""
+        return coords_of(self.rank, self.sizes)[_check_axes((axis,))[0]]
+
+    def group(self, *axes: str) -> dist.ProcessGroup:
+        """Process group of the ranks that differ from this one only along ``axes``."""
+        key = _check_axes(axes)
+        if key not in self._groups:
+            raise ValueError(f"no process group for axes {key}; available: {sorted(self._groups)}")
+        return self._groups[key]
+
+    def group_ranks(self, *axes: str) -> list[int]:
+        """Global ranks of ``group(*axes)``, in axis order (innermost fastest)."""
+        key = _check_axes(axes)
+        mine = coords_of(self.rank, self.sizes)
+        ranges = [range(self.sizes[a]) if a in key else [mine[a]] for a in AXES]
+        ranks = [rank_of(dict(zip(AXES, c)), self.sizes) for c in itertools.product(*reversed(ranges))]
+        return ranks
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.sizes.values())
+
+    def describe(self) -> str:
+        return " ".join(f"{a}={self.sizes[a]}" for a in AXES)
+
+    def __repr__(self) -> str:
+        return f"Grid({self.describe()}, rank={self.rank})"
+
+
+def coords_of(rank: int, sizes: dict[str, int]) -> dict[str, int]:
+    """Coordinates of ``rank`` in a grid of ``sizes`` (DESIGN §1 layout)."""
+    coords = {}
+    for axis in AXES:
+        coords[axis] = rank % sizes[axis]
+        rank //= sizes[axis]
+    return coords
+
+
+def rank_of(coords: dict[str, int], sizes: dict[str, int]) -> int:
+    """Inverse of :func:`coords_of`."""
+    rank = 0
+    for axis in reversed(AXES):
+        rank = rank * sizes[axis] + coords[axis]
+    return rank
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _join_or_init_job(world_size_hint: int | None) -> None:
+    """Join the torch.distributed job of the environment (torchrun, srun, par4d)."""
+    if dist.is_initialized():
+        return
+    from par4d.launch import distributed_env
+
+    env = distributed_env()
+    if env is None:
+        raise RuntimeError(
+            "par4d.init() found no distributed job: run under `par4d train --nproc N`, "
+            "torchrun or srun, or call torch.distributed.init_process_group first"
+        )
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{env.master_addr}:{env.master_port}",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timedelta(minutes=10),
+    )
+
+
+def init(x: int = 1, y: int = 1, z: int = 1, data: int = 1, pipe: int = 1) -> Grid:
+    """Build the grid ``x * y * z * data * pipe`` over the current job.
+
+    Joins an existing torch.distributed job or initializes one from the
+    environment (torchrun, srun, or par4d's launcher): gloo on CPU, NCCL where CUDA
+    is present. The shape is validated on every rank before any collective.
+    """
+    requested = {"x": x, "y": y, "z": z, "data": data, "pipe": pipe}
+    if dist.is_initialized():
+        world = dist.get_world_size()
+    else:
+        from par4d.launch import distributed_env
+
+        env = distributed_env()
+        world = env.world_size if env is not None else 1
+    sizes = validate_sizes(requested, world)
+    _join_or_init_job(world)
+    return _build(sizes)
+
+
+def _build(sizes: dict[str, int]) -> Grid:
+    device = _device()
+    names = tuple(reversed(AXES))  # outermost first: pipe, data, z, y, x
+    mesh = init_device_mesh(device.type, tuple(sizes[a] for a in names), mesh_dim_names=names)
+    grid = Grid(sizes=sizes, rank=dist.get_rank(), device=device, mesh=mesh)
+    for axis in AXES:
+        grid._groups[(axis,)] = mesh.get_group(axis)
+    for combo in _COMBINED:
+        grid._groups[combo] = _combined_group(grid, combo)
+    return grid
+
+
+def _combined_group(grid: Grid, axes: tuple[str, ...]) -> dist.ProcessGroup:
+    others = [a for a in AXES if a not in axes]
+    enumeration = []
+    for fixed in itertools.product(*(range(grid.sizes[a]) for a in others)):
+        base = dict(zip(others, fixed))
+        members = []
+        for varying in itertools.product(*(range(grid.sizes[a]) for a in reversed(axes))):
+            coords = dict(base, **dict(zip(reversed(axes), varying)))
+            members.append(rank_of(coords, grid.sizes))
+        enumeration.append(sorted(members))
+    group, _ = dist.new_subgroups_by_enumeration(enumeration)
+    return group

@@ -1,0 +1,92 @@
+"""Where the ranks come from: an existing launcher's environment, or our own.
+
+* torchrun (and par4d's launcher, which uses torchrun's elastic agent) sets
+  ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``.
+* Slurm's ``srun`` sets ``SLURM_PROCID``, ``SLURM_NTASKS`` and ``SLURM_STEP_ID``;
+  the rendezvous address comes from ``MASTER_ADDR`` or the first host of
+  ``SLURM_STEP_NODELIST`` (expanded with ``scontrol``), port from ``MASTER_PORT``
+  or 29500.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    launcher: str
+
+
+def _first_slurm_host() -> str:
+    nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST", "")
+    if not nodelist:
+        return "127.0.0.1"
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+        return out.stdout.split()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        return nodelist.split(",")[0]
+
+
+def distributed_env(environ: dict[str, str] | None = None) -> DistEnv | None:
+    """The job this process belongs to, or ``None`` when it was started alone."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return DistEnv(
+            rank=int(env["RANK"]),
+            world_size=int(env["WORLD_SIZE"]),
+            local_rank=int(env.get("LOCAL_RANK", "0")),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", "29500")),
+            launcher="torchrun",
+        )
+    if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
+        return DistEnv(
+            rank=int(env["SLURM_PROCID"]),
+            world_size=int(env["SLURM_NTASKS"]),
+            local_rank=int(env.get("SLURM_LOCALID", "0")),
+            master_addr=env.get("MASTER_ADDR") or _first_slurm_host(),
+            master_port=int(env.get("MASTER_PORT", "29500")),
+            launcher="srun",
+        )
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_local(nproc: int, entrypoint: Callable, args: Sequence, run_id: str = "par4d") -> dict[int, object]:
+    """Run ``entrypoint(*args)`` on ``nproc`` local ranks with torchrun's elastic agent.
+
+    Returns each rank's return value. A failing rank raises ``ChildFailedError``
+    with that rank's traceback.
+    """
+    if nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=run_id,
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    return elastic_launch(config, entrypoint)(*args)

@@ -1,0 +1,138 @@
+"""Algorithm 1 of the 4D paper: one fully connected layer on the x * y * z grid.
+
+Paper notation ``O = I W`` with ``I`` (m x k) and ``W`` (k x n); PyTorch stores
+``A = W^T`` (n x k). Rank g(i, j, l) of a *normal* layer holds ``I_{l,j}`` (rows
+block l over z, in-features block j over y) and ``Ŵ_{j,i}``: the (n/G_x x k/G_y)
+block of A for out-features i and in-features j, of which it stores only its
+1/G_z row shard. A *transposed* layer swaps the roles of x and y, so a normal
+layer's output layout is exactly a transposed layer's input layout.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from par4d import comm
+from par4d.grid import Grid
+from par4d.layout import block, mark
+
+
+class _Algorithm1(torch.autograd.Function):
+    """all-gather_z(Ŵ) + all-reduce over the in-axis in forward;
+    all-reduce over the out-axis + reduce-scatter_z of dŴ in backward."""
+
+    @staticmethod
+    def forward(ctx, inp, w_shard, bias, grid: Grid, in_axis: str, out_axis: str):
+        w = comm.all_gather(grid, w_shard, "z")            # (n/G_out, k/G_in)
+        out = inp @ w.t()                                    # (..., n/G_out), partial over in_axis
+        comm.all_reduce(grid, out, in_axis)                  # O_{l,i}
+        if bias is not None:
+            out += bias                                      # after the sum: bias counted once
+        ctx.save_for_backward(inp, w)                        # the paper caches I and W
+        ctx.grid, ctx.out_axis, ctx.has_bias = grid, out_axis, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        inp, w = ctx.saved_tensors
+        grid = ctx.grid
+        grad_in = grad_out @ w                               # (..., k/G_in), partial over out_axis
+        comm.all_reduce(grid, grad_in, ctx.out_axis)
+        rows_out = grad_out.reshape(-1, grad_out.shape[-1])  # (rows, n/G_out)
+        grad_w = rows_out.t() @ inp.reshape(-1, inp.shape[-1])  # (n/G_out, k/G_in), partial over z
+        grad_w_shard = comm.reduce_scatter(grid, grad_w, "z")
+        grad_b = rows_out.sum(0) if ctx.has_bias else None  # partial over z and data
+        return grad_in, grad_w_shard, grad_b, None, None, None
+
+
+class Linear(nn.Module):
+    """``y = x A^T + b`` with A split by Algorithm 1 over the grid.
+
+    Input ``(..., in_features / G_in)``, rows split over data and z; output
+    ``(..., out_features / G_out)``, where (G_in, G_out) = (y, x) for a normal layer
+    and (x, y) for ``transposed=True``.
+
+    ``out_chunks=c`` treats the out-features as c equal chunks (e.g. q, k, v) each
+    split over the out-axis, so a rank's output is ``[chunk_0 block, ..., chunk_c-1 block]``.
+
+    Initialization draws the full weight from ``seed`` alone (``nn.Linear``'s
+    uniform(-1/sqrt(k), 1/sqrt(k))), so the assembled weight is the same on every grid.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, transposed: bool = False, *,
+                 grid: Grid, out_chunks: int = 1, seed: int = 0, name: str = "Linear"):
+        super().__init__()
+        self.in_axis, self.out_axis = ("x", "y") if transposed else ("y", "x")
+        g_in, g_out, g_z = grid.size(self.in_axis), grid.size(self.out_axis), grid.size("z")
+        where = f"{name}(in_features={in_features}, out_features={out_features}, transposed={transposed})"
+        if in_features % g_in:
+            raise ValueError(f"{where}: in_features={in_features} is not divisible by {self.in_axis}={g_in}")
+        if out_features % (out_chunks * g_out):
+            raise ValueError(f"{where}: out_features={out_features} is not divisible by "
+                             f"out_chunks * {self.out_axis} = {out_chunks} * {g_out} = {out_chunks * g_out}")
+        if (out_features // g_out) % g_z:
+            raise ValueError(f"{where}: the {out_features // g_out} out-features per {self.out_axis}-block "
+                             f"(out_features / {self.out_axis}={g_out}) are not divisible by z={g_z}")
+        self.grid, self.transposed, self.out_chunks = grid, transposed, out_chunks
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = mark(nn.Parameter(torch.empty(out_features // (g_out * g_z), in_features // g_in,
+                                                    device=grid.device)),
+                           sharded=("x", "y", "z"), grad_sum=("data",))
+        self.bias = None
+        if bias:
+            self.bias = mark(nn.Parameter(torch.empty(out_features // g_out, device=grid.device)),
+                             sharded=(self.out_axis,), grad_sum=("z", "data"))
+        generator = torch.Generator().manual_seed(seed)
+        bound = 1 / math.sqrt(in_features)
+        weight = torch.empty(out_features, in_features).uniform_(-bound, bound, generator=generator)
+        full_bias = torch.empty(out_features).uniform_(-bound, bound, generator=generator) if bias else None
+        self.load_full(weight, full_bias)
+
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        return _Algorithm1.apply(inp, self.weight, self.bias, self.grid, self.in_axis, self.out_axis)
+
+    # -- full <-> shard ------------------------------------------------------------
+    def _out_rows(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's out-feature block (per chunk) of a tensor with out-features in dim 0."""
+        c = self.out_chunks
+        chunks = full.reshape(c, full.shape[0] // c, *full.shape[1:])
+        rows = block(chunks.shape[1], self.grid.size(self.out_axis), self.grid.coord(self.out_axis))
+        return chunks[:, rows].reshape(-1, *full.shape[1:])
+
+    @torch.no_grad()
+    def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Set this rank's shards from the full ``(out, in)`` weight and ``(out,)`` bias."""
+        grid = self.grid
+        local = self._out_rows(weight)[:, block(self.in_features, grid.size(self.in_axis), grid.coord(self.in_axis))]
+        self.weight.copy_(local[block(local.shape[0], grid.size("z"), grid.coord("z"))])
+        if self.bias is not None:
+            assert bias is not None, "layer has a bias: pass the full bias"
+            self.bias.copy_(self._out_rows(bias))
+
+    def _assemble(self, local_rows: torch.Tensor, gather_in: bool) -> torch.Tensor:
+        grid, c = self.grid, self.out_chunks
+        if gather_in:
+            local_rows = comm.all_gather_dim(grid, local_rows, self.in_axis, dim=1)
+        per_rank = local_rows.reshape(c, -1, *local_rows.shape[1:])           # (c, n/(c G_out), ...)
+        gathered = comm.all_gather_dim(grid, per_rank, self.out_axis, dim=1)   # (c, n/c, ...)
+        return gathered.reshape(self.out_features, *local_rows.shape[1:])
+
+    @torch.no_grad()
+    def full_weight(self, grad: bool = False) -> torch.Tensor:
+        """The full ``(out, in)`` weight (or its gradient) on every rank (collective)."""
+        shard = self.weight.grad if grad else self.weight
+        return self._assemble(comm.all_gather(self.grid, shard.detach(), "z"), gather_in=True)
+
+    @torch.no_grad()
+    def full_bias(self, grad: bool = False) -> torch.Tensor | None:
+        """The full ``(out,)`` bias (or its gradient) on every rank (collective)."""
+        if self.bias is None:
+            return None
+        return self._assemble((self.bias.grad if grad else self.bias).detach(), gather_in=False)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"transposed={self.transposed}, bias={self.bias is not None}, shard={tuple(self.weight.shape)}")

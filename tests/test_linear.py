@@ -1,0 +1,86 @@
+"""par4d.nn.Linear (Algorithm 1) against torch.nn.Linear on real grids."""
+
+import pytest
+import torch
+
+import par4d
+from par4d.data_parallel import sync_gradients
+from par4d.layout import shard_activation
+from tests import cases
+
+GRIDS_4 = cases.factorizations(4)
+GRIDS_8 = [dict(x=2, y=2, z=2, data=1), dict(x=2, y=2, z=1, data=2), dict(x=2, y=1, z=2, data=2),
+           dict(x=1, y=2, z=2, data=2)]
+# Not powers of two: 12 in, 20 out, 3 tokens; batch 4 splits over data * z <= 4.
+BATCH, SEQ, K, N = 4, 3, 12, 20
+
+
+def _compare_linear(sizes: dict) -> int:
+    grid = cases.grid(**sizes)
+    checked = 0
+    for transposed in (False, True):
+        for bias in (True, False):
+            tag = f"{sizes} transposed={transposed} bias={bias}"
+
+            def where(message, tag=tag):
+                return f"{tag}: {message}"
+            layer = par4d.nn.Linear(K, N, bias, transposed, grid=grid, seed=7)
+            ref = torch.nn.Linear(K, N, bias)
+            with torch.no_grad():
+                ref.weight.copy_(layer.full_weight())
+                if bias:
+                    ref.bias.copy_(layer.full_bias())
+            gen = torch.Generator().manual_seed(11)
+            inp = torch.randn(BATCH, SEQ, K, generator=gen)
+            target = torch.randn(BATCH, SEQ, N, generator=gen)
+
+            ref_in = inp.clone().requires_grad_()
+            ref_out = ref(ref_in)
+            (ref_out * target).sum().div(BATCH).backward()
+
+            local_in = shard_activation(grid, inp, layer.in_axis).clone().requires_grad_()
+            out = layer(local_in)
+            local_target = shard_activation(grid, target, layer.out_axis)
+            (out * local_target).sum().div(local_in.shape[0]).backward()
+            sync_gradients(layer, grid)
+
+            torch.testing.assert_close(out, shard_activation(grid, ref_out.detach(), layer.out_axis), msg=where)
+            # The local loss is the mean over this rank's samples: its input gradient is
+            # G_data * G_z times that of the global mean.
+            shards = grid.size("data", "z")
+            torch.testing.assert_close(local_in.grad / shards, shard_activation(grid, ref_in.grad, layer.in_axis),
+                                       msg=where)
+            torch.testing.assert_close(layer.full_weight(grad=True), ref.weight.grad, msg=where)
+            if bias:
+                torch.testing.assert_close(layer.full_bias(grad=True), ref.bias.grad, msg=where)
+            checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("sizes", GRIDS_4, ids=lambda s: "x{x}y{y}z{z}d{data}".format(**s))
+def test_linear_matches_torch_4_ranks(pool4, sizes):
+    assert pool4.run(_compare_linear, sizes) == [4] * 4
+
+
+@pytest.mark.parametrize("sizes", GRIDS_8, ids=lambda s: "x{x}y{y}z{z}d{data}".format(**s))
+def test_linear_matches_torch_8_ranks(pool8, sizes):
+    assert pool8.run(_compare_linear, sizes) == [4] * 8
+
+
+def _init_is_grid_independent(sizes: dict) -> list:
+    grid = cases.grid(**sizes)
+    layer = par4d.nn.Linear(K, N, True, sizes.get("x", 1) > 1, grid=grid, seed=5)
+    return [layer.full_weight().tolist(), layer.full_bias().tolist()]
+
+
+def test_init_is_a_function_of_the_seed(pool4):
+    seen = {str(s): pool4.run(_init_is_grid_independent, s)[0] for s in GRIDS_4}
+    expected = torch.nn.Linear(K, N)
+    gen = torch.Generator().manual_seed(5)
+    bound = K ** -0.5
+    weight = torch.empty(N, K).uniform_(-bound, bound, generator=gen)
+    bias = torch.empty(N).uniform_(-bound, bound, generator=gen)
+    del expected
+    for name, (w, b) in seen.items():
+        assert torch.equal(torch.tensor(w), weight), name
+        assert torch.equal(torch.tensor(b), bias), name
