@@ -1,5 +1,11 @@
 """Layers of the 3D tensor-parallel grid (Algorithm 1 and its kin)."""
 
+from par4d.nn.attention import CausalSelfAttention
+from par4d.nn.base import ShardedModule, full_state_dict, load_full_state_dict
+from par4d.nn.embedding import Embedding
 from par4d.nn.linear import Linear
+from par4d.nn.loss import vocab_parallel_cross_entropy
+from par4d.nn.norm import LayerNorm
 
-__all__ = ["Linear"]
+__all__ = ["CausalSelfAttention", "Embedding", "LayerNorm", "Linear", "ShardedModule", "full_state_dict",
+           "load_full_state_dict", "vocab_parallel_cross_entropy"]

@@ -18,6 +18,7 @@ import torch.nn as nn
 from par4d import comm
 from par4d.grid import Grid
 from par4d.layout import block, mark
+from par4d.nn.base import ShardedModule
 
 
 class _Algorithm1(torch.autograd.Function):
@@ -48,7 +49,7 @@ class _Algorithm1(torch.autograd.Function):
         return grad_in, grad_w_shard, grad_b, None, None, None
 
 
-class Linear(nn.Module):
+class Linear(ShardedModule):
     """``y = x A^T + b`` with A split by Algorithm 1 over the grid.
 
     Input ``(..., in_features / G_in)``, rows split over data and z; output
@@ -132,6 +133,15 @@ class Linear(nn.Module):
         if self.bias is None:
             return None
         return self._assemble((self.bias.grad if grad else self.bias).detach(), gather_in=False)
+
+    def full_state(self, grad: bool = False) -> dict[str, torch.Tensor]:
+        state = {"weight": self.full_weight(grad)}
+        if self.bias is not None:
+            state["bias"] = self.full_bias(grad)
+        return state
+
+    def load_full_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.load_full(state["weight"], state.get("bias"))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -1,0 +1,76 @@
+"""The single-device twin of par4d.models.GPT: plain PyTorch, same parameter names."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from par4d.models.config import GPTConfig, init_tensor
+
+
+class _Attention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head = config.n_head
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.proj = nn.Linear(config.n_embd, config.n_embd)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = h.shape
+        q, k, v = self.qkv(h).split(dim, dim=-1)
+        q, k, v = (t.view(batch, seq, self.n_head, dim // self.n_head).transpose(1, 2) for t in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(att.transpose(1, 2).reshape(batch, seq, dim))
+
+
+class _MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.proj = nn.Linear(4 * config.n_embd, config.n_embd)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(h)))
+
+
+class _Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(config.n_embd)
+        self.attn = _Attention(config)
+        self.ln2 = nn.LayerNorm(config.n_embd)
+        self.mlp = _MLP(config)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.attn(self.ln1(h))
+        return h + self.mlp(self.ln2(h))
+
+
+class ReferenceGPT(nn.Module):
+    """Plain PyTorch GPT with exactly par4d GPT's parameters and initialization."""
+
+    def __init__(self, config: GPTConfig, init: bool = True):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.blocks = nn.ModuleList(_Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd)
+        self.head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if not init:
+            return
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                param.copy_(init_tensor(config, name, tuple(param.shape)))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """Logits (B, T, V); with ``targets``, the mean cross-entropy instead."""
+        seq = idx.shape[1]
+        h = self.wte(idx) + self.wpe(torch.arange(seq, device=idx.device))
+        for block in self.blocks:
+            h = block(h)
+        logits = self.head(self.ln_f(h))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

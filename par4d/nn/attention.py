@@ -1,0 +1,38 @@
+"""Causal self-attention with heads split over x.
+
+The fused QKV projection is a normal Linear with ``out_chunks=3``: its out-features
+are split over x chunk by chunk, so rank i holds q, k and v of the same heads
+``[i H/G_x, (i+1) H/G_x)`` and attention is local. The output projection is a
+transposed Linear (in-features over x), returning to the residual layout
+(features over y).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from par4d.grid import Grid
+from par4d.nn.linear import Linear
+
+
+class CausalSelfAttention(torch.nn.Module):
+    def __init__(self, dim: int, n_head: int, *, grid: Grid, name: str = "attn"):
+        super().__init__()
+        if dim % n_head:
+            raise ValueError(f"{name}: n_embd={dim} is not divisible by n_head={n_head}")
+        if n_head % grid.size("x"):
+            raise ValueError(f"{name}: n_head={n_head} is not divisible by x={grid.size('x')} "
+                             f"(heads are split over x)")
+        self.n_head_local = n_head // grid.size("x")
+        self.head_dim = dim // n_head
+        self.qkv = Linear(dim, 3 * dim, grid=grid, out_chunks=3, name=f"{name}.qkv")
+        self.proj = Linear(dim, dim, transposed=True, grid=grid, name=f"{name}.proj")
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = h.shape                                       # h: (B, T, D/G_y)
+        q, k, v = self.qkv(h).chunk(3, dim=-1)                        # each (B, T, D/G_x)
+        q, k, v = (t.view(batch, seq, self.n_head_local, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H/G_x, T, hd)
+        return self.proj(att.transpose(1, 2).reshape(batch, seq, -1))  # (B, T, D/G_y)
+

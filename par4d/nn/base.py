@@ -1,0 +1,52 @@
+"""What every sharded par4d module offers: its parameters as full tensors, both ways."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+class ShardedModule(nn.Module):
+    """A module whose own parameters are shards of full tensors.
+
+    ``full_state`` assembles them (a collective: call on every rank) and
+    ``load_full_state`` keeps this rank's shards of given full tensors.
+    """
+
+    def full_state(self, grad: bool = False) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def load_full_state(self, state: dict[str, torch.Tensor]) -> None:
+        raise NotImplementedError
+
+
+def full_state_dict(model: nn.Module, grad: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter of ``model`` (or its gradient) as a full tensor, on every rank."""
+    out = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, ShardedModule):
+            for name, tensor in module.full_state(grad).items():
+                out[f"{prefix}.{name}" if prefix else name] = tensor
+    return out
+
+
+def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load full tensors (e.g. a single-device twin's ``state_dict``) into the shards.
+
+    Every parameter must be given and every given tensor used: a mismatch raises
+    ``ValueError`` naming the keys.
+    """
+    used, expected = set(), set()
+    for prefix, module in model.named_modules():
+        if isinstance(module, ShardedModule):
+            names = list(dict(module.named_parameters(recurse=False)))
+            keys = {n: f"{prefix}.{n}" if prefix else n for n in names}
+            expected |= set(keys.values())
+            missing = [k for k in keys.values() if k not in state]
+            if missing:
+                raise ValueError(f"full state is missing {missing}")
+            module.load_full_state({n: state[k] for n, k in keys.items()})
+            used |= set(keys.values())
+    unexpected = sorted(set(state) - used)
+    if unexpected:
+        raise ValueError(f"full state has keys the model does not: {unexpected}")

@@ -1,0 +1,55 @@
+"""Embedding table sharded like a Linear weight: rows over z, features over an axis.
+
+Forward gathers the rows over z (as Algorithm 1 gathers Ŵ) and looks tokens up in
+the ``(num_embeddings, dim / G_axis)`` block; backward reduce-scatters the table
+gradient over z. The output is an activation with features split over ``axis``
+(``y``: the input layout of a normal Linear) and replicated over the other.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from par4d.grid import Grid
+from par4d.layout import block, mark
+from par4d.nn.base import ShardedModule
+from par4d.nn.collectives import gather_shards
+
+
+class Embedding(ShardedModule):
+    def __init__(self, num_embeddings: int, dim: int, *, grid: Grid, axis: str = "y", seed: int = 0,
+                 std: float = 1.0, name: str = "Embedding"):
+        super().__init__()
+        g_axis, g_z = grid.size(axis), grid.size("z")
+        where = f"{name}(num_embeddings={num_embeddings}, dim={dim})"
+        if dim % g_axis:
+            raise ValueError(f"{where}: dim={dim} is not divisible by {axis}={g_axis}")
+        if num_embeddings % g_z:
+            raise ValueError(f"{where}: num_embeddings={num_embeddings} is not divisible by z={g_z}")
+        self.grid, self.axis, self.num_embeddings, self.dim = grid, axis, num_embeddings, dim
+        self.weight = mark(nn.Parameter(torch.empty(num_embeddings // g_z, dim // g_axis, device=grid.device)),
+                           sharded=("z", axis), grad_sum=("data",))
+        generator = torch.Generator().manual_seed(seed)
+        self.load_full_state({"weight": torch.randn(num_embeddings, dim, generator=generator) * std})
+
+    def forward(self, indices: torch.Tensor) -> torch.Tensor:
+        table = gather_shards(self.weight, self.grid, "z")   # (num_embeddings, dim / G_axis)
+        return F.embedding(indices, table)
+
+    @torch.no_grad()
+    def load_full_state(self, state: dict[str, torch.Tensor]) -> None:
+        grid = self.grid
+        full = state["weight"]
+        cols = block(self.dim, grid.size(self.axis), grid.coord(self.axis))
+        rows = block(self.num_embeddings, grid.size("z"), grid.coord("z"))
+        self.weight.copy_(full[rows, cols])
+
+    @torch.no_grad()
+    def full_state(self, grad: bool = False) -> dict[str, torch.Tensor]:
+        from par4d import comm
+
+        shard = (self.weight.grad if grad else self.weight).detach()
+        rows = comm.all_gather(self.grid, shard, "z")
+        return {"weight": comm.all_gather_dim(self.grid, rows, self.axis, dim=1)}

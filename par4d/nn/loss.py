@@ -1,0 +1,52 @@
+"""Cross-entropy over a vocabulary split over a grid axis (logits never gathered).
+
+Rank i of ``axis`` holds logits for vocabulary ids ``[i V/G, (i+1) V/G)``. Forward
+all-reduces the row max (MAX) and then ``[sum exp, target logit]`` (SUM) over the
+axis; backward is local: ``(softmax - onehot) / tokens``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from par4d import comm
+from par4d.grid import Grid
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """two all-reduces over the vocabulary axis in forward, none in backward."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, grid: Grid, axis: str):
+        vocab_local = logits.shape[-1]
+        start = grid.coord(axis) * vocab_local
+        flat = logits.reshape(-1, vocab_local).float()                 # (tokens, V/G)
+        tgt = targets.reshape(-1)
+        row_max = flat.max(-1).values
+        comm.all_reduce(grid, row_max, axis, op=torch.distributed.ReduceOp.MAX)
+        shifted = flat - row_max[:, None]
+        exp = shifted.exp()
+        local = tgt - start
+        mine = (local >= 0) & (local < vocab_local)
+        picked = shifted.gather(1, local.clamp(0, vocab_local - 1)[:, None])[:, 0] * mine
+        stats = torch.stack([exp.sum(-1), picked], dim=-1)             # (tokens, 2)
+        comm.all_reduce(grid, stats, axis)
+        loss = stats[:, 0].log() - stats[:, 1]
+        ctx.save_for_backward(exp / stats[:, :1], local, mine)
+        ctx.shape, ctx.dtype = logits.shape, logits.dtype
+        return loss.mean()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local, mine = ctx.saved_tensors
+        grad = softmax.clone()
+        rows = torch.nonzero(mine)[:, 0]
+        grad[rows, local[rows]] -= 1
+        grad *= grad_loss / softmax.shape[0]
+        return grad.reshape(ctx.shape).to(ctx.dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, grid: Grid,
+                                 axis: str = "x") -> torch.Tensor:
+    """Mean cross-entropy of this rank's tokens; ``logits`` (..., V / G_axis), ``targets`` (...) global ids."""
+    return _VocabParallelCrossEntropy.apply(logits, targets, grid, axis)

@@ -1,0 +1,74 @@
+"""LayerNorm over a hidden dimension that is split over a grid axis.
+
+Statistics are reduced over that axis with one all-reduce of the per-row
+``[sum x, sum x^2]`` in forward and one of ``[sum g, sum g x̂]`` in backward
+(g = dL/dx̂), so the result equals ``torch.nn.LayerNorm`` on the full rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from par4d import comm
+from par4d.grid import Grid
+from par4d.layout import block, mark
+from par4d.nn.base import ShardedModule
+
+
+class _ShardedLayerNorm(torch.autograd.Function):
+    """all-reduce of row statistics over ``axis`` in forward, and of their gradients in backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, grid: Grid, axis: str, dim: int, eps: float):
+        xf = x.float()
+        stats = torch.stack([xf.sum(-1), (xf * xf).sum(-1)], dim=-1)   # (..., 2)
+        comm.all_reduce(grid, stats, axis)
+        mean = stats[..., 0:1] / dim
+        var = (stats[..., 1:2] / dim - mean * mean).clamp_min(0)
+        rstd = torch.rsqrt(var + eps)
+        xhat = (xf - mean) * rstd
+        ctx.save_for_backward(xhat, rstd, weight)
+        ctx.grid, ctx.axis, ctx.dim = grid, axis, dim
+        return (xhat * weight + bias).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        xhat, rstd, weight = ctx.saved_tensors
+        g = grad_out.float()
+        grad_weight = (g * xhat).reshape(-1, xhat.shape[-1]).sum(0)
+        grad_bias = g.reshape(-1, g.shape[-1]).sum(0)
+        gxhat = g * weight
+        stats = torch.stack([gxhat.sum(-1), (gxhat * xhat).sum(-1)], dim=-1)
+        comm.all_reduce(ctx.grid, stats, ctx.axis)
+        grad_x = rstd * (gxhat - stats[..., 0:1] / ctx.dim - xhat * stats[..., 1:2] / ctx.dim)
+        return grad_x.to(grad_out.dtype), grad_weight, grad_bias, None, None, None, None
+
+
+class LayerNorm(ShardedModule):
+    """``torch.nn.LayerNorm(dim)`` on activations whose last dim is split over ``axis``."""
+
+    def __init__(self, dim: int, *, grid: Grid, axis: str = "y", eps: float = 1e-5, name: str = "LayerNorm"):
+        super().__init__()
+        if dim % grid.size(axis):
+            raise ValueError(f"{name}(dim={dim}): dim is not divisible by {axis}={grid.size(axis)}")
+        self.grid, self.axis, self.dim, self.eps = grid, axis, dim, eps
+        local = dim // grid.size(axis)
+        self.weight = mark(nn.Parameter(torch.ones(local, device=grid.device)),
+                           sharded=(axis,), grad_sum=("z", "data"))
+        self.bias = mark(nn.Parameter(torch.zeros(local, device=grid.device)),
+                         sharded=(axis,), grad_sum=("z", "data"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ShardedLayerNorm.apply(x, self.weight, self.bias, self.grid, self.axis, self.dim, self.eps)
+
+    @torch.no_grad()
+    def load_full_state(self, state: dict[str, torch.Tensor]) -> None:
+        cols = block(self.dim, self.grid.size(self.axis), self.grid.coord(self.axis))
+        self.weight.copy_(state["weight"][cols])
+        self.bias.copy_(state["bias"][cols])
+
+    @torch.no_grad()
+    def full_state(self, grad: bool = False) -> dict[str, torch.Tensor]:
+        return {name: comm.all_gather(self.grid, (p.grad if grad else p).detach(), self.axis)
+                for name, p in (("weight", self.weight), ("bias", self.bias))}
