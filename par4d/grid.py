@@ -39,6 +39,21 @@ def _check_axes(axes: Iterable[str]) -> tuple[str, ...]:
     return tuple(a for a in AXES if a in axes)
 
 
+def parse_grid(text: str) -> dict[str, int]:
+    """Parse ``"x=2,z=2"`` into ``{"x": 2, "z": 2}``; unknown axes raise ``ValueError``."""
+    sizes: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        axis, sep, value = item.partition("=")
+        axis = axis.strip()
+        if not sep or not value.strip().lstrip("-").isdigit():
+            raise ValueError(f"grid entry {item!r} is not of the form axis=size (e.g. x=2,z=2)")
+        if axis in sizes:
+            raise ValueError(f"grid axis {axis!r} given twice in {text!r}")
+        sizes[axis] = int(value)
+    _check_axes(sizes)
+    return sizes
+
+
 def validate_sizes(sizes: dict[str, int], world_size: int) -> dict[str, int]:
     """Check a grid shape against a world size; return it completed with 1s.
 

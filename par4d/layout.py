@@ -53,6 +53,9 @@ def block(length: int, parts: int, index: int) -> slice:
 
 def batch_slice(grid: Grid, batch: int) -> slice:
     """Rows of a global batch held by this rank: blocks over data, then z inside."""
+    if batch % grid.size("data", "z"):
+        raise ValueError(f"global batch of {batch} samples is not divisible by data * z = "
+                         f"{grid.size('data')} * {grid.size('z')} = {grid.size('data', 'z')}")
     shard = grid.coord("data") * grid.size("z") + grid.coord("z")
     return block(batch, grid.size("data", "z"), shard)
 

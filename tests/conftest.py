@@ -26,3 +26,8 @@ def pool8() -> RankPool:
 def pytest_sessionfinish(session, exitstatus):
     for p in _pools.values():
         p.close()
+
+
+@pytest.fixture
+def pool16() -> RankPool:
+    return pool(16)

@@ -70,3 +70,8 @@ def test_gpt_matches_twin_4_ranks(pool4, sizes):
                                    dict(x=2, y=1, z=2, data=2), dict(x=1, y=2, z=2, data=2)], ids=_ids)
 def test_gpt_matches_twin_8_ranks(pool8, sizes):
     assert len(set(pool8.run(_gpt_matches_twin, sizes))) == 1
+
+
+def test_gpt_matches_twin_all_four_axes(pool16):
+    """x, y, z and data all 2: every layer runs with all four axes active."""
+    assert len(set(pool16.run(_gpt_matches_twin, dict(x=2, y=2, z=2, data=2), timeout=300))) == 1

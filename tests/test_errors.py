@@ -1,0 +1,100 @@
+"""Bad input raises ValueError naming the numbers, on every rank, before any collective.
+
+Each case runs on all ranks of a pool with a time limit: a rank that hangs in a
+collective instead of raising fails the test.
+"""
+
+import pytest
+import torch
+
+import par4d
+from par4d.grid import parse_grid, validate_sizes
+from par4d.layout import shard_batch
+from par4d.models import GPT, GPTConfig
+from tests import cases
+
+
+def _init(**sizes):
+    return par4d.init(**sizes)
+
+
+@pytest.mark.parametrize("sizes, words", [
+    (dict(x=3), ["x=3", "3 ranks", "world size 4"]),
+    (dict(x=2, y=2, z=2), ["8 ranks", "world size 4"]),
+    (dict(x=0, y=4), ["x=0", ">= 1"]),
+    (dict(data=-4), ["data=-4", ">= 1"]),
+])
+def test_invalid_grid_raises_on_every_rank(pool4, sizes, words):
+    messages = pool4.errors(_init, **sizes, timeout=30)
+    assert len(messages) == 4
+    for message in messages:
+        assert message.startswith("ValueError"), message
+        for word in words:
+            assert word in message, (word, message)
+
+
+def test_unknown_axis():
+    with pytest.raises(ValueError, match="unknown grid axis 'w'; valid axes are x, y, z, data, pipe"):
+        parse_grid("x=2,w=2")
+    with pytest.raises(ValueError, match="unknown grid axis 'tp'"):
+        validate_sizes({"tp": 2}, 2)
+    with pytest.raises(ValueError, match="not of the form axis=size"):
+        parse_grid("x2")
+    assert parse_grid("x=2, z=2") == {"x": 2, "z": 2}
+
+
+def _unknown_axis_on_grid():
+    return cases.grid(x=2, y=2).size("w")
+
+
+def test_unknown_axis_on_a_grid(pool4):
+    for message in pool4.errors(_unknown_axis_on_grid, timeout=30):
+        assert "unknown grid axis 'w'" in message
+
+
+def _linear(k, n, transposed, sizes):
+    return par4d.nn.Linear(k, n, transposed=transposed, grid=cases.grid(**sizes), name="blocks.0.mlp.fc")
+
+
+@pytest.mark.parametrize("k, n, transposed, sizes, words", [
+    (10, 8, False, dict(y=4), ["blocks.0.mlp.fc", "in_features=10", "y=4"]),
+    (8, 10, False, dict(x=4), ["out_features=10", "x = 1 * 4"]),
+    (8, 10, True, dict(y=2, z=2), ["5 out-features per y-block", "z=2"]),
+    (6, 8, True, dict(x=4), ["in_features=6", "x=4"]),
+])
+def test_linear_divisibility(pool4, k, n, transposed, sizes, words):
+    for message in pool4.errors(_linear, k, n, transposed, sizes, timeout=30):
+        for word in words:
+            assert word in message, (word, message)
+
+
+def _gpt(config_kwargs, sizes):
+    return GPT(GPTConfig(**config_kwargs), grid=cases.grid(**sizes))
+
+
+@pytest.mark.parametrize("config, sizes, words", [
+    (dict(n_head=2, n_embd=16), dict(x=4), ["n_head=2", "x=4"]),
+    (dict(vocab_size=30, n_embd=16), dict(x=4), ["head", "out_features=30", "x = 1 * 4"]),
+    (dict(block_size=6, n_embd=16), dict(z=4), ["wpe", "num_embeddings=6", "z=4"]),
+    (dict(n_embd=18, n_head=3), dict(y=4), ["wte", "dim=18", "y=4"]),
+])
+def test_gpt_config_errors(pool4, config, sizes, words):
+    for message in pool4.errors(_gpt, config, sizes, timeout=30):
+        for word in words:
+            assert word in message, (word, message)
+
+
+def _batch(batch):
+    return shard_batch(cases.grid(z=2, data=2), torch.zeros(batch, 3))
+
+
+def test_batch_not_divisible(pool4):
+    for message in pool4.errors(_batch, 6, timeout=30):
+        assert "global batch of 6 samples is not divisible by data * z = 2 * 2 = 4" in message
+
+
+def test_gpt_config_validates_itself():
+    with pytest.raises(ValueError, match="n_embd=10 is not divisible by n_head=4"):
+        GPTConfig(n_embd=10, n_head=4)
+    with pytest.raises(ValueError, match="n_layer=0"):
+        GPTConfig(n_layer=0)

@@ -1,0 +1,71 @@
+"""The ledger pins the exact collectives of Algorithm 1 (DESIGN §4 message sizes)."""
+
+import pytest
+import torch
+
+import par4d
+from par4d.layout import shard_activation
+from tests import cases
+
+BATCH, SEQ, K, N = 4, 3, 12, 20
+F32 = 4
+
+
+def _linear_entries(sizes: dict, transposed: bool) -> list:
+    grid = cases.grid(**sizes)
+    layer = par4d.nn.Linear(K, N, True, transposed, grid=grid)
+    inp = shard_activation(grid, torch.randn(BATCH, SEQ, K), layer.in_axis).requires_grad_()
+    with grid.ledger.capture() as entries:
+        out = layer(inp)
+        forward = len(entries)
+        out.sum().backward()
+    return [(e.kind, e.axes, e.elements, e.bytes) for e in entries] + [forward]
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("sizes", [dict(x=2, y=2, z=2, data=1), dict(x=2, y=2, z=1, data=2),
+                                   dict(x=1, y=2, z=2, data=2)], ids=lambda s: "x{x}y{y}z{z}d{data}".format(**s))
+def test_linear_moves_the_model_message_sizes(pool8, sizes, transposed):
+    gx, gy, gz, gd = sizes["x"], sizes["y"], sizes["z"], sizes["data"]
+    g_in, g_out = (gx, gy) if transposed else (gy, gx)
+    in_axis, out_axis = ("x", "y") if transposed else ("y", "x")
+    m = BATCH * SEQ // gd                # rows of one data replica (the model's m)
+    k, n = K, N
+    expected_forward = [
+        ("all_gather", ("z",), k * n // (gx * gy * gz)),      # t_AG,z: the Ŵ shard
+        ("all_reduce", (in_axis,), m * n // (gz * g_out)),   # t_AR,y (x if transposed)
+    ]
+    expected_backward = [
+        ("all_reduce", (out_axis,), m * k // (gz * g_in)),   # t_AR,x (y if transposed)
+        ("reduce_scatter", ("z",), k * n // (gx * gy)),      # t_RS,z: the full block
+    ]
+    sizes_of = {"x": gx, "y": gy, "z": gz}
+    expected = [(kind, axes, elems, elems * F32) for kind, axes, elems in expected_forward + expected_backward
+                if sizes_of[axes[0]] > 1]   # collectives over an axis of size 1 are not issued
+    n_forward = sum(1 for kind, axes, _ in expected_forward if sizes_of[axes[0]] > 1)
+    for rank, entries in enumerate(pool8.run(_linear_entries, sizes, transposed)):
+        *recorded, forward = entries
+        assert recorded == expected, f"rank {rank}"
+        assert forward == n_forward, f"rank {rank}"
+
+
+def _megatron_mlp_entries(hidden: int) -> list:
+    grid = cases.grid(x=4)
+    fc = par4d.nn.Linear(hidden, 4 * hidden, grid=grid)                       # column-parallel
+    proj = par4d.nn.Linear(4 * hidden, hidden, transposed=True, grid=grid)   # row-parallel
+    inp = torch.randn(BATCH, SEQ, hidden, requires_grad=True)
+    with grid.ledger.capture() as entries:
+        out = proj(torch.nn.functional.gelu(fc(inp)))
+        forward = [(e.kind, e.axes, e.elements) for e in entries]
+        out.sum().backward()
+    return [forward, [(e.kind, e.axes, e.elements) for e in entries[len(forward):]]]
+
+
+def test_x_with_transposed_alternation_is_megatron_mlp(pool4):
+    """Megatron-LM's MLP block: one all-reduce of the (m x h) output in forward (g),
+    one of the (m x h) input gradient in backward (f), nothing else."""
+    hidden = 8
+    m = BATCH * SEQ
+    for forward, backward in pool4.run(_megatron_mlp_entries, hidden):
+        assert forward == [("all_reduce", ("x",), m * hidden)]
+        assert backward == [("all_reduce", ("x",), m * hidden)]
