@@ -37,12 +37,12 @@ def _gpt_matches_twin(sizes: dict) -> int:
         sync_gradients(model, grid)
 
         torch.testing.assert_close(global_mean(loss, grid), ref_loss.detach(),
-                                   msg=lambda m: f"{sizes} step {step} loss: {m}")
+                                   msg=lambda m, s=step: f"{sizes} step {s} loss: {m}")
         grads = model.reference_state(grad=True)
         assert set(grads) == {name for name, _ in twin.named_parameters()}
         for name, param in twin.named_parameters():
             torch.testing.assert_close(grads[name], param.grad, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m, n=name: f"{sizes} step {step} grad {n}: {m}")
+                                       msg=lambda m, n=name, s=step: f"{sizes} step {s} grad {n}: {m}")
         opt.step()
         opt_twin.step()
         opt.zero_grad()
