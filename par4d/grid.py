@@ -88,7 +88,7 @@ class Grid:
     sizes: dict[str, int]
     rank: int
     device: torch.device
-    mesh: DeviceMesh
+    mesh: DeviceMesh | None
     ledger: Ledger = field(default_factory=Ledger)
     _groups: dict[tuple[str, ...], dist.ProcessGroup] = field(default_factory=dict, repr=False)
 
@@ -100,9 +100,18 @@ class Grid:
         """This rank's coordinate along ``axis``."""
         return coords_of(self.rank, self.sizes)[_check_axes((axis,))[0]]
 
+    @classmethod
+    def virtual(cls, sizes: dict[str, int], rank: int = 0) -> Grid:
+        """A grid with no job behind it (meta device, no groups): for validating a
+        model against a shape, or planning, before any process is started."""
+        full = validate_sizes(sizes, math.prod(sizes.values()))
+        return cls(sizes=full, rank=rank, device=torch.device("meta"), mesh=None)
+
     def group(self, *axes: str) -> dist.ProcessGroup:
         """Process group of the ranks that differ from this one only along ``axes``."""
         key = _check_axes(axes)
+        if self.mesh is None:
+            raise RuntimeError(f"{self!r} is virtual: it has no process groups")
         if key not in self._groups:
             raise ValueError(f"no process group for axes {key}; available: {sorted(self._groups)}")
         return self._groups[key]

@@ -63,7 +63,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(_Block(config, grid, f"blocks.{i}") for i in range(config.n_layer))
         self.ln_f = LayerNorm(config.n_embd, grid=grid, name="ln_f")
         self.head = Linear(config.n_embd, config.vocab_size, bias=False, grid=grid, name="head")
-        self.load_reference_state({name: init_tensor(config, name, shape) for name, shape in self.full_shapes()})
+        if grid.device.type != "meta":
+            self.load_reference_state({name: init_tensor(config, name, shape) for name, shape in self.full_shapes()})
 
     def full_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         """(name, full shape) of every parameter, as in the single-device twin."""

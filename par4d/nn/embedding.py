@@ -31,6 +31,8 @@ class Embedding(ShardedModule):
         self.grid, self.axis, self.num_embeddings, self.dim = grid, axis, num_embeddings, dim
         self.weight = mark(nn.Parameter(torch.empty(num_embeddings // g_z, dim // g_axis, device=grid.device)),
                            sharded=("z", axis), grad_sum=("data",))
+        if grid.device.type == "meta":
+            return
         generator = torch.Generator().manual_seed(seed)
         self.load_full_state({"weight": torch.randn(num_embeddings, dim, generator=generator) * std})
 

@@ -86,6 +86,8 @@ class Linear(ShardedModule):
         if bias:
             self.bias = mark(nn.Parameter(torch.empty(out_features // g_out, device=grid.device)),
                              sharded=(self.out_axis,), grad_sum=("z", "data"))
+        if grid.device.type == "meta":
+            return  # shapes only (validation on a virtual grid)
         generator = torch.Generator().manual_seed(seed)
         bound = 1 / math.sqrt(in_features)
         weight = torch.empty(out_features, in_features).uniform_(-bound, bound, generator=generator)

@@ -1,0 +1,1 @@
+"""Benchmarks behind ``par4d bench``: numbers for docs/, never pass/fail."""

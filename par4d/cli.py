@@ -1,0 +1,198 @@
+"""``par4d``: the command line.
+
+    par4d train [--nproc N] [--grid x=2,z=2] [--steps N] [--out DIR | --resume DIR] ...
+    par4d bench grid [--nproc N] [--json]
+
+Outside a launcher, ``--nproc N`` local ranks are started with torchrun's elastic
+agent; inside torchrun or srun the command joins the job instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from par4d.grid import AXES, Grid, parse_grid, validate_sizes
+from par4d.launch import distributed_env, launch_local
+
+DEFAULT_NPROC = 4
+
+
+def default_grid(world: int) -> dict[str, int]:
+    """Deterministic default shape: prime factors of ``world``, largest first, dealt
+    round-robin to x, z, y, data (4 -> x=2,z=2; 8 -> x=2,y=2,z=2; 16 -> all four = 2)."""
+    factors, n, p = [], world, 2
+    while n > 1:
+        while n % p == 0:
+            factors.append(p)
+            n //= p
+        p += 1
+    sizes = {a: 1 for a in ("x", "z", "y", "data")}
+    for i, factor in enumerate(sorted(factors, reverse=True)):
+        axis = ("x", "z", "y", "data")[i % 4]
+        sizes[axis] *= factor
+    return {a: s for a, s in sizes.items() if s > 1} or {"x": 1}
+
+
+def _default(name: str):
+    from par4d.train.loop import TrainConfig
+
+    return TrainConfig.__dataclass_fields__[name].default
+
+
+def _add_train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nproc", type=int, default=None,
+                   help=f"local ranks to start (default {DEFAULT_NPROC}); ignored under torchrun/srun")
+    p.add_argument("--grid", default=None, help="axis sizes, e.g. x=2,z=2 (default: picked from --nproc)")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"total optimizer steps (default {_default('steps')}; on --resume, the saved run's)")
+    p.add_argument("--out", default=None, help="run directory (default: a new folder under runs/)")
+    p.add_argument("--resume", metavar="DIR", default=None,
+                   help="continue the run in DIR from its checkpoint (same grid)")
+    p.add_argument("--data", default=None, help="a UTF-8 text file (default: Python's bundled docs)")
+    p.add_argument("--batch-size", type=int, default=_default("batch_size"), help="global batch, in sequences")
+    p.add_argument("--seq-len", type=int, default=_default("seq_len"))
+    p.add_argument("--n-layer", type=int, default=_default("n_layer"))
+    p.add_argument("--n-embd", type=int, default=_default("n_embd"))
+    p.add_argument("--n-head", type=int, default=_default("n_head"))
+    p.add_argument("--lr", type=float, default=_default("lr"), help="peak learning rate")
+    p.add_argument("--seed", type=int, default=_default("seed"))
+    p.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="par4d", description="4D hybrid parallel training for PyTorch")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train the GPT on text (the main job)")
+    _add_train_args(train)
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    grid = bench_sub.add_parser("grid", help="the GPT on every valid grid vs PyTorch DDP and FSDP2")
+    grid.add_argument("--nproc", type=int, default=DEFAULT_NPROC)
+    grid.add_argument("--iters", type=int, default=8, help="timed iterations per row (after 2 warm-up)")
+    grid.add_argument("--json", action="store_true", help="one JSON object per row on stdout")
+    grid.add_argument("--out", default=None, help="also write the rows as JSON lines to this file")
+    return parser
+
+
+def _world(nproc: int | None) -> tuple[int, bool]:
+    """(world size, whether we are inside a launched job)."""
+    env = distributed_env()
+    if env is not None:
+        if nproc is not None and nproc != env.world_size:
+            raise ValueError(f"--nproc {nproc} but the {env.launcher} job has {env.world_size} ranks")
+        return env.world_size, True
+    nproc = DEFAULT_NPROC if nproc is None else nproc
+    if nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    return nproc, False
+
+
+def _train_config(args: argparse.Namespace, world: int):
+    from par4d.models import GPT
+    from par4d.train.loop import TrainConfig
+
+    if args.resume:
+        from par4d.train.checkpoint import read_meta
+
+        run_dir = Path(args.resume)
+        meta = read_meta(run_dir)
+        saved = meta["train_config"]
+        steps = args.steps if args.steps is not None else saved["steps"]
+        if steps <= meta["step"]:
+            raise ValueError(f"--resume {run_dir}: the checkpoint is at step {meta['step']}; "
+                             f"pass --steps greater than that (got {steps})")
+        grid = parse_grid(args.grid) if args.grid else saved["grid"]
+        config = TrainConfig(**dict(saved, steps=steps, out=str(run_dir), resume=True, grid=grid,
+                                    progress=not args.no_progress))
+    else:
+        grid = parse_grid(args.grid) if args.grid else default_grid(world)
+        out = Path(args.out) if args.out else _new_run_dir(grid)
+        if out.exists() and any(out.iterdir()):
+            raise ValueError(f"--out {out} already holds files; pass --resume {out} to continue that run, "
+                             f"or choose another --out (nothing is overwritten)")
+        config = TrainConfig(grid=grid, out=str(out), steps=_default("steps") if args.steps is None else args.steps,
+                             batch_size=args.batch_size, seq_len=args.seq_len, n_layer=args.n_layer,
+                             n_embd=args.n_embd, n_head=args.n_head, lr=args.lr, seed=args.seed, data=args.data,
+                             save_every=args.save_every, progress=not args.no_progress)
+    sizes = validate_sizes(config.grid, world)
+    # Every shape error on every rank's grid is raised here, before a process starts.
+    GPT(config.model_config(), grid=Grid.virtual(sizes))
+    if config.batch_size % (sizes["data"] * sizes["z"]):
+        raise ValueError(f"--batch-size {config.batch_size} is not divisible by data * z = "
+                         f"{sizes['data']} * {sizes['z']} = {sizes['data'] * sizes['z']}")
+    if config.data is not None and not Path(config.data).is_file():
+        raise ValueError(f"--data {config.data}: no such file")
+    return config
+
+
+def _new_run_dir(grid: dict[str, int]) -> Path:
+    job = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID")
+    stamp = f"job-{job}" if job and distributed_env() else time.strftime("%Y%m%d-%H%M%S")
+    shape = "-".join(f"{a}{s}" for a, s in grid.items() if s > 1) or "single"
+    path = Path("runs") / f"{stamp}-{shape}"
+    suffix = 1
+    while path.exists() and not distributed_env():
+        path = Path("runs") / f"{stamp}-{shape}-{suffix}"
+        suffix += 1
+    return path
+
+
+def _print_summary(summary: dict) -> None:
+    grid = " ".join(f"{a}={summary['grid'][a]}" for a in AXES)
+    rows = [
+        ("grid", f"{grid}  ({summary['world_size']} ranks)"),
+        ("parameters", f"{summary['params']:,}"),
+        ("steps", f"{summary['start_step']} -> {summary['steps']}"),
+        ("tokens/s", f"{summary['tokens_per_s']:,.0f}"),
+        ("model FLOP/s", f"{summary['model_flops_per_s'] / 1e9:.2f} GFLOP/s"),
+        ("matmul peak", f"{summary['matmul_peak_flops_per_s'] / 1e9:.1f} GFLOP/s fp32 (measured at start-up)"),
+        ("% of peak", f"{summary['percent_of_peak']:.1f}%"),
+        ("loss", f"{summary['initial_loss']:.3f} -> {summary['final_loss']:.3f} (train), "
+                 f"{summary['val_loss']:.3f} (validation)"),
+        ("run directory", summary["config"]["out"]),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print("\n".join(f"{k:<{width}}  {v}" for k, v in rows), flush=True)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from par4d.train.loop import worker
+
+    world, inside = _world(args.nproc)
+    config = _train_config(args, world)
+    if not config.resume:
+        Path(config.out).mkdir(parents=True, exist_ok=True)
+    if inside:
+        summary = worker(config)
+        if summary:
+            _print_summary(summary)
+        return 0
+    results = launch_local(world, worker, (config,), run_id="par4d-train")
+    _print_summary(results[0])
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from par4d.bench.grid import run_bench_grid
+
+    return run_bench_grid(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            return _train(args)
+        return _bench(args)
+    except ValueError as error:
+        print(f"par4d {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""Measured matmul peak and model FLOP/s (the paper's % of peak metric)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+
+def cpu_cores() -> int:
+    """Cores this process may run on (respects affinity and containers' CPU sets)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def measure_matmul_peak(seconds: float = 0.5, size: int = 1024, threads: int | None = None,
+                        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> float:
+    """FLOP/s of repeated ``size x size`` matmuls for about ``seconds`` (best of 3 rounds)."""
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        a = torch.randn(size, size, dtype=dtype, device=device)
+        b = torch.randn(size, size, dtype=dtype, device=device)
+        a @ b  # warm-up
+        best = 0.0
+        for _ in range(3):
+            count, start = 0, time.perf_counter()
+            while time.perf_counter() - start < seconds / 3:
+                a @ b
+                count += 1
+            if a.device.type == "cuda":
+                torch.cuda.synchronize()
+            best = max(best, 2 * size**3 * count / (time.perf_counter() - start))
+        return best
+    finally:
+        torch.set_num_threads(previous)

@@ -1,0 +1,206 @@
+"""The training job behind ``par4d train``: runs on every rank of the job."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import par4d
+from par4d.data_parallel import global_mean, sync_gradients
+from par4d.layout import shard_batch
+from par4d.models import GPT, GPTConfig
+from par4d.perf import cpu_cores, measure_matmul_peak
+from par4d.train import checkpoint
+from par4d.train.data import VOCAB_BYTES, Batches, load_corpus
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a run depends on. ``grid`` maps axis -> size (missing axes are 1)."""
+
+    grid: dict[str, int]
+    out: str
+    steps: int = 300
+    batch_size: int = 32
+    seq_len: int = 128
+    n_layer: int = 4
+    n_embd: int = 128
+    n_head: int = 4
+    lr: float = 3e-3
+    warmup: int = 20
+    weight_decay: float = 0.1
+    seed: int = 0
+    data: str | None = None
+    resume: bool = False
+    save_every: int = 0
+    eval_batches: int = 4
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr}")
+
+    def model_config(self) -> GPTConfig:
+        return GPTConfig(vocab_size=VOCAB_BYTES, block_size=self.seq_len, n_layer=self.n_layer,
+                         n_embd=self.n_embd, n_head=self.n_head, seed=self.seed)
+
+    def learning_rate(self, step: int) -> float:
+        """Linear warm-up, then inverse-square-root decay. It does not depend on the
+        total step count, so extending a run with --resume --steps follows the same
+        trajectory an uninterrupted longer run would."""
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        return self.lr * math.sqrt(self.warmup / (step + 1))
+
+
+def _threads_per_rank() -> int:
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, cpu_cores() // local_world)
+
+
+def run(config: TrainConfig) -> dict:
+    """Train on this rank; rank 0 writes the run directory. Returns the summary."""
+    torch.set_num_threads(_threads_per_rank())
+    grid = par4d.init(**config.grid)
+    out = Path(config.out)
+    rank0 = grid.rank == 0
+    model_config = config.model_config()
+    model = GPT(model_config, grid=grid)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
+                                  betas=(0.9, 0.95))
+    corpus, source = load_corpus(config.data)
+    batches = Batches(corpus, config.seq_len, config.batch_size, config.seed)
+    shard_batch(grid, batches.train_batch(0)[0])  # batch divisibility error before any step
+
+    start_step = 0
+    if config.resume:
+        start_step = checkpoint.load(out, grid, model, optimizer)["step"]
+    dist.barrier()
+    # Peak of this machine: rank 0 alone runs matmuls on every core while the others wait.
+    peak = measure_matmul_peak(threads=cpu_cores(), device=grid.device) if rank0 else 0.0
+    dist.barrier()
+
+    params = model_config.num_params()
+    tokens_per_step = config.batch_size * config.seq_len
+    metrics = _open_metrics(out / "metrics.jsonl", start_step) if rank0 else None
+    progress = None
+    if rank0 and config.progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=config.steps, initial=start_step, desc=f"train [{grid.describe()}]",
+                        unit="step", dynamic_ncols=True, mininterval=1.0)
+    rates = []
+    for step in range(start_step, config.steps):
+        began = time.perf_counter()
+        bytes_before = grid.ledger.total_bytes()
+        lr = config.learning_rate(step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        inputs, targets = batches.train_batch(step)
+        loss = model(shard_batch(grid, inputs).to(grid.device), shard_batch(grid, targets).to(grid.device))
+        loss.backward()
+        sync_gradients(model, grid)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        mean_loss = global_mean(loss, grid).item()
+        seconds = time.perf_counter() - began
+        rates.append(tokens_per_step / seconds)
+        if rank0:
+            record = {"step": step + 1, "loss": mean_loss, "tokens_per_s": tokens_per_step / seconds,
+                      "s_per_step": seconds, "lr": lr, "comm_bytes": grid.ledger.total_bytes() - bytes_before}
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+            if progress is not None:
+                progress.set_postfix(loss=f"{mean_loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+                progress.update(1)
+        if config.save_every and (step + 1) % config.save_every == 0 and step + 1 < config.steps:
+            checkpoint.save(out, step + 1, grid, model, optimizer, _meta(config))
+    if progress is not None:
+        progress.close()
+    checkpoint.save(out, config.steps, grid, model, optimizer, _meta(config))
+    val_loss = _evaluate(model, grid, batches, config.eval_batches)
+
+    summary = {}
+    if rank0:
+        metrics.close()
+        history = _read_metrics(out / "metrics.jsonl")
+        # Skip the first step's rate (one-time warm-up) when there is more than one.
+        steady = rates[1:] if len(rates) > 1 else rates
+        tokens_per_s = sum(steady) / len(steady) if steady else 0.0
+        flops = model_config.flops_per_token() * tokens_per_s
+        summary = {
+            "grid": grid.sizes, "world_size": grid.world_size, "params": params, "steps": config.steps,
+            "start_step": start_step, "tokens_per_s": tokens_per_s, "model_flops_per_s": flops,
+            "matmul_peak_flops_per_s": peak, "percent_of_peak": 100 * flops / peak if peak else 0.0,
+            "initial_loss": history[0]["loss"], "final_loss": history[-1]["loss"],
+            "val_loss": val_loss, "data": source, "config": asdict(config),
+        }
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        _plot(out)
+    dist.barrier()
+    return summary
+
+
+@torch.no_grad()
+def _evaluate(model: GPT, grid, batches: Batches, count: int) -> float:
+    total = 0.0
+    for index in range(count):
+        inputs, targets = batches.val_batch(index)
+        loss = model(shard_batch(grid, inputs).to(grid.device), shard_batch(grid, targets).to(grid.device))
+        total += global_mean(loss, grid).item()
+    return total / max(1, count)
+
+
+def _read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _open_metrics(path: Path, start_step: int):
+    """Open metrics.jsonl for appending after ``start_step``: records of steps past the
+    checkpoint (written before an interruption) are dropped, since they are re-run."""
+    kept = [r for r in _read_metrics(path) if r["step"] <= start_step] if path.exists() and start_step else []
+    handle = path.open("w")
+    for record in kept:
+        handle.write(json.dumps(record) + "\n")
+    return handle
+
+
+def _meta(config: TrainConfig) -> dict:
+    return {"train_config": asdict(config), "model_config": asdict(config.model_config())}
+
+
+def _plot(out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = _read_metrics(out / "metrics.jsonl")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats/byte)")
+    ax.set_title(f"par4d train — {out.name}")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "loss.png", dpi=110)
+    plt.close(fig)
+
+
+def worker(config: TrainConfig) -> dict:
+    """Entry point of each launched rank (picklable for torchrun's elastic agent)."""
+    try:
+        return run(config)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

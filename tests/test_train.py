@@ -1,0 +1,84 @@
+"""`par4d train` end to end: run directory contents, exact resume, CLI errors."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from par4d.cli import default_grid, main
+
+SMALL = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--batch-size", "8", "--seq-len", "16",
+         "--no-progress"]
+
+
+def _train(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, "-m", "par4d.cli", "train", *args], capture_output=True, text=True,
+                            timeout=timeout, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def _losses(run: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_resume_continues_the_exact_trajectory(tmp_path):
+    """4 ranks on x=2, z=2: 10 steps straight vs 5 steps, stop, resume to 10."""
+    grid = ["--nproc", "4", "--grid", "x=2,z=2"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    result = _train(*grid, *SMALL, "--steps", "10", "--out", str(straight))
+    _train(*grid, *SMALL, "--steps", "5", "--out", str(split))
+    assert len(_losses(split)) == 5
+    _train("--nproc", "4", "--resume", str(split), "--steps", "10")
+
+    assert _losses(split) == _losses(straight)   # bit for bit: same grid, same batches, same state
+    rows = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    assert all(r["tokens_per_s"] > 0 and r["comm_bytes"] > 0 for r in rows)
+    assert (straight / "loss.png").stat().st_size > 1000
+    assert (straight / "checkpoint" / "meta.json").is_file()
+    summary = json.loads((straight / "summary.json").read_text())
+    assert summary["grid"] == {"x": 2, "y": 1, "z": 2, "data": 1, "pipe": 1}
+    assert summary["final_loss"] < summary["initial_loss"]
+    for field in ("parameters", "tokens/s", "model FLOP/s", "% of peak", "loss"):
+        assert field in result.stdout, field
+
+
+def test_default_grids():
+    assert default_grid(4) == {"x": 2, "z": 2}
+    assert default_grid(8) == {"x": 2, "z": 2, "y": 2}
+    assert default_grid(16) == {"x": 2, "z": 2, "y": 2, "data": 2}
+    assert default_grid(6) == {"x": 3, "z": 2}
+    assert default_grid(1) == {"x": 1}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nproc", "4", "--grid", "x=3"], "x=3 * y=1 * z=1 * data=1 * pipe=1 = 3 ranks, but the job has world size 4"),
+    (["--nproc", "4", "--grid", "w=4"], "unknown grid axis 'w'; valid axes are x, y, z, data, pipe"),
+    (["--nproc", "4", "--grid", "z=2,data=2", "--batch-size", "6"],
+     "--batch-size 6 is not divisible by data * z = 2 * 2 = 4"),
+    (["--nproc", "4", "--grid", "x=4", "--n-head", "2", "--n-embd", "32"], "n_head=2 is not divisible by x=4"),
+    (["--nproc", "0"], "--nproc must be >= 1, got 0"),
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--data", "/nonexistent/file.txt"], "--data /nonexistent/file.txt: no such file"),
+])
+def test_cli_errors_before_any_process_starts(tmp_path, capsys, args, message):
+    assert main(["train", *args, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_cli_never_overwrites_a_run(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    assert main(["train", "--out", str(run)]) == 2
+    assert "already holds files; pass --resume" in capsys.readouterr().err
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1, "loss": 1.0}\n'
+    assert main(["train", "--resume", str(tmp_path / "missing")]) == 2
+    assert "no checkpoint there" in capsys.readouterr().err
