@@ -10,9 +10,7 @@ agent; inside torchrun or srun the command joins the job instead.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
 from pathlib import Path
 
 from par4d.grid import AXES, Grid, parse_grid, validate_sizes
@@ -94,7 +92,7 @@ def _world(nproc: int | None) -> tuple[int, bool]:
 
 def _train_config(args: argparse.Namespace, world: int):
     from par4d.models import GPT
-    from par4d.train.loop import TrainConfig
+    from par4d.train.loop import TrainConfig, new_run_dir
 
     if args.resume:
         from par4d.train.checkpoint import read_meta
@@ -107,15 +105,21 @@ def _train_config(args: argparse.Namespace, world: int):
             raise ValueError(f"--resume {run_dir}: the checkpoint is at step {meta['step']}; "
                              f"pass --steps greater than that (got {steps})")
         grid = parse_grid(args.grid) if args.grid else saved["grid"]
+        if validate_sizes(grid, world) != meta["grid"]:
+            shape = " ".join(f"{a}={s}" for a, s in meta["grid"].items())
+            raise ValueError(f"--resume {run_dir}: the checkpoint was saved on grid {shape}; "
+                             f"resuming on another grid is not supported yet")
         config = TrainConfig(**dict(saved, steps=steps, out=str(run_dir), resume=True, grid=grid,
                                     progress=not args.no_progress))
     else:
         grid = parse_grid(args.grid) if args.grid else default_grid(world)
-        out = Path(args.out) if args.out else _new_run_dir(grid)
-        if out.exists() and any(out.iterdir()):
+        # Launched here: name the new run now. Under torchrun/srun rank 0 names it later.
+        out = Path(args.out) if args.out else (None if distributed_env() else new_run_dir(grid))
+        if out is not None and out.exists() and any(out.iterdir()):
             raise ValueError(f"--out {out} already holds files; pass --resume {out} to continue that run, "
                              f"or choose another --out (nothing is overwritten)")
-        config = TrainConfig(grid=grid, out=str(out), steps=_default("steps") if args.steps is None else args.steps,
+        steps = _default("steps") if args.steps is None else args.steps
+        config = TrainConfig(grid=grid, out=None if out is None else str(out), steps=steps,
                              batch_size=args.batch_size, seq_len=args.seq_len, n_layer=args.n_layer,
                              n_embd=args.n_embd, n_head=args.n_head, lr=args.lr, seed=args.seed, data=args.data,
                              save_every=args.save_every, progress=not args.no_progress)
@@ -128,18 +132,6 @@ def _train_config(args: argparse.Namespace, world: int):
     if config.data is not None and not Path(config.data).is_file():
         raise ValueError(f"--data {config.data}: no such file")
     return config
-
-
-def _new_run_dir(grid: dict[str, int]) -> Path:
-    job = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID")
-    stamp = f"job-{job}" if job and distributed_env() else time.strftime("%Y%m%d-%H%M%S")
-    shape = "-".join(f"{a}{s}" for a, s in grid.items() if s > 1) or "single"
-    path = Path("runs") / f"{stamp}-{shape}"
-    suffix = 1
-    while path.exists() and not distributed_env():
-        path = Path("runs") / f"{stamp}-{shape}-{suffix}"
-        suffix += 1
-    return path
 
 
 def _print_summary(summary: dict) -> None:
@@ -165,8 +157,6 @@ def _train(args: argparse.Namespace) -> int:
 
     world, inside = _world(args.nproc)
     config = _train_config(args, world)
-    if not config.resume:
-        Path(config.out).mkdir(parents=True, exist_ok=True)
     if inside:
         summary = worker(config)
         if summary:

@@ -121,7 +121,7 @@ class Grid:
         key = _check_axes(axes)
         mine = coords_of(self.rank, self.sizes)
         ranges = [range(self.sizes[a]) if a in key else [mine[a]] for a in AXES]
-        ranks = [rank_of(dict(zip(AXES, c)), self.sizes) for c in itertools.product(*reversed(ranges))]
+        ranks = [rank_of(dict(zip(reversed(AXES), c)), self.sizes) for c in itertools.product(*reversed(ranges))]
         return ranks
 
     @property
@@ -160,26 +160,26 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def _join_or_init_job(world_size_hint: int | None) -> None:
-    """Join the torch.distributed job of the environment (torchrun, srun, par4d)."""
+def _join_or_init_job() -> None:
+    """Join the torch.distributed job of the environment (torchrun, srun, par4d's
+    launcher), or start a one-rank job when there is none."""
     if dist.is_initialized():
         return
-    from par4d.launch import distributed_env
+    from par4d.launch import distributed_env, free_port
 
     env = distributed_env()
-    if env is None:
-        raise RuntimeError(
-            "par4d.init() found no distributed job: run under `par4d train --nproc N`, "
-            "torchrun or srun, or call torch.distributed.init_process_group first"
-        )
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(
-        backend=backend,
-        init_method=f"tcp://{env.master_addr}:{env.master_port}",
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=timedelta(minutes=10),
-    )
+    if env is None:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        return
+    # env:// lets torchrun's workers reuse the agent's store; srun's variables are
+    # translated to the same names first.
+    os.environ.setdefault("MASTER_ADDR", env.master_addr)
+    os.environ.setdefault("MASTER_PORT", str(env.master_port))
+    os.environ.setdefault("RANK", str(env.rank))
+    os.environ.setdefault("WORLD_SIZE", str(env.world_size))
+    os.environ.setdefault("LOCAL_RANK", str(env.local_rank))
+    dist.init_process_group(backend, init_method="env://", timeout=timedelta(minutes=10))
 
 
 def init(x: int = 1, y: int = 1, z: int = 1, data: int = 1, pipe: int = 1) -> Grid:
@@ -198,7 +198,7 @@ def init(x: int = 1, y: int = 1, z: int = 1, data: int = 1, pipe: int = 1) -> Gr
         env = distributed_env()
         world = env.world_size if env is not None else 1
     sizes = validate_sizes(requested, world)
-    _join_or_init_job(world)
+    _join_or_init_job()
     return _build(sizes)
 
 

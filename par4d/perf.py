@@ -16,7 +16,7 @@ def cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
-def measure_matmul_peak(seconds: float = 0.5, size: int = 1024, threads: int | None = None,
+def measure_matmul_peak(seconds: float = 1.0, size: int = 1024, threads: int | None = None,
                         dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> float:
     """FLOP/s of repeated ``size x size`` matmuls for about ``seconds`` (best of 3 rounds)."""
     previous = torch.get_num_threads()

@@ -82,3 +82,16 @@ def test_cli_never_overwrites_a_run(tmp_path, capsys):
     assert (run / "metrics.jsonl").read_text() == '{"step": 1, "loss": 1.0}\n'
     assert main(["train", "--resume", str(tmp_path / "missing")]) == 2
     assert "no checkpoint there" in capsys.readouterr().err
+
+
+def test_joins_a_torchrun_job(tmp_path):
+    """Under torchrun, `par4d train` joins the job instead of launching its own ranks."""
+    run = tmp_path / "torchrun"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "par4d.cli", "train", "--grid", "x=2", *SMALL, "--steps", "3", "--out", str(run)],
+        capture_output=True, text=True, timeout=240, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(_losses(run)) == 3
+    assert json.loads((run / "summary.json").read_text())["grid"]["x"] == 2

@@ -6,7 +6,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -26,7 +26,7 @@ class TrainConfig:
     """Everything a run depends on. ``grid`` maps axis -> size (missing axes are 1)."""
 
     grid: dict[str, int]
-    out: str
+    out: str | None  # None: rank 0 picks a new folder under runs/ and tells the others
     steps: int = 300
     batch_size: int = 32
     seq_len: int = 128
@@ -72,8 +72,14 @@ def run(config: TrainConfig) -> dict:
     """Train on this rank; rank 0 writes the run directory. Returns the summary."""
     torch.set_num_threads(_threads_per_rank())
     grid = par4d.init(**config.grid)
+    if config.out is None:
+        names = [str(new_run_dir(config.grid)) if grid.rank == 0 else None]
+        dist.broadcast_object_list(names, src=0)
+        config = replace(config, out=names[0])
     out = Path(config.out)
-    rank0 = grid.rank == 0
+    if rank0 := grid.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
     model_config = config.model_config()
     model = GPT(model_config, grid=grid)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
@@ -159,6 +165,16 @@ def _evaluate(model: GPT, grid, batches: Batches, count: int) -> float:
         loss = model(shard_batch(grid, inputs).to(grid.device), shard_batch(grid, targets).to(grid.device))
         total += global_mean(loss, grid).item()
     return total / max(1, count)
+
+
+def new_run_dir(grid: dict[str, int]) -> Path:
+    """A new folder ``runs/<date>-<time>-<grid>`` (suffixed if it exists)."""
+    shape = "-".join(f"{a}{s}" for a, s in grid.items() if s > 1) or "single"
+    base = Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{shape}"
+    path, suffix = base, 1
+    while path.exists():
+        path, suffix = Path(f"{base}-{suffix}"), suffix + 1
+    return path
 
 
 def _read_metrics(path: Path) -> list[dict]:

@@ -1,0 +1,56 @@
+"""The grid: DESIGN §1 rank layout, process groups, launcher environments."""
+
+import itertools
+
+import torch
+import torch.distributed as dist
+
+from par4d.grid import AXES, coords_of, rank_of
+from par4d.launch import distributed_env
+from tests import cases
+
+
+def test_rank_layout_matches_design_formula():
+    sizes = dict(x=2, y=3, z=2, data=2, pipe=2)
+    for pipe, data, z, y, x in itertools.product(*(range(sizes[a]) for a in reversed(AXES))):
+        rank = (((pipe * sizes["data"] + data) * sizes["z"] + z) * sizes["y"] + y) * sizes["x"] + x
+        coords = dict(x=x, y=y, z=z, data=data, pipe=pipe)
+        assert rank_of(coords, sizes) == rank
+        assert coords_of(rank, sizes) == coords
+
+
+def _group_members(sizes: dict) -> dict:
+    grid = cases.grid(**sizes)
+    out = {}
+    for axes in [(a,) for a in AXES] + [("z", "data"), ("x", "y", "z")]:
+        group = grid.group(*axes)
+        mine = torch.tensor([grid.rank])
+        gathered = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, mine, group=group)
+        out[axes] = ([int(t) for t in gathered], grid.group_ranks(*axes))
+    out["coords"] = {a: grid.coord(a) for a in AXES}
+    return out
+
+
+def test_groups_hold_the_ranks_that_differ_only_along_their_axes(pool8):
+    sizes = dict(x=2, y=1, z=2, data=2)
+    for rank, result in enumerate(pool8.run(_group_members, sizes)):
+        full = dict(sizes, pipe=1)
+        assert result.pop("coords") == coords_of(rank, full)
+        for axes, (members, claimed) in result.items():
+            expected = sorted(r for r in range(8)
+                              if all(coords_of(r, full)[a] == coords_of(rank, full)[a] for a in AXES if a not in axes))
+            assert members == expected == claimed, (rank, axes)
+
+
+def test_launcher_environments():
+    assert distributed_env({}) is None
+    torchrun = distributed_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "n1",
+                                "MASTER_PORT": "1234"})
+    assert (torchrun.rank, torchrun.world_size, torchrun.local_rank, torchrun.master_addr,
+            torchrun.master_port, torchrun.launcher) == (3, 4, 1, "n1", 1234, "torchrun")
+    srun = distributed_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0",
+                            "MASTER_ADDR": "head", "MASTER_PORT": "2000"})
+    assert (srun.rank, srun.world_size, srun.local_rank, srun.master_addr, srun.launcher) == (5, 8, 1, "head", "srun")
+    # An salloc shell (no job step) is not a job: par4d launches its own ranks there.
+    assert distributed_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "8"}) is None
