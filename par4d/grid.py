@@ -199,7 +199,20 @@ def init(x: int = 1, y: int = 1, z: int = 1, data: int = 1, pipe: int = 1) -> Gr
         world = env.world_size if env is not None else 1
     sizes = validate_sizes(requested, world)
     _join_or_init_job()
+    _check_same_on_every_rank(sizes)
     return _build(sizes)
+
+
+def _check_same_on_every_rank(sizes: dict[str, int]) -> None:
+    """Ranks that ask for different grids would build mismatched groups and hang."""
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, sizes)
+    if any(other != sizes for other in every):
+        shapes = {}
+        for rank, other in enumerate(every):
+            shapes.setdefault(" ".join(f"{a}={other[a]}" for a in AXES), []).append(rank)
+        listing = "; ".join(f"ranks {ranks}: {shape}" for shape, ranks in shapes.items())
+        raise ValueError(f"ranks asked par4d.init for different grids ({listing})")
 
 
 def _build(sizes: dict[str, int]) -> Grid:

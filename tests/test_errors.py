@@ -98,3 +98,17 @@ def test_gpt_config_validates_itself():
         GPTConfig(n_embd=10, n_head=4)
     with pytest.raises(ValueError, match="n_layer=0"):
         GPTConfig(n_layer=0)
+
+
+def _load_wrong_shape():
+    from par4d.models import ReferenceGPT
+
+    small = GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16)
+    model = GPT(small, grid=cases.grid(x=2, z=2))
+    state = ReferenceGPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16)).state_dict()
+    model.load_reference_state(state)
+
+
+def test_loading_a_full_state_of_the_wrong_shape(pool4):
+    for message in pool4.errors(_load_wrong_shape, timeout=30):
+        assert "'wte.weight' has shape (64, 16), the model expects (32, 16)" in message

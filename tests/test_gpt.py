@@ -75,3 +75,29 @@ def test_gpt_matches_twin_8_ranks(pool8, sizes):
 def test_gpt_matches_twin_all_four_axes(pool16):
     """x, y, z and data all 2: every layer runs with all four axes active."""
     assert len(set(pool16.run(_gpt_matches_twin, dict(x=2, y=2, z=2, data=2), timeout=300))) == 1
+
+
+def _layernorm_large_mean(sizes: dict) -> float:
+    """A residual stream far from zero mean: the merge of per-shard statistics must
+    not cancel (E[x^2] - E[x]^2 loses ~0.04 here in fp32)."""
+    from par4d.layout import shard_activation
+    from par4d.nn import LayerNorm
+
+    grid = cases.grid(**sizes)
+    gen = torch.Generator().manual_seed(2)
+    x = 300 + torch.randn(4, 5, 24, generator=gen)
+    grad = torch.randn(4, 5, 24, generator=gen)
+    ref = torch.nn.LayerNorm(24)
+    ref_x = x.clone().requires_grad_()
+    (ref(ref_x) * grad).sum().backward()
+    norm = LayerNorm(24, grid=grid)
+    local_x = shard_activation(grid, x, "y").requires_grad_()
+    out = norm(local_x)
+    (out * shard_activation(grid, grad, "y")).sum().backward()
+    torch.testing.assert_close(out, shard_activation(grid, ref(x).detach(), "y"), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(local_x.grad, shard_activation(grid, ref_x.grad, "y"), atol=1e-4, rtol=1e-4)
+    return (out - shard_activation(grid, ref(x).detach(), "y")).abs().max().item()
+
+
+def test_layernorm_statistics_are_stable(pool4):
+    assert max(pool4.run(_layernorm_large_mean, dict(y=4))) < 1e-4

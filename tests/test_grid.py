@@ -50,7 +50,24 @@ def test_launcher_environments():
     assert (torchrun.rank, torchrun.world_size, torchrun.local_rank, torchrun.master_addr,
             torchrun.master_port, torchrun.launcher) == (3, 4, 1, "n1", 1234, "torchrun")
     srun = distributed_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0",
-                            "MASTER_ADDR": "head", "MASTER_PORT": "2000"})
-    assert (srun.rank, srun.world_size, srun.local_rank, srun.master_addr, srun.launcher) == (5, 8, 1, "head", "srun")
+                            "MASTER_ADDR": "head", "MASTER_PORT": "2000", "SLURM_STEP_TASKS_PER_NODE": "4(x2)"})
+    assert (srun.rank, srun.world_size, srun.local_rank, srun.local_world_size, srun.master_addr,
+            srun.master_port, srun.launcher) == (5, 8, 1, 4, "head", 2000, "srun")
+    # Without MASTER_PORT, the port follows the job id (two jobs on a node differ).
+    job = distributed_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0", "MASTER_ADDR": "h",
+                           "SLURM_JOB_ID": "123457"})
+    assert job.master_port == 20000 + 123457 % 20000
     # An salloc shell (no job step) is not a job: par4d launches its own ranks there.
     assert distributed_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "8"}) is None
+
+
+def _mismatched_init():
+    import par4d
+
+    rank = dist.get_rank()
+    return par4d.init(x=2, y=2) if rank == 0 else par4d.init(x=4)
+
+
+def test_ranks_asking_for_different_grids(pool4):
+    for message in pool4.errors(_mismatched_init, timeout=30):
+        assert "different grids" in message and "ranks [0]: x=2 y=2" in message and "ranks [1, 2, 3]: x=4" in message

@@ -40,7 +40,7 @@ def test_resume_continues_the_exact_trajectory(tmp_path):
     assert [r["step"] for r in rows] == list(range(1, 11))
     assert all(r["tokens_per_s"] > 0 and r["comm_bytes"] > 0 for r in rows)
     assert (straight / "loss.png").stat().st_size > 1000
-    assert (straight / "checkpoint" / "meta.json").is_file()
+    assert (straight / "checkpoints" / (straight / "checkpoints" / "latest").read_text() / "meta.json").is_file()
     summary = json.loads((straight / "summary.json").read_text())
     assert summary["grid"] == {"x": 2, "y": 1, "z": 2, "data": 1, "pipe": 1}
     assert summary["final_loss"] < summary["initial_loss"]
@@ -77,7 +77,7 @@ def test_cli_never_overwrites_a_run(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
-    assert main(["train", "--out", str(run)]) == 2
+    assert main(["train", "--out", str(run), "--nproc", "1", "--steps", "1", *SMALL]) == 2
     assert "already holds files; pass --resume" in capsys.readouterr().err
     assert (run / "metrics.jsonl").read_text() == '{"step": 1, "loss": 1.0}\n'
     assert main(["train", "--resume", str(tmp_path / "missing")]) == 2

@@ -19,6 +19,10 @@ class ShardedModule(nn.Module):
     def load_full_state(self, state: dict[str, torch.Tensor]) -> None:
         raise NotImplementedError
 
+    def full_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Full shape of each of this module's own parameters."""
+        raise NotImplementedError
+
 
 def full_state_dict(model: nn.Module, grad: bool = False) -> dict[str, torch.Tensor]:
     """Every parameter of ``model`` (or its gradient) as a full tensor, on every rank."""
@@ -45,6 +49,10 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> No
             missing = [k for k in keys.values() if k not in state]
             if missing:
                 raise ValueError(f"full state is missing {missing}")
+            for name, shape in module.full_shapes().items():
+                if tuple(state[keys[name]].shape) != shape:
+                    raise ValueError(f"full state {keys[name]!r} has shape {tuple(state[keys[name]].shape)}, "
+                                     f"the model expects {shape}")
             module.load_full_state({n: state[k] for n, k in keys.items()})
             used |= set(keys.values())
     unexpected = sorted(set(state) - used)

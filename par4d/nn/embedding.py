@@ -48,6 +48,9 @@ class Embedding(ShardedModule):
         rows = block(self.num_embeddings, grid.size("z"), grid.coord("z"))
         self.weight.copy_(full[rows, cols])
 
+    def full_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {"weight": (self.num_embeddings, self.dim)}
+
     @torch.no_grad()
     def full_state(self, grad: bool = False) -> dict[str, torch.Tensor]:
         from par4d import comm

@@ -145,6 +145,12 @@ class Linear(ShardedModule):
     def load_full_state(self, state: dict[str, torch.Tensor]) -> None:
         self.load_full(state["weight"], state.get("bias"))
 
+    def full_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = {"weight": (self.out_features, self.in_features)}
+        if self.bias is not None:
+            shapes["bias"] = (self.out_features,)
+        return shapes
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"transposed={self.transposed}, bias={self.bias is not None}, shard={tuple(self.weight.shape)}")

@@ -28,7 +28,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         exp = shifted.exp()
         local = tgt - start
         mine = (local >= 0) & (local < vocab_local)
-        picked = shifted.gather(1, local.clamp(0, vocab_local - 1)[:, None])[:, 0] * mine
+        picked = torch.where(mine, shifted.gather(1, local.clamp(0, vocab_local - 1)[:, None])[:, 0], 0.0)
         stats = torch.stack([exp.sum(-1), picked], dim=-1)             # (tokens, 2)
         comm.all_reduce(grid, stats, axis)
         loss = stats[:, 0].log() - stats[:, 1]

@@ -1,8 +1,10 @@
 """LayerNorm over a hidden dimension that is split over a grid axis.
 
-Statistics are reduced over that axis with one all-reduce of the per-row
-``[sum x, sum x^2]`` in forward and one of ``[sum g, sum g x̂]`` in backward
-(g = dL/dx̂), so the result equals ``torch.nn.LayerNorm`` on the full rows.
+Forward all-gathers each rank's per-row ``[mean, M2]`` (M2 = sum of squared
+deviations from the local mean) over that axis and merges them exactly (Chan et
+al.'s parallel variance), which stays accurate when the mean is large, unlike
+``E[x^2] - E[x]^2``. Backward all-reduces ``[sum g, sum g x̂]`` (g = dL/dx̂). The
+result equals ``torch.nn.LayerNorm`` on the full rows.
 """
 
 from __future__ import annotations
@@ -17,16 +19,19 @@ from par4d.nn.base import ShardedModule
 
 
 class _ShardedLayerNorm(torch.autograd.Function):
-    """all-reduce of row statistics over ``axis`` in forward, and of their gradients in backward."""
+    """all-gather of row statistics over ``axis`` in forward, all-reduce of their gradients in backward."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, grid: Grid, axis: str, dim: int, eps: float):
         xf = x.float()
-        stats = torch.stack([xf.sum(-1), (xf * xf).sum(-1)], dim=-1)   # (..., 2)
-        comm.all_reduce(grid, stats, axis)
-        mean = stats[..., 0:1] / dim
-        var = (stats[..., 1:2] / dim - mean * mean).clamp_min(0)
-        rstd = torch.rsqrt(var + eps)
+        local_mean = xf.mean(-1, keepdim=True)                                  # (..., 1)
+        local_m2 = (xf - local_mean).square().sum(-1, keepdim=True)
+        stats = torch.cat([local_mean, local_m2], dim=-1).unsqueeze(0)           # (1, ..., 2)
+        gathered = comm.all_gather(grid, stats, axis)                           # (G, ..., 2)
+        means, m2s = gathered[..., 0:1], gathered[..., 1:2]
+        mean = means.mean(0)                                                    # equal counts per rank
+        m2 = m2s.sum(0) + (x.shape[-1] * (means - mean).square()).sum(0)
+        rstd = torch.rsqrt(m2 / dim + eps)
         xhat = (xf - mean) * rstd
         ctx.save_for_backward(xhat, rstd, weight)
         ctx.grid, ctx.axis, ctx.dim = grid, axis, dim
@@ -67,6 +72,9 @@ class LayerNorm(ShardedModule):
         cols = block(self.dim, self.grid.size(self.axis), self.grid.coord(self.axis))
         self.weight.copy_(state["weight"][cols])
         self.bias.copy_(state["bias"][cols])
+
+    def full_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {"weight": (self.dim,), "bias": (self.dim,)}
 
     @torch.no_grad()
     def full_state(self, grad: bool = False) -> dict[str, torch.Tensor]:

@@ -2,31 +2,36 @@
 
 Each rank saves its own shards under keys that name the shard's coordinates
 (``blocks.0.mlp.fc.weight@x1.y0.z1``); copies that are replicated over an axis share
-one key, and DCP writes such a key once. ``meta.json`` records the step, grid and
-configs; a checkpoint is written to ``checkpoint.tmp`` and renamed over the previous
-one only when complete, so an interrupted save never loses the last good one.
+one key, and DCP writes such a key once. A checkpoint is a folder
+``checkpoints/step-<N>/`` (DCP files + ``meta.json``); the text file
+``checkpoints/latest`` names the newest complete one and is replaced atomically, so
+an interrupted save never loses the last good checkpoint.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
 from par4d.grid import Grid
 from par4d.layout import TENSOR_AXES, spec
+from par4d.train.rank0 import on_rank0
 
-CHECKPOINT = "checkpoint"
+FOLDER = "checkpoints"
+ADAMW_SLOTS = ("step", "exp_avg", "exp_avg_sq")
 
 
 def _shard_key(grid: Grid, name: str, param: torch.Tensor) -> str:
     placement = spec(param)
-    axes = [a for a in TENSOR_AXES if placement is not None and a in placement.sharded and grid.size(a) > 1]
+    if placement is None:  # a key without coordinates would be deduplicated across ranks
+        raise ValueError(f"parameter {name!r} has no ParamSpec: par4d cannot tell how it is sharded")
+    axes = [a for a in TENSOR_AXES if a in placement.sharded and grid.size(a) > 1]
     return name + ("@" + ".".join(f"{a}{grid.coord(a)}" for a in axes) if axes else "")
 
 
@@ -40,46 +45,69 @@ def _state(grid: Grid, model: nn.Module, optimizer: torch.optim.Optimizer) -> di
     return state
 
 
+def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    if type(optimizer) is not torch.optim.AdamW or any(g.get("amsgrad") for g in optimizer.param_groups):
+        raise ValueError(f"checkpoints hold AdamW state (without amsgrad); got {type(optimizer).__name__}")
+
+
+def _fsync_write(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def save(run_dir: Path, step: int, grid: Grid, model: nn.Module, optimizer: torch.optim.Optimizer,
          meta: dict) -> Path:
-    """Collective: save model and optimizer shards of ``step`` into ``run_dir/checkpoint``."""
-    final, tmp = run_dir / CHECKPOINT, run_dir / f"{CHECKPOINT}.tmp"
-    if grid.rank == 0 and tmp.exists():
-        shutil.rmtree(tmp)
-    dist.barrier()
-    dcp.save(_state(grid, model, optimizer), checkpoint_id=str(tmp))
-    if grid.rank == 0:
-        (tmp / "meta.json").write_text(json.dumps(dict(meta, step=step, grid=grid.sizes), indent=2))
-        old = run_dir / f"{CHECKPOINT}.old"
-        if final.exists():
-            final.rename(old)
-        tmp.rename(final)
-        if old.exists():
-            shutil.rmtree(old)
-    dist.barrier()
-    return final
+    """Collective: save model and optimizer shards of ``step``; returns its folder."""
+    _check_optimizer(optimizer)
+    folder = run_dir / FOLDER
+    target = folder / f"step-{step:08d}"
+
+    def prepare():
+        folder.mkdir(parents=True, exist_ok=True)
+        if target.exists():  # an incomplete earlier attempt at this step: never the latest
+            shutil.rmtree(target)
+
+    on_rank0(prepare)
+    dcp.save(_state(grid, model, optimizer), checkpoint_id=str(target))
+
+    def commit():
+        _fsync_write(target / "meta.json", json.dumps(dict(meta, step=step, grid=grid.sizes), indent=2))
+        _fsync_write(folder / "latest.tmp", target.name)
+        os.replace(folder / "latest.tmp", folder / "latest")
+        for old in folder.glob("step-*"):
+            if old != target:
+                shutil.rmtree(old)
+
+    on_rank0(commit)
+    return target
+
+
+def latest(run_dir: Path) -> Path:
+    pointer = run_dir / FOLDER / "latest"
+    if not pointer.is_file():
+        raise ValueError(f"--resume {run_dir}: no checkpoint there (expected {pointer})")
+    return run_dir / FOLDER / pointer.read_text().strip()
 
 
 def read_meta(run_dir: Path) -> dict:
-    path = run_dir / CHECKPOINT / "meta.json"
-    if not path.is_file():
-        raise ValueError(f"--resume {run_dir}: no checkpoint there (expected {path})")
-    return json.loads(path.read_text())
+    return json.loads((latest(run_dir) / "meta.json").read_text())
 
 
 def load(run_dir: Path, grid: Grid, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """Collective: load shards saved at the same grid; returns the checkpoint's meta."""
+    _check_optimizer(optimizer)
     meta = read_meta(run_dir)
     if meta["grid"] != grid.sizes:
         saved = " ".join(f"{a}={s}" for a, s in meta["grid"].items())
         raise ValueError(f"--resume {run_dir}: the checkpoint was saved on grid {saved}, this run is "
                          f"{grid.describe()}; resuming on another grid is not supported yet")
-    # Materialize optimizer state so DCP has tensors to load into.
+    # DCP loads in place: give AdamW's state its tensors first.
     for group in optimizer.param_groups:
         for param in group["params"]:
-            if param not in optimizer.state or not optimizer.state[param]:
+            if not optimizer.state.get(param):
                 optimizer.state[param] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(param),
                                           "exp_avg_sq": torch.zeros_like(param)}
-    state = _state(grid, model, optimizer)
-    dcp.load(state, checkpoint_id=str(run_dir / CHECKPOINT))
+    dcp.load(_state(grid, model, optimizer), checkpoint_id=str(latest(run_dir)))
     return meta

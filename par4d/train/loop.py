@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -14,11 +13,13 @@ import torch.distributed as dist
 
 import par4d
 from par4d.data_parallel import global_mean, sync_gradients
+from par4d.launch import distributed_env
 from par4d.layout import shard_batch
 from par4d.models import GPT, GPTConfig
 from par4d.perf import cpu_cores, measure_matmul_peak
 from par4d.train import checkpoint
 from par4d.train.data import VOCAB_BYTES, Batches, load_corpus
+from par4d.train.rank0 import on_rank0
 
 
 @dataclass(frozen=True)
@@ -64,47 +65,35 @@ class TrainConfig:
 
 
 def _threads_per_rank() -> int:
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, cpu_cores() // local_world)
+    """Share this node's cores among its ranks."""
+    env = distributed_env()
+    return max(1, cpu_cores() // (env.local_world_size if env else 1))
 
 
 def run(config: TrainConfig) -> dict:
-    """Train on this rank; rank 0 writes the run directory. Returns the summary."""
+    """Train on this rank; rank 0 writes the run directory. Returns rank 0's summary."""
     torch.set_num_threads(_threads_per_rank())
     grid = par4d.init(**config.grid)
-    if config.out is None:
-        names = [str(new_run_dir(config.grid)) if grid.rank == 0 else None]
-        dist.broadcast_object_list(names, src=0)
-        config = replace(config, out=names[0])
+    rank0 = grid.rank == 0
+    if config.out is None:  # under torchrun/srun: rank 0 names the run, the others follow
+        config = replace(config, out=on_rank0(lambda: str(new_run_dir(config.grid))))
+        config = replace(config, out=_broadcast(config.out))
     out = Path(config.out)
-    if rank0 := grid.rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
+    on_rank0(lambda: out.mkdir(parents=True, exist_ok=True))
+
     model_config = config.model_config()
     model = GPT(model_config, grid=grid)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
                                   betas=(0.9, 0.95))
     corpus, source = load_corpus(config.data)
     batches = Batches(corpus, config.seq_len, config.batch_size, config.seed)
-    shard_batch(grid, batches.train_batch(0)[0])  # batch divisibility error before any step
+    start_step = checkpoint.load(out, grid, model, optimizer)["step"] if config.resume else 0
+    # The machine's peak: rank 0 runs matmuls on every core while the others wait.
+    peak = on_rank0(lambda: measure_matmul_peak(threads=cpu_cores(), device=grid.device)) or 0.0
+    metrics = on_rank0(lambda: _open_metrics(out / "metrics.jsonl", start_step))
+    progress = _progress_bar(config, grid, start_step) if rank0 else None
 
-    start_step = 0
-    if config.resume:
-        start_step = checkpoint.load(out, grid, model, optimizer)["step"]
-    dist.barrier()
-    # Peak of this machine: rank 0 alone runs matmuls on every core while the others wait.
-    peak = measure_matmul_peak(threads=cpu_cores(), device=grid.device) if rank0 else 0.0
-    dist.barrier()
-
-    params = model_config.num_params()
     tokens_per_step = config.batch_size * config.seq_len
-    metrics = _open_metrics(out / "metrics.jsonl", start_step) if rank0 else None
-    progress = None
-    if rank0 and config.progress:
-        from tqdm import tqdm
-
-        progress = tqdm(total=config.steps, initial=start_step, desc=f"train [{grid.describe()}]",
-                        unit="step", dynamic_ncols=True, mininterval=1.0)
     rates = []
     for step in range(start_step, config.steps):
         began = time.perf_counter()
@@ -136,25 +125,40 @@ def run(config: TrainConfig) -> dict:
     checkpoint.save(out, config.steps, grid, model, optimizer, _meta(config))
     val_loss = _evaluate(model, grid, batches, config.eval_batches)
 
-    summary = {}
-    if rank0:
+    def finish() -> dict:
         metrics.close()
         history = _read_metrics(out / "metrics.jsonl")
-        # Skip the first step's rate (one-time warm-up) when there is more than one.
-        steady = rates[1:] if len(rates) > 1 else rates
+        steady = rates[1:] if len(rates) > 1 else rates   # the first step includes one-time warm-up
         tokens_per_s = sum(steady) / len(steady) if steady else 0.0
         flops = model_config.flops_per_token() * tokens_per_s
         summary = {
-            "grid": grid.sizes, "world_size": grid.world_size, "params": params, "steps": config.steps,
-            "start_step": start_step, "tokens_per_s": tokens_per_s, "model_flops_per_s": flops,
-            "matmul_peak_flops_per_s": peak, "percent_of_peak": 100 * flops / peak if peak else 0.0,
+            "grid": grid.sizes, "world_size": grid.world_size, "params": model_config.num_params(),
+            "steps": config.steps, "start_step": start_step, "tokens_per_s": tokens_per_s,
+            "model_flops_per_s": flops, "matmul_peak_flops_per_s": peak,
+            "percent_of_peak": 100 * flops / peak if peak else 0.0,
             "initial_loss": history[0]["loss"], "final_loss": history[-1]["loss"],
             "val_loss": val_loss, "data": source, "config": asdict(config),
         }
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         _plot(out)
-    dist.barrier()
-    return summary
+        return summary
+
+    return on_rank0(finish) or {}
+
+
+def _broadcast(value):
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _progress_bar(config: TrainConfig, grid, start_step: int):
+    if not config.progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=config.steps, initial=start_step, desc=f"train [{grid.describe()}]", unit="step",
+                dynamic_ncols=True, mininterval=1.0)
 
 
 @torch.no_grad()
