@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from par4d.grid import AXES, Grid, parse_grid, validate_sizes
@@ -110,7 +111,7 @@ def _train_config(args: argparse.Namespace, world: int):
             raise ValueError(f"--resume {run_dir}: the checkpoint was saved on grid {shape}; "
                              f"resuming on another grid is not supported yet")
         config = TrainConfig(**dict(saved, steps=steps, out=str(run_dir), resume=True, grid=grid,
-                                    progress=not args.no_progress))
+                                    progress=not args.no_progress, peak_flops=None))
     else:
         grid = parse_grid(args.grid) if args.grid else default_grid(world)
         # Launched here: name the new run now. Under torchrun/srun rank 0 names it later.
@@ -162,6 +163,10 @@ def _train(args: argparse.Namespace) -> int:
         if summary:
             _print_summary(summary)
         return 0
+    from par4d.perf import cpu_cores, measure_matmul_peak
+
+    # Measured here, before the ranks exist, so nothing competes for the cores.
+    config = replace(config, peak_flops=measure_matmul_peak(threads=cpu_cores()))
     results = launch_local(world, worker, (config,), run_id="par4d-train")
     _print_summary(results[0])
     return 0

@@ -95,3 +95,33 @@ def test_joins_a_torchrun_job(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(_losses(run)) == 3
     assert json.loads((run / "summary.json").read_text())["grid"]["x"] == 2
+
+
+def test_bench_grid_rows_and_exact_bytes(tmp_path):
+    """`par4d bench grid --json`: every valid grid, and byte counts that must agree
+    exactly: data-only par4d and DDP both all-reduce every gradient once."""
+    from par4d.bench.grid import CONFIG, grids
+
+    result = subprocess.run([sys.executable, "-m", "par4d.cli", "bench", "grid", "--nproc", "4", "--iters", "1",
+                             "--json"], capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    par4d_rows = [r for r in rows if r["name"] == "par4d"]
+    assert len(par4d_rows) == len(grids(4)) == 10
+    for row in rows:
+        assert {"name", "grid", "s_per_iter", "tokens_per_s", "bytes_per_iter"} <= set(row)
+        assert row["s_per_iter"] > 0 and row["tokens_per_s"] > 0
+    grad_bytes_all_ranks = 4 * 4 * CONFIG.num_params()
+    ddp = next(r for r in rows if r["name"] == "torch DDP")
+    data_only = next(r for r in par4d_rows if r["grid"] == "x=1 y=1 z=1 data=4")
+    assert ddp["bytes_per_iter"] == data_only["bytes_per_iter"] == grad_bytes_all_ranks
+    # z only, per rank: all-gather of each weight's shard (W/4) and reduce-scatter of
+    # its full gradient (W); one all-reduce of the biases and norm gains (B).
+    from par4d.models import ReferenceGPT
+
+    params = list(ReferenceGPT(CONFIG, init=False).parameters())
+    weights = sum(p.numel() for p in params if p.dim() == 2)
+    vectors = sum(p.numel() for p in params if p.dim() == 1)
+    z_only = next(r for r in par4d_rows if r["grid"] == "x=1 y=1 z=4 data=1")
+    assert z_only["bytes_per_iter"] == 4 * 4 * (weights // 4 + weights + vectors)

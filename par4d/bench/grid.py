@@ -41,6 +41,7 @@ WARMUP = 2
 class BenchSettings:
     nproc: int
     iters: int
+    peak_flops: float
 
 
 def grids(world: int, config: GPTConfig = CONFIG, batch: int = BATCH) -> list[dict[str, int]]:
@@ -158,12 +159,10 @@ def _bench_torch(kind: str, settings: BenchSettings, peak: float) -> dict:
     inputs, targets = _batches(settings.iters)
     rows = slice(dist.get_rank() * BATCH // world, (dist.get_rank() + 1) * BATCH // world)
     x, y = inputs[rows], targets[rows]
-    counter = _C10dBytes()
 
     def step():
-        with counter:
-            loss = model(x, y)
-            loss.backward()
+        loss = model(x, y)
+        loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -172,7 +171,10 @@ def _bench_torch(kind: str, settings: BenchSettings, peak: float) -> dict:
         per_rank, source = sum(p.numel() * p.element_size() for p in twin.parameters()), "gradient bytes"
         name = "torch DDP"
     else:
-        per_rank, source = counter.bytes / (WARMUP + settings.iters), "c10d dispatch"
+        counter = _C10dBytes()   # one more, untimed iteration: the dispatch hook costs time
+        with counter:
+            step()
+        per_rank, source = counter.bytes, "c10d dispatch"
         name = "torch FSDP2"
     return _row(name, sizes, times, _sum_over_ranks(per_rank), peak, source)
 
@@ -180,14 +182,8 @@ def _bench_torch(kind: str, settings: BenchSettings, peak: float) -> dict:
 def bench_worker(settings: BenchSettings) -> list[dict]:
     torch.set_num_threads(max(1, cpu_cores() // settings.nproc))
     rows = []
-    first = True
+    peak = settings.peak_flops
     for sizes in grids(settings.nproc):
-        if first:
-            par4d.init(**sizes)  # joins the launched job
-            dist.barrier()
-            peak = measure_matmul_peak(threads=cpu_cores()) if dist.get_rank() == 0 else 0.0
-            peak = _sum_over_ranks(peak)
-            first = False
         rows.append(_bench_par4d(sizes, settings, peak))
     rows.append(_bench_torch("ddp", settings, peak))
     rows.append(_bench_torch("fsdp", settings, peak))
@@ -212,7 +208,9 @@ def run_bench_grid(args: argparse.Namespace) -> int:
     if not grids(args.nproc):
         raise ValueError(f"no grid of {args.nproc} ranks divides the benchmark model {CONFIG}")
     validate_sizes({"data": args.nproc}, args.nproc)
-    rows = launch_local(args.nproc, bench_worker, (BenchSettings(args.nproc, args.iters),), run_id="par4d-bench")[0]
+    # The peak is measured before the ranks exist, so nothing competes for the cores.
+    settings = BenchSettings(args.nproc, args.iters, measure_matmul_peak(threads=cpu_cores()))
+    rows = launch_local(args.nproc, bench_worker, (settings,), run_id="par4d-bench")[0]
     if args.out:
         with open(args.out, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)

@@ -43,6 +43,7 @@ class TrainConfig:
     save_every: int = 0
     eval_batches: int = 4
     progress: bool = True
+    peak_flops: float | None = None  # measured by the launching process; None: rank 0 measures
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len"):
@@ -88,8 +89,11 @@ def run(config: TrainConfig) -> dict:
     corpus, source = load_corpus(config.data)
     batches = Batches(corpus, config.seq_len, config.batch_size, config.seed)
     start_step = checkpoint.load(out, grid, model, optimizer)["step"] if config.resume else 0
-    # The machine's peak: rank 0 runs matmuls on every core while the others wait.
-    peak = on_rank0(lambda: measure_matmul_peak(threads=cpu_cores(), device=grid.device)) or 0.0
+    # The machine's peak, best measured before the ranks exist (par4d's launcher does);
+    # under torchrun/srun rank 0 measures on every core while the others wait.
+    peak = config.peak_flops
+    if peak is None:
+        peak = on_rank0(lambda: measure_matmul_peak(threads=cpu_cores(), device=grid.device)) or 0.0
     metrics = on_rank0(lambda: _open_metrics(out / "metrics.jsonl", start_step))
     progress = _progress_bar(config, grid, start_step) if rank0 else None
 
