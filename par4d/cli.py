@@ -1,6 +1,7 @@
 """``par4d``: the command line.
 
     par4d train [--nproc N] [--grid x=2,z=2] [--steps N] [--out DIR | --resume DIR] ...
+    par4d plan --model gpt-20b --gpus 32 [--machine perlmutter] [--top 10] [--json]
     par4d bench grid [--nproc N] [--json]
 
 Outside a launcher, ``--nproc N`` local ranks are started with torchrun's elastic
@@ -68,6 +69,10 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train the GPT on text (the main job)")
     _add_train_args(train)
+    plan = sub.add_parser("plan", help="rank every grid configuration of a workload")
+    from par4d.plan.cli import add_arguments
+
+    add_arguments(plan)
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     grid = bench_sub.add_parser("grid", help="the GPT on every valid grid vs PyTorch DDP and FSDP2")
@@ -183,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args)
+        if args.command == "plan":
+            from par4d.plan.cli import run
+
+            return run(args)
         return _bench(args)
     except ValueError as error:
         print(f"par4d {args.command}: error: {error}", file=sys.stderr)

@@ -1,0 +1,9 @@
+"""The planner: communication / compute / memory model and ranking of grid configurations."""
+
+from par4d.plan.machines import BUILTIN, Machine, load_machine
+from par4d.plan.model import VARIANTS, Prediction, bandwidths, factorizations, predict, rank_configurations, ring_time
+from par4d.plan.workload import GPT_MODELS, GPTSpec, Layer, gpt_spec, layers_from_module
+
+__all__ = ["BUILTIN", "GPT_MODELS", "GPTSpec", "Layer", "Machine", "Prediction", "VARIANTS", "bandwidths",
+           "factorizations", "gpt_spec", "layers_from_module", "load_machine", "predict", "rank_configurations",
+           "ring_time"]

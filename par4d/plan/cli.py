@@ -1,0 +1,85 @@
+"""``par4d plan``: rank every grid configuration of a workload on a machine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from dataclasses import replace
+
+from par4d.plan.machines import BUILTIN, load_machine
+from par4d.plan.model import VARIANTS, rank_configurations
+from par4d.plan.workload import GPT_MODELS, gpt_spec
+
+DEFAULT_BATCH_TOKENS = 32768   # the paper's running example: 16 sequences of 2048 tokens
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="gpt-20b", help=f"built-in GPT: {', '.join(GPT_MODELS)}")
+    p.add_argument("--gpus", type=int, required=True, help="number of devices")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="devices per node (default: the machine's)")
+    p.add_argument("--machine", default="perlmutter", help=f"{', '.join(BUILTIN)} or a TOML profile")
+    p.add_argument("--batch-tokens", type=int, default=DEFAULT_BATCH_TOKENS, help="global batch in tokens")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--no-checkpointing", action="store_true", help="model runs without activation checkpointing")
+    p.add_argument("--variant", choices=VARIANTS, default="full", help="model used for the ranking")
+    p.add_argument("--train-tokens", type=float, default=None, help="also estimate days to train on N tokens")
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--json", action="store_true", help="one JSON object per configuration")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.gpus < 1 or args.top < 1:
+        raise ValueError(f"--gpus and --top must be >= 1 (got {args.gpus}, {args.top})")
+    if args.batch_tokens % args.seq_len:
+        raise ValueError(f"--batch-tokens {args.batch_tokens} is not a multiple of --seq-len {args.seq_len}")
+    machine = load_machine(args.machine)
+    if args.gpus_per_node is not None:
+        machine = replace(machine, devices_per_node=args.gpus_per_node)
+    spec = gpt_spec(args.model).with_batch(args.batch_tokens // args.seq_len, args.seq_len)
+    checkpointing = not args.no_checkpointing
+    ranked, excluded = rank_configurations(spec, args.gpus, machine, args.variant, checkpointing)
+    if args.json:
+        for position, pred in enumerate(ranked, 1):
+            print(json.dumps({"rank": position, **pred.row(), **_days(pred, spec, args)}))
+        for pred in excluded:
+            print(json.dumps({"rank": None, **pred.row()}))
+        return 0
+    print(f"{spec.name}: {spec.params() / 1e9:.1f}B parameters, batch {spec.tokens:,} tokens "
+          f"({spec.global_batch} x {spec.seq_len}), {args.gpus} x {machine.name} "
+          f"({machine.devices_per_node} per node), model '{args.variant}', "
+          f"activation checkpointing {'on' if checkpointing else 'off'}")
+    header = (f"{'#':>3}  {'x':>4} {'y':>4} {'z':>4} {'data':>5}  {'t_x':>8} {'t_y':>8} {'t_z':>8} {'t_data':>8}"
+              f"  {'comm s':>8} {'compute s':>9} {'iter s':>8}  {'mem GB':>7} {'% peak':>6}")
+    print(header)
+    for position, p in enumerate(ranked[:args.top], 1):
+        t = p.t_comm_axes
+        days = _days(p, spec, args)
+        print(f"{position:>3}  {p.sizes['x']:>4} {p.sizes['y']:>4} {p.sizes['z']:>4} {p.sizes['data']:>5}  "
+              f"{t['x']:>8.3f} {t['y']:>8.3f} {t['z']:>8.3f} {t['data']:>8.3f}  {p.t_comm:>8.3f} "
+              f"{p.t_compute:>9.3f} {p.t_iter:>8.3f}  {p.mem_bytes / 1e9:>7.1f} {p.percent_of_peak:>6.1f}"
+              + (f"  {days['days_to_train']:.1f} days" if days else ""))
+    total = len(ranked) + len(excluded)
+    print(f"{len(ranked)} of {total} configurations fit; showing the top {min(args.top, len(ranked))}.")
+    if excluded:
+        reasons = Counter(_reason_kind(p.excluded) for p in excluded)
+        print("excluded: " + "; ".join(f"{count} {kind}" for kind, count in reasons.most_common()))
+        if not ranked:
+            best = min((p for p in excluded if p.mem_bytes), key=lambda p: p.mem_bytes, default=None)
+            if best is not None:
+                print(f"nothing fits: the smallest footprint is {best.mem_bytes / 1e9:.1f} GB at "
+                      f"x={best.sizes['x']} y={best.sizes['y']} z={best.sizes['z']} data={best.sizes['data']}; "
+                      f"try a smaller --batch-tokens, activation checkpointing, or more devices")
+    return 0
+
+
+def _reason_kind(reason: str | None) -> str:
+    if reason is None:
+        return "other"
+    return "do not fit in memory" if reason.startswith("needs") else "do not divide the model"
+
+
+def _days(pred, spec, args) -> dict:
+    if args.train_tokens is None or pred.t_iter <= 0:
+        return {}
+    return {"days_to_train": args.train_tokens / spec.tokens * pred.t_iter / 86400}

@@ -1,0 +1,158 @@
+"""The performance model: the paper's communication model (Eqs 1-10) and par4d's
+extensions (latency, compute, memory).
+
+Three variants rank configurations:
+
+* ``agnostic``: Eqs 4-9 with one bandwidth for every axis (the machine's β_inter),
+* ``aware``: the same with Eq 10's placement-aware bandwidth per axis,
+* ``full``: ``aware`` + a latency term per collective step, the collectives of the
+  non-matmul layers (norm statistics, vocabulary-parallel loss, embeddings, bias
+  gradients), compute time (FLOPs over peak x efficiency, with the attention work
+  that is replicated over y counted where it runs), and memory per device. The
+  overlap optimizations are not implemented yet, so the model predicts the
+  synchronous path: ``t_iter = t_compute + t_comm``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from par4d.plan.machines import Machine
+from par4d.plan.workload import GPTSpec, Layer
+
+AXES4 = ("x", "y", "z", "data")
+VARIANTS = ("agnostic", "aware", "full")
+
+
+def ring_time(kind: str, ranks: int, message_bytes: float, beta: float, latency: float = 0.0) -> float:
+    """Eqs 1-3 (ring collectives) for a per-rank message, plus ``latency`` per ring step."""
+    if ranks <= 1:
+        return 0.0
+    if kind == "all_gather":
+        return (ranks - 1) * message_bytes / beta + (ranks - 1) * latency
+    if kind == "reduce_scatter":
+        return (ranks - 1) / ranks * message_bytes / beta + (ranks - 1) * latency
+    if kind == "all_reduce":
+        return 2 * (ranks - 1) / ranks * message_bytes / beta + 2 * (ranks - 1) * latency
+    raise ValueError(f"unknown collective {kind!r}")
+
+
+def bandwidths(sizes: dict[str, int], machine: Machine, aware: bool) -> dict[str, float]:
+    """β per axis. Placement-aware (Eq 10), hierarchy x, y, z, data (innermost first):
+    a group inside a node gets β_intra; one that crosses nodes gets β_inter divided by
+    the number of rings sharing the node's links, min(G_node, prod of inner sizes)."""
+    if not aware:
+        return {a: machine.beta_inter for a in AXES4}
+    out, inner = {}, 1
+    for axis in AXES4:
+        if inner * sizes[axis] <= machine.devices_per_node:
+            out[axis] = machine.beta_intra
+        else:
+            out[axis] = machine.beta_inter / min(machine.devices_per_node, inner)
+        inner *= sizes[axis]
+    return out
+
+
+def layer_comm(layer: Layer, sizes: dict[str, int], beta: dict[str, float], bytes_per_element: int,
+               latency: float = 0.0) -> dict[str, float]:
+    """Eqs 4-8 for one layer (times ``layer.count``), keyed ``AG_z, RS_z, AR_in, AR_out, AR_data``
+    and mapped to axes. A transposed layer swaps x and y (sizes and bandwidths)."""
+    gx, gy, gz, gd = sizes["x"], sizes["y"], sizes["z"], sizes["data"]
+    in_axis, out_axis = ("x", "y") if layer.transposed else ("y", "x")
+    g_in, g_out = sizes[in_axis], sizes[out_axis]
+    b, k, n = bytes_per_element, layer.k, layer.n
+    m = layer.m / gd                                                # rows of one data-parallel replica
+    times = {
+        ("z", "AG"): ring_time("all_gather", gz, k * n / (gx * gy * gz) * b, beta["z"], latency),
+        ("z", "RS"): ring_time("reduce_scatter", gz, k * n / (gx * gy) * b, beta["z"], latency),
+        (in_axis, "AR"): ring_time("all_reduce", g_in, m * n / (gz * g_out) * b, beta[in_axis], latency),
+        (out_axis, "AR"): ring_time("all_reduce", g_out, m * k / (gz * g_in) * b, beta[out_axis], latency),
+        ("data", "AR"): ring_time("all_reduce", gd, k * n / (gx * gy * gz) * b, beta["data"], latency),
+    }
+    per_axis = {a: 0.0 for a in AXES4}
+    for (axis, _), t in times.items():
+        per_axis[axis] += t * layer.count
+    return per_axis
+
+
+@dataclass
+class Prediction:
+    sizes: dict[str, int]
+    fits: bool = True
+    excluded: str | None = None
+    t_comm_axes: dict[str, float] = field(default_factory=dict)
+    t_comm: float = 0.0
+    t_compute: float = 0.0
+    t_iter: float = 0.0
+    mem_bytes: float = 0.0
+    percent_of_peak: float = 0.0
+
+    def row(self) -> dict:
+        return {**self.sizes, "fits": self.fits, "excluded": self.excluded, "t_comm": self.t_comm,
+                **{f"t_comm_{a}": self.t_comm_axes.get(a, 0.0) for a in AXES4},
+                "t_compute": self.t_compute, "t_iter": self.t_iter, "mem_bytes": self.mem_bytes,
+                "percent_of_peak": self.percent_of_peak}
+
+
+def factorizations(world: int) -> list[dict[str, int]]:
+    """Every (x, y, z, data) whose product is ``world``."""
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    out = []
+    for x in divisors:
+        for y in (d for d in divisors if (world // x) % d == 0):
+            for z in (d for d in divisors if (world // (x * y)) % d == 0):
+                out.append({"x": x, "y": y, "z": z, "data": world // (x * y * z)})
+    return out
+
+
+def predict(spec: GPTSpec, sizes: dict[str, int], machine: Machine, variant: str = "full",
+            checkpointing: bool = False) -> Prediction:
+    """Time and memory of one iteration of ``spec`` on grid ``sizes``."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown model variant {variant!r}; valid: {', '.join(VARIANTS)}")
+    pred = Prediction(dict(sizes))
+    reason = spec.check(sizes)
+    if reason:
+        pred.fits, pred.excluded = False, reason
+        return pred
+    beta = bandwidths(sizes, machine, aware=variant != "agnostic")
+    latency = machine.latency if variant == "full" else 0.0
+    b = machine.bytes_per_element
+    axes = {a: 0.0 for a in AXES4}
+    for layer in spec.layers():
+        for axis, t in layer_comm(layer, sizes, beta, b, latency).items():
+            axes[axis] += t
+    if variant == "full":
+        for kind, axis_group, elements, count in spec.extra_collectives(sizes):
+            ranks = 1
+            for axis in axis_group:
+                ranks *= sizes[axis]
+            slowest = min(beta[a] for a in axis_group)
+            t = ring_time(kind, ranks, elements * b, slowest, latency) * count
+            axes[axis_group[-1]] += t
+    pred.t_comm_axes = axes
+    pred.t_comm = sum(axes.values())
+    world = sizes["x"] * sizes["y"] * sizes["z"] * sizes["data"]
+    flops = spec.flops_per_iteration(checkpointing)
+    if variant == "full":
+        matmul, attention = spec.flops_split(checkpointing)
+        per_device = matmul / world + attention * sizes["y"] / world    # attention is replicated over y
+        pred.t_compute = per_device / (machine.peak_flops * machine.efficiency)
+        pred.mem_bytes = spec.memory_per_device(sizes, b, checkpointing)
+        if pred.mem_bytes > machine.memory_bytes:
+            pred.fits = False
+            pred.excluded = (f"needs {pred.mem_bytes / 1e9:.1f} GB per device, "
+                             f"{machine.name} has {machine.memory_bytes / 1e9:.0f} GB")
+    pred.t_iter = pred.t_compute + pred.t_comm
+    if pred.t_iter > 0:
+        pred.percent_of_peak = 100 * flops / (pred.t_iter * world * machine.peak_flops)
+    return pred
+
+
+def rank_configurations(spec: GPTSpec, world: int, machine: Machine, variant: str = "full",
+                        checkpointing: bool = False) -> tuple[list[Prediction], list[Prediction]]:
+    """(configurations that fit, ranked by predicted time; the excluded ones)."""
+    preds = [predict(spec, sizes, machine, variant, checkpointing) for sizes in factorizations(world)]
+    key = (lambda p: p.t_iter) if variant == "full" else (lambda p: p.t_comm)
+    fitting = sorted((p for p in preds if p.fits), key=lambda p: (key(p), p.sizes["x"], p.sizes["y"], p.sizes["z"]))
+    return fitting, [p for p in preds if not p.fits]

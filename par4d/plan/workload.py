@@ -1,0 +1,188 @@
+"""Workloads: the matmul layers of one training iteration, with their shapes.
+
+A layer is ``O = I W`` with ``I`` (m x k), ``W`` (k x n) as in the paper; ``m`` counts
+the rows of the whole global batch (samples x sequence), and the model divides it by
+``G_data`` (and ``G_z``) itself. ``count`` folds identical layers together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class Layer:
+    name: str
+    m: int
+    k: int
+    n: int
+    transposed: bool = False
+    count: int = 1
+
+
+@dataclass(frozen=True)
+class GPTSpec:
+    """A GPT-2 style transformer (the paper's Table I) and its batch."""
+
+    name: str
+    n_layer: int
+    hidden: int
+    heads: int
+    seq_len: int = 2048
+    global_batch: int = 2048          # sequences: 4M tokens, the paper's weak/strong scaling batch
+    vocab: int = 51200
+
+    @property
+    def tokens(self) -> int:
+        return self.global_batch * self.seq_len
+
+    def params(self) -> int:
+        h, v = self.hidden, self.vocab
+        per_block = 12 * h * h + 13 * h
+        return self.n_layer * per_block + v * h + self.seq_len * h + 2 * h + h * v
+
+    def flops_per_iteration(self, checkpointing: bool = True) -> float:
+        """Narayanan et al.'s count (the async-pipeline paper's Eq. 3):
+        ``72 B s l h^2 (1 + s/(6h) + V/(12 l h))`` without activation recomputation,
+        ``96 B s l h^2 (1 + s/(6h) + V/(16 l h))`` with it."""
+        b, s, l, h, v = self.global_batch, self.seq_len, self.n_layer, self.hidden, self.vocab
+        if checkpointing:
+            return 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+        return 72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
+
+    def layers(self) -> list[Layer]:
+        """par4d's GPT: per block qkv (normal), attention proj (transposed), fc (normal),
+        MLP proj (transposed); then the vocabulary head (normal)."""
+        m, h, count = self.tokens, self.hidden, self.n_layer
+        return [
+            Layer("qkv", m, h, 3 * h, False, count),
+            Layer("attn.proj", m, h, h, True, count),
+            Layer("mlp.fc", m, h, 4 * h, False, count),
+            Layer("mlp.proj", m, 4 * h, h, True, count),
+            Layer("head", m, h, self.vocab, False, 1),
+        ]
+
+    def flops_split(self, checkpointing: bool = True) -> tuple[float, float]:
+        """(matmul FLOPs, attention-score FLOPs) of one iteration; they sum to
+        :meth:`flops_per_iteration`. Attention (QK^T and AV, causal counted in full)
+        is the ``s/(6h)`` term: ``12 B s^2 l h`` (x 4/3 with recomputation)."""
+        total = self.flops_per_iteration(checkpointing)
+        attention = 12 * self.global_batch * self.seq_len**2 * self.n_layer * self.hidden
+        attention *= 4 / 3 if checkpointing else 1
+        return total - attention, attention
+
+    def check(self, sizes: dict[str, int]) -> str | None:
+        """Why par4d's GPT cannot run on grid ``sizes`` (the layers' own rules), or None."""
+        gx, gy, gz, gd = sizes["x"], sizes["y"], sizes["z"], sizes["data"]
+        h, v = self.hidden, self.vocab
+        if self.heads % gx:
+            return f"heads={self.heads} not divisible by x={gx}"
+        if self.global_batch % (gz * gd):
+            return f"batch of {self.global_batch} sequences not divisible by z*data={gz * gd}"
+        if v % gz or self.seq_len % gz:
+            return f"embedding rows (vocab={v}, seq_len={self.seq_len}) not divisible by z={gz}"
+        for layer, chunks in zip(self.layers(), (3, 1, 1, 1, 1)):
+            g_in, g_out = (gx, gy) if layer.transposed else (gy, gx)
+            if layer.k % g_in or layer.n % (chunks * g_out) or (layer.n // g_out) % gz:
+                return f"{layer.name} ({layer.k} -> {layer.n}) does not divide the grid"
+        if h % gy:
+            return f"hidden={h} not divisible by y={gy}"
+        return None
+
+    def extra_collectives(self, sizes: dict[str, int]) -> list[tuple[str, tuple[str, ...], float, int]]:
+        """Collectives outside Eqs 4-8, per iteration: (kind, axes, elements per rank, count).
+        Norm statistics, the vocabulary-parallel loss, the embeddings' gather/scatter over z,
+        and the gradient sync of embeddings, biases and norm gains."""
+        gx, gy, gz, gd = sizes["x"], sizes["y"], sizes["z"], sizes["data"]
+        h, rows = self.hidden, self.tokens / (gd * gz)
+        norms = 2 * self.n_layer + 1
+        vectors = self.n_layer * 13 * h + 2 * h                      # biases and norm gains (full size)
+        embed = (self.vocab + self.seq_len) * h
+        return [
+            ("all_gather", ("y",), 2 * rows, norms),                # row [mean, M2]
+            ("all_reduce", ("y",), 2 * rows, norms),                # row gradient statistics
+            ("all_reduce", ("x",), rows, 1),                        # loss: row max
+            ("all_reduce", ("x",), 2 * rows, 1),                    # loss: [sum exp, target logit]
+            ("all_gather", ("z",), embed / (gy * gz), 1),
+            ("reduce_scatter", ("z",), embed / gy, 1),
+            ("all_reduce", ("data",), embed / (gy * gz), 1),
+            ("all_reduce", ("z", "data"), vectors / max(gx, gy), 1),
+        ]
+
+    def memory_per_device(self, sizes: dict[str, int], bytes_per_element: int, checkpointing: bool) -> float:
+        """Bytes per device: parameter shards with gradients and AdamW state, the
+        gathered weights Algorithm 1 keeps for backward, and activations."""
+        gx, gy, gz, gd = sizes["x"], sizes["y"], sizes["z"], sizes["data"]
+        b, h = bytes_per_element, self.hidden
+        per_param = 2 * b + (12 if b < 4 else 8)                    # param + grad + (master,) m, v
+        states = self.params() / (gx * gy * gz) * per_param
+        blocks = [layer.k * layer.n / (gx * gy) * b * layer.count for layer in self.layers()]
+        gathered = max(blocks) / self.n_layer if checkpointing else sum(blocks)
+        rows = self.tokens / (gd * gz)
+        per_layer = rows * b * (5 * h / gy + 6 * h / gx + 8 * h / gx)
+        head = rows * self.vocab / gx * (b + 4)
+        acts = (self.n_layer * rows * h / gy * b + per_layer) if checkpointing else self.n_layer * per_layer
+        return states + gathered + acts + head
+
+    def with_batch(self, global_batch: int | None = None, seq_len: int | None = None) -> GPTSpec:
+        from dataclasses import replace
+
+        return replace(self, global_batch=global_batch or self.global_batch, seq_len=seq_len or self.seq_len)
+
+
+# The paper's Table I (sequence 2048, batch 4M tokens; vocabulary 51200 assumed).
+GPT_MODELS = {spec.name: spec for spec in (
+    GPTSpec("gpt-5b", 24, 4096, 32),
+    GPTSpec("gpt-10b", 32, 5120, 40),
+    GPTSpec("gpt-20b", 32, 7168, 56),
+    GPTSpec("gpt-40b", 38, 9216, 72),
+    GPTSpec("gpt-80b", 42, 12288, 96),
+)}
+
+
+def gpt_spec(name: str) -> GPTSpec:
+    if name not in GPT_MODELS:
+        raise ValueError(f"unknown model {name!r}; built-in models are {', '.join(GPT_MODELS)}")
+    return GPT_MODELS[name]
+
+
+def layers_from_module(module: nn.Module, *example_inputs: torch.Tensor) -> list[Layer]:
+    """Record the Linear and Conv2d layers a forward pass of ``module`` runs, in
+    execution order, with their shapes; plain layers alternate normal/transposed as
+    par4d would place them, par4d Linears keep their own orientation.
+
+    Conv2d: in-channels x kernel area is ``k``, out-channels ``n``, and every output
+    pixel of every sample a row of ``m``."""
+    from par4d.nn import Linear as Par4dLinear
+
+    seen: list[Layer] = []
+    hooks = []
+
+    def record(mod, inputs, output):
+        index = len(seen)
+        if isinstance(mod, Par4dLinear):
+            layer = Layer(f"{type(mod).__name__}{index}", 0, mod.in_features, mod.out_features, mod.transposed)
+            rows = inputs[0].numel() // inputs[0].shape[-1]
+        elif isinstance(mod, nn.Linear):
+            layer = Layer(f"Linear{index}", 0, mod.in_features, mod.out_features, index % 2 == 1)
+            rows = inputs[0].numel() // mod.in_features
+        else:  # Conv2d
+            kh, kw = mod.kernel_size
+            layer = Layer(f"Conv2d{index}", 0, mod.in_channels * kh * kw // mod.groups, mod.out_channels,
+                          index % 2 == 1)
+            rows = output.shape[0] * output.shape[-2] * output.shape[-1]
+        seen.append(Layer(layer.name, rows, layer.k, layer.n, layer.transposed))
+
+    for mod in module.modules():
+        if isinstance(mod, (nn.Linear, nn.Conv2d, Par4dLinear)):
+            hooks.append(mod.register_forward_hook(record))
+    try:
+        with torch.no_grad():
+            module(*example_inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen

@@ -1,0 +1,121 @@
+"""The planner's equations against hand-computed values, and its rules against the layers."""
+
+import json
+import math
+
+import pytest
+
+from par4d.cli import main
+from par4d.grid import Grid
+from par4d.models import GPT, GPTConfig
+from par4d.plan import GPTSpec, Layer, Machine, bandwidths, factorizations, predict, rank_configurations, ring_time
+from par4d.plan.model import layer_comm
+from par4d.plan.workload import gpt_spec
+
+NODE4 = Machine("test", devices_per_node=4, peak_flops=100e12, memory_bytes=40e9, beta_intra=200.0,
+                beta_inter=50.0, bytes_per_element=1)
+
+
+def test_ring_collectives_eqs_1_to_3():
+    assert ring_time("all_gather", 4, 100, 10) == 3 * 100 / 10
+    assert ring_time("reduce_scatter", 4, 100, 10) == 0.75 * 100 / 10
+    assert ring_time("all_reduce", 4, 100, 10) == 2 * 0.75 * 100 / 10
+    assert ring_time("all_reduce", 1, 100, 10) == 0
+    assert ring_time("all_reduce", 4, 100, 10, latency=0.5) == 15 + 6 * 0.5
+
+
+def test_layer_eqs_4_to_8_by_hand():
+    layer = Layer("l", m=64, k=8, n=16)
+    sizes = dict(x=2, y=2, z=2, data=2)
+    beta = dict(x=1.0, y=2.0, z=4.0, data=8.0)
+    t = layer_comm(layer, sizes, beta, bytes_per_element=1)
+    m = 64 / 2                                                          # rows of one data replica
+    ag_z = (2 - 1) * (8 * 16 / 8) / 4.0                                 # Eq 4
+    rs_z = (1 / 2) * (8 * 16 / 4) / 4.0                                 # Eq 5
+    ar_y = 2 * (1 / 2) * (m * 16 / 4) / 2.0                             # Eq 6
+    ar_x = 2 * (1 / 2) * (m * 8 / 4) / 1.0                              # Eq 7
+    ar_d = 2 * (1 / 2) * (8 * 16 / 8) / 8.0                             # Eq 8
+    assert t == {"x": ar_x, "y": ar_y, "z": ag_z + rs_z, "data": ar_d}
+    # Transposed: x and y swap sizes and bandwidths.
+    flipped = layer_comm(Layer("l", 64, 8, 16, transposed=True), dict(x=2, y=4, z=1, data=1), beta, 1)
+    assert flipped["x"] == 2 * (1 / 2) * (64 * 16 / 4) / 1.0           # forward all-reduce over x: m n/(z y)
+    assert flipped["y"] == 2 * (3 / 4) * (64 * 8 / 2) / 2.0            # backward all-reduce over y: m k/(z x)
+
+
+def test_placement_aware_bandwidth_eq_10():
+    # Inside a node: intra.
+    assert bandwidths(dict(x=2, y=2, z=1, data=1), NODE4, aware=True) == dict(x=200, y=200, z=200, data=200)
+    # Fig. 5: one ring of 8 across two nodes of 4 -> beta_inter.
+    assert bandwidths(dict(x=8, y=1, z=1, data=1), NODE4, aware=True)["x"] == 50
+    # Fig. 6: x=2 inside the node, y=4 spans two nodes: two rings share the link -> beta_inter / 2.
+    assert bandwidths(dict(x=2, y=4, z=1, data=1), NODE4, aware=True)["y"] == 25
+    # Bounded by the devices per node: at most 4 rings cross.
+    assert bandwidths(dict(x=2, y=2, z=2, data=4), NODE4, aware=True) == dict(x=200, y=200, z=50 / 4, data=50 / 4)
+    assert set(bandwidths(dict(x=8, y=1, z=1, data=1), NODE4, aware=False).values()) == {50}
+
+
+def test_factorizations_are_complete_and_unique():
+    assert len(factorizations(16)) == math.comb(4 + 3, 3)   # 2^4 into 4 ordered factors
+    assert len(factorizations(16384)) == math.comb(14 + 3, 3)
+    for world in (12, 32):
+        rows = factorizations(world)
+        assert len({tuple(r.values()) for r in rows}) == len(rows)
+        assert all(r["x"] * r["y"] * r["z"] * r["data"] == world for r in rows)
+
+
+@pytest.mark.parametrize("world", [4, 8, 12])
+def test_divisibility_rules_match_the_layers(world):
+    """spec.check says 'fits' exactly when par4d's GPT builds on that grid."""
+    spec = GPTSpec("t", n_layer=1, hidden=24, heads=6, seq_len=8, global_batch=12, vocab=48)
+    config = GPTConfig(vocab_size=48, block_size=8, n_layer=1, n_head=6, n_embd=24)
+    for sizes in factorizations(world):
+        reason = spec.check(sizes)
+        try:
+            GPT(config, grid=Grid.virtual(sizes))
+            builds = 12 % (sizes["z"] * sizes["data"]) == 0
+        except ValueError:
+            builds = False
+        assert (reason is None) == builds, (sizes, reason)
+
+
+def test_flops_split_and_params():
+    spec = gpt_spec("gpt-5b").with_batch(16, 2048)
+    matmul, attention = spec.flops_split(checkpointing=False)
+    assert matmul + attention == pytest.approx(spec.flops_per_iteration(False))
+    assert attention == 12 * 16 * 2048**2 * 24 * 4096
+    assert 5.0e9 < spec.params() < 5.3e9      # "GPT-5B"
+
+
+def test_ranking_and_exclusions():
+    spec = gpt_spec("gpt-20b").with_batch(16, 2048)
+    ranked, excluded = rank_configurations(spec, 32, NODE4, "full", checkpointing=True)
+    assert len(ranked) + len(excluded) == len(factorizations(32))
+    assert [p.t_iter for p in ranked] == sorted(p.t_iter for p in ranked)
+    assert all(p.mem_bytes <= NODE4.memory_bytes for p in ranked)
+    assert all(p.excluded for p in excluded)
+    # Mostly data parallel: half the AdamW state of 20B parameters per device does not fit.
+    data_only = predict(spec, dict(x=2, y=1, z=1, data=16), NODE4, "full", True)
+    assert not data_only.fits and data_only.excluded.startswith("needs")
+
+
+def test_plan_cli_json(capsys):
+    assert main(["plan", "--model", "gpt-20b", "--gpus", "32", "--gpus-per-node", "4", "--machine", "perlmutter",
+                 "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(rows) == len(factorizations(32))
+    for row in rows:
+        assert {"x", "y", "z", "data", "t_comm", "t_iter", "mem_bytes", "fits"} <= set(row)
+    ranked = [r for r in rows if r["fits"]]
+    assert [r["rank"] for r in ranked] == list(range(1, len(ranked) + 1))
+
+
+def test_plan_cli_errors(capsys, tmp_path):
+    assert main(["plan", "--model", "gpt-3", "--gpus", "8"]) == 2
+    assert "unknown model 'gpt-3'; built-in models are gpt-5b" in capsys.readouterr().err
+    bad = tmp_path / "m.toml"
+    bad.write_text('[machine]\nname = "m"\ndevices_per_node = 4\nbogus = 1\n')
+    assert main(["plan", "--gpus", "8", "--machine", str(bad)]) == 2
+    assert "unknown keys ['bogus']" in capsys.readouterr().err
+    good = tmp_path / "good.toml"
+    good.write_text(NODE4.to_toml())
+    assert main(["plan", "--gpus", "8", "--machine", str(good), "--model", "gpt-5b"]) == 0
