@@ -73,6 +73,10 @@ def _parser() -> argparse.ArgumentParser:
     from par4d.plan.cli import add_arguments
 
     add_arguments(plan)
+    calibrate = sub.add_parser("calibrate", help="measure this machine; write a machine profile for plan")
+    calibrate.add_argument("--nproc", type=int, default=DEFAULT_NPROC, help="local ranks to measure with")
+    calibrate.add_argument("--out", default="profiles/local.toml", help="where to write the TOML profile")
+    calibrate.add_argument("--repeats", type=int, default=5)
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     grid = bench_sub.add_parser("grid", help="the GPT on every valid grid vs PyTorch DDP and FSDP2")
@@ -177,6 +181,21 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibrate(args: argparse.Namespace) -> int:
+    from par4d.plan.calibrate import calibrate
+
+    result = calibrate(args.nproc, Path(args.out), args.repeats)
+    machine = result["machine"]
+    print(f"matmul peak {result['peak_total'] / 1e9:.1f} GFLOP/s fp32 (whole machine; "
+          f"{machine.peak_flops / 1e9:.1f} per rank of {args.nproc})")
+    print(f"{'collective':<15} {'alpha (us)':>10} {'beta (GB/s)':>11}   c1 log2 p + c2 m + c3")
+    for kind, f in result["fits"].items():
+        print(f"{kind:<15} {f['alpha'] * 1e6:>10.1f} {f['beta'] / 1e9:>11.3f}   "
+              f"c1={f['c1'] * 1e3:.3f} ms, c2={f['c2'] * 1e9:.3f} s/GB, c3={f['c3'] * 1e3:.3f} ms")
+    print(f"profile written to {args.out}")
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     from par4d.bench.grid import run_bench_grid
 
@@ -188,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args)
+        if args.command == "calibrate":
+            return _calibrate(args)
         if args.command == "plan":
             from par4d.plan.cli import run
 

@@ -15,10 +15,16 @@ DEFAULT_BATCH_TOKENS = 32768   # the paper's running example: 16 sequences of 20
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", nargs="?", choices=["validate"],
+                   help="validate: measure every grid on --nproc local ranks and score the model's ranking")
     p.add_argument("--model", default="gpt-20b", help=f"built-in GPT: {', '.join(GPT_MODELS)}")
-    p.add_argument("--gpus", type=int, required=True, help="number of devices")
+    p.add_argument("--gpus", type=int, default=None, help="number of devices (ranking)")
+    p.add_argument("--nproc", type=int, default=4, help="local ranks (validate)")
+    p.add_argument("--iters", type=int, default=8, help="timed iterations per grid (validate)")
+    p.add_argument("--plot", default=None, help="validate: write the ranking plot (PNG) here")
     p.add_argument("--gpus-per-node", type=int, default=None, help="devices per node (default: the machine's)")
-    p.add_argument("--machine", default="perlmutter", help=f"{', '.join(BUILTIN)} or a TOML profile")
+    p.add_argument("--machine", default=None,
+                   help=f"{', '.join(BUILTIN)} or a TOML profile (default: perlmutter; validate: calibrate now)")
     p.add_argument("--batch-tokens", type=int, default=DEFAULT_BATCH_TOKENS, help="global batch in tokens")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--no-checkpointing", action="store_true", help="model runs without activation checkpointing")
@@ -29,11 +35,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.action == "validate":
+        return _validate(args)
+    if args.gpus is None:
+        raise ValueError("--gpus is required to rank configurations (e.g. --gpus 32)")
     if args.gpus < 1 or args.top < 1:
         raise ValueError(f"--gpus and --top must be >= 1 (got {args.gpus}, {args.top})")
     if args.batch_tokens % args.seq_len:
         raise ValueError(f"--batch-tokens {args.batch_tokens} is not a multiple of --seq-len {args.seq_len}")
-    machine = load_machine(args.machine)
+    machine = load_machine(args.machine or "perlmutter")
     if args.gpus_per_node is not None:
         machine = replace(machine, devices_per_node=args.gpus_per_node)
     spec = gpt_spec(args.model).with_batch(args.batch_tokens // args.seq_len, args.seq_len)
@@ -83,3 +93,24 @@ def _days(pred, spec, args) -> dict:
     if args.train_tokens is None or pred.t_iter <= 0:
         return {}
     return {"days_to_train": args.train_tokens / spec.tokens * pred.t_iter / 86400}
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from par4d.plan.validate import report, validate
+
+    if args.nproc < 2:
+        raise ValueError(f"--nproc must be >= 2 for validate, got {args.nproc}")
+    if args.machine is None:
+        import tempfile
+
+        from par4d.plan.calibrate import calibrate
+
+        profile = Path(tempfile.mkdtemp()) / "local.toml"
+        machine = calibrate(args.nproc, profile)["machine"]
+    else:
+        machine = load_machine(args.machine)
+    measured, scores = validate(args.nproc, machine, args.iters, Path(args.plot) if args.plot else None)
+    print(report(measured, scores, args.json))
+    return 0

@@ -13,6 +13,8 @@ figures (link bandwidths, documented per field). User profiles are TOML files:
     latency = 10e-6            # seconds per collective step (alpha); 0 = the paper's model
     efficiency = 0.5           # fraction of peak reached by the training GEMMs
     bytes_per_element = 2      # 2 for bf16/fp16 training, 4 for fp32
+    all_gather_scale = 1.0     # optional: all-gather / reduce-scatter bandwidth
+    reduce_scatter_scale = 1.0 #   relative to all-reduce (full model only)
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ class Machine:
     latency: float = 0.0
     efficiency: float = 0.5
     bytes_per_element: int = 2
+    # Bandwidth of all-gather / reduce-scatter relative to all-reduce's (1 for ring
+    # implementations that reach the model; gloo on CPU measures well below).
+    all_gather_scale: float = 1.0
+    reduce_scatter_scale: float = 1.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -44,6 +50,8 @@ class Machine:
         if self.devices_per_node < 1 or self.peak_flops <= 0 or self.beta_intra <= 0 or self.beta_inter <= 0:
             raise ValueError(f"machine {self.name!r}: devices_per_node, peak_flops, beta_intra and beta_inter "
                              f"must be > 0")
+        if self.all_gather_scale <= 0 or self.reduce_scatter_scale <= 0:
+            raise ValueError(f"machine {self.name!r}: collective scales must be > 0")
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"machine {self.name!r}: efficiency={self.efficiency} must be in (0, 1]")
 

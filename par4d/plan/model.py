@@ -54,20 +54,25 @@ def bandwidths(sizes: dict[str, int], machine: Machine, aware: bool) -> dict[str
 
 
 def layer_comm(layer: Layer, sizes: dict[str, int], beta: dict[str, float], bytes_per_element: int,
-               latency: float = 0.0) -> dict[str, float]:
-    """Eqs 4-8 for one layer (times ``layer.count``), keyed ``AG_z, RS_z, AR_in, AR_out, AR_data``
-    and mapped to axes. A transposed layer swaps x and y (sizes and bandwidths)."""
+               latency: float = 0.0, machine: Machine | None = None, data_ar: bool = True) -> dict[str, float]:
+    """Eqs 4-8 for one layer (times ``layer.count``), per axis. A transposed layer swaps
+    x and y (sizes and bandwidths). With ``machine``, all-gather and reduce-scatter use
+    its measured bandwidth scales; ``data_ar=False`` leaves Eq 8 out (the full model
+    counts par4d's bucketed data all-reduce once per iteration instead)."""
+    ag = machine.all_gather_scale if machine else 1.0
+    rs = machine.reduce_scatter_scale if machine else 1.0
     gx, gy, gz, gd = sizes["x"], sizes["y"], sizes["z"], sizes["data"]
     in_axis, out_axis = ("x", "y") if layer.transposed else ("y", "x")
     g_in, g_out = sizes[in_axis], sizes[out_axis]
     b, k, n = bytes_per_element, layer.k, layer.n
     m = layer.m / gd                                                # rows of one data-parallel replica
     times = {
-        ("z", "AG"): ring_time("all_gather", gz, k * n / (gx * gy * gz) * b, beta["z"], latency),
-        ("z", "RS"): ring_time("reduce_scatter", gz, k * n / (gx * gy) * b, beta["z"], latency),
+        ("z", "AG"): ring_time("all_gather", gz, k * n / (gx * gy * gz) * b, beta["z"] * ag, latency),
+        ("z", "RS"): ring_time("reduce_scatter", gz, k * n / (gx * gy) * b, beta["z"] * rs, latency),
         (in_axis, "AR"): ring_time("all_reduce", g_in, m * n / (gz * g_out) * b, beta[in_axis], latency),
         (out_axis, "AR"): ring_time("all_reduce", g_out, m * k / (gz * g_in) * b, beta[out_axis], latency),
-        ("data", "AR"): ring_time("all_reduce", gd, k * n / (gx * gy * gz) * b, beta["data"], latency),
+        ("data", "AR"): ring_time("all_reduce", gd, k * n / (gx * gy * gz) * b, beta["data"], latency)
+        if data_ar else 0.0,
     }
     per_axis = {a: 0.0 for a in AXES4}
     for (axis, _), t in times.items():
@@ -118,18 +123,23 @@ def predict(spec: GPTSpec, sizes: dict[str, int], machine: Machine, variant: str
     beta = bandwidths(sizes, machine, aware=variant != "agnostic")
     latency = machine.latency if variant == "full" else 0.0
     b = machine.bytes_per_element
+    full = variant == "full"
     axes = {a: 0.0 for a in AXES4}
     for layer in spec.layers():
-        for axis, t in layer_comm(layer, sizes, beta, b, latency).items():
+        for axis, t in layer_comm(layer, sizes, beta, b, latency, machine if full else None, not full).items():
             axes[axis] += t
-    if variant == "full":
-        for kind, axis_group, elements, count in spec.extra_collectives(sizes):
+    if full:
+        scale = {"all_reduce": 1.0, "all_gather": machine.all_gather_scale,
+                 "reduce_scatter": machine.reduce_scatter_scale}
+        weights = sum(layer.k * layer.n * layer.count for layer in spec.layers())
+        extras = spec.extra_collectives(sizes) + [   # par4d's data sync: one bucketed all-reduce
+            ("all_reduce", ("data",), weights / (sizes["x"] * sizes["y"] * sizes["z"]), 1)]
+        for kind, axis_group, elements, count in extras:
             ranks = 1
             for axis in axis_group:
                 ranks *= sizes[axis]
-            slowest = min(beta[a] for a in axis_group)
-            t = ring_time(kind, ranks, elements * b, slowest, latency) * count
-            axes[axis_group[-1]] += t
+            slowest = min(beta[a] for a in axis_group) * scale[kind]
+            axes[axis_group[-1]] += ring_time(kind, ranks, elements * b, slowest, latency) * count
     pred.t_comm_axes = axes
     pred.t_comm = sum(axes.values())
     world = sizes["x"] * sizes["y"] * sizes["z"] * sizes["data"]

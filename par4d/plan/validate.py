@@ -1,0 +1,149 @@
+"""``par4d plan validate``: measure the GPT at every valid grid and score the model's ranking.
+
+For each model variant (agnostic, aware, full): Kendall τ-b between predicted and
+measured time, the measured rank of the predicted best, and the predicted rank of
+the measured best (ranks from 1). Agnostic and aware rank by communication time (as
+the paper does), full by iteration time.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from par4d.bench.grid import BATCH, CONFIG
+from par4d.plan.machines import Machine
+from par4d.plan.model import VARIANTS, predict
+from par4d.plan.workload import GPTSpec
+
+SPEC = GPTSpec("bench-gpt", n_layer=CONFIG.n_layer, hidden=CONFIG.n_embd, heads=CONFIG.n_head,
+               seq_len=CONFIG.block_size, global_batch=BATCH, vocab=CONFIG.vocab_size)
+
+
+def kendall_tau(a: list[float], b: list[float]) -> float:
+    """Kendall's τ-b (ties in either list handled)."""
+    concordant = discordant = ties_a = ties_b = 0
+    for i in range(len(a)):
+        for j in range(i + 1, len(a)):
+            da, db = a[i] - a[j], b[i] - b[j]
+            if da == 0 and db == 0:
+                continue
+            if da == 0:
+                ties_a += 1
+            elif db == 0:
+                ties_b += 1
+            elif (da > 0) == (db > 0):
+                concordant += 1
+            else:
+                discordant += 1
+    denominator = ((concordant + discordant + ties_a) * (concordant + discordant + ties_b)) ** 0.5
+    return (concordant - discordant) / denominator if denominator else 0.0
+
+
+def _ranks(values: list[float]) -> list[int]:
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0] * len(values)
+    for position, index in enumerate(order, 1):
+        ranks[index] = position
+    return ranks
+
+
+@dataclass
+class Score:
+    model: str
+    kendall_tau: float
+    measured_rank_of_predicted_best: int
+    predicted_rank_of_measured_best: int
+    predicted: list[float]
+
+
+def score(measured: list[dict], machine: Machine) -> list[Score]:
+    """``measured``: rows with ``sizes`` and ``s_per_iter``."""
+    times = [row["s_per_iter"] for row in measured]
+    scores = []
+    for variant in VARIANTS:
+        preds = [predict(SPEC, row["sizes"], machine, variant, checkpointing=False) for row in measured]
+        predicted = [p.t_iter if variant == "full" else p.t_comm for p in preds]
+        p_ranks, m_ranks = _ranks(predicted), _ranks(times)
+        best_predicted = p_ranks.index(1)
+        best_measured = m_ranks.index(1)
+        scores.append(Score(variant, kendall_tau(predicted, times), m_ranks[best_predicted],
+                            p_ranks[best_measured], predicted))
+    return scores
+
+
+def _measure_worker(settings) -> list[dict]:
+    import torch
+    import torch.distributed as dist
+
+    from par4d.bench.grid import _bench_par4d, grids
+    from par4d.perf import cpu_cores
+
+    torch.set_num_threads(max(1, cpu_cores() // settings.nproc))
+    rows = []
+    for sizes in grids(settings.nproc):
+        row = _bench_par4d(sizes, settings, settings.peak_flops)
+        rows.append({"sizes": sizes, "s_per_iter": row["s_per_iter"], "bytes_per_iter": row["bytes_per_iter"]})
+    dist.destroy_process_group()
+    return rows
+
+
+def validate(nproc: int, machine: Machine, iters: int, plot: Path | None) -> tuple[list[dict], list[Score]]:
+    from par4d.bench.grid import BenchSettings
+    from par4d.launch import launch_local
+    from par4d.perf import cpu_cores, measure_matmul_peak
+
+    settings = BenchSettings(nproc, iters, measure_matmul_peak(threads=cpu_cores()))
+    measured = launch_local(nproc, _measure_worker, (settings,), run_id="par4d-validate")[0]
+    scores = score(measured, machine)
+    if plot is not None:
+        _plot(measured, scores, plot, nproc)
+    return measured, scores
+
+
+def _plot(measured: list[dict], scores: list[Score], path: Path, nproc: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    times = [row["s_per_iter"] for row in measured]
+    fig, axes = plt.subplots(1, len(scores), figsize=(4.2 * len(scores), 3.8))
+    for ax, s in zip(axes, scores):
+        order = sorted(range(len(times)), key=lambda i: s.predicted[i])
+        ax.bar(range(1, len(order) + 1), [times[i] for i in order], color="tab:blue")
+        best = min(times)
+        ax.axhline(best, color="tab:red", lw=0.8, ls="--")
+        ax.set_xlabel(f"configuration, ranked by the '{s.model}' model")
+        ax.set_ylabel("measured s / iteration")
+        ax.set_title(f"{s.model}: τ = {s.kendall_tau:.2f}", fontsize=10)
+        ax.set_xticks(range(1, len(order) + 1))
+        labels = ["{x}{y}{z}{data}".format(**measured[i]["sizes"]) for i in order]
+        ax.set_xticklabels(labels, rotation=90, fontsize=7)
+    fig.suptitle(f"par4d plan validate --nproc {nproc} (labels: x y z data)", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(measured: list[dict], scores: list[Score], as_json: bool) -> str:
+    if as_json:
+        return "\n".join(json.dumps({"model": s.model, "kendall_tau": s.kendall_tau,
+                                     "measured_rank_of_predicted_best": s.measured_rank_of_predicted_best,
+                                     "predicted_rank_of_measured_best": s.predicted_rank_of_measured_best,
+                                     "configurations": len(measured)}) for s in scores)
+    lines = ["| grid (x y z data) | measured s/iter | " + " | ".join(f"{s.model} (s)" for s in scores) + " |",
+             "| --- | ---: | " + " | ".join("---:" for _ in scores) + " |"]
+    for row in sorted(range(len(measured)), key=lambda i: measured[i]["s_per_iter"]):
+        sizes = measured[row]["sizes"]
+        cells = " | ".join(f"{s.predicted[row]:.4f}" for s in scores)
+        lines.append(f"| {sizes['x']} {sizes['y']} {sizes['z']} {sizes['data']} | "
+                     f"{measured[row]['s_per_iter']:.3f} | {cells} |")
+    lines += ["", "| model | Kendall τ | measured rank of predicted best | predicted rank of measured best |",
+              "| --- | ---: | ---: | ---: |"]
+    for s in scores:
+        lines.append(f"| {s.model} | {s.kendall_tau:.2f} | {s.measured_rank_of_predicted_best} | "
+                     f"{s.predicted_rank_of_measured_best} |")
+    return "\n".join(lines)
