@@ -46,7 +46,11 @@ def _default(name: str):
 def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=None,
                    help=f"local ranks to start (default {DEFAULT_NPROC}); ignored under torchrun/srun")
-    p.add_argument("--grid", default=None, help="axis sizes, e.g. x=2,z=2 (default: picked from --nproc)")
+    p.add_argument("--grid", default=None,
+                   help="axis sizes, e.g. x=2,z=2, or 'auto' for the planner's first choice "
+                        "(default: picked from --nproc)")
+    p.add_argument("--machine", default=None,
+                   help="machine profile for --grid auto (default: calibrate this machine first, ~10 s)")
     p.add_argument("--steps", type=int, default=None,
                    help=f"total optimizer steps (default {_default('steps')}; on --resume, the saved run's)")
     p.add_argument("--out", default=None, help="run directory (default: a new folder under runs/)")
@@ -100,7 +104,38 @@ def _world(nproc: int | None) -> tuple[int, bool]:
     return nproc, False
 
 
-def _train_config(args: argparse.Namespace, world: int):
+def _planned_grid(args: argparse.Namespace, world: int, inside: bool) -> dict[str, int]:
+    """The planner's first choice for this training run on this machine."""
+    from par4d.plan.machines import load_machine
+    from par4d.plan.model import rank_configurations
+    from par4d.plan.workload import GPTSpec
+    from par4d.train.data import VOCAB_BYTES
+
+    if args.machine is not None:
+        machine = load_machine(args.machine)
+    elif inside:
+        raise ValueError("--grid auto under torchrun/srun needs --machine PROFILE (make one with par4d calibrate)")
+    else:
+        import tempfile
+
+        from par4d.plan.calibrate import calibrate
+
+        print(f"par4d train: calibrating this machine on {world} ranks for --grid auto ...", flush=True)
+        machine = calibrate(world, Path(tempfile.mkdtemp()) / "local.toml")["machine"]
+    spec = GPTSpec("train", n_layer=args.n_layer, hidden=args.n_embd, heads=args.n_head, seq_len=args.seq_len,
+                   global_batch=args.batch_size, vocab=VOCAB_BYTES)
+    ranked, excluded = rank_configurations(spec, world, machine, "full", checkpointing=False)
+    if not ranked:
+        reasons = "; ".join(sorted({p.excluded for p in excluded}))
+        raise ValueError(f"--grid auto: no grid of {world} ranks runs this model ({reasons})")
+    best = ranked[0]
+    print(f"par4d train: --grid auto chose x={best.sizes['x']} y={best.sizes['y']} z={best.sizes['z']} "
+          f"data={best.sizes['data']} (predicted {best.t_iter:.3f} s/step; {len(ranked)} grids ranked on "
+          f"{machine.name})", flush=True)
+    return {a: s for a, s in best.sizes.items() if s > 1} or {"x": 1}
+
+
+def _train_config(args: argparse.Namespace, world: int, inside: bool = False):
     from par4d.models import GPT
     from par4d.train.loop import TrainConfig, new_run_dir
 
@@ -122,7 +157,10 @@ def _train_config(args: argparse.Namespace, world: int):
         config = TrainConfig(**dict(saved, steps=steps, out=str(run_dir), resume=True, grid=grid,
                                     progress=not args.no_progress, peak_flops=None))
     else:
-        grid = parse_grid(args.grid) if args.grid else default_grid(world)
+        if args.grid == "auto":
+            grid = _planned_grid(args, world, inside)
+        else:
+            grid = parse_grid(args.grid) if args.grid else default_grid(world)
         # Launched here: name the new run now. Under torchrun/srun rank 0 names it later.
         out = Path(args.out) if args.out else (None if distributed_env() else new_run_dir(grid))
         if out is not None and out.exists() and any(out.iterdir()):
@@ -166,7 +204,7 @@ def _train(args: argparse.Namespace) -> int:
     from par4d.train.loop import worker
 
     world, inside = _world(args.nproc)
-    config = _train_config(args, world)
+    config = _train_config(args, world, inside)
     if inside:
         summary = worker(config)
         if summary:

@@ -119,3 +119,46 @@ def test_plan_cli_errors(capsys, tmp_path):
     good = tmp_path / "good.toml"
     good.write_text(NODE4.to_toml())
     assert main(["plan", "--gpus", "8", "--machine", str(good), "--model", "gpt-5b"]) == 0
+
+
+def test_train_grid_auto_takes_the_planners_first_choice(tmp_path, capsys):
+    import argparse
+
+    from par4d.cli import _planned_grid
+
+    profile = tmp_path / "local.toml"
+    local = Machine("local", devices_per_node=4, peak_flops=50e9, memory_bytes=4e9, beta_intra=1e9, beta_inter=1e9,
+                    latency=5e-4, bytes_per_element=4, all_gather_scale=0.3, reduce_scatter_scale=0.25)
+    profile.write_text(local.to_toml())
+    args = argparse.Namespace(machine=str(profile), n_layer=2, n_embd=64, n_head=4, seq_len=64, batch_size=16)
+    chosen = _planned_grid(args, 4, inside=False)
+    spec = GPTSpec("train", n_layer=2, hidden=64, heads=4, seq_len=64, global_batch=16, vocab=256)
+    best = rank_configurations(spec, 4, local, "full", checkpointing=False)[0][0].sizes
+    assert {**dict(x=1, y=1, z=1, data=1), **chosen} == best
+    assert "--grid auto chose" in capsys.readouterr().out
+    # Under a launcher there is no way to calibrate first: a profile is required.
+    args.machine = None
+    with pytest.raises(ValueError, match="needs --machine PROFILE"):
+        _planned_grid(args, 4, inside=True)
+
+
+def test_workload_recorded_from_a_module():
+    import torch
+
+    from par4d.plan.workload import ModuleWorkload
+
+    mlp = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
+    conv = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Conv2d(8, 16, 3, stride=2, padding=1))
+    work = ModuleWorkload.record(mlp, torch.zeros(8, 5, 32))
+    assert [(l.m, l.k, l.n, l.transposed) for l in work.layers()] == [(40, 32, 64, False), (40, 64, 32, True)]
+    assert work.params() == 2 * 32 * 64
+    assert work.flops_per_iteration() == 3 * 2 * 40 * (32 * 64 + 64 * 32)
+    convs = ModuleWorkload.record(conv, torch.zeros(4, 3, 16, 16)).layers()
+    assert [(l.m, l.k, l.n) for l in convs] == [(4 * 16 * 16, 27, 8), (4 * 8 * 8, 72, 16)]
+    machine = Machine("m", devices_per_node=4, peak_flops=1e12, memory_bytes=1e9, beta_intra=1e10, beta_inter=1e9)
+    ranked, excluded = rank_configurations(work, 4, machine, "full")
+    assert ranked and all(p.t_iter > 0 for p in ranked)
+    assert len(ranked) + len(excluded) == len(factorizations(4)) and all(p.excluded for p in excluded)
+    # A width that no grid axis of 4 divides is excluded with the layer's name.
+    odd = ModuleWorkload.record(torch.nn.Linear(30, 6), torch.zeros(8, 30))
+    assert "Linear0 (30 -> 6) does not divide the grid" in predict(odd, dict(x=1, y=4, z=1, data=1), machine).excluded

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from par4d.plan.machines import Machine
-from par4d.plan.workload import GPTSpec, Layer
+from par4d.plan.workload import GPTSpec, Layer, ModuleWorkload
 
 AXES4 = ("x", "y", "z", "data")
 VARIANTS = ("agnostic", "aware", "full")
@@ -110,7 +110,7 @@ def factorizations(world: int) -> list[dict[str, int]]:
     return out
 
 
-def predict(spec: GPTSpec, sizes: dict[str, int], machine: Machine, variant: str = "full",
+def predict(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Machine, variant: str = "full",
             checkpointing: bool = False) -> Prediction:
     """Time and memory of one iteration of ``spec`` on grid ``sizes``."""
     if variant not in VARIANTS:
@@ -159,7 +159,7 @@ def predict(spec: GPTSpec, sizes: dict[str, int], machine: Machine, variant: str
     return pred
 
 
-def rank_configurations(spec: GPTSpec, world: int, machine: Machine, variant: str = "full",
+def rank_configurations(spec: GPTSpec | ModuleWorkload, world: int, machine: Machine, variant: str = "full",
                         checkpointing: bool = False) -> tuple[list[Prediction], list[Prediction]]:
     """(configurations that fit, ranked by predicted time; the excluded ones)."""
     preds = [predict(spec, sizes, machine, variant, checkpointing) for sizes in factorizations(world)]

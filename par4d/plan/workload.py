@@ -186,3 +186,58 @@ def layers_from_module(module: nn.Module, *example_inputs: torch.Tensor) -> list
         for hook in hooks:
             hook.remove()
     return seen
+
+
+@dataclass(frozen=True)
+class ModuleWorkload:
+    """A workload recorded from an ``nn.Module`` (see :func:`layers_from_module`):
+    only its Linear/Conv2d layers communicate; ``samples`` is the global batch."""
+
+    name: str
+    recorded: tuple[Layer, ...]
+    samples: int
+
+    @classmethod
+    def record(cls, module: nn.Module, *example_inputs: torch.Tensor, name: str | None = None) -> ModuleWorkload:
+        samples = example_inputs[0].shape[0]
+        return cls(name or type(module).__name__, tuple(layers_from_module(module, *example_inputs)), samples)
+
+    @property
+    def tokens(self) -> int:
+        return self.samples
+
+    def layers(self) -> list[Layer]:
+        return list(self.recorded)
+
+    def params(self) -> int:
+        return sum(layer.k * layer.n * layer.count for layer in self.recorded)
+
+    def flops_per_iteration(self, checkpointing: bool = False) -> float:
+        # 2 m k n forward, 4 m k n backward, one more forward under recomputation.
+        per_pass = sum(2 * layer.m * layer.k * layer.n * layer.count for layer in self.recorded)
+        return per_pass * (4 if checkpointing else 3)
+
+    def flops_split(self, checkpointing: bool = False) -> tuple[float, float]:
+        return self.flops_per_iteration(checkpointing), 0.0
+
+    def check(self, sizes: dict[str, int]) -> str | None:
+        gx, gy, gz, gd = sizes["x"], sizes["y"], sizes["z"], sizes["data"]
+        if self.samples % (gz * gd):
+            return f"batch of {self.samples} samples not divisible by z*data={gz * gd}"
+        for layer in self.recorded:
+            g_in, g_out = (gx, gy) if layer.transposed else (gy, gx)
+            if layer.k % g_in or layer.n % g_out or (layer.n // g_out) % gz:
+                return f"{layer.name} ({layer.k} -> {layer.n}) does not divide the grid"
+        return None
+
+    def extra_collectives(self, sizes: dict[str, int]) -> list:
+        return []
+
+    def memory_per_device(self, sizes: dict[str, int], bytes_per_element: int, checkpointing: bool) -> float:
+        gx, gy, gz, gd = sizes["x"], sizes["y"], sizes["z"], sizes["data"]
+        b = bytes_per_element
+        per_param = 2 * b + (12 if b < 4 else 8)
+        states = self.params() / (gx * gy * gz) * per_param
+        gathered = sum(layer.k * layer.n / (gx * gy) * b for layer in self.recorded)
+        inputs = sum(layer.m / (gd * gz) * layer.k / (gx if layer.transposed else gy) * b for layer in self.recorded)
+        return states + gathered + inputs

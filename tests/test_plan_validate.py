@@ -1,0 +1,58 @@
+"""Scoring a ranking (Kendall τ-b, top-1 ranks) and the calibration fits."""
+
+import math
+
+import pytest
+
+from par4d.bench.grid import BATCH, CONFIG
+from par4d.plan.calibrate import fit
+from par4d.plan.machines import Machine
+from par4d.plan.validate import SPEC, _ranks, kendall_tau, score
+
+
+def test_kendall_tau_b():
+    assert kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == 1
+    assert kendall_tau([1, 2, 3, 4], [40, 30, 20, 10]) == -1
+    # One discordant pair of six: (5 - 1) / 6.
+    assert kendall_tau([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(4 / 6)
+    # Ties in one list: tau-b = (C - D) / sqrt((n0 - n1)(n0 - n2)) = 5 / sqrt(5 * 6).
+    assert kendall_tau([1, 1, 2, 3], [1, 2, 3, 4]) == pytest.approx(5 / math.sqrt(5 * 6))
+
+
+def test_ranks_count_from_one():
+    assert _ranks([0.3, 0.1, 0.2]) == [3, 1, 2]
+
+
+def test_score_reports_ranks_of_the_bests():
+    machine = Machine("m", devices_per_node=4, peak_flops=1e10, memory_bytes=1e10, beta_intra=1e9,
+                      beta_inter=1e9, latency=1e-4, bytes_per_element=4)
+    measured = [{"sizes": dict(x=1, y=1, z=1, data=4), "s_per_iter": 0.5},
+                {"sizes": dict(x=1, y=4, z=1, data=1), "s_per_iter": 0.2},
+                {"sizes": dict(x=1, y=1, z=4, data=1), "s_per_iter": 0.9}]
+    for s in score(measured, machine):
+        p_ranks, m_ranks = _ranks(s.predicted), [2, 1, 3]
+        assert s.measured_rank_of_predicted_best == m_ranks[p_ranks.index(1)]
+        assert s.predicted_rank_of_measured_best == p_ranks[1]
+        assert -1 <= s.kendall_tau <= 1
+
+
+def test_validation_workload_is_the_bench_model():
+    assert SPEC.params() == CONFIG.num_params()
+    assert SPEC.tokens == BATCH * CONFIG.block_size
+
+
+def test_calibration_fits_recover_known_parameters():
+    alpha, beta = 2e-4, 1e9
+    c1, c2, c3 = 3e-4, 2e-9, 1e-4
+    rows = []
+    for p in (2, 4, 8):
+        for size in (4096, 1 << 20, 4 << 20):
+            rows.append({"kind": "all_reduce", "p": p, "bytes": size,
+                         "seconds": alpha * 2 * (p - 1) + size * 2 * (p - 1) / p / beta})
+            rows.append({"kind": "all_gather", "p": p, "bytes": size,
+                         "seconds": c1 * math.log2(p) + c2 * size + c3})
+    fits = fit(rows)
+    assert fits["all_reduce"]["alpha"] == pytest.approx(alpha, rel=1e-6)
+    assert fits["all_reduce"]["beta"] == pytest.approx(beta, rel=1e-6)
+    assert (fits["all_gather"]["c1"], fits["all_gather"]["c2"], fits["all_gather"]["c3"]) == pytest.approx(
+        (c1, c2, c3), rel=1e-6)
