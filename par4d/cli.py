@@ -15,6 +15,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from par4d.cluster import ClusterUnavailable
 from par4d.grid import AXES, Grid, parse_grid, validate_sizes
 from par4d.launch import distributed_env, launch_local
 
@@ -81,6 +82,17 @@ def _parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--nproc", type=int, default=DEFAULT_NPROC, help="local ranks to measure with")
     calibrate.add_argument("--out", default="profiles/local.toml", help="where to write the TOML profile")
     calibrate.add_argument("--repeats", type=int, default=5)
+    calibrate.add_argument("--nodes", type=int, default=None,
+                           help="measure an emulated cluster of this many nodes (--nproc ranks per node; needs root)")
+    calibrate.add_argument("--link", default="1gbit", help="emulated inter-node link rate (with --nodes)")
+    cluster = sub.add_parser("cluster", help="run a par4d command on an emulated multi-node cluster (root)")
+    cluster_sub = cluster.add_subparsers(dest="cluster", required=True)
+    cluster_run = cluster_sub.add_parser("run", help="par4d cluster run --nodes 2 --nproc 2 -- train --grid x=2,data=2")
+    cluster_run.add_argument("--nodes", type=int, required=True)
+    cluster_run.add_argument("--nproc", type=int, default=1, help="ranks per node")
+    cluster_run.add_argument("--link", default="1gbit", help="inter-node link rate per node (tc tbf)")
+    cluster_run.add_argument("argv", nargs=argparse.REMAINDER, help="the par4d command each rank runs")
+    cluster_sub.add_parser("clean", help="delete namespaces left by a killed par4d cluster")
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     grid = bench_sub.add_parser("grid", help="the GPT on every valid grid vs PyTorch DDP and FSDP2")
@@ -88,6 +100,8 @@ def _parser() -> argparse.ArgumentParser:
     grid.add_argument("--iters", type=int, default=8, help="timed iterations per row (after 2 warm-up)")
     grid.add_argument("--json", action="store_true", help="one JSON object per row on stdout")
     grid.add_argument("--out", default=None, help="also write the rows as JSON lines to this file")
+    gemm = bench_sub.add_parser("gemm", help="gain of GEMM tuning per matmul shape and pass")
+    gemm.add_argument("--json", action="store_true", help="one JSON object per row")
     return parser
 
 
@@ -219,22 +233,49 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cluster(args: argparse.Namespace) -> int:
+    import subprocess
+
+    from par4d.cluster import ClusterSpec, EmulatedCluster, leftover_namespaces
+
+    if args.cluster == "clean":
+        for ns in leftover_namespaces():
+            subprocess.run(["ip", "netns", "del", ns], check=False)
+            print(f"deleted {ns}")
+        return 0
+    argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    if not argv:
+        raise ValueError("par4d cluster run: give the par4d command after --, e.g. -- train --grid x=2,data=2")
+    with EmulatedCluster(ClusterSpec(args.nodes, args.nproc, args.link)) as cluster:
+        cluster.run_command(["-m", "par4d.cli", *argv])
+    return 0
+
+
 def _calibrate(args: argparse.Namespace) -> int:
     from par4d.plan.calibrate import calibrate
 
-    result = calibrate(args.nproc, Path(args.out), args.repeats)
+    cluster = None
+    if args.nodes is not None:
+        from par4d.cluster import ClusterSpec
+
+        cluster = ClusterSpec(args.nodes, args.nproc, args.link)
+    result = calibrate(args.nproc, Path(args.out), args.repeats, cluster)
     machine = result["machine"]
     print(f"matmul peak {result['peak_total'] / 1e9:.1f} GFLOP/s fp32 (whole machine; "
-          f"{machine.peak_flops / 1e9:.1f} per rank of {args.nproc})")
-    print(f"{'collective':<15} {'alpha (us)':>10} {'beta (GB/s)':>11}   c1 log2 p + c2 m + c3")
+          f"{machine.peak_flops / 1e9:.1f} per rank of {result['world']})")
+    print(f"{'collective':<21} {'alpha (us)':>10} {'beta (GB/s)':>11}   c1 log2 p + c2 m + c3")
     for kind, f in result["fits"].items():
-        print(f"{kind:<15} {f['alpha'] * 1e6:>10.1f} {f['beta'] / 1e9:>11.3f}   "
+        print(f"{kind:<21} {f['alpha'] * 1e6:>10.1f} {f['beta'] / 1e9:>11.3f}   "
               f"c1={f['c1'] * 1e3:.3f} ms, c2={f['c2'] * 1e9:.3f} s/GB, c3={f['c3'] * 1e3:.3f} ms")
     print(f"profile written to {args.out}")
     return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.bench == "gemm":
+        from par4d.bench.gemm import run_bench_gemm
+
+        return run_bench_gemm(args)
     from par4d.bench.grid import run_bench_grid
 
     return run_bench_grid(args)
@@ -245,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args)
+        if args.command == "cluster":
+            return _cluster(args)
         if args.command == "calibrate":
             return _calibrate(args)
         if args.command == "plan":
@@ -252,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run(args)
         return _bench(args)
-    except ValueError as error:
+    except (ValueError, ClusterUnavailable) as error:
         print(f"par4d {args.command}: error: {error}", file=sys.stderr)
         return 2
 

@@ -17,12 +17,16 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from par4d.comm import Ledger
+
+if TYPE_CHECKING:
+    from par4d.nn.gemm import GemmPlan
 
 AXES: tuple[str, ...] = ("x", "y", "z", "data", "pipe")
 """Axis names, innermost first. The only names par4d accepts for grid axes."""
@@ -90,6 +94,7 @@ class Grid:
     device: torch.device
     mesh: DeviceMesh | None
     ledger: Ledger = field(default_factory=Ledger)
+    gemm: GemmPlan | None = None   # set to tune the matmuls of this grid's layers (par4d.nn.gemm)
     _groups: dict[tuple[str, ...], dist.ProcessGroup] = field(default_factory=dict, repr=False)
 
     def size(self, *axes: str) -> int:

@@ -21,6 +21,12 @@ from par4d.layout import block, mark
 from par4d.nn.base import ShardedModule
 
 
+def _mm(grid: Grid, a: torch.Tensor, b: torch.Tensor, name: str) -> torch.Tensor:
+    """``a @ b`` (2-D), in the form the grid's GEMM plan chose, if it has one
+    (contiguous: the result is all-reduced in place)."""
+    return a @ b if grid.gemm is None else grid.gemm.mm(a, b, name).contiguous()
+
+
 class _Algorithm1(torch.autograd.Function):
     """all-gather_z(Ŵ) + all-reduce over the in-axis in forward;
     all-reduce over the out-axis + reduce-scatter_z of dŴ in backward."""
@@ -28,7 +34,8 @@ class _Algorithm1(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, w_shard, bias, grid: Grid, in_axis: str, out_axis: str):
         w = comm.all_gather(grid, w_shard, "z")            # (n/G_out, k/G_in)
-        out = inp @ w.t()                                    # (..., n/G_out), partial over in_axis
+        rows = inp.reshape(-1, inp.shape[-1])                # (rows, k/G_in)
+        out = _mm(grid, rows, w.t(), "forward").reshape(*inp.shape[:-1], w.shape[0])  # partial over in_axis
         comm.all_reduce(grid, out, in_axis)                  # O_{l,i}
         if bias is not None:
             out += bias                                      # after the sum: bias counted once
@@ -40,10 +47,10 @@ class _Algorithm1(torch.autograd.Function):
     def backward(ctx, grad_out):
         inp, w = ctx.saved_tensors
         grid = ctx.grid
-        grad_in = grad_out @ w                               # (..., k/G_in), partial over out_axis
-        comm.all_reduce(grid, grad_in, ctx.out_axis)
         rows_out = grad_out.reshape(-1, grad_out.shape[-1])  # (rows, n/G_out)
-        grad_w = rows_out.t() @ inp.reshape(-1, inp.shape[-1])  # (n/G_out, k/G_in), partial over z
+        grad_in = _mm(grid, rows_out, w, "input-grad").reshape(*grad_out.shape[:-1], w.shape[1])
+        comm.all_reduce(grid, grad_in, ctx.out_axis)         # (..., k/G_in), was partial over out_axis
+        grad_w = _mm(grid, rows_out.t(), inp.reshape(-1, inp.shape[-1]), "weight-grad")  # partial over z
         grad_w_shard = comm.reduce_scatter(grid, grad_w, "z")
         grad_b = rows_out.sum(0) if ctx.has_bias else None  # partial over z and data
         return grad_in, grad_w_shard, grad_b, None, None, None

@@ -96,26 +96,43 @@ def fit(rows: list[dict]) -> dict:
     return out
 
 
-def calibrate(nproc: int, out: Path, repeats: int = 5) -> dict:
+def calibrate(nproc: int, out: Path, repeats: int = 5, cluster=None) -> dict:
+    """Measure on ``nproc`` local ranks, or on an emulated ``cluster`` (a ClusterSpec):
+    then groups inside a node give β_intra and the one ring over all ranks β_inter."""
     from par4d.launch import launch_local
     from par4d.perf import cpu_cores, measure_matmul_peak
     from par4d.plan.machines import Machine
 
+    if cluster is not None:
+        nproc = cluster.world_size
     if nproc < 2:
         raise ValueError(f"--nproc must be >= 2 to measure collectives, got {nproc}")
     peak = measure_matmul_peak(threads=cpu_cores())
-    rows = launch_local(nproc, _measure_worker, (CalibrationSettings(nproc, repeats),), run_id="par4d-calibrate")[0]
-    fits = fit(rows)
+    settings = CalibrationSettings(nproc, repeats)
+    if cluster is None:
+        rows = launch_local(nproc, _measure_worker, (settings,), run_id="par4d-calibrate")[0]
+        per_node, name, intra_rows, inter_rows = nproc, f"local-{nproc}", rows, rows
+    else:
+        from par4d.cluster import launch_cluster
+
+        rows = launch_cluster(cluster, _measure_worker, (settings,))[0]
+        per_node, name = cluster.ranks_per_node, f"emulated-{cluster.nodes}x{cluster.ranks_per_node}-{cluster.link}"
+        intra_rows = [r for r in rows if r["p"] <= per_node] or rows
+        inter_rows = [r for r in rows if r["p"] == nproc]
+    fits = fit(intra_rows)
     beta = fits["all_reduce"]["beta"]
+    beta_inter = fit(inter_rows)["all_reduce"]["beta"] if cluster is not None else beta
+    if cluster is not None:
+        fits = {**fits, **{f"{k}_inter": v for k, v in fit(inter_rows).items()}}
     memory = _total_memory()
-    machine = Machine(name=f"local-{nproc}", devices_per_node=nproc, peak_flops=peak / nproc,
-                      memory_bytes=memory / nproc, beta_intra=beta, beta_inter=beta,
+    machine = Machine(name=name, devices_per_node=per_node, peak_flops=peak / nproc,
+                      memory_bytes=memory / nproc, beta_intra=beta, beta_inter=beta_inter,
                       latency=fits["all_reduce"]["alpha"], efficiency=0.5, bytes_per_element=4,
                       all_gather_scale=fits["all_gather"]["beta"] / beta,
                       reduce_scatter_scale=fits["reduce_scatter"]["beta"] / beta)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(_toml_fit(machine, fits, peak))
-    return {"machine": machine, "fits": fits, "rows": rows, "peak_total": peak}
+    return {"machine": machine, "fits": fits, "rows": rows, "peak_total": peak, "world": nproc}
 
 
 def _toml_fit(machine, fits: dict, peak: float) -> str:

@@ -22,6 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=4, help="local ranks (validate)")
     p.add_argument("--iters", type=int, default=8, help="timed iterations per grid (validate)")
     p.add_argument("--plot", default=None, help="validate: write the ranking plot (PNG) here")
+    p.add_argument("--nodes", type=int, default=None,
+                   help="validate on an emulated cluster of this many nodes, --nproc ranks each (needs root)")
+    p.add_argument("--link", default="1gbit", help="emulated inter-node link rate (with --nodes)")
     p.add_argument("--gpus-per-node", type=int, default=None, help="devices per node (default: the machine's)")
     p.add_argument("--machine", default=None,
                    help=f"{', '.join(BUILTIN)} or a TOML profile (default: perlmutter; validate: calibrate now)")
@@ -100,7 +103,12 @@ def _validate(args: argparse.Namespace) -> int:
 
     from par4d.plan.validate import report, validate
 
-    if args.nproc < 2:
+    cluster = None
+    if args.nodes is not None:
+        from par4d.cluster import ClusterSpec
+
+        cluster = ClusterSpec(args.nodes, args.nproc, args.link)
+    elif args.nproc < 2:
         raise ValueError(f"--nproc must be >= 2 for validate, got {args.nproc}")
     if args.machine is None:
         import tempfile
@@ -108,9 +116,9 @@ def _validate(args: argparse.Namespace) -> int:
         from par4d.plan.calibrate import calibrate
 
         profile = Path(tempfile.mkdtemp()) / "local.toml"
-        machine = calibrate(args.nproc, profile)["machine"]
+        machine = calibrate(args.nproc, profile, cluster=cluster)["machine"]
     else:
         machine = load_machine(args.machine)
-    measured, scores = validate(args.nproc, machine, args.iters, Path(args.plot) if args.plot else None)
+    measured, scores = validate(args.nproc, machine, args.iters, Path(args.plot) if args.plot else None, cluster)
     print(report(measured, scores, args.json))
     return 0

@@ -89,20 +89,30 @@ def _measure_worker(settings) -> list[dict]:
     return rows
 
 
-def validate(nproc: int, machine: Machine, iters: int, plot: Path | None) -> tuple[list[dict], list[Score]]:
+def validate(nproc: int, machine: Machine, iters: int, plot: Path | None,
+             cluster=None) -> tuple[list[dict], list[Score]]:
+    """Measure on ``nproc`` local ranks, or on an emulated ``cluster`` (ClusterSpec)."""
     from par4d.bench.grid import BenchSettings
     from par4d.launch import launch_local
     from par4d.perf import cpu_cores, measure_matmul_peak
 
-    settings = BenchSettings(nproc, iters, measure_matmul_peak(threads=cpu_cores()))
-    measured = launch_local(nproc, _measure_worker, (settings,), run_id="par4d-validate")[0]
+    world = cluster.world_size if cluster is not None else nproc
+    settings = BenchSettings(world, iters, measure_matmul_peak(threads=cpu_cores()))
+    if cluster is None:
+        measured = launch_local(nproc, _measure_worker, (settings,), run_id="par4d-validate")[0]
+        title = f"--nproc {nproc}"
+    else:
+        from par4d.cluster import launch_cluster
+
+        measured = launch_cluster(cluster, _measure_worker, (settings,))[0]
+        title = f"--nodes {cluster.nodes} --nproc {cluster.ranks_per_node} --link {cluster.link}"
     scores = score(measured, machine)
     if plot is not None:
-        _plot(measured, scores, plot, nproc)
+        _plot(measured, scores, plot, title)
     return measured, scores
 
 
-def _plot(measured: list[dict], scores: list[Score], path: Path, nproc: int) -> None:
+def _plot(measured: list[dict], scores: list[Score], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -121,7 +131,7 @@ def _plot(measured: list[dict], scores: list[Score], path: Path, nproc: int) -> 
         ax.set_xticks(range(1, len(order) + 1))
         labels = ["{x}{y}{z}{data}".format(**measured[i]["sizes"]) for i in order]
         ax.set_xticklabels(labels, rotation=90, fontsize=7)
-    fig.suptitle(f"par4d plan validate --nproc {nproc} (labels: x y z data)", fontsize=10)
+    fig.suptitle(f"par4d plan validate {title} (labels: x y z data)", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -1,0 +1,115 @@
+"""GEMM tuning (the 4D paper's "automated tuning of BLAS kernels").
+
+``C = A B`` can be handed to BLAS in equivalent forms that differ in operand order
+and layout. For each (pass, shape) a :class:`GemmPlan` times the forms once, keeps
+the fastest, and makes the choice identical on every rank of the grid (the summed
+times over all ranks decide). Choices persist in a JSON cache keyed by device, dtype
+and library versions, so a later run reuses them without timing.
+
+Forms of ``a @ b`` (a: m x k, b: k x n):
+    0  a @ b                      (as given)
+    1  (b^T @ a^T)^T              (operands swapped: BLAS computes C^T)
+    2  a @ contiguous(b)          (b copied to row-major first)
+    3  contiguous(a) @ b
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+FORMS = ("a@b", "(bT@aT)T", "a@contig(b)", "contig(a)@b")
+
+
+def apply(form: int, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if form == 0:
+        return a @ b
+    if form == 1:
+        return (b.t() @ a.t()).t()
+    if form == 2:
+        return a @ b.contiguous()
+    if form == 3:
+        return a.contiguous() @ b
+    raise ValueError(f"unknown GEMM form {form}")
+
+
+def distinct_forms(a: torch.Tensor, b: torch.Tensor) -> list[int]:
+    """The forms that differ from ``a @ b`` for these layouts (copying an operand that
+    is already contiguous is the default form again, and is not timed)."""
+    forms = [0, 1]
+    if not b.is_contiguous():
+        forms.append(2)
+    if not a.is_contiguous():
+        forms.append(3)
+    return forms
+
+
+def _key(a: torch.Tensor, b: torch.Tensor, name: str) -> str:
+    def layout(t):
+        return "N" if t.stride(-1) == 1 else "T"
+
+    return f"{name}:{a.shape[0]}x{a.shape[1]}x{b.shape[1]}:{layout(a)}{layout(b)}"
+
+
+def environment_key(device: torch.device, dtype: torch.dtype) -> str:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return f"{name}|{dtype}|torch {torch.__version__}|threads {torch.get_num_threads()}"
+
+
+class GemmPlan:
+    """Chosen GEMM forms per (pass, shape, layout); see the module docstring."""
+
+    def __init__(self, cache: str | Path | None = None, repeats: int = 5, agree: bool = True):
+        """``agree``: sum the timings over all ranks of the job so every rank picks the
+        same form (a collective per new key: every rank must meet the same keys in the
+        same order, as SPMD training does)."""
+        self.agree, self.repeats = agree, repeats
+        self.cache = Path(cache) if cache else None
+        self.choices: dict[str, dict[str, int]] = {}
+        self.timings: dict[str, list[float]] = {}
+        if self.cache and self.cache.is_file():
+            self.choices = json.loads(self.cache.read_text())
+
+    def mm(self, a: torch.Tensor, b: torch.Tensor, name: str) -> torch.Tensor:
+        """``a @ b`` in the chosen form (timing the forms the first time a key is seen)."""
+        env = environment_key(a.device, a.dtype)
+        key = _key(a, b, name)
+        table = self.choices.setdefault(env, {})
+        if key not in table:
+            table[key] = self._tune(a, b, key)
+            self._save()
+        return apply(table[key], a, b)
+
+    def _tune(self, a: torch.Tensor, b: torch.Tensor, key: str) -> int:
+        seconds = []
+        for form in range(len(FORMS)):
+            if form not in distinct_forms(a, b):
+                seconds.append(float("inf"))
+                continue
+            apply(form, a, b)  # warm-up
+            runs = []
+            for _ in range(self.repeats):
+                start = time.perf_counter()
+                apply(form, a, b)
+                if a.device.type == "cuda":
+                    torch.cuda.synchronize()
+                runs.append(time.perf_counter() - start)
+            seconds.append(statistics.median(runs))
+        total = torch.tensor(seconds, dtype=torch.float64)
+        if self.agree and dist.is_initialized():
+            dist.all_reduce(total)                       # one decision for every rank
+        self.timings[key] = total.tolist()
+        return int(torch.argmin(total))
+
+    def _save(self) -> None:
+        if self.cache is None or (dist.is_initialized() and dist.get_rank() != 0):
+            return
+        self.cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.cache.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.choices, indent=1, sort_keys=True))
+        tmp.replace(self.cache)

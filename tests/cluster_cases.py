@@ -1,0 +1,25 @@
+"""Functions run on emulated-cluster ranks (imported by module path there)."""
+
+import torch
+import torch.distributed as dist
+
+
+def allreduce_sum():
+    import os
+
+    import par4d
+
+    grid = par4d.init(x=int(os.environ["LOCAL_WORLD_SIZE"]), data=int(os.environ["PAR4D_CLUSTER_NODES"]))
+    t = torch.tensor([float(grid.rank)])
+    dist.all_reduce(t)
+    addresses = [None] * dist.get_world_size()
+    dist.all_gather_object(addresses, os.environ.get("GLOO_SOCKET_IFNAME"))
+    return {"sum": t.item(), "world": dist.get_world_size(), "ifnames": addresses, "grid": grid.sizes}
+
+
+def fail_on_rank_1():
+    import os
+
+    if os.environ["RANK"] == "1":
+        raise SystemExit(3)
+    return "ok"
