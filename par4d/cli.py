@@ -93,6 +93,21 @@ def _parser() -> argparse.ArgumentParser:
     cluster_run.add_argument("--link", default="1gbit", help="inter-node link rate per node (tc tbf)")
     cluster_run.add_argument("argv", nargs=argparse.REMAINDER, help="the par4d command each rank runs")
     cluster_sub.add_parser("clean", help="delete namespaces left by a killed par4d cluster")
+    phantom = sub.add_parser("phantom", help="phantom parallelism experiments")
+    phantom_sub = phantom.add_subparsers(dest="phantom", required=True)
+    compare = phantom_sub.add_parser("compare", help="phantom vs tensor parallelism on the synthetic FFN task")
+    compare.add_argument("--n", type=int, default=4096, help="FFN width")
+    compare.add_argument("--depth", type=int, default=2)
+    compare.add_argument("--nproc", default="2,4", help="rank counts, comma-separated")
+    compare.add_argument("--k", default="4,16,64", help="ghost neurons, comma-separated")
+    compare.add_argument("--batch", type=int, default=32)
+    compare.add_argument("--lr", type=float, default=1e-3)
+    compare.add_argument("--iters", type=int, default=20, help="iterations per scheme without --target-loss")
+    compare.add_argument("--max-iters", type=int, default=300, help="cap with --target-loss")
+    compare.add_argument("--target-loss", type=float, default=None, help="train each scheme to this MSE")
+    compare.add_argument("--seed", type=int, default=0)
+    compare.add_argument("--json", action="store_true", help="one JSON object per row")
+    compare.add_argument("--report", default=None, help="write a markdown report with figures (e.g. docs/phantom.md)")
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     grid = bench_sub.add_parser("grid", help="the GPT on every valid grid vs PyTorch DDP and FSDP2")
@@ -286,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args)
+        if args.command == "phantom":
+            from par4d.phantom.compare import main as phantom_main
+
+            return phantom_main(args)
         if args.command == "cluster":
             return _cluster(args)
         if args.command == "calibrate":

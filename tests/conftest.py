@@ -31,3 +31,8 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.fixture
 def pool16() -> RankPool:
     return pool(16)
+
+
+@pytest.fixture
+def pool3() -> RankPool:
+    return pool(3)
