@@ -280,8 +280,9 @@ def _calibrate(args: argparse.Namespace) -> int:
           f"{machine.peak_flops / 1e9:.1f} per rank of {result['world']})")
     print(f"{'collective':<21} {'alpha (us)':>10} {'beta (GB/s)':>11}   c1 log2 p + c2 m + c3")
     for kind, f in result["fits"].items():
-        print(f"{kind:<21} {f['alpha'] * 1e6:>10.1f} {f['beta'] / 1e9:>11.3f}   "
-              f"c1={f['c1'] * 1e3:.3f} ms, c2={f['c2'] * 1e9:.3f} s/GB, c3={f['c3'] * 1e3:.3f} ms")
+        tail = (f"c1={f['c1'] * 1e3:.3f} ms, c2={f['c2'] * 1e9:.3f} s/GB, c3={f['c3'] * 1e3:.3f} ms" if "c1" in f
+                else "(one group size: not fitted)")
+        print(f"{kind:<21} {f['alpha'] * 1e6:>10.1f} {f['beta'] / 1e9:>11.3f}   {tail}")
     print(f"profile written to {args.out}")
     return 0
 

@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,7 +74,7 @@ class EmulatedCluster:
         if reason:
             raise ClusterUnavailable(reason)
         self.spec = spec
-        self.tag = f"p4d{os.getpid() % 100000}"
+        self.tag = f"p4d{os.getpid()}"
         self.switch = f"{self.tag}-sw"
         self.namespaces: list[str] = []
         self._previous_handlers: dict[int, object] = {}
@@ -147,15 +148,29 @@ class EmulatedCluster:
                            PAR4D_CLUSTER_NODES=str(self.spec.nodes))
                 cmd = ["ip", "netns", "exec", self.node(node), sys.executable, *argv]
                 procs.append(subprocess.Popen(cmd, env=env))
-            codes = [p.wait(timeout=timeout) for p in procs]
+            codes = self._wait(procs, timeout)
         finally:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
+                    p.wait()
         failed = [r for r, c in enumerate(codes) if c]
         if failed:
             raise RuntimeError(f"emulated cluster: ranks {failed} failed (exit codes "
                                f"{[codes[r] for r in failed]}); see their output above")
+
+    @staticmethod
+    def _wait(procs: list[subprocess.Popen], timeout: float | None) -> list[int | None]:
+        """Wait for every rank; as soon as one fails (or time runs out), stop the others:
+        they would otherwise sit in a collective until gloo's timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            codes = [p.poll() for p in procs]
+            if all(c is not None for c in codes) or any(c for c in codes if c is not None):
+                return codes
+            if deadline is not None and time.monotonic() > deadline:
+                return [c if c is not None else -9 for c in codes]
+            time.sleep(0.1)
 
     def launch(self, fn: Callable, args: Sequence, timeout: float | None = None) -> object:
         """Run ``fn(*args)`` on every rank of the cluster; return rank 0's result."""
@@ -181,10 +196,19 @@ def _worker_main(payload: str, result: str) -> None:
     Path(result.format(rank=os.environ["RANK"])).write_bytes(pickle.dumps(value))
 
 
-def leftover_namespaces() -> list[str]:
-    """Namespaces named like ours (from a process that was killed with SIGKILL)."""
+def leftover_namespaces(include_live: bool = False) -> list[str]:
+    """Namespaces named like ours whose creating process is gone (killed with SIGKILL);
+    with ``include_live``, also those of clusters still running."""
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return [line.split()[0] for line in out.splitlines() if line.startswith("p4d")]
+    names = [line.split()[0] for line in out.splitlines() if line.startswith("p4d")]
+    if include_live:
+        return names
+
+    def dead(name: str) -> bool:
+        pid = name[3:].split("-", 1)[0]
+        return not pid.isdigit() or not Path(f"/proc/{pid}").exists()
+
+    return [n for n in names if dead(n)]
 
 
 if __name__ == "__main__":

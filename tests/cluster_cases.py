@@ -23,3 +23,13 @@ def fail_on_rank_1():
     if os.environ["RANK"] == "1":
         raise SystemExit(3)
     return "ok"
+
+
+def fail_on_rank_1_in_a_collective():
+    import os
+
+    dist.init_process_group("gloo", init_method="env://")
+    if os.environ["RANK"] == "1":
+        raise SystemExit(3)
+    dist.all_reduce(torch.ones(1))     # rank 0 waits here for a peer that is gone
+    return "unreachable"

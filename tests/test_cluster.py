@@ -25,16 +25,16 @@ def test_job_across_two_nodes_and_cleanup():
     assert result["sum"] == 0 + 1 + 2 + 3 and result["world"] == 4
     assert result["ifnames"] == ["eth0"] * 4
     assert result["grid"]["x"] == 2 and result["grid"]["data"] == 2
-    assert leftover_namespaces() == []
+    assert leftover_namespaces(include_live=True) == []
 
 
 @needs_root
 def test_cleanup_when_a_rank_fails():
     with pytest.raises(RuntimeError, match=r"ranks \[1\] failed"):
         with EmulatedCluster(ClusterSpec(2, 1, "1gbit")) as cluster:
-            assert len(leftover_namespaces()) == 3        # two nodes and the switch
+            assert len(leftover_namespaces(include_live=True)) == 3        # two nodes and the switch
             cluster.launch(cluster_cases.fail_on_rank_1, ())
-    assert leftover_namespaces() == []
+    assert leftover_namespaces(include_live=True) == []
 
 
 @needs_root
@@ -50,7 +50,20 @@ def test_cleanup_when_interrupted(tmp_path):
         "    time.sleep(60)\n")
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "up"
-    assert len(leftover_namespaces()) == 3
+    assert len(leftover_namespaces(include_live=True)) == 3
     proc.terminate()
     proc.wait(timeout=30)
-    assert leftover_namespaces() == []
+    assert leftover_namespaces(include_live=True) == []
+
+
+@needs_root
+def test_a_failed_rank_stops_the_others():
+    """Rank 1 exits while rank 0 waits in an all-reduce: the job fails at once instead of
+    waiting out gloo's timeout (10 minutes); the time limit is a hang detector."""
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] failed"):
+        launch_cluster(ClusterSpec(2, 1, "1gbit"), cluster_cases.fail_on_rank_1_in_a_collective, ())
+    assert time.monotonic() - start < 120
+    assert leftover_namespaces(include_live=True) == []

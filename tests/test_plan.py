@@ -52,6 +52,8 @@ def test_placement_aware_bandwidth_eq_10():
     # Bounded by the devices per node: at most 4 rings cross.
     assert bandwidths(dict(x=2, y=2, z=2, data=4), NODE4, aware=True) == dict(x=200, y=200, z=50 / 4, data=50 / 4)
     assert set(bandwidths(dict(x=8, y=1, z=1, data=1), NODE4, aware=False).values()) == {50}
+    # x = 3 on 4-device nodes: groups of 3 do not tile the nodes, one straddles two.
+    assert bandwidths(dict(x=3, y=1, z=1, data=4), NODE4, aware=True)["x"] == 50
 
 
 def test_factorizations_are_complete_and_unique():
@@ -110,6 +112,8 @@ def test_plan_cli_json(capsys):
 
 
 def test_plan_cli_errors(capsys, tmp_path):
+    assert main(["plan", "--gpus", "8", "--batch-tokens", "0"]) == 2
+    assert "--batch-tokens and --seq-len must be >= 1 (got 0, 2048)" in capsys.readouterr().err
     assert main(["plan", "--model", "gpt-3", "--gpus", "8"]) == 2
     assert "unknown model 'gpt-3'; built-in models are gpt-5b" in capsys.readouterr().err
     bad = tmp_path / "m.toml"

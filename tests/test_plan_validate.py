@@ -23,17 +23,24 @@ def test_ranks_count_from_one():
     assert _ranks([0.3, 0.1, 0.2]) == [3, 1, 2]
 
 
-def test_score_reports_ranks_of_the_bests():
+def test_score_against_measurements_in_and_out_of_order():
+    from par4d.plan.model import predict
+
     machine = Machine("m", devices_per_node=4, peak_flops=1e10, memory_bytes=1e10, beta_intra=1e9,
                       beta_inter=1e9, latency=1e-4, bytes_per_element=4)
-    measured = [{"sizes": dict(x=1, y=1, z=1, data=4), "s_per_iter": 0.5},
-                {"sizes": dict(x=1, y=4, z=1, data=1), "s_per_iter": 0.2},
-                {"sizes": dict(x=1, y=1, z=4, data=1), "s_per_iter": 0.9}]
-    for s in score(measured, machine):
-        p_ranks, m_ranks = _ranks(s.predicted), [2, 1, 3]
-        assert s.measured_rank_of_predicted_best == m_ranks[p_ranks.index(1)]
-        assert s.predicted_rank_of_measured_best == p_ranks[1]
-        assert -1 <= s.kendall_tau <= 1
+    grids = [dict(x=1, y=1, z=1, data=4), dict(x=1, y=4, z=1, data=1), dict(x=2, y=1, z=2, data=1),
+             dict(x=4, y=1, z=1, data=1)]
+    full = [predict(SPEC, g, machine, "full", checkpointing=False).t_iter for g in grids]
+    assert len(set(full)) == len(full)
+    # Measurements in exactly the full model's order: tau 1, both bests rank 1.
+    agreeing = [{"sizes": g, "s_per_iter": t} for g, t in zip(grids, full)]
+    best = next(s for s in score(agreeing, machine) if s.model == "full")
+    assert (best.kendall_tau, best.measured_rank_of_predicted_best, best.predicted_rank_of_measured_best) == (1, 1, 1)
+    # Reversed: tau -1, and each best is last in the other's order.
+    reversed_ = [{"sizes": g, "s_per_iter": -t} for g, t in zip(grids, full)]
+    worst = next(s for s in score(reversed_, machine) if s.model == "full")
+    assert (worst.kendall_tau, worst.measured_rank_of_predicted_best, worst.predicted_rank_of_measured_best) == (
+        -1, 4, 4)
 
 
 def test_validation_workload_is_the_bench_model():
@@ -56,3 +63,9 @@ def test_calibration_fits_recover_known_parameters():
     assert fits["all_reduce"]["beta"] == pytest.approx(beta, rel=1e-6)
     assert (fits["all_gather"]["c1"], fits["all_gather"]["c2"], fits["all_gather"]["c3"]) == pytest.approx(
         (c1, c2, c3), rel=1e-6)
+    # One group size: log2 p and the constant are the same column, so c1..c3 are not fitted.
+    single = fit([r for r in rows if r["p"] == 4])
+    assert "c1" not in single["all_gather"] and single["all_reduce"]["beta"] == pytest.approx(beta, rel=1e-6)
+    noisy = [{"kind": "all_reduce", "p": 2, "bytes": b, "seconds": 1e-3 - b * 1e-12} for b in (1e3, 1e6, 4e6)]
+    with pytest.raises(ValueError, match="too noisy to fit a bandwidth"):
+        fit(noisy)

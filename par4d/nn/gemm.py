@@ -56,9 +56,14 @@ def _key(a: torch.Tensor, b: torch.Tensor, name: str) -> str:
     return f"{name}:{a.shape[0]}x{a.shape[1]}x{b.shape[1]}:{layout(a)}{layout(b)}"
 
 
-def environment_key(device: torch.device, dtype: torch.dtype) -> str:
+def environment_key(device: torch.device, dtype: torch.dtype, agree: bool = False) -> str:
+    """Device, dtype, torch version and threads; with ``agree``, rank 0's thread count
+    stands for all (ranks must look up the same keys)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return f"{name}|{dtype}|torch {torch.__version__}|threads {torch.get_num_threads()}"
+    threads = torch.tensor([torch.get_num_threads()])
+    if agree and dist.is_initialized():
+        dist.broadcast(threads, src=0)
+    return f"{name}|{dtype}|torch {torch.__version__}|threads {int(threads)}"
 
 
 class GemmPlan:
@@ -72,12 +77,21 @@ class GemmPlan:
         self.cache = Path(cache) if cache else None
         self.choices: dict[str, dict[str, int]] = {}
         self.timings: dict[str, list[float]] = {}
+        self._envs: dict[tuple, str] = {}
         if self.cache and self.cache.is_file():
             self.choices = json.loads(self.cache.read_text())
+        if agree and dist.is_initialized():
+            # Rank 0's cache is everyone's, so no rank tunes (a collective) alone.
+            box = [self.choices]
+            dist.broadcast_object_list(box, src=0)
+            self.choices = box[0]
 
     def mm(self, a: torch.Tensor, b: torch.Tensor, name: str) -> torch.Tensor:
-        """``a @ b`` in the chosen form (timing the forms the first time a key is seen)."""
-        env = environment_key(a.device, a.dtype)
+        """``a @ b`` in the chosen form (timing the forms the first time a key is seen;
+        with ``agree``, every rank must then meet the same key at the same point)."""
+        env = self._envs.get((a.device, a.dtype))
+        if env is None:   # once per device and dtype (a broadcast with agree)
+            env = self._envs[(a.device, a.dtype)] = environment_key(a.device, a.dtype, self.agree)
         key = _key(a, b, name)
         table = self.choices.setdefault(env, {})
         if key not in table:
@@ -91,17 +105,21 @@ class GemmPlan:
             if form not in distinct_forms(a, b):
                 seconds.append(float("inf"))
                 continue
-            apply(form, a, b)  # warm-up
+            apply(form, a, b).contiguous()  # warm-up; timed as used: contiguous
             runs = []
             for _ in range(self.repeats):
                 start = time.perf_counter()
-                apply(form, a, b)
+                apply(form, a, b).contiguous()
                 if a.device.type == "cuda":
                     torch.cuda.synchronize()
                 runs.append(time.perf_counter() - start)
             seconds.append(statistics.median(runs))
         total = torch.tensor(seconds, dtype=torch.float64)
         if self.agree and dist.is_initialized():
+            keys = [None] * dist.get_world_size()
+            dist.all_gather_object(keys, key)
+            if len(set(keys)) > 1:
+                raise RuntimeError(f"GEMM tuning: ranks met different matmuls at the same point: {sorted(set(keys))}")
             dist.all_reduce(total)                       # one decision for every rank
         self.timings[key] = total.tolist()
         return int(torch.argmin(total))

@@ -48,8 +48,10 @@ class _Algorithm1(torch.autograd.Function):
         inp, w = ctx.saved_tensors
         grid = ctx.grid
         rows_out = grad_out.reshape(-1, grad_out.shape[-1])  # (rows, n/G_out)
-        grad_in = _mm(grid, rows_out, w, "input-grad").reshape(*grad_out.shape[:-1], w.shape[1])
-        comm.all_reduce(grid, grad_in, ctx.out_axis)         # (..., k/G_in), was partial over out_axis
+        grad_in = None
+        if ctx.needs_input_grad[0]:                          # not for a network's input
+            grad_in = _mm(grid, rows_out, w, "input-grad").reshape(*grad_out.shape[:-1], w.shape[1])
+            comm.all_reduce(grid, grad_in, ctx.out_axis)     # (..., k/G_in), was partial over out_axis
         grad_w = _mm(grid, rows_out.t(), inp.reshape(-1, inp.shape[-1]), "weight-grad")  # partial over z
         grad_w_shard = comm.reduce_scatter(grid, grad_w, "z")
         grad_b = rows_out.sum(0) if ctx.has_bias else None  # partial over z and data

@@ -19,6 +19,7 @@ class SyntheticTeacher:
 
     def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Global (x, y) of ``step``: a function of (seed, step) alone."""
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step + 1)
+        # A stream apart from the weight's (seed): a batch never repeats W's numbers.
+        gen = torch.Generator().manual_seed((self.seed << 32) + (1 << 31) + step)
         x = torch.randn(batch_size, self.n, generator=gen)
         return x, torch.relu(torch.relu(x) @ self.weight.t())

@@ -51,7 +51,7 @@ def _nvidia_reader():
         return None
     if not handles:
         return None
-    return "nvidia-ml", lambda: sum(pynvml.nvmlDeviceGetPowerUsage(h) for h in handles) / 1000.0
+    return "nvidia-ml", lambda: sum(pynvml.nvmlDeviceGetPowerUsage(h) for h in handles) / 1000.0, "power"
 
 
 def _amd_reader():
@@ -74,34 +74,38 @@ def _amd_reader():
             total += float(info.get("current_socket_power") or info.get("average_socket_power") or 0.0)
         return total
 
-    return "amdsmi", read
+    return "amdsmi", read, "power"
 
 
 def _rapl_reader():
-    """Linux powercap: cumulative package energy counters (µJ) -> watts between samples."""
+    """Linux powercap package counters (cumulative µJ): returns joules so far, unwrapped.
+    The monitor integrates counters by differences, not by the trapezoid rule."""
     from pathlib import Path
 
-    zones = [z for z in Path("/sys/class/powercap").glob("intel-rapl:*") if ":" in z.name and
-             z.name.count(":") == 1 and (z / "energy_uj").is_file()]
+    try:
+        zones = [z for z in Path("/sys/class/powercap").glob("intel-rapl:*")
+                 if z.name.count(":") == 1 and (z / "energy_uj").is_file()]
+        wrap = [int((z / "max_energy_range_uj").read_text()) if (z / "max_energy_range_uj").is_file() else 2**32
+                for z in zones]
+        last = [int((z / "energy_uj").read_text()) for z in zones]
+    except OSError:     # no powercap, or counters readable by root only
+        return None
     if not zones:
         return None
-    state = {"t": time.monotonic(), "e": [int((z / "energy_uj").read_text()) for z in zones]}
-    wrap = [int((z / "max_energy_range_uj").read_text()) if (z / "max_energy_range_uj").is_file() else 2**32
-            for z in zones]
+    total = [0.0]
 
     def read() -> float:
-        now = time.monotonic()
-        energy = [int((z / "energy_uj").read_text()) for z in zones]
-        joules = sum(((e - e0) % w) / 1e6 for e, e0, w in zip(energy, state["e"], wrap))
-        watts = joules / max(now - state["t"], 1e-6)
-        state.update(t=now, e=energy)
-        return watts
+        now = [int((z / "energy_uj").read_text()) for z in zones]
+        total[0] += sum(((e - e0) % w) / 1e6 for e, e0, w in zip(now, last, wrap))
+        last[:] = now
+        return total[0]
 
-    return "rapl", read
+    return "rapl", read, "energy"
 
 
 def find_power_source():
-    """(name, read_watts) of the first sensor found, or None."""
+    """(name, read, kind) of the first sensor found, or None; ``kind`` is "power"
+    (read() gives watts) or "energy" (read() gives cumulative joules)."""
     for probe in (_nvidia_reader, _amd_reader, _rapl_reader):
         found = probe()
         if found is not None:
@@ -119,6 +123,7 @@ class EnergyMonitor:
         found = find_power_source()
         self.source = found[0] if found else None
         self._read = found[1] if found else None
+        self.kind = found[2] if found else "power"
         self.reason = None if found else "no power sensor (NVIDIA NVML, AMD SMI or Linux RAPL) on this machine"
         self.samples: list[tuple[float, float]] = []
         self._stop = threading.Event()
@@ -130,7 +135,6 @@ class EnergyMonitor:
 
     def start(self) -> EnergyMonitor:
         if self.available:
-            self._read()   # RAPL: set the baseline
             self.samples = [(time.monotonic(), self._read())]
             self._stop.clear()
             self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -153,4 +157,7 @@ class EnergyMonitor:
 
     @property
     def joules(self) -> float:
+        """Power samples: trapezoid integral. Energy counters: last minus first."""
+        if self.kind == "energy":
+            return self.samples[-1][1] - self.samples[0][1] if self.samples else 0.0
         return sum((t1 - t0) * (w0 + w1) / 2 for (t0, w0), (t1, w1) in zip(self.samples, self.samples[1:]))

@@ -89,10 +89,14 @@ def fit(rows: list[dict]) -> dict:
         a = np.array([[_steps_and_factor(kind, r["p"])[0], r["bytes"] * _steps_and_factor(kind, r["p"])[1]]
                       for r in mine])
         (alpha, inv_beta), *_ = np.linalg.lstsq(a, t, rcond=None)
-        b = np.array([[math.log2(r["p"]), r["bytes"], 1.0] for r in mine])
-        (c1, c2, c3), *_ = np.linalg.lstsq(b, t, rcond=None)
-        out[kind] = {"alpha": float(max(alpha, 0.0)), "beta": float(1 / inv_beta) if inv_beta > 0 else float("inf"),
-                     "c1": float(c1), "c2": float(c2), "c3": float(c3), "points": len(mine)}
+        if inv_beta <= 0:
+            raise ValueError(f"calibration of {kind} is too noisy to fit a bandwidth (time does not grow with "
+                             f"message size); run again with more --repeats on a quieter machine")
+        out[kind] = {"alpha": float(max(alpha, 0.0)), "beta": float(1 / inv_beta), "points": len(mine)}
+        if len({r["p"] for r in mine}) > 1:   # with one p, log2 p and the constant cannot be told apart
+            b = np.array([[math.log2(r["p"]), r["bytes"], 1.0] for r in mine])
+            (c1, c2, c3), *_ = np.linalg.lstsq(b, t, rcond=None)
+            out[kind].update(c1=float(c1), c2=float(c2), c3=float(c3))
     return out
 
 
@@ -117,7 +121,7 @@ def calibrate(nproc: int, out: Path, repeats: int = 5, cluster=None) -> dict:
 
         rows = launch_cluster(cluster, _measure_worker, (settings,))[0]
         per_node, name = cluster.ranks_per_node, f"emulated-{cluster.nodes}x{cluster.ranks_per_node}-{cluster.link}"
-        intra_rows = [r for r in rows if r["p"] <= per_node] or rows
+        intra_rows = [r for r in rows if r["p"] <= per_node and per_node % r["p"] == 0] or rows
         inter_rows = [r for r in rows if r["p"] == nproc]
     fits = fit(intra_rows)
     beta = fits["all_reduce"]["beta"]

@@ -44,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--gpus is required to rank configurations (e.g. --gpus 32)")
     if args.gpus < 1 or args.top < 1:
         raise ValueError(f"--gpus and --top must be >= 1 (got {args.gpus}, {args.top})")
+    if args.batch_tokens < 1 or args.seq_len < 1:
+        raise ValueError(f"--batch-tokens and --seq-len must be >= 1 (got {args.batch_tokens}, {args.seq_len})")
     if args.batch_tokens % args.seq_len:
         raise ValueError(f"--batch-tokens {args.batch_tokens} is not a multiple of --seq-len {args.seq_len}")
     machine = load_machine(args.machine or "perlmutter")
@@ -119,6 +121,8 @@ def _validate(args: argparse.Namespace) -> int:
         machine = calibrate(args.nproc, profile, cluster=cluster)["machine"]
     else:
         machine = load_machine(args.machine)
+    if args.gpus_per_node is not None:
+        machine = replace(machine, devices_per_node=args.gpus_per_node)
     measured, scores = validate(args.nproc, machine, args.iters, Path(args.plot) if args.plot else None, cluster)
     print(report(measured, scores, args.json))
     return 0

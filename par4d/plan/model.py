@@ -39,13 +39,17 @@ def ring_time(kind: str, ranks: int, message_bytes: float, beta: float, latency:
 
 def bandwidths(sizes: dict[str, int], machine: Machine, aware: bool) -> dict[str, float]:
     """β per axis. Placement-aware (Eq 10), hierarchy x, y, z, data (innermost first):
-    a group inside a node gets β_intra; one that crosses nodes gets β_inter divided by
+    a group inside a node gets β_intra (also requiring that groups tile the nodes); one
+    that crosses nodes gets β_inter divided by
     the number of rings sharing the node's links, min(G_node, prod of inner sizes)."""
     if not aware:
         return {a: machine.beta_inter for a in AXES4}
     out, inner = {}, 1
     for axis in AXES4:
-        if inner * sizes[axis] <= machine.devices_per_node:
+        span = inner * sizes[axis]
+        # Inside a node: the group's ranks fit in one node and groups tile the nodes
+        # (x=3 on 4-device nodes has a group that straddles two nodes).
+        if span <= machine.devices_per_node and machine.devices_per_node % span == 0:
             out[axis] = machine.beta_intra
         else:
             out[axis] = machine.beta_inter / min(machine.devices_per_node, inner)

@@ -64,6 +64,10 @@ def score(measured: list[dict], machine: Machine) -> list[Score]:
     scores = []
     for variant in VARIANTS:
         preds = [predict(SPEC, row["sizes"], machine, variant, checkpointing=False) for row in measured]
+        excluded = [(p.sizes, p.excluded) for p in preds if not p.fits]
+        if excluded:
+            raise ValueError(f"the '{variant}' model excludes measured configurations: {excluded} "
+                             f"(is the machine profile's memory right?)")
         predicted = [p.t_iter if variant == "full" else p.t_comm for p in preds]
         p_ranks, m_ranks = _ranks(predicted), _ranks(times)
         best_predicted = p_ranks.index(1)

@@ -119,8 +119,9 @@ class GPTSpec:
         b, h = bytes_per_element, self.hidden
         per_param = 2 * b + (12 if b < 4 else 8)                    # param + grad + (master,) m, v
         states = self.params() / (gx * gy * gz) * per_param
-        blocks = [layer.k * layer.n / (gx * gy) * b * layer.count for layer in self.layers()]
-        gathered = max(blocks) / self.n_layer if checkpointing else sum(blocks)
+        blocks = [layer.k * layer.n / (gx * gy) * b for layer in self.layers()]
+        counts = [layer.count for layer in self.layers()]
+        gathered = max(blocks) if checkpointing else sum(b * c for b, c in zip(blocks, counts))
         rows = self.tokens / (gd * gz)
         per_layer = rows * b * (5 * h / gy + 6 * h / gx + 8 * h / gx)
         head = rows * self.vocab / gx * (b + 4)
@@ -130,7 +131,8 @@ class GPTSpec:
     def with_batch(self, global_batch: int | None = None, seq_len: int | None = None) -> GPTSpec:
         from dataclasses import replace
 
-        return replace(self, global_batch=global_batch or self.global_batch, seq_len=seq_len or self.seq_len)
+        return replace(self, global_batch=self.global_batch if global_batch is None else global_batch,
+                       seq_len=self.seq_len if seq_len is None else seq_len)
 
 
 # The paper's Table I (sequence 2048, batch 4M tokens; vocabulary 51200 assumed).
