@@ -178,4 +178,4 @@ def test_compare_rows_and_exact_bytes(tmp_path):
         assert pp["s_per_iter"] > 0 and pp["energy_j"] > 0 and "estimate" in pp["energy_source"]
     report = tmp_path / "phantom.md"
     write_report(rows, fits, "par4d phantom compare (test)", report)
-    assert "| PP | 2 | 3 |" in report.read_text() and (tmp_path / "figures" / "phantom-compare.png").is_file()
+    assert "| PP | 2 | 3 |" in report.read_text() and (tmp_path / "figures" / "phantom.png").is_file()

@@ -117,7 +117,7 @@ def _run_scheme(settings: CompareSettings, grid, scheme: str, k: int | None) -> 
            "comm_s_per_iter": statistics.median(comm_s[2:] if len(comm_s) > 4 else comm_s),
            "comm_bytes_per_iter": int(statistics.median(comm_b)), "mem_bytes": int(mem.item()),
            "iters_run": run_iters, "iters_to_target": reached, "time_to_target": sum(times) if reached else None,
-           "final_loss": losses[-1], "first_loss": evaluate_before,
+           "final_loss": losses[-1], "first_loss": evaluate_before, "loss_curve": [evaluate_before, *losses],
            "energy_j": profile.energy(busy[0].item(), busy[1].item()),
            "energy_source": f"model estimate ({profile.name}: A={profile.busy_watts} W, B={profile.idle_watts} W)"}
     if measured_j is not None:
@@ -146,9 +146,17 @@ def fit_collectives(entries: list[tuple]) -> dict:
     from par4d.plan.calibrate import fit
 
     rows = [{"kind": kind, "p": p, "bytes": b, "seconds": s} for kind, p, b, s in entries if p > 1]
-    if len({r["p"] for r in rows}) < 2:
-        return {}
-    return {k: {key: v[key] for key in ("c1", "c2", "c3", "points")} for k, v in fit(rows).items() if "c1" in v}
+    out = {}
+    for kind in sorted({r["kind"] for r in rows}):
+        mine = [r for r in rows if r["kind"] == kind]
+        try:
+            fitted = fit(mine)[kind]
+        except ValueError as exc:   # e.g. one message size only: nothing to fit the slope to
+            out[kind] = {"skipped": str(exc).split(";")[0]}
+            continue
+        if "c1" in fitted:
+            out[kind] = {key: fitted[key] for key in ("c1", "c2", "c3", "points")}
+    return out
 
 
 def run_compare(n: int, depth: int, nprocs: list[int], ks: list[int], *, batch: int, lr: float, iters: int,
@@ -183,7 +191,7 @@ def write_report(rows: list[dict], fits: dict, command: str, path: Path) -> None
     def series(key, scheme):
         return [next((r[key] for r in rows if r["p"] == p and (r["scheme"], r["k"]) == scheme), None) for p in ps]
 
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    fig, axes = plt.subplots(1, 4, figsize=(17, 3.8))
     panels = [("comm_bytes_per_iter", "communication bytes / iteration (per rank)"),
               ("s_per_iter", "seconds / iteration"),
               ("energy_j", "energy (J): to target if given, else for the run")]
@@ -197,8 +205,17 @@ def write_report(rows: list[dict], fits: dict, command: str, path: Path) -> None
         ax.set_xticks(ps)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
+    curves = axes[3]
+    for r in rows:
+        if r["p"] == ps[-1]:
+            curves.plot(r["loss_curve"], lw=1, label="TP" if r["scheme"] == "tp" else f"PP k={r['k']}")
+    curves.set_xlabel("iteration")
+    curves.set_ylabel(f"held-out MSE (p={ps[-1]})", fontsize=8)
+    curves.grid(alpha=0.3)
+    curves.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(figures / "phantom-compare.png", dpi=110)
+    figure = figures / f"{path.stem}.png"
+    fig.savefig(figure, dpi=110)
     plt.close(fig)
 
     lines = ["# Phantom parallelism vs tensor parallelism", "",
@@ -218,11 +235,14 @@ def write_report(rows: list[dict], fits: dict, command: str, path: Path) -> None
                      f"{fmt(r['iters_to_target'], 'd')} | "
                      f"{fmt(r['time_to_target'], '.2f')} | {fmt(r['energy_j'], '.1f')} |")
     sources = sorted({r["energy_source"] for r in rows})
-    lines += ["", f"Energy: {'; '.join(sources)}.", "", "![phantom vs TP](figures/phantom-compare.png)", ""]
+    lines += ["", f"Energy: {'; '.join(sources)}.", "", f"![phantom vs TP](figures/{figure.name})", ""]
     if fits:
         lines += ["Collective times of this run fitted to `t(m, p) = c1 log2 p + c2 m + c3` (m in bytes):", "",
                   "| collective | c1 (ms) | c2 (s/GB) | c3 (ms) | points |", "| --- | ---: | ---: | ---: | ---: |"]
         for kind, f in fits.items():
+            if "skipped" in f:
+                lines.append(f"| {kind} | not fitted: {f['skipped']} | | | |")
+                continue
             lines.append(f"| {kind} | {f['c1'] * 1e3:.3f} | {f['c2'] * 1e9:.3f} | {f['c3'] * 1e3:.3f} | "
                          f"{f['points']} |")
     path.write_text("\n".join(lines) + "\n")
