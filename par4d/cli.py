@@ -63,6 +63,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-layer", type=int, default=_default("n_layer"))
     p.add_argument("--n-embd", type=int, default=_default("n_embd"))
     p.add_argument("--n-head", type=int, default=_default("n_head"))
+    p.add_argument("--mlp", choices=["dense", "phantom"], default=_default("mlp"),
+                   help="phantom: phantom layers over x in every MLP (needs y = z = 1)")
+    p.add_argument("--phantom-k", type=int, default=_default("phantom_k"), help="ghost neurons per phantom layer")
     p.add_argument("--lr", type=float, default=_default("lr"), help="peak learning rate")
     p.add_argument("--seed", type=int, default=_default("seed"))
     p.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps")
@@ -187,6 +190,8 @@ def _train_config(args: argparse.Namespace, world: int, inside: bool = False):
                                     progress=not args.no_progress, peak_flops=None))
     else:
         if args.grid == "auto":
+            if args.mlp != "dense":
+                raise ValueError("--grid auto plans the dense GPT only; give --grid for --mlp phantom")
             grid = _planned_grid(args, world, inside)
         else:
             grid = parse_grid(args.grid) if args.grid else default_grid(world)
@@ -199,6 +204,7 @@ def _train_config(args: argparse.Namespace, world: int, inside: bool = False):
         config = TrainConfig(grid=grid, out=None if out is None else str(out), steps=steps,
                              batch_size=args.batch_size, seq_len=args.seq_len, n_layer=args.n_layer,
                              n_embd=args.n_embd, n_head=args.n_head, lr=args.lr, seed=args.seed, data=args.data,
+                             mlp=args.mlp, phantom_k=args.phantom_k,
                              save_every=args.save_every, progress=not args.no_progress)
     sizes = validate_sizes(config.grid, world)
     # Every shape error on every rank's grid is raised here, before a process starts.

@@ -77,6 +77,8 @@ def _gpt(config_kwargs, sizes):
     (dict(vocab_size=30, n_embd=16), dict(x=4), ["head", "out_features=30", "x = 1 * 4"]),
     (dict(block_size=6, n_embd=16), dict(z=4), ["wpe", "num_embeddings=6", "z=4"]),
     (dict(n_embd=18, n_head=3), dict(y=4), ["wte", "dim=18", "y=4"]),
+    (dict(n_embd=16, mlp="phantom", phantom_p=2), dict(x=4), ["phantom_p=2 must equal the grid's x=4"]),
+    (dict(n_embd=16, mlp="phantom", phantom_p=2), dict(x=2, y=2), ["phantom MLP runs on x and data only", "y=2"]),
 ])
 def test_gpt_config_errors(pool4, config, sizes, words):
     for message in pool4.errors(_gpt, config, sizes, timeout=30):

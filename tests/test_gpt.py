@@ -13,10 +13,10 @@ CONFIG = GPTConfig(vocab_size=36, block_size=8, n_layer=2, n_head=4, n_embd=24, 
 BATCH, STEPS = 4, 3
 
 
-def _gpt_matches_twin(sizes: dict) -> int:
+def _gpt_matches_twin(sizes: dict, config: GPTConfig = CONFIG) -> int:
     grid = cases.grid(**sizes)
-    twin = ReferenceGPT(CONFIG)
-    model = GPT(CONFIG, grid=grid)
+    twin = ReferenceGPT(config)
+    model = GPT(config, grid=grid)
     start = model.reference_state()
     for name, param in twin.named_parameters():
         assert torch.equal(start[name], param.detach()), f"{sizes}: initial {name} differs from the twin"
@@ -28,7 +28,7 @@ def _gpt_matches_twin(sizes: dict) -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-4)
     gen = torch.Generator().manual_seed(0)
     for step in range(STEPS):
-        tokens = torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.block_size + 1), generator=gen)
+        tokens = torch.randint(0, config.vocab_size, (BATCH, config.block_size + 1), generator=gen)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         ref_loss = twin(inputs, targets)
         ref_loss.backward()
@@ -101,3 +101,15 @@ def _layernorm_large_mean(sizes: dict) -> float:
 
 def test_layernorm_statistics_are_stable(pool4):
     assert max(pool4.run(_layernorm_large_mean, dict(y=4))) < 1e-4
+
+
+@pytest.mark.parametrize("sizes", [dict(x=2, data=2), dict(x=4)], ids=["x2d2", "x4"])
+def test_gpt_with_phantom_mlp_matches_twin(pool4, sizes):
+    """A phantom MLP standing in every block (the config setting), against a twin that
+    applies the same phantom parameters as one block matrix per layer."""
+    from dataclasses import replace
+
+    config = replace(CONFIG, mlp="phantom", phantom_k=3, phantom_p=sizes["x"])
+    expected = len(list(ReferenceGPT(config, init=False).parameters()))
+    assert pool4.run(_gpt_matches_twin, sizes, config) == [expected] * 4
+    assert config.num_params() == sum(p.numel() for p in ReferenceGPT(config, init=False).parameters())

@@ -7,6 +7,7 @@ re-laid out or fully replicated between layers:
 
     ln1 (stats over y) -> qkv (normal, heads over x) -> attention -> proj (transposed)
     ln2 (stats over y) -> fc (normal, 4D over x) -> GELU -> proj (transposed)
+        (or, with ``config.mlp == "phantom"``, phantom layers over x: DESIGN §5)
     ln_f -> head (normal, vocabulary over x) -> vocab-parallel cross-entropy over x
 """
 
@@ -20,6 +21,7 @@ from par4d.grid import Grid
 from par4d.models.config import GPTConfig, init_tensor
 from par4d.nn import CausalSelfAttention, Embedding, LayerNorm, Linear, vocab_parallel_cross_entropy
 from par4d.nn.base import full_state_dict, load_full_state_dict
+from par4d.nn.collectives import GatherFeatures, SplitFeatures
 
 
 class _MLP(nn.Module):
@@ -32,13 +34,32 @@ class _MLP(nn.Module):
         return self.proj(F.gelu(self.fc(h)))
 
 
+class _PhantomMLP(nn.Module):
+    """Phantom layers over x in place of the dense MLP (needs y = z = 1): the residual
+    stream (replicated over x) is split into x blocks, runs fc -> GELU -> proj as
+    phantom layers, and is gathered back."""
+
+    def __init__(self, config: GPTConfig, grid: Grid, name: str):
+        super().__init__()
+        from par4d.phantom.layers import PhantomLinear
+
+        d, k = config.n_embd, config.phantom_k
+        self.grid = grid
+        self.fc = PhantomLinear(d, 4 * d, k, grid=grid, axis="x", name=f"{name}.fc")
+        self.proj = PhantomLinear(4 * d, d, k, grid=grid, axis="x", name=f"{name}.proj")
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        local = SplitFeatures.apply(h, self.grid, "x")                        # (B, T, D/G_x)
+        return GatherFeatures.apply(self.proj(F.gelu(self.fc(local))), self.grid, "x")
+
+
 class _Block(nn.Module):
     def __init__(self, config: GPTConfig, grid: Grid, name: str):
         super().__init__()
         self.ln1 = LayerNorm(config.n_embd, grid=grid, name=f"{name}.ln1")
         self.attn = CausalSelfAttention(config.n_embd, config.n_head, grid=grid, name=f"{name}.attn")
         self.ln2 = LayerNorm(config.n_embd, grid=grid, name=f"{name}.ln2")
-        self.mlp = _MLP(config, grid, f"{name}.mlp")
+        self.mlp = (_MLP if config.mlp == "dense" else _PhantomMLP)(config, grid, f"{name}.mlp")
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         h = h + self.attn(self.ln1(h))
@@ -57,6 +78,12 @@ class GPT(nn.Module):
         super().__init__()
         if grid.size("pipe") > 1:
             raise ValueError(f"GPT runs on the data x 3D tensor grid; pipe={grid.size('pipe')} is not supported yet")
+        if config.mlp == "phantom":
+            if config.phantom_p != grid.size("x"):
+                raise ValueError(f"GPTConfig.phantom_p={config.phantom_p} must equal the grid's x={grid.size('x')}")
+            if grid.size("y") > 1 or grid.size("z") > 1:
+                raise ValueError(f"a phantom MLP runs on x and data only; y={grid.size('y')} and "
+                                 f"z={grid.size('z')} must be 1")
         self.config, self.grid = config, grid
         self.wte = Embedding(config.vocab_size, config.n_embd, grid=grid, name="wte")
         self.wpe = Embedding(config.block_size, config.n_embd, grid=grid, name="wpe")

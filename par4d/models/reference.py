@@ -34,13 +34,26 @@ class _MLP(nn.Module):
         return self.proj(F.gelu(self.fc(h)))
 
 
+class _PhantomMLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        from par4d.phantom.layers import PhantomLinearTwin
+
+        d, k, p = config.n_embd, config.phantom_k, config.phantom_p
+        self.fc = PhantomLinearTwin(d, 4 * d, k, p)
+        self.proj = PhantomLinearTwin(4 * d, d, k, p)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(h)))
+
+
 class _Block(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.ln1 = nn.LayerNorm(config.n_embd)
         self.attn = _Attention(config)
         self.ln2 = nn.LayerNorm(config.n_embd)
-        self.mlp = _MLP(config)
+        self.mlp = _MLP(config) if config.mlp == "dense" else _PhantomMLP(config)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         h = h + self.attn(self.ln1(h))

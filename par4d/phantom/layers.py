@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from par4d.grid import Grid
 from par4d.layout import mark
+from par4d.nn.base import ShardedModule
 from par4d.nn.collectives import gather_shards
 
 
@@ -38,7 +39,7 @@ def parameter_count(n: int, depth: int, p: int, k: int, bias: bool = True) -> in
     return depth * (n * n // p + p * k * n + (n if bias else 0))
 
 
-class PhantomLinear(nn.Module):
+class PhantomLinear(ShardedModule):
     """One phantom layer ``n_in -> n_out`` over grid axis ``axis`` (p = its size).
 
     Input ``(batch, n_in / p)``: this rank's feature shard, batch split over ``data``.
@@ -95,14 +96,41 @@ class PhantomLinear(nn.Module):
         return [i for i in range(self.p) if i != self.rank]
 
     def forward(self, y: torch.Tensor) -> torch.Tensor:
-        batch = y.shape[0]
-        ghosts = y @ self.compressor.t()                                  # (B, k)
-        out = y @ self.local.t()                                          # (B, n_out/p)
+        lead = y.shape[:-1]
+        rows = y.reshape(-1, y.shape[-1])                                 # (B, n_in/p), B = all leading dims
+        ghosts = rows @ self.compressor.t()                               # (B, k)
+        out = rows @ self.local.t()                                       # (B, n_out/p)
         if self.p > 1:
-            every = gather_shards(ghosts, self.grid, self.axis).view(self.p, batch, self.k)   # (p, B, k)
+            every = gather_shards(ghosts, self.grid, self.axis).view(self.p, rows.shape[0], self.k)  # (p, B, k)
             remote = every[self.others()]                                 # (p-1, B, k)
             out = out + torch.einsum("ibk,iok->bo", remote, self.decompressors)
-        return out if self.bias is None else out + self.bias
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*lead, out.shape[-1])
+
+    # Full state: every rank's blocks stacked along a leading rank dimension (p is
+    # part of a phantom model's shape), the bias as one n_out vector.
+    def full_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = {name: (self.p, *getattr(self, name).shape) for name in ("local", "compressor", "decompressors")}
+        if self.bias is not None:
+            shapes["bias"] = (self.n_out,)
+        return shapes
+
+    def full_state(self, grad: bool = False) -> dict[str, torch.Tensor]:
+        every = self.blocks(grad)
+        state = {name: torch.stack([b[i] for b in every]) for i, name in
+                 enumerate(("local", "compressor", "decompressors"))}
+        if self.bias is not None:
+            state["bias"] = torch.cat([b[3] for b in every])
+        return state
+
+    @torch.no_grad()
+    def load_full_state(self, state: dict[str, torch.Tensor]) -> None:
+        for name in ("local", "compressor", "decompressors"):
+            getattr(self, name).copy_(state[name][self.rank])
+        if self.bias is not None:
+            size = self.n_out // self.p
+            self.bias.copy_(state["bias"][self.rank * size:(self.rank + 1) * size])
 
     @torch.no_grad()
     def blocks(self, grad: bool = False) -> list[tuple[torch.Tensor, ...]]:
@@ -133,6 +161,25 @@ def block_matrix(blocks: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor
     weight = torch.cat(rows, dim=0)
     assert weight.shape == (n_out, n_in)
     return weight
+
+
+class PhantomLinearTwin(nn.Module):
+    """Single-device twin of a :class:`PhantomLinear`: every rank's blocks as stacked
+    parameters (the same names and shapes as its full state), applied as one block
+    matrix."""
+
+    def __init__(self, n_in: int, n_out: int, k: int, p: int, bias: bool = True):
+        super().__init__()
+        self.n_in, self.n_out, self.p = n_in, n_out, p
+        self.local = nn.Parameter(torch.empty(p, n_out // p, n_in // p))
+        self.compressor = nn.Parameter(torch.empty(p, k, n_in // p))
+        self.decompressors = nn.Parameter(torch.empty(p, p - 1, n_out // p, k))
+        self.bias = nn.Parameter(torch.zeros(n_out)) if bias else None
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        blocks = [(self.local[j], self.compressor[j], self.decompressors[j]) for j in range(self.p)]
+        out = y @ block_matrix(blocks, self.n_in, self.n_out).t()
+        return out if self.bias is None else out + self.bias
 
 
 class PhantomFFN(nn.Module):

@@ -34,6 +34,8 @@ class TrainConfig:
     n_layer: int = 4
     n_embd: int = 128
     n_head: int = 4
+    mlp: str = "dense"
+    phantom_k: int = 16
     lr: float = 3e-3
     warmup: int = 20
     weight_decay: float = 0.1
@@ -54,7 +56,8 @@ class TrainConfig:
 
     def model_config(self) -> GPTConfig:
         return GPTConfig(vocab_size=VOCAB_BYTES, block_size=self.seq_len, n_layer=self.n_layer,
-                         n_embd=self.n_embd, n_head=self.n_head, seed=self.seed)
+                         n_embd=self.n_embd, n_head=self.n_head, seed=self.seed, mlp=self.mlp,
+                         phantom_k=self.phantom_k, phantom_p=self.grid.get("x", 1))
 
     def learning_rate(self, step: int) -> float:
         """Linear warm-up, then inverse-square-root decay. It does not depend on the
