@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from par4d.grid import Grid
 from par4d.nn import Linear
+from par4d.phantom.layers import feed_forward
 
 
 class TensorParallelFFN(nn.Module):
@@ -40,8 +41,4 @@ class TensorParallelFFN(nn.Module):
         return len(self.layers) % 2 == 1
 
     def forward(self, y: torch.Tensor) -> torch.Tensor:
-        for i, layer in enumerate(self.layers):
-            y = layer(y)
-            if i < len(self.layers) - 1 or self.final_activation:
-                y = self.activation(y)
-        return y
+        return feed_forward(self.layers, y, self.activation, self.final_activation)

@@ -201,8 +201,14 @@ class PhantomFFN(nn.Module):
                           name=f"layers.{i}") for i in range(depth))
 
     def forward(self, y: torch.Tensor) -> torch.Tensor:
-        for i, layer in enumerate(self.layers):
-            y = layer(y)
-            if i < len(self.layers) - 1 or self.final_activation:
-                y = self.activation(y)
-        return y
+        return feed_forward(self.layers, y, self.activation, self.final_activation)
+
+
+def feed_forward(layers: Sequence[nn.Module], y: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor],
+                 final_activation: bool) -> torch.Tensor:
+    """``y_l = σ(layer_l(y_{l-1}))``; the last σ only with ``final_activation``."""
+    for i, layer in enumerate(layers):
+        y = layer(y)
+        if i < len(layers) - 1 or final_activation:
+            y = activation(y)
+    return y
