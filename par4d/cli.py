@@ -67,6 +67,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                    help="phantom: phantom layers over x in every MLP (needs y = z = 1)")
     p.add_argument("--phantom-k", type=int, default=_default("phantom_k"), help="ghost neurons per phantom layer")
     p.add_argument("--lr", type=float, default=_default("lr"), help="peak learning rate")
+    p.add_argument("--grad-clip", type=float, default=_default("grad_clip"),
+                   help="clip the global gradient norm to this (0: off)")
     p.add_argument("--seed", type=int, default=_default("seed"))
     p.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -204,7 +206,7 @@ def _train_config(args: argparse.Namespace, world: int, inside: bool = False):
         config = TrainConfig(grid=grid, out=None if out is None else str(out), steps=steps,
                              batch_size=args.batch_size, seq_len=args.seq_len, n_layer=args.n_layer,
                              n_embd=args.n_embd, n_head=args.n_head, lr=args.lr, seed=args.seed, data=args.data,
-                             mlp=args.mlp, phantom_k=args.phantom_k,
+                             mlp=args.mlp, phantom_k=args.phantom_k, grad_clip=args.grad_clip,
                              save_every=args.save_every, progress=not args.no_progress)
     sizes = validate_sizes(config.grid, world)
     # Every shape error on every rank's grid is raised here, before a process starts.

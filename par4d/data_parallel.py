@@ -64,3 +64,34 @@ def global_mean(value: torch.Tensor, grid: Grid) -> torch.Tensor:
     out = value.detach().clone().reshape(1)
     comm.all_reduce(grid, out, "z", "data")
     return out[0] / grid.size("z", "data")
+
+
+@torch.no_grad()
+def clip_grad_norm_(model: nn.Module, max_norm: float, grid: Grid) -> torch.Tensor:
+    """Scale all gradients so their global 2-norm is at most ``max_norm``; returns the
+    norm before clipping (as ``torch.nn.utils.clip_grad_norm_`` on the single-device model).
+
+    Call after :func:`sync_gradients`. Each shard counts once: a gradient replicated over
+    tensor axes (x, y, z) it is not sharded on is divided by that replication, and the
+    sum of squares is all-reduced over (x, y, z); data replicas are identical.
+    """
+    from par4d.layout import TENSOR_AXES
+
+    total = torch.zeros(1, dtype=torch.float64, device=grid.device)
+    grads = []
+    for name, param in model.named_parameters():
+        placement = spec(param)
+        if placement is None:
+            raise ValueError(f"parameter {name!r} is not a par4d parameter (no ParamSpec)")
+        if param.grad is None:
+            continue
+        copies = grid.size(*[a for a in TENSOR_AXES if a not in placement.sharded])
+        total += param.grad.double().square().sum() / copies
+        grads.append(param.grad)
+    comm.all_reduce(grid, total, "x", "y", "z")
+    norm = total.sqrt().float()
+    scale = max_norm / (norm + 1e-6)
+    if scale < 1:
+        for grad in grads:
+            grad.mul_(scale)
+    return norm[0]

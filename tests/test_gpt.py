@@ -113,3 +113,30 @@ def test_gpt_with_phantom_mlp_matches_twin(pool4, sizes):
     expected = len(list(ReferenceGPT(config, init=False).parameters()))
     assert pool4.run(_gpt_matches_twin, sizes, config) == [expected] * 4
     assert config.num_params() == sum(p.numel() for p in ReferenceGPT(config, init=False).parameters())
+
+
+def _clipped_like_torch(sizes: dict) -> float:
+    from par4d.data_parallel import clip_grad_norm_
+
+    grid = cases.grid(**sizes)
+    twin, model = ReferenceGPT(CONFIG), GPT(CONFIG, grid=grid)
+    tokens = torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.block_size + 1),
+                           generator=torch.Generator().manual_seed(5))
+    twin(tokens[:, :-1], tokens[:, 1:]).backward()
+    model(shard_batch(grid, tokens[:, :-1]), shard_batch(grid, tokens[:, 1:])).backward()
+    sync_gradients(model, grid)
+    ref_norm = torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.1)
+    norm = clip_grad_norm_(model, 0.1, grid)
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=1e-6)
+    assert ref_norm > 0.1    # the clipping really scaled the gradients
+    grads = model.reference_state(grad=True)
+    for name, param in twin.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, rtol=1e-5, atol=1e-6)
+    return norm.item()
+
+
+@pytest.mark.parametrize("sizes", [dict(x=2, y=2), dict(x=1, y=2, z=2), dict(z=2, data=2)],
+                         ids=["x2y2", "y2z2", "z2d2"])
+def test_gradient_clipping_matches_torch(pool4, sizes):
+    norms = pool4.run(_clipped_like_torch, sizes)
+    assert max(norms) == min(norms)   # every rank computed the same global norm

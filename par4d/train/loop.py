@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import par4d
-from par4d.data_parallel import global_mean, sync_gradients
+from par4d.data_parallel import clip_grad_norm_, global_mean, sync_gradients
 from par4d.launch import distributed_env
 from par4d.layout import shard_batch
 from par4d.models import GPT, GPTConfig
@@ -39,6 +39,7 @@ class TrainConfig:
     lr: float = 3e-3
     warmup: int = 20
     weight_decay: float = 0.1
+    grad_clip: float = 1.0  # global gradient-norm limit; 0 disables
     seed: int = 0
     data: str | None = None
     resume: bool = False
@@ -53,6 +54,8 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if self.grad_clip < 0:
+            raise ValueError(f"--grad-clip must be >= 0 (0 disables), got {self.grad_clip}")
 
     def model_config(self) -> GPTConfig:
         return GPTConfig(vocab_size=VOCAB_BYTES, block_size=self.seq_len, n_layer=self.n_layer,
@@ -112,6 +115,8 @@ def run(config: TrainConfig) -> dict:
         loss = model(shard_batch(grid, inputs).to(grid.device), shard_batch(grid, targets).to(grid.device))
         loss.backward()
         sync_gradients(model, grid)
+        if config.grad_clip > 0:
+            clip_grad_norm_(model, config.grad_clip, grid)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         mean_loss = global_mean(loss, grid).item()
