@@ -1,8 +1,22 @@
-"""par4d: 4D hybrid parallel training (data x 3D tensor) for PyTorch."""
+"""par4d: 4D hybrid parallel training (data x 3D tensor) for PyTorch.
 
-from par4d import nn
-from par4d.data_parallel import clip_grad_norm_, sync_gradients
-from par4d.grid import AXES, Grid, init
+The names below are imported on first use, so commands that need no torch (such as
+``par4d plan``) start fast.
+"""
+
+from importlib import import_module
 
 __all__ = ["AXES", "Grid", "clip_grad_norm_", "init", "nn", "sync_gradients"]
 __version__ = "0.1.0"
+
+_LAZY = {"AXES": "par4d.grid", "Grid": "par4d.grid", "init": "par4d.grid", "nn": "par4d.nn",
+         "sync_gradients": "par4d.data_parallel", "clip_grad_norm_": "par4d.data_parallel"}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'par4d' has no attribute {name!r}")
+    module = import_module(_LAZY[name])
+    value = module if name == "nn" else getattr(module, name)
+    globals()[name] = value
+    return value

@@ -16,8 +16,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from par4d.cluster import ClusterUnavailable
-from par4d.grid import AXES, Grid, parse_grid, validate_sizes
 from par4d.launch import distributed_env, launch_local
+
+# par4d.grid (and so torch) is imported where a command needs it: `par4d plan` needs none.
 
 DEFAULT_NPROC = 4
 
@@ -39,7 +40,7 @@ def default_grid(world: int) -> dict[str, int]:
 
 
 def _default(name: str):
-    from par4d.train.loop import TrainConfig
+    from par4d.train.config import TrainConfig
 
     return TrainConfig.__dataclass_fields__[name].default
 
@@ -143,7 +144,7 @@ def _planned_grid(args: argparse.Namespace, world: int, inside: bool) -> dict[st
     from par4d.plan.machines import load_machine
     from par4d.plan.model import rank_configurations
     from par4d.plan.workload import GPTSpec
-    from par4d.train.data import VOCAB_BYTES
+    from par4d.train.config import VOCAB_BYTES
 
     if args.machine is not None:
         machine = load_machine(args.machine)
@@ -170,8 +171,10 @@ def _planned_grid(args: argparse.Namespace, world: int, inside: bool) -> dict[st
 
 
 def _train_config(args: argparse.Namespace, world: int, inside: bool = False):
+    from par4d.grid import Grid, parse_grid, validate_sizes
     from par4d.models import GPT
-    from par4d.train.loop import TrainConfig, new_run_dir
+    from par4d.train.config import TrainConfig
+    from par4d.train.loop import new_run_dir
 
     if args.resume:
         from par4d.train.checkpoint import read_meta
@@ -220,6 +223,8 @@ def _train_config(args: argparse.Namespace, world: int, inside: bool = False):
 
 
 def _print_summary(summary: dict) -> None:
+    from par4d.grid import AXES
+
     grid = " ".join(f"{a}={summary['grid'][a]}" for a in AXES)
     rows = [
         ("grid", f"{grid}  ({summary['world_size']} ranks)"),

@@ -5,8 +5,10 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,8 @@ def init_tensor(config: GPTConfig, name: str, shape: tuple[int, ...]) -> torch.T
     GPT-2's scheme: N(0, 0.02) weights and embeddings, residual projections scaled
     by 1/sqrt(2 n_layer), zero biases, unit LayerNorm gains.
     """
+    import torch
+
     leaf = name.rsplit(".", 1)[-1]
     if ".ln" in f".{name}" and leaf == "weight":
         return torch.ones(shape)

@@ -8,9 +8,11 @@ the rows of the whole global batch (samples x sequence), and the model divides i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-import torch.nn as nn
+if TYPE_CHECKING:   # torch is imported only to record a module's layers
+    import torch
+    import torch.nn as nn
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,9 @@ def layers_from_module(module: nn.Module, *example_inputs: torch.Tensor) -> list
 
     Conv2d: in-channels x kernel area is ``k``, out-channels ``n``, and every output
     pixel of every sample a row of ``m``."""
+    import torch
+    import torch.nn as nn
+
     from par4d.nn import Linear as Par4dLinear
 
     seen: list[Layer] = []

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-VOCAB_BYTES = 256
+from par4d.train.config import VOCAB_BYTES  # noqa: F401  (re-exported)
 
 
 def load_corpus(path: str | None = None) -> tuple[torch.Tensor, str]:

@@ -1,0 +1,59 @@
+"""The settings of a training run (no torch here: the CLI reads its defaults)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from par4d.models.config import GPTConfig
+
+VOCAB_BYTES = 256   # byte-level tokens
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a run depends on. ``grid`` maps axis -> size (missing axes are 1)."""
+
+    grid: dict[str, int]
+    out: str | None  # None: rank 0 picks a new folder under runs/ and tells the others
+    steps: int = 300
+    batch_size: int = 32
+    seq_len: int = 128
+    n_layer: int = 4
+    n_embd: int = 128
+    n_head: int = 4
+    mlp: str = "dense"
+    phantom_k: int = 16
+    lr: float = 3e-3
+    warmup: int = 20
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # global gradient-norm limit; 0 disables
+    seed: int = 0
+    data: str | None = None
+    resume: bool = False
+    save_every: int = 0
+    eval_batches: int = 4
+    progress: bool = True
+    peak_flops: float | None = None  # measured by the launching process; None: rank 0 measures
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if self.grad_clip < 0:
+            raise ValueError(f"--grad-clip must be >= 0 (0 disables), got {self.grad_clip}")
+
+    def model_config(self) -> GPTConfig:
+        return GPTConfig(vocab_size=VOCAB_BYTES, block_size=self.seq_len, n_layer=self.n_layer,
+                         n_embd=self.n_embd, n_head=self.n_head, seed=self.seed, mlp=self.mlp,
+                         phantom_k=self.phantom_k, phantom_p=self.grid.get("x", 1))
+
+    def learning_rate(self, step: int) -> float:
+        """Linear warm-up, then inverse-square-root decay. It does not depend on the
+        total step count, so extending a run with --resume --steps follows the same
+        trajectory an uninterrupted longer run would."""
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        return self.lr * math.sqrt(self.warmup / (step + 1))
