@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import par4d
-from par4d.grid import Grid, _build, validate_sizes
+from par4d.grid import Grid
+from par4d.plan.model import factorizations
 
 _grids: dict[tuple, Grid] = {}
 
@@ -16,14 +17,4 @@ def grid(x: int = 1, y: int = 1, z: int = 1, data: int = 1, pipe: int = 1) -> Gr
     return _grids[key]
 
 
-def factorizations(world: int, axes=("x", "y", "z", "data")) -> list[dict[str, int]]:
-    """Every assignment of sizes to ``axes`` whose product is ``world``."""
-    out = [{}]
-    for axis in axes:
-        out = [dict(f, **{axis: d}) for f in out for d in range(1, world + 1) if world % d == 0]
-    import math
-
-    return [f for f in out if math.prod(f.values()) == world]
-
-
-__all__ = ["grid", "factorizations", "validate_sizes", "_build"]
+__all__ = ["factorizations", "grid"]

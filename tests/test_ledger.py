@@ -69,3 +69,21 @@ def test_x_with_transposed_alternation_is_megatron_mlp(pool4):
     for forward, backward in pool4.run(_megatron_mlp_entries, hidden):
         assert forward == [("all_reduce", ("x",), m * hidden)]
         assert backward == [("all_reduce", ("x",), m * hidden)]
+
+
+def _async_all_reduce() -> list:
+    from par4d import comm
+
+    grid = cases.grid(x=2, y=2)
+    t = torch.full((1000,), float(grid.rank))
+    with grid.ledger.capture() as entries:
+        handle = comm.all_reduce(grid, t, "x", async_op=True)
+        result = handle.wait()
+    return [result[0].item(), [(e.kind, e.axes, e.elements, e.bytes) for e in entries], entries[0].seconds >= 0]
+
+
+def test_async_collective_is_recorded_once_with_its_wait(pool4):
+    for rank, (value, entries, waited) in enumerate(pool4.run(_async_all_reduce)):
+        partner = rank ^ 1                      # x varies fastest: ranks (0,1), (2,3)
+        assert value == rank + partner
+        assert entries == [("all_reduce", ("x",), 1000, 4000)] and waited

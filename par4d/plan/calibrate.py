@@ -25,7 +25,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+from par4d.comm import KINDS
+
 MESSAGE_BYTES = (4096, 65536, 1 << 20, 4 << 20)
 
 
