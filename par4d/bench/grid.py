@@ -113,7 +113,7 @@ def _row(name: str, sizes: dict[str, int], times: list[float], bytes_per_iter: f
             "bytes_per_iter": int(bytes_per_iter), "bytes_source": bytes_source, "iters": len(times)}
 
 
-def _batches(iters: int):
+def _batches():
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.block_size + 1), generator=gen)
     return tokens[:, :-1], tokens[:, 1:]
@@ -123,7 +123,7 @@ def _bench_par4d(sizes: dict[str, int], settings: BenchSettings, peak: float) ->
     grid = par4d.init(**sizes)
     model = GPT(CONFIG, grid=grid)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    inputs, targets = _batches(settings.iters)
+    inputs, targets = _batches()
     x, y = shard_batch(grid, inputs), shard_batch(grid, targets)
 
     def step():
@@ -156,7 +156,7 @@ def _bench_torch(kind: str, settings: BenchSettings, peak: float) -> dict:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    inputs, targets = _batches(settings.iters)
+    inputs, targets = _batches()
     rows = slice(dist.get_rank() * BATCH // world, (dist.get_rank() + 1) * BATCH // world)
     x, y = inputs[rows], targets[rows]
 

@@ -27,8 +27,9 @@ from par4d.nn.collectives import GatherFeatures, SplitFeatures
 class _MLP(nn.Module):
     def __init__(self, config: GPTConfig, grid: Grid, name: str):
         super().__init__()
-        self.fc = Linear(config.n_embd, 4 * config.n_embd, grid=grid, name=f"{name}.fc")
-        self.proj = Linear(4 * config.n_embd, config.n_embd, transposed=True, grid=grid, name=f"{name}.proj")
+        self.fc = Linear(config.n_embd, 4 * config.n_embd, grid=grid, name=f"{name}.fc", initialize=False)
+        self.proj = Linear(4 * config.n_embd, config.n_embd, transposed=True, grid=grid, name=f"{name}.proj",
+                           initialize=False)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(h)))
@@ -45,8 +46,8 @@ class _PhantomMLP(nn.Module):
 
         d, k = config.n_embd, config.phantom_k
         self.grid = grid
-        self.fc = PhantomLinear(d, 4 * d, k, grid=grid, axis="x", name=f"{name}.fc")
-        self.proj = PhantomLinear(4 * d, d, k, grid=grid, axis="x", name=f"{name}.proj")
+        self.fc = PhantomLinear(d, 4 * d, k, grid=grid, axis="x", name=f"{name}.fc", initialize=False)
+        self.proj = PhantomLinear(4 * d, d, k, grid=grid, axis="x", name=f"{name}.proj", initialize=False)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         local = SplitFeatures.apply(h, self.grid, "x")                        # (B, T, D/G_x)
@@ -57,7 +58,8 @@ class _Block(nn.Module):
     def __init__(self, config: GPTConfig, grid: Grid, name: str):
         super().__init__()
         self.ln1 = LayerNorm(config.n_embd, grid=grid, name=f"{name}.ln1")
-        self.attn = CausalSelfAttention(config.n_embd, config.n_head, grid=grid, name=f"{name}.attn")
+        self.attn = CausalSelfAttention(config.n_embd, config.n_head, grid=grid, name=f"{name}.attn",
+                                        initialize=False)
         self.ln2 = LayerNorm(config.n_embd, grid=grid, name=f"{name}.ln2")
         self.mlp = (_MLP if config.mlp == "dense" else _PhantomMLP)(config, grid, f"{name}.mlp")
 
@@ -85,11 +87,12 @@ class GPT(nn.Module):
                 raise ValueError(f"a phantom MLP runs on x and data only; y={grid.size('y')} and "
                                  f"z={grid.size('z')} must be 1")
         self.config, self.grid = config, grid
-        self.wte = Embedding(config.vocab_size, config.n_embd, grid=grid, name="wte")
-        self.wpe = Embedding(config.block_size, config.n_embd, grid=grid, name="wpe")
+        # Layers skip their own initialization: the GPT loads init_tensor values below.
+        self.wte = Embedding(config.vocab_size, config.n_embd, grid=grid, name="wte", initialize=False)
+        self.wpe = Embedding(config.block_size, config.n_embd, grid=grid, name="wpe", initialize=False)
         self.blocks = nn.ModuleList(_Block(config, grid, f"blocks.{i}") for i in range(config.n_layer))
         self.ln_f = LayerNorm(config.n_embd, grid=grid, name="ln_f")
-        self.head = Linear(config.n_embd, config.vocab_size, bias=False, grid=grid, name="head")
+        self.head = Linear(config.n_embd, config.vocab_size, bias=False, grid=grid, name="head", initialize=False)
         if grid.device.type != "meta":
             self.load_reference_state({name: init_tensor(config, name, shape) for name, shape in self.full_shapes()})
 

@@ -20,7 +20,7 @@ from par4d.nn.collectives import gather_shards
 
 class Embedding(ShardedModule):
     def __init__(self, num_embeddings: int, dim: int, *, grid: Grid, axis: str = "y", seed: int = 0,
-                 std: float = 1.0, name: str = "Embedding"):
+                 std: float = 1.0, name: str = "Embedding", initialize: bool = True):
         super().__init__()
         g_axis, g_z = grid.size(axis), grid.size("z")
         where = f"{name}(num_embeddings={num_embeddings}, dim={dim})"
@@ -31,8 +31,8 @@ class Embedding(ShardedModule):
         self.grid, self.axis, self.num_embeddings, self.dim = grid, axis, num_embeddings, dim
         self.weight = mark(nn.Parameter(torch.empty(num_embeddings // g_z, dim // g_axis, device=grid.device)),
                            sharded=("z", axis), grad_sum=("data",))
-        if grid.device.type == "meta":
-            return
+        if grid.device.type == "meta" or not initialize:
+            return  # shapes only (a virtual grid), or the caller loads full tensors next
         generator = torch.Generator().manual_seed(seed)
         self.load_full_state({"weight": torch.randn(num_embeddings, dim, generator=generator) * std})
 

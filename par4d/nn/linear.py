@@ -73,7 +73,7 @@ class Linear(ShardedModule):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, transposed: bool = False, *,
-                 grid: Grid, out_chunks: int = 1, seed: int = 0, name: str = "Linear"):
+                 grid: Grid, out_chunks: int = 1, seed: int = 0, name: str = "Linear", initialize: bool = True):
         super().__init__()
         self.in_axis, self.out_axis = ("x", "y") if transposed else ("y", "x")
         g_in, g_out, g_z = grid.size(self.in_axis), grid.size(self.out_axis), grid.size("z")
@@ -95,8 +95,8 @@ class Linear(ShardedModule):
         if bias:
             self.bias = mark(nn.Parameter(torch.empty(out_features // g_out, device=grid.device)),
                              sharded=(self.out_axis,), grad_sum=("z", "data"))
-        if grid.device.type == "meta":
-            return  # shapes only (validation on a virtual grid)
+        if grid.device.type == "meta" or not initialize:
+            return  # shapes only (a virtual grid), or the caller loads full tensors next
         generator = torch.Generator().manual_seed(seed)
         bound = 1 / math.sqrt(in_features)
         weight = torch.empty(out_features, in_features).uniform_(-bound, bound, generator=generator)

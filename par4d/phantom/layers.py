@@ -47,7 +47,7 @@ class PhantomLinear(ShardedModule):
     """
 
     def __init__(self, n_in: int, n_out: int, k: int, *, grid: Grid, axis: str = "x", bias: bool = True,
-                 seed: int = 0, name: str = "PhantomLinear"):
+                 seed: int = 0, name: str = "PhantomLinear", initialize: bool = True):
         super().__init__()
         p = grid.size(axis)
         busy = [a for a in ("x", "y", "z") if a != axis and grid.size(a) > 1]
@@ -73,23 +73,16 @@ class PhantomLinear(ShardedModule):
                                       sharded=(axis,), grad_sum=("data",)))
         self.bias = mark(nn.Parameter(torch.zeros(local_out, device=grid.device)), sharded=(axis,),
                          grad_sum=("data",)) if bias else None
-        if grid.device.type != "meta":
+        if grid.device.type != "meta" and initialize:
             self._init(seed)
 
     def _init(self, seed: int) -> None:
-        """Every rank's blocks drawn from ``seed`` alone (the full set is grid-size
-        independent in order: rank, then kind), uniform(-1/sqrt(fan_in), +)."""
+        """This rank's blocks drawn from (``seed``, rank) alone, uniform(-1/sqrt(fan_in), +)."""
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + self.rank)
+        fan_in = self.n_in // self.p
         with torch.no_grad():
-            for rank in range(self.p):
-                gen = torch.Generator().manual_seed(seed * 1_000_003 + rank)
-                local_in = self.n_in // self.p
-                local = torch.empty(self.local.shape).uniform_(-1, 1, generator=gen) / math.sqrt(local_in)
-                comp = torch.empty(self.compressor.shape).uniform_(-1, 1, generator=gen) / math.sqrt(local_in)
-                dec = torch.empty(self.decompressors.shape).uniform_(-1, 1, generator=gen) / math.sqrt(self.k)
-                if rank == self.rank:
-                    self.local.copy_(local)
-                    self.compressor.copy_(comp)
-                    self.decompressors.copy_(dec)
+            for param, scale in ((self.local, fan_in), (self.compressor, fan_in), (self.decompressors, self.k)):
+                param.copy_(torch.empty(param.shape).uniform_(-1, 1, generator=gen) / math.sqrt(scale))
 
     def others(self) -> list[int]:
         """The ranks whose ghosts this rank decompresses, in decompressor order."""
@@ -142,10 +135,6 @@ class PhantomLinear(ShardedModule):
         every = comm.all_gather(self.grid, torch.cat(parts)[None], self.axis)    # (p, size)
         sizes = [t.numel() for t in parts]
         return [tuple(flat.view(t.shape) for flat, t in zip(every[r].split(sizes), tensors)) for r in range(self.p)]
-
-    def full_matrix(self) -> torch.Tensor:
-        """The layer as one (n_out x n_in) block matrix, on every rank (collective)."""
-        return block_matrix([b[:3] for b in self.blocks()], self.n_in, self.n_out)
 
 
 def block_matrix(blocks: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], n_in: int,
