@@ -96,6 +96,7 @@ class Grid:
     ledger: Ledger = field(default_factory=Ledger)
     gemm: GemmPlan | None = None   # set to tune the matmuls of this grid's layers (par4d.nn.gemm)
     _groups: dict[tuple[str, ...], dist.ProcessGroup] = field(default_factory=dict, repr=False)
+    _closed: bool = field(default=False, repr=False)
 
     def size(self, *axes: str) -> int:
         """Number of ranks along the given axes (their product)."""
@@ -116,7 +117,8 @@ class Grid:
         """Process group of the ranks that differ from this one only along ``axes``."""
         key = _check_axes(axes)
         if self.mesh is None:
-            raise RuntimeError(f"{self!r} is virtual: it has no process groups")
+            state = "closed" if self._closed else "virtual"
+            raise RuntimeError(f"{self!r} is {state}: it has no process groups")
         if key not in self._groups:
             raise ValueError(f"no process group for axes {key}; available: {sorted(self._groups)}")
         return self._groups[key]
@@ -128,6 +130,25 @@ class Grid:
         ranges = [range(self.sizes[a]) if a in key else [mine[a]] for a in AXES]
         ranks = [rank_of(dict(zip(reversed(AXES), c)), self.sizes) for c in itertools.product(*reversed(ranges))]
         return ranks
+
+    def close(self) -> None:
+        """Destroy the process groups this grid made; the job's default group stays.
+
+        Idle gloo groups are not free: with 19 grids' groups alive in one job of 8
+        CPU ranks, a training step ran 1.5x slower and switched context 16x more
+        often than with its own groups only. Call this before building another grid
+        in the same job; the grid cannot communicate afterwards.
+        """
+        if self.mesh is None:
+            return
+        world = dist.group.WORLD
+        closed: set[int] = set()
+        for group in self._groups.values():
+            if group is not world and id(group) not in closed and dist.get_rank(group) >= 0:
+                dist.destroy_process_group(group)
+                closed.add(id(group))
+        self._groups.clear()
+        self.mesh, self._closed = None, True
 
     @property
     def world_size(self) -> int:
@@ -165,6 +186,9 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
+_JOB: dict = {}   # the env:// store, this rank, the world size, and how often this process joined
+
+
 def _join_or_init_job() -> None:
     """Join the torch.distributed job of the environment (torchrun, srun, par4d's
     launcher), or start a one-rank job when there is none."""
@@ -184,7 +208,17 @@ def _join_or_init_job() -> None:
     os.environ.setdefault("RANK", str(env.rank))
     os.environ.setdefault("WORLD_SIZE", str(env.world_size))
     os.environ.setdefault("LOCAL_RANK", str(env.local_rank))
-    dist.init_process_group(backend, init_method="env://", timeout=timedelta(minutes=10))
+    timeout = timedelta(minutes=10)
+    if "store" not in _JOB:
+        _JOB["store"], _JOB["rank"], _JOB["world"] = next(dist.rendezvous("env://", timeout=timeout))
+        _JOB["joins"] = 0
+    # destroy_process_group() restarts torch's group numbering, so joining again on
+    # the same store would read the previous join's keys and connect to stale peers
+    # (pytorch/pytorch#55967): every join gets its own key prefix. The store is kept
+    # so a second join needs no new server and cannot race for the port.
+    _JOB["joins"] += 1
+    store = dist.PrefixStore(f"par4d/join{_JOB['joins']}", _JOB["store"])
+    dist.init_process_group(backend, store=store, rank=_JOB["rank"], world_size=_JOB["world"], timeout=timeout)
 
 
 def init(x: int = 1, y: int = 1, z: int = 1, data: int = 1, pipe: int = 1) -> Grid:

@@ -71,3 +71,37 @@ def _mismatched_init():
 def test_ranks_asking_for_different_grids(pool4):
     for message in pool4.errors(_mismatched_init, timeout=30):
         assert "different grids" in message and "ranks [0]: x=2 y=2" in message and "ranks [1, 2, 3]: x=4" in message
+
+
+def _grids_one_after_another():
+    """Close a grid, build another on the same job, leave the job, join it again."""
+    import pytest
+
+    import par4d
+    from par4d import comm
+
+    first = par4d.init(z=2, data=2)
+    summed = comm.all_reduce(first, torch.ones(3), "z", "data")
+    gathered = comm.all_gather(first, torch.full((1,), float(first.coord("z"))), "z")
+    first.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        first.group("z")
+    second = par4d.init(x=2, data=2)                       # same job, fresh groups
+    over_x = comm.all_reduce(second, torch.full((1,), float(dist.get_rank())), "x")
+    dist.destroy_process_group()
+    third = par4d.init(y=2, z=2)                           # joins the launcher's job again
+    over_yz = comm.all_reduce(third, torch.full((1,), float(dist.get_rank())), "x", "y", "z")
+    dist.destroy_process_group()
+    return summed.tolist(), gathered.tolist(), over_x.item(), over_yz.item()
+
+
+def test_grids_closed_and_jobs_joined_again():
+    """Through the launcher's env:// store: a second join used to connect to the first
+    join's stale peers (torch restarts group numbering on destroy_process_group)."""
+    from par4d.launch import launch_local
+
+    results = launch_local(4, _grids_one_after_another, ())
+    for rank, (summed, gathered, over_x, over_yz) in results.items():
+        assert summed == [4.0, 4.0, 4.0] and gathered == [0.0, 1.0]
+        assert over_x == {0: 1, 1: 1, 2: 5, 3: 5}[rank]        # x pairs: (0, 1), (2, 3)
+        assert over_yz == 6                                     # x, y, z span all four ranks

@@ -136,7 +136,9 @@ def _bench_par4d(sizes: dict[str, int], settings: BenchSettings, peak: float) ->
     before = grid.ledger.total_bytes()
     times = _time_iterations(step, settings.iters)
     per_rank = (grid.ledger.total_bytes() - before) / (WARMUP + settings.iters)
-    return _row("par4d", sizes, times, _sum_over_ranks(per_rank), peak, "ledger")
+    row = _row("par4d", sizes, times, _sum_over_ranks(per_rank), peak, "ledger")
+    grid.close()   # idle groups of earlier grids would slow the grids measured after them
+    return row
 
 
 def _bench_torch(kind: str, settings: BenchSettings, peak: float) -> dict:

@@ -75,6 +75,7 @@ def _measure_worker(settings: CalibrationSettings) -> list[dict]:
                 worst = torch.tensor([statistics.median(times)])
                 dist.all_reduce(worst, op=dist.ReduceOp.MAX)      # a collective ends when its slowest rank does
                 rows.append({"kind": kind, "p": p, "bytes": elements * 4, "seconds": worst.item()})
+        grid.close()
     dist.destroy_process_group()
     return rows
 
