@@ -69,3 +69,71 @@ def test_calibration_fits_recover_known_parameters():
     noisy = [{"kind": "all_reduce", "p": 2, "bytes": b, "seconds": 1e-3 - b * 1e-12} for b in (1e3, 1e6, 4e6)]
     with pytest.raises(ValueError, match="too noisy to fit a bandwidth"):
         fit(noisy)
+
+
+def test_repeatability_and_report_of_several_passes():
+    from par4d.plan.validate import repeatability, report
+
+    grids = [dict(x=1, y=1, z=1, data=4), dict(x=1, y=4, z=1, data=1), dict(x=4, y=1, z=1, data=1)]
+    # Pass 1 and 2 agree, pass 3 swaps the last two: τ 1, 1/3, 1/3 between the three pairs.
+    passes = [[0.1, 0.2, 0.3], [0.11, 0.21, 0.31], [0.1, 0.3, 0.2]]
+    measured = [{"sizes": g, "s_per_iter": sorted(t)[1], "passes": list(t)} for g, t in zip(grids, zip(*passes))]
+    assert repeatability(measured) == pytest.approx((1 + 1 / 3 + 1 / 3) / 3)
+    assert repeatability([{**row, "passes": row["passes"][:1]} for row in measured]) is None
+    machine = Machine("m", devices_per_node=4, peak_flops=1e10, memory_bytes=1e10, beta_intra=1e9,
+                      beta_inter=1e9, latency=1e-4, bytes_per_element=4)
+    text = report(measured, score(measured, machine), as_json=False)
+    assert "| 1 1 1 4 | 0.100 | 0.100 0.110 0.100 |" in text and "between passes 0.56" in text
+    import json
+    rows = [json.loads(line) for line in report(measured, score(measured, machine), as_json=True).splitlines()]
+    assert [r["model"] for r in rows] == ["agnostic", "aware", "full"]
+    assert all(r["passes"] == 3 and r["kendall_tau_between_passes"] == pytest.approx(5 / 9) for r in rows)
+
+
+def _real_step_bytes(sizes):
+    """Rank's ledger bytes for one training step of the bench GPT on a real grid."""
+    import torch.distributed as dist
+
+    from par4d.bench.grid import WARMUP, training_step
+    from tests import cases
+
+    grid = cases.grid(**sizes)
+    step = training_step(grid)
+    for _ in range(WARMUP):
+        step()
+    before = grid.ledger.total_bytes()
+    step()
+    return dist.get_rank(), grid.ledger.total_bytes() - before
+
+
+def test_profiled_compute_runs_rank_0s_real_step(pool4):
+    """The fake-backend profile runs the same step as a real job: rank 0 issues the same
+    collectives, byte for byte, on grids that communicate over every axis."""
+    from par4d.plan.profile import profile_compute
+
+    shapes = [dict(x=2, y=1, z=2, data=1), dict(x=1, y=2, z=1, data=2)]
+    profiled = profile_compute(shapes, threads=1, iters=1)
+    for sizes, row in zip(shapes, profiled):
+        real = dict(pool4.run(_real_step_bytes, sizes))
+        assert row["ledger_bytes"] == real[0] > 0
+        assert row["seconds"] > 0
+    with pytest.raises(ValueError, match="one world size"):
+        profile_compute([dict(x=2, y=1, z=1, data=1), dict(x=4, y=1, z=1, data=1)], threads=1)
+
+
+def test_full_model_takes_profiled_compute():
+    from par4d.plan.model import predict
+
+    machine = Machine("m", devices_per_node=4, peak_flops=1e10, memory_bytes=1e10, beta_intra=1e9,
+                      beta_inter=1e9, latency=1e-4, bytes_per_element=4)
+    sizes = dict(x=2, y=1, z=2, data=1)
+    analytic = predict(SPEC, sizes, machine, "full", checkpointing=False)
+    profiled = predict(SPEC, sizes, machine, "full", checkpointing=False, compute_seconds=0.125)
+    assert profiled.t_compute == 0.125 and profiled.t_comm == analytic.t_comm
+    assert profiled.t_iter == 0.125 + analytic.t_comm != analytic.t_iter
+    measured = [{"sizes": g, "s_per_iter": 1.0 + i, "compute_s": 1.0 + i} for i, g in
+                enumerate([dict(x=1, y=1, z=1, data=4), dict(x=1, y=1, z=4, data=1), dict(x=4, y=1, z=1, data=1)])]
+    names = [s.model for s in score(measured, machine)]
+    assert names == ["agnostic", "aware", "full", "full-profiled"]
+    assert "full-profiled" not in [s.model for s in score([{k: v for k, v in row.items() if k != "compute_s"}
+                                                            for row in measured], machine)]

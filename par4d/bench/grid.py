@@ -119,8 +119,8 @@ def _batches():
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _bench_par4d(sizes: dict[str, int], settings: BenchSettings, peak: float) -> dict:
-    grid = par4d.init(**sizes)
+def training_step(grid: Grid):
+    """One iteration of the bench GPT on ``grid``: forward, backward, gradient sync, AdamW."""
     model = GPT(CONFIG, grid=grid)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     inputs, targets = _batches()
@@ -133,6 +133,12 @@ def _bench_par4d(sizes: dict[str, int], settings: BenchSettings, peak: float) ->
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    return step
+
+
+def _bench_par4d(sizes: dict[str, int], settings: BenchSettings, peak: float) -> dict:
+    grid = par4d.init(**sizes)
+    step = training_step(grid)
     before = grid.ledger.total_bytes()
     times = _time_iterations(step, settings.iters)
     per_rank = (grid.ledger.total_bytes() - before) / (WARMUP + settings.iters)

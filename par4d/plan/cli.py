@@ -21,6 +21,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus", type=int, default=None, help="number of devices (ranking)")
     p.add_argument("--nproc", type=int, default=4, help="local ranks (validate)")
     p.add_argument("--iters", type=int, default=8, help="timed iterations per grid (validate)")
+    p.add_argument("--passes", type=int, default=1,
+                   help="validate: measure every grid this many times, round robin; also reports how well "
+                        "the passes agree with each other")
     p.add_argument("--plot", default=None, help="validate: write the ranking plot (PNG) here")
     p.add_argument("--nodes", type=int, default=None,
                    help="validate on an emulated cluster of this many nodes, --nproc ranks each (needs root)")
@@ -112,6 +115,8 @@ def _validate(args: argparse.Namespace) -> int:
         cluster = ClusterSpec(args.nodes, args.nproc, args.link)
     elif args.nproc < 2:
         raise ValueError(f"--nproc must be >= 2 for validate, got {args.nproc}")
+    if args.passes < 1:
+        raise ValueError(f"--passes must be >= 1, got {args.passes}")
     if args.machine is None:
         import tempfile
 
@@ -123,6 +128,7 @@ def _validate(args: argparse.Namespace) -> int:
         machine = load_machine(args.machine)
     if args.gpus_per_node is not None:
         machine = replace(machine, devices_per_node=args.gpus_per_node)
-    measured, scores = validate(args.nproc, machine, args.iters, Path(args.plot) if args.plot else None, cluster)
+    measured, scores = validate(args.nproc, machine, args.iters, Path(args.plot) if args.plot else None, cluster,
+                                args.passes)
     print(report(measured, scores, args.json))
     return 0

@@ -115,8 +115,10 @@ def factorizations(world: int) -> list[dict[str, int]]:
 
 
 def predict(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Machine, variant: str = "full",
-            checkpointing: bool = False) -> Prediction:
-    """Time and memory of one iteration of ``spec`` on grid ``sizes``."""
+            checkpointing: bool = False, compute_seconds: float | None = None) -> Prediction:
+    """Time and memory of one iteration of ``spec`` on grid ``sizes``. The full model
+    takes its compute time from ``compute_seconds`` when given (profiled on this
+    machine, plan/profile.py), else from FLOPs over peak x efficiency."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown model variant {variant!r}; valid: {', '.join(VARIANTS)}")
     pred = Prediction(dict(sizes))
@@ -152,6 +154,8 @@ def predict(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Mach
         matmul, attention = spec.flops_split(checkpointing)
         per_device = matmul / world + attention * sizes["y"] / world    # attention is replicated over y
         pred.t_compute = per_device / (machine.peak_flops * machine.efficiency)
+        if compute_seconds is not None:
+            pred.t_compute = compute_seconds
         pred.mem_bytes = spec.memory_per_device(sizes, b, checkpointing)
         if pred.mem_bytes > machine.memory_bytes:
             pred.fits = False

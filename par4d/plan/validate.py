@@ -1,9 +1,10 @@
 """``par4d plan validate``: measure the GPT at every valid grid and score the model's ranking.
 
-For each model variant (agnostic, aware, full): Kendall τ-b between predicted and
-measured time, the measured rank of the predicted best, and the predicted rank of
-the measured best (ranks from 1). Agnostic and aware rank by communication time (as
-the paper does), full by iteration time.
+For each model variant (agnostic, aware, full, and full-profiled: the full model
+with its compute time profiled on this machine instead of FLOPs over peak): Kendall
+τ-b between predicted and measured time, the measured rank of the predicted best, and
+the predicted rank of the measured best (ranks from 1). Agnostic and aware rank by
+communication time (as the paper does), the full models by iteration time.
 """
 
 from __future__ import annotations
@@ -59,25 +60,31 @@ class Score:
 
 
 def score(measured: list[dict], machine: Machine) -> list[Score]:
-    """``measured``: rows with ``sizes`` and ``s_per_iter``."""
+    """``measured``: rows with ``sizes`` and ``s_per_iter``, and ``compute_s`` (profiled
+    compute) to score the full model with profiled compute too, as ``full-profiled``."""
     times = [row["s_per_iter"] for row in measured]
     scores = []
-    for variant in VARIANTS:
-        preds = [predict(SPEC, row["sizes"], machine, variant, checkpointing=False) for row in measured]
+    profiled = all("compute_s" in row for row in measured)
+    for name in VARIANTS + (("full-profiled",) if profiled else ()):
+        variant = "full" if name == "full-profiled" else name
+        preds = [predict(SPEC, row["sizes"], machine, variant, checkpointing=False,
+                         compute_seconds=row["compute_s"] if name == "full-profiled" else None) for row in measured]
         excluded = [(p.sizes, p.excluded) for p in preds if not p.fits]
         if excluded:
-            raise ValueError(f"the '{variant}' model excludes measured configurations: {excluded} "
+            raise ValueError(f"the '{name}' model excludes measured configurations: {excluded} "
                              f"(is the machine profile's memory right?)")
         predicted = [p.t_iter if variant == "full" else p.t_comm for p in preds]
         p_ranks, m_ranks = _ranks(predicted), _ranks(times)
         best_predicted = p_ranks.index(1)
         best_measured = m_ranks.index(1)
-        scores.append(Score(variant, kendall_tau(predicted, times), m_ranks[best_predicted],
+        scores.append(Score(name, kendall_tau(predicted, times), m_ranks[best_predicted],
                             p_ranks[best_measured], predicted))
     return scores
 
 
-def _measure_worker(settings) -> list[dict]:
+def _measure_worker(settings, passes: int) -> list[dict]:
+    import statistics
+
     import torch
     import torch.distributed as dist
 
@@ -85,17 +92,32 @@ def _measure_worker(settings) -> list[dict]:
     from par4d.perf import cpu_cores
 
     torch.set_num_threads(max(1, cpu_cores() // settings.nproc))
-    rows = []
-    for sizes in grids(settings.nproc):
-        row = _bench_par4d(sizes, settings, settings.peak_flops)
-        rows.append({"sizes": sizes, "s_per_iter": row["s_per_iter"], "bytes_per_iter": row["bytes_per_iter"]})
+    shapes = grids(settings.nproc)
+    times: list[list[float]] = [[] for _ in shapes]
+    # Round robin: a burst of load on the machine slows one pass of every grid,
+    # not every pass of one grid.
+    for _ in range(passes):
+        for i, sizes in enumerate(shapes):
+            times[i].append(_bench_par4d(sizes, settings, settings.peak_flops)["s_per_iter"])
     dist.destroy_process_group()
-    return rows
+    return [{"sizes": sizes, "s_per_iter": statistics.median(t), "passes": t} for sizes, t in zip(shapes, times)]
+
+
+def repeatability(measured: list[dict]) -> float | None:
+    """Mean Kendall τ between the rankings of every two passes: how well the
+    measurement agrees with itself, the ceiling for any model's τ. None with one pass."""
+    passes = len(measured[0].get("passes", [])) if measured else 0
+    taus = [kendall_tau([row["passes"][a] for row in measured], [row["passes"][b] for row in measured])
+            for a in range(passes) for b in range(a + 1, passes)]
+    return sum(taus) / len(taus) if taus else None
 
 
 def validate(nproc: int, machine: Machine, iters: int, plot: Path | None,
-             cluster=None) -> tuple[list[dict], list[Score]]:
-    """Measure on ``nproc`` local ranks, or on an emulated ``cluster`` (ClusterSpec)."""
+             cluster=None, passes: int = 1) -> tuple[list[dict], list[Score]]:
+    """Measure on ``nproc`` local ranks, or on an emulated ``cluster`` (ClusterSpec),
+    every grid ``passes`` times (round robin; each grid's time is its median)."""
+    if passes < 1:
+        raise ValueError(f"--passes must be >= 1, got {passes}")
     from par4d.bench.grid import BenchSettings
     from par4d.launch import launch_local
     from par4d.perf import cpu_cores, measure_matmul_peak
@@ -103,17 +125,32 @@ def validate(nproc: int, machine: Machine, iters: int, plot: Path | None,
     world = cluster.world_size if cluster is not None else nproc
     settings = BenchSettings(world, iters, measure_matmul_peak(threads=cpu_cores()))
     if cluster is None:
-        measured = launch_local(nproc, _measure_worker, (settings,), run_id="par4d-validate")[0]
+        measured = launch_local(nproc, _measure_worker, (settings, passes), run_id="par4d-validate")[0]
         title = f"--nproc {nproc}"
     else:
         from par4d.cluster import launch_cluster
 
-        measured = launch_cluster(cluster, _measure_worker, (settings,))[0]
+        measured = launch_cluster(cluster, _measure_worker, (settings, passes))[0]
         title = f"--nodes {cluster.nodes} --nproc {cluster.ranks_per_node} --link {cluster.link}"
+    _add_profiled_compute(measured, world)
     scores = score(measured, machine)
     if plot is not None:
         _plot(measured, scores, plot, title)
     return measured, scores
+
+
+def _add_profiled_compute(measured: list[dict], world: int) -> None:
+    """Each row's ``compute_s``: rank 0's step without communication (plan/profile.py)
+    with the measurement's threads per rank, times how many ranks share a core."""
+    import torch
+
+    from par4d.perf import cpu_cores
+    from par4d.plan.profile import profile_compute
+
+    threads = max(1, cpu_cores() // world)                 # as _measure_worker sets them
+    shared = 1.0 if torch.cuda.is_available() else max(1.0, world * threads / cpu_cores())
+    for row, profiled in zip(measured, profile_compute([row["sizes"] for row in measured], threads, iters=10)):
+        row["compute_s"] = profiled["seconds"] * shared
 
 
 def _plot(measured: list[dict], scores: list[Score], path: Path, title: str) -> None:
@@ -143,21 +180,29 @@ def _plot(measured: list[dict], scores: list[Score], path: Path, title: str) -> 
 
 
 def report(measured: list[dict], scores: list[Score], as_json: bool) -> str:
+    ceiling = repeatability(measured)
     if as_json:
         return "\n".join(json.dumps({"model": s.model, "kendall_tau": s.kendall_tau,
                                      "measured_rank_of_predicted_best": s.measured_rank_of_predicted_best,
                                      "predicted_rank_of_measured_best": s.predicted_rank_of_measured_best,
-                                     "configurations": len(measured)}) for s in scores)
-    lines = ["| grid (x y z data) | measured s/iter | " + " | ".join(f"{s.model} (s)" for s in scores) + " |",
-             "| --- | ---: | " + " | ".join("---:" for _ in scores) + " |"]
+                                     "configurations": len(measured),
+                                     "passes": len(measured[0].get("passes", [1])),
+                                     "kendall_tau_between_passes": ceiling}) for s in scores)
+    multi = ceiling is not None
+    head = "| grid (x y z data) | measured s/iter | " + ("passes (s) | " if multi else "")
+    lines = [head + " | ".join(f"{s.model} (s)" for s in scores) + " |",
+             "| --- | ---: | " + ("--- | " if multi else "") + " | ".join("---:" for _ in scores) + " |"]
     for row in sorted(range(len(measured)), key=lambda i: measured[i]["s_per_iter"]):
         sizes = measured[row]["sizes"]
         cells = " | ".join(f"{s.predicted[row]:.4f}" for s in scores)
+        each = (" ".join(f"{t:.3f}" for t in measured[row]["passes"]) + " | ") if multi else ""
         lines.append(f"| {sizes['x']} {sizes['y']} {sizes['z']} {sizes['data']} | "
-                     f"{measured[row]['s_per_iter']:.3f} | {cells} |")
+                     f"{measured[row]['s_per_iter']:.3f} | {each}{cells} |")
     lines += ["", "| model | Kendall τ | measured rank of predicted best | predicted rank of measured best |",
               "| --- | ---: | ---: | ---: |"]
     for s in scores:
         lines.append(f"| {s.model} | {s.kendall_tau:.2f} | {s.measured_rank_of_predicted_best} | "
                      f"{s.predicted_rank_of_measured_best} |")
+    if multi:
+        lines += ["", f"Measured against itself: mean τ between passes {ceiling:.2f} (the ceiling for any model)."]
     return "\n".join(lines)

@@ -1,0 +1,64 @@
+"""Profiled compute: what one rank computes on each grid, timed on this machine.
+
+torch's fake process group lets one process stand in for rank 0 of a job of any
+size: its collectives return at once and move nothing. A training step timed there
+is this rank's computation alone on grid (x, y, z, data): its own matmul shapes
+(skinny ones run far below peak), the element-wise work replicated over x or y, the
+optimizer on its shards. FLOPs over peak sees none of that: on 4 CPU ranks the
+compute of ``x=4`` is 2.0x that of ``data=4`` here, with the same FLOPs per rank.
+
+Runs in a fresh spawned process, so the caller's torch.distributed state is untouched.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import statistics
+import time
+
+
+def profile_compute(shapes: list[dict[str, int]], threads: int, iters: int = 5) -> list[dict]:
+    """Per grid in ``shapes``: ``seconds``, the median time of one training step of the
+    bench GPT as rank 0 without communication, with ``threads`` torch threads; and
+    ``ledger_bytes``, the bytes rank 0 would send per step (its ledger, as in a real job)."""
+    if not shapes:
+        return []
+    worlds = {math.prod(sizes.values()) for sizes in shapes}
+    if len(worlds) != 1:
+        raise ValueError(f"profile_compute: grids of one world size expected, got sizes {sorted(worlds)}")
+    with mp.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_profile_worker, (shapes, threads, iters))
+
+
+def _profile_worker(shapes: list[dict[str, int]], threads: int, iters: int) -> list[dict]:
+    import torch
+    import torch.distributed as dist
+
+    # Registers the "fake" backend (torch has no public module for it; torchtitan's
+    # fake-backend mode uses the same one).
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import par4d
+    from par4d.bench.grid import WARMUP, training_step
+
+    torch.set_num_threads(threads)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.prod(shapes[0].values()))
+    rows = []
+    for sizes in shapes:
+        grid = par4d.init(**sizes)
+        step = training_step(grid)
+        for _ in range(WARMUP):
+            step()
+        before = grid.ledger.total_bytes()
+        step()
+        sent = grid.ledger.total_bytes() - before
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        rows.append({"seconds": statistics.median(times), "ledger_bytes": sent})
+        grid.close()
+    dist.destroy_process_group()
+    return rows
