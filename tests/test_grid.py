@@ -83,12 +83,20 @@ def _grids_one_after_another():
     first = par4d.init(z=2, data=2)
     summed = comm.all_reduce(first, torch.ones(3), "z", "data")
     gathered = comm.all_gather(first, torch.full((1,), float(first.coord("z"))), "z")
+    groups = [first.group("z"), first.group("z", "data")]
     first.close()
     with pytest.raises(RuntimeError, match="closed"):
         first.group("z")
+    for group in groups:                                   # destroyed, not just forgotten
+        with pytest.raises(ValueError):
+            dist.get_rank(group)
+    whole = par4d.init(x=4)                                # x spans the world: the default group
+    whole.close()
+    dist.barrier()                                         # the default group survived
     second = par4d.init(x=2, data=2)                       # same job, fresh groups
     over_x = comm.all_reduce(second, torch.full((1,), float(dist.get_rank())), "x")
     dist.destroy_process_group()
+    second.close()                                         # groups already gone with the job: no error
     third = par4d.init(y=2, z=2)                           # joins the launcher's job again
     over_yz = comm.all_reduce(third, torch.full((1,), float(dist.get_rank())), "x", "y", "z")
     dist.destroy_process_group()

@@ -83,15 +83,15 @@ def test_repeatability_and_report_of_several_passes():
     machine = Machine("m", devices_per_node=4, peak_flops=1e10, memory_bytes=1e10, beta_intra=1e9,
                       beta_inter=1e9, latency=1e-4, bytes_per_element=4)
     text = report(measured, score(measured, machine), as_json=False)
-    assert "| 1 1 1 4 | 0.100 | 0.100 0.110 0.100 |" in text and "between passes 0.56" in text
+    assert "| 1 1 1 4 | 0.100 | 0.100 0.110 0.100 |" in text and "Pass against pass: mean τ 0.56" in text
     import json
     rows = [json.loads(line) for line in report(measured, score(measured, machine), as_json=True).splitlines()]
     assert [r["model"] for r in rows] == ["agnostic", "aware", "full"]
     assert all(r["passes"] == 3 and r["kendall_tau_between_passes"] == pytest.approx(5 / 9) for r in rows)
 
 
-def _real_step_bytes(sizes):
-    """Rank's ledger bytes for one training step of the bench GPT on a real grid."""
+def _real_step_collectives(sizes):
+    """Every collective a rank issues in one training step of the bench GPT on a real grid."""
     import torch.distributed as dist
 
     from par4d.bench.grid import WARMUP, training_step
@@ -101,24 +101,34 @@ def _real_step_bytes(sizes):
     step = training_step(grid)
     for _ in range(WARMUP):
         step()
-    before = grid.ledger.total_bytes()
-    step()
-    return dist.get_rank(), grid.ledger.total_bytes() - before
+    with grid.ledger.capture() as entries:
+        step()
+    return dist.get_rank(), [(e.kind, e.axes, e.elements) for e in entries]
 
 
 def test_profiled_compute_runs_rank_0s_real_step(pool4):
     """The fake-backend profile runs the same step as a real job: rank 0 issues the same
-    collectives, byte for byte, on grids that communicate over every axis."""
+    collectives, entry for entry, on grids that communicate over every axis."""
     from par4d.plan.profile import profile_compute
 
     shapes = [dict(x=2, y=1, z=2, data=1), dict(x=1, y=2, z=1, data=2)]
     profiled = profile_compute(shapes, threads=1, iters=1)
-    for sizes, row in zip(shapes, profiled):
-        real = dict(pool4.run(_real_step_bytes, sizes))
-        assert row["ledger_bytes"] == real[0] > 0
-        assert row["seconds"] > 0
+    for sizes, row, axes in zip(shapes, profiled, [{("x",), ("z",)}, {("y",), ("data",)}]):
+        real = dict(pool4.run(_real_step_collectives, sizes))
+        assert [tuple(e) for e in row["collectives"]] == real[0]
+        assert axes <= {entry[1] for entry in real[0]}           # the step communicates over both axes
     with pytest.raises(ValueError, match="one world size"):
         profile_compute([dict(x=2, y=1, z=1, data=1), dict(x=4, y=1, z=1, data=1)], threads=1)
+
+
+def test_ranks_sharing_cores():
+    from par4d.plan.profile import cores_shared
+
+    assert cores_shared(world=8, threads=1, cores=2, cuda=False) == 4      # 8 ranks time-share 2 cores
+    assert cores_shared(world=4, threads=1, cores=2, cuda=False) == 2
+    assert cores_shared(world=2, threads=1, cores=2, cuda=False) == 1
+    assert cores_shared(world=2, threads=4, cores=16, cuda=False) == 1     # cores to spare: no slowdown
+    assert cores_shared(world=8, threads=1, cores=2, cuda=True) == 1       # a GPU rank has its own device
 
 
 def test_full_model_takes_profiled_compute():
@@ -133,7 +143,11 @@ def test_full_model_takes_profiled_compute():
     assert profiled.t_iter == 0.125 + analytic.t_comm != analytic.t_iter
     measured = [{"sizes": g, "s_per_iter": 1.0 + i, "compute_s": 1.0 + i} for i, g in
                 enumerate([dict(x=1, y=1, z=1, data=4), dict(x=1, y=1, z=4, data=1), dict(x=4, y=1, z=1, data=1)])]
-    names = [s.model for s in score(measured, machine)]
-    assert names == ["agnostic", "aware", "full", "full-profiled"]
+    scores = score(measured, machine)
+    assert [s.model for s in scores] == ["agnostic", "aware", "full", "full-profiled"]
+    comm = [predict(SPEC, row["sizes"], machine, "full", checkpointing=False).t_comm for row in measured]
+    assert scores[3].predicted == [row["compute_s"] + t for row, t in zip(measured, comm)]
+    with pytest.raises(ValueError, match="compute_seconds is for the 'full' model"):
+        predict(SPEC, sizes, machine, "aware", compute_seconds=0.1)
     assert "full-profiled" not in [s.model for s in score([{k: v for k, v in row.items() if k != "compute_s"}
                                                             for row in measured], machine)]

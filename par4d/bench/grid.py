@@ -234,4 +234,4 @@ def run_bench_grid(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["grids", "markdown", "run_bench_grid"]
+__all__ = ["grids", "markdown", "run_bench_grid", "training_step"]

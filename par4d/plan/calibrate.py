@@ -137,13 +137,13 @@ def calibrate(nproc: int, out: Path, repeats: int = 5, cluster=None) -> dict:
                       all_gather_scale=fits["all_gather"]["beta"] / beta,
                       reduce_scatter_scale=fits["reduce_scatter"]["beta"] / beta)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(_toml_fit(machine, fits, peak))
+    out.write_text(_toml_fit(machine, fits, peak, nproc))
     return {"machine": machine, "fits": fits, "rows": rows, "peak_total": peak, "world": nproc}
 
 
-def _toml_fit(machine, fits: dict, peak: float) -> str:
+def _toml_fit(machine, fits: dict, peak: float, ranks: int) -> str:
     lines = [machine.to_toml(), f"# Measured by par4d calibrate: matmul peak {peak / 1e9:.1f} GFLOP/s fp32 "
-             f"for the whole machine, shared by {machine.devices_per_node} ranks.", "[fit]"]
+             f"for the whole machine, shared by {ranks} ranks.", "[fit]"]
     for kind, values in fits.items():
         inner = ", ".join(f"{k} = {v!r}" for k, v in values.items())
         lines.append(f"{kind} = {{ {inner} }}")

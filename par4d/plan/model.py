@@ -121,6 +121,8 @@ def predict(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Mach
     machine, plan/profile.py), else from FLOPs over peak x efficiency."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown model variant {variant!r}; valid: {', '.join(VARIANTS)}")
+    if compute_seconds is not None and variant != "full":
+        raise ValueError(f"compute_seconds is for the 'full' model; the '{variant}' model has no compute time")
     pred = Prediction(dict(sizes))
     reason = spec.check(sizes)
     if reason:

@@ -16,19 +16,30 @@ import math
 import multiprocessing as mp
 import statistics
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 
 def profile_compute(shapes: list[dict[str, int]], threads: int, iters: int = 5) -> list[dict]:
     """Per grid in ``shapes``: ``seconds``, the median time of one training step of the
     bench GPT as rank 0 without communication, with ``threads`` torch threads; and
-    ``ledger_bytes``, the bytes rank 0 would send per step (its ledger, as in a real job)."""
+    ``collectives``, the (kind, axes, elements) of every collective rank 0 issues in one
+    step (its ledger, as in a real job)."""
     if not shapes:
         return []
     worlds = {math.prod(sizes.values()) for sizes in shapes}
     if len(worlds) != 1:
         raise ValueError(f"profile_compute: grids of one world size expected, got sizes {sorted(worlds)}")
-    with mp.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_profile_worker, (shapes, threads, iters))
+    # An executor, not a Pool: if the child dies (killed, out of memory) this raises
+    # BrokenProcessPool instead of waiting forever.
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        return pool.submit(_profile_worker, shapes, threads, iters).result()
+
+
+def cores_shared(world: int, threads: int, cores: int, cuda: bool) -> float:
+    """How many times slower a rank computes in the real job than alone: ranks
+    time-share this machine's cores when ``world * threads`` exceeds them (all ranks
+    of a local or emulated job run here); a GPU rank has its own device."""
+    return 1.0 if cuda else max(1.0, world * threads / cores)
 
 
 def _profile_worker(shapes: list[dict[str, int]], threads: int, iters: int) -> list[dict]:
@@ -50,15 +61,17 @@ def _profile_worker(shapes: list[dict[str, int]], threads: int, iters: int) -> l
         step = training_step(grid)
         for _ in range(WARMUP):
             step()
-        before = grid.ledger.total_bytes()
-        step()
-        sent = grid.ledger.total_bytes() - before
+        with grid.ledger.capture() as entries:
+            step()
         times = []
         for _ in range(iters):
             start = time.perf_counter()
             step()
+            if grid.device.type == "cuda":
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
-        rows.append({"seconds": statistics.median(times), "ledger_bytes": sent})
+        rows.append({"seconds": statistics.median(times),
+                     "collectives": [(e.kind, e.axes, e.elements) for e in entries]})
         grid.close()
     dist.destroy_process_group()
     return rows
