@@ -123,6 +123,12 @@ def test_plan_cli_errors(capsys, tmp_path):
     good = tmp_path / "good.toml"
     good.write_text(NODE4.to_toml())
     assert main(["plan", "--gpus", "8", "--machine", str(good), "--model", "gpt-5b"]) == 0
+    capsys.readouterr()
+    # validate: bad counts are refused before any calibration or rank starts
+    assert main(["plan", "validate", "--passes", "0", "--machine", str(good)]) == 2
+    assert "--passes must be >= 1, got 0" in capsys.readouterr().err
+    assert main(["plan", "validate", "--iters", "0", "--machine", str(good)]) == 2
+    assert "--iters must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_train_grid_auto_takes_the_planners_first_choice(tmp_path, capsys):

@@ -117,6 +117,8 @@ def _validate(args: argparse.Namespace) -> int:
         raise ValueError(f"--nproc must be >= 2 for validate, got {args.nproc}")
     if args.passes < 1:
         raise ValueError(f"--passes must be >= 1, got {args.passes}")
+    if args.iters < 1:
+        raise ValueError(f"--iters must be >= 1, got {args.iters}")
     if args.machine is None:
         import tempfile
 
