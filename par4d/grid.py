@@ -11,6 +11,7 @@ construction, collectively, so nothing is created lazily behind a user's back.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import math
 import os
@@ -216,6 +217,9 @@ def _join_or_init_job() -> None:
     if "store" not in _JOB:
         _JOB["store"], _JOB["rank"], _JOB["world"] = next(dist.rendezvous("env://", timeout=timeout))
         _JOB["joins"] = 0
+        # Release the store while the interpreter is whole, not in its final teardown
+        # (the likely cause of one rank aborting at exit in CI: "terminate called").
+        atexit.register(_JOB.clear)
     # destroy_process_group() restarts torch's group numbering, so joining again on
     # the same store would read the previous join's keys and connect to stale peers
     # (pytorch/pytorch#55967): every join gets its own key prefix. The store is kept
