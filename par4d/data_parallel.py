@@ -50,6 +50,11 @@ def sync_gradients(model: nn.Module, grid: Grid, bucket_bytes: int = BUCKET_BYTE
             groups[placement.grad_sum].append(param.grad)
     scale = 1.0 / grid.size("z", "data")
     for axes in sorted(groups):
+        if grid.size(*axes) == 1:     # nothing to sum: no flatten and copy back, only the scale
+            if scale != 1.0:
+                for grad in groups[axes]:
+                    grad.mul_(scale)
+            continue
         for bucket in _buckets(groups[axes], bucket_bytes):
             flat = _flatten_dense_tensors(bucket)
             comm.all_reduce(grid, flat, *axes)

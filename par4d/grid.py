@@ -252,8 +252,6 @@ def init(x: int = 1, y: int = 1, z: int = 1, data: int = 1, pipe: int = 1) -> Gr
 
 def _check_same_on_every_rank(sizes: dict[str, int]) -> None:
     """Ranks that ask for different grids would build mismatched groups and hang."""
-    if dist.get_backend() == "fake":   # one process standing in for rank 0 (plan/profile.py): no peers
-        return
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, sizes)
     if any(other != sizes for other in every):

@@ -16,6 +16,11 @@ def cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
+def threads_per_rank(ranks_here: int) -> int:
+    """Torch threads for each of ``ranks_here`` ranks sharing this machine's cores."""
+    return max(1, cpu_cores() // ranks_here)
+
+
 def measure_matmul_peak(seconds: float = 1.0, size: int = 1024, threads: int | None = None,
                         dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> float:
     """FLOP/s of repeated ``size x size`` matmuls for about ``seconds`` (best of 3 rounds)."""

@@ -94,16 +94,14 @@ def _real_step_collectives(sizes):
     """Every collective a rank issues in one training step of the bench GPT on a real grid."""
     import torch.distributed as dist
 
-    from par4d.bench.grid import WARMUP, training_step
+    from par4d.bench.grid import WARMUP, step_collectives, training_step
     from tests import cases
 
     grid = cases.grid(**sizes)
     step = training_step(grid)
     for _ in range(WARMUP):
         step()
-    with grid.ledger.capture() as entries:
-        step()
-    return dist.get_rank(), [(e.kind, e.axes, e.elements) for e in entries]
+    return dist.get_rank(), step_collectives(grid, step)
 
 
 def test_profiled_compute_runs_rank_0s_real_step(pool4):

@@ -26,11 +26,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import par4d
 from par4d.data_parallel import sync_gradients
-from par4d.grid import Grid, validate_sizes
+from par4d.grid import Grid
 from par4d.launch import launch_local
 from par4d.layout import shard_batch
 from par4d.models import GPT, GPTConfig, ReferenceGPT
-from par4d.perf import cpu_cores, measure_matmul_peak
+from par4d.perf import cpu_cores, measure_matmul_peak, threads_per_rank
+from par4d.plan.model import factorizations
 
 CONFIG = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=128)
 BATCH = 32
@@ -41,26 +42,19 @@ WARMUP = 2
 class BenchSettings:
     nproc: int
     iters: int
-    peak_flops: float
+    peak_flops: float | None = None   # for % of peak in the rows; plan validate needs times only
 
 
 def grids(world: int, config: GPTConfig = CONFIG, batch: int = BATCH) -> list[dict[str, int]]:
     """Every (x, y, z, data) shape of ``world`` ranks on which the model and batch divide."""
     shapes = []
-    for x in range(1, world + 1):
-        for y in range(1, world + 1):
-            for z in range(1, world + 1):
-                data, rest = divmod(world, x * y * z)
-                if rest or data < 1:
-                    continue
-                sizes = dict(x=x, y=y, z=z, data=data)
-                try:
-                    GPT(config, grid=Grid.virtual(sizes))
-                    if batch % (z * data):
-                        continue
-                except ValueError:
-                    continue
-                shapes.append(sizes)
+    for sizes in factorizations(world):
+        try:
+            GPT(config, grid=Grid.virtual(sizes))
+        except ValueError:
+            continue
+        if batch % (sizes["z"] * sizes["data"]) == 0:
+            shapes.append(sizes)
     return shapes
 
 
@@ -136,18 +130,32 @@ def training_step(grid: Grid):
     return step
 
 
-def _bench_par4d(sizes: dict[str, int], settings: BenchSettings, peak: float) -> dict:
+def step_collectives(grid: Grid, step) -> list[tuple[str, tuple[str, ...], int]]:
+    """(kind, axes, elements) of every collective one call of ``step`` issues on ``grid``."""
+    with grid.ledger.capture() as entries:
+        step()
+    return [(e.kind, e.axes, e.elements) for e in entries]
+
+
+def time_par4d(sizes: dict[str, int], iters: int) -> tuple[list[float], float]:
+    """Seconds of ``iters`` training steps of the bench GPT on grid ``sizes``, and the
+    ledger bytes per step of this rank. Closes the grid: idle groups of earlier grids
+    would slow the grids measured after them."""
     grid = par4d.init(**sizes)
     step = training_step(grid)
     before = grid.ledger.total_bytes()
-    times = _time_iterations(step, settings.iters)
-    per_rank = (grid.ledger.total_bytes() - before) / (WARMUP + settings.iters)
-    row = _row("par4d", sizes, times, _sum_over_ranks(per_rank), peak, "ledger")
-    grid.close()   # idle groups of earlier grids would slow the grids measured after them
-    return row
+    times = _time_iterations(step, iters)
+    per_rank = (grid.ledger.total_bytes() - before) / (WARMUP + iters)
+    grid.close()
+    return times, per_rank
 
 
-def _bench_torch(kind: str, settings: BenchSettings, peak: float) -> dict:
+def _bench_par4d(sizes: dict[str, int], settings: BenchSettings) -> dict:
+    times, per_rank = time_par4d(sizes, settings.iters)
+    return _row("par4d", sizes, times, _sum_over_ranks(per_rank), settings.peak_flops, "ledger")
+
+
+def _bench_torch(kind: str, settings: BenchSettings) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
@@ -184,19 +192,16 @@ def _bench_torch(kind: str, settings: BenchSettings, peak: float) -> dict:
             step()
         per_rank, source = counter.bytes, "c10d dispatch"
         name = "torch FSDP2"
-    return _row(name, sizes, times, _sum_over_ranks(per_rank), peak, source)
+    return _row(name, sizes, times, _sum_over_ranks(per_rank), settings.peak_flops, source)
 
 
 def bench_worker(settings: BenchSettings) -> list[dict]:
-    torch.set_num_threads(max(1, cpu_cores() // settings.nproc))
-    rows = []
-    peak = settings.peak_flops
-    for sizes in grids(settings.nproc):
-        rows.append(_bench_par4d(sizes, settings, peak))
-    rows.append(_bench_torch("ddp", settings, peak))
-    rows.append(_bench_torch("fsdp", settings, peak))
+    torch.set_num_threads(threads_per_rank(settings.nproc))
+    rows = [_bench_par4d(sizes, settings) for sizes in grids(settings.nproc)]
+    rows.append(_bench_torch("ddp", settings))
+    rows.append(_bench_torch("fsdp", settings))
     for row in rows:
-        row["matmul_peak_gflops"] = peak / 1e9
+        row["matmul_peak_gflops"] = settings.peak_flops / 1e9
     dist.destroy_process_group()
     return rows
 
@@ -215,7 +220,6 @@ def run_bench_grid(args: argparse.Namespace) -> int:
         raise ValueError(f"--nproc and --iters must be >= 1 (got {args.nproc}, {args.iters})")
     if not grids(args.nproc):
         raise ValueError(f"no grid of {args.nproc} ranks divides the benchmark model {CONFIG}")
-    validate_sizes({"data": args.nproc}, args.nproc)
     # The peak is measured before the ranks exist, so nothing competes for the cores.
     settings = BenchSettings(args.nproc, args.iters, measure_matmul_peak(threads=cpu_cores()))
     rows = launch_local(args.nproc, bench_worker, (settings,), run_id="par4d-bench")[0]

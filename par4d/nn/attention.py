@@ -17,7 +17,8 @@ from par4d.nn.linear import Linear
 
 
 class CausalSelfAttention(torch.nn.Module):
-    def __init__(self, dim: int, n_head: int, *, grid: Grid, name: str = "attn", initialize: bool = True):
+    def __init__(self, dim: int, n_head: int, *, grid: Grid, name: str = "attn", seed: int = 0,
+                 initialize: bool = True):
         super().__init__()
         if dim % n_head:
             raise ValueError(f"{name}: n_embd={dim} is not divisible by n_head={n_head}")
@@ -26,8 +27,11 @@ class CausalSelfAttention(torch.nn.Module):
                              f"(heads are split over x)")
         self.n_head_local = n_head // grid.size("x")
         self.head_dim = dim // n_head
-        self.qkv = Linear(dim, 3 * dim, grid=grid, out_chunks=3, name=f"{name}.qkv", initialize=initialize)
-        self.proj = Linear(dim, dim, transposed=True, grid=grid, name=f"{name}.proj", initialize=initialize)
+        # Own seeds: with one seed, proj's weight would repeat the q rows of qkv's.
+        self.qkv = Linear(dim, 3 * dim, grid=grid, out_chunks=3, seed=seed, name=f"{name}.qkv",
+                          initialize=initialize)
+        self.proj = Linear(dim, dim, transposed=True, grid=grid, seed=seed + 1, name=f"{name}.proj",
+                           initialize=initialize)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = h.shape                                       # h: (B, T, D/G_y)

@@ -129,9 +129,9 @@ def _run_scheme(settings: CompareSettings, grid, scheme: str, k: int | None) -> 
 
 def compare_worker(settings: CompareSettings) -> dict:
     import par4d
-    from par4d.perf import cpu_cores
+    from par4d.perf import threads_per_rank
 
-    torch.set_num_threads(max(1, cpu_cores() // settings.p))
+    torch.set_num_threads(threads_per_rank(settings.p))
     grid = par4d.init(x=settings.p)
     rows, entries = [], []
     for scheme, k in [("tp", None)] + [("phantom", k) for k in settings.ks]:

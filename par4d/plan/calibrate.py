@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from par4d.comm import KINDS
+from par4d.plan.model import ring_terms
 
 MESSAGE_BYTES = (4096, 65536, 1 << 20, 4 << 20)
 
@@ -36,20 +37,12 @@ class CalibrationSettings:
     repeats: int = 5
 
 
-def _steps_and_factor(kind: str, p: int) -> tuple[float, float]:
-    if kind == "all_reduce":
-        return 2 * (p - 1), 2 * (p - 1) / p
-    if kind == "all_gather":
-        return p - 1, p - 1
-    return p - 1, (p - 1) / p
-
-
 def _measure_worker(settings: CalibrationSettings) -> list[dict]:
     import par4d
     from par4d import comm
-    from par4d.perf import cpu_cores
+    from par4d.perf import threads_per_rank
 
-    torch.set_num_threads(max(1, cpu_cores() // settings.nproc))
+    torch.set_num_threads(threads_per_rank(settings.nproc))
     rows = []
     sizes = [p for p in range(2, settings.nproc + 1) if settings.nproc % p == 0]
     for p in sizes:
@@ -88,8 +81,8 @@ def fit(rows: list[dict]) -> dict:
         if not mine:
             continue
         t = np.array([r["seconds"] for r in mine])
-        a = np.array([[_steps_and_factor(kind, r["p"])[0], r["bytes"] * _steps_and_factor(kind, r["p"])[1]]
-                      for r in mine])
+        terms = [ring_terms(kind, r["p"]) for r in mine]
+        a = np.array([[steps, r["bytes"] * factor] for (steps, factor), r in zip(terms, mine)])
         (alpha, inv_beta), *_ = np.linalg.lstsq(a, t, rcond=None)
         if inv_beta <= 0:
             raise ValueError(f"calibration of {kind} is too noisy to fit a bandwidth (time does not grow with "
@@ -126,10 +119,11 @@ def calibrate(nproc: int, out: Path, repeats: int = 5, cluster=None) -> dict:
         intra_rows = [r for r in rows if r["p"] <= per_node and per_node % r["p"] == 0] or rows
         inter_rows = [r for r in rows if r["p"] == nproc]
     fits = fit(intra_rows)
-    beta = fits["all_reduce"]["beta"]
-    beta_inter = fit(inter_rows)["all_reduce"]["beta"] if cluster is not None else beta
+    beta = beta_inter = fits["all_reduce"]["beta"]
     if cluster is not None:
-        fits = {**fits, **{f"{k}_inter": v for k, v in fit(inter_rows).items()}}
+        inter = fit(inter_rows)
+        beta_inter = inter["all_reduce"]["beta"]
+        fits = {**fits, **{f"{k}_inter": v for k, v in inter.items()}}
     memory = _total_memory()
     machine = Machine(name=name, devices_per_node=per_node, peak_flops=peak / nproc,
                       memory_bytes=memory / nproc, beta_intra=beta, beta_inter=beta_inter,

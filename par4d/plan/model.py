@@ -24,17 +24,23 @@ AXES4 = ("x", "y", "z", "data")
 VARIANTS = ("agnostic", "aware", "full")
 
 
+def ring_terms(kind: str, ranks: int) -> tuple[float, float]:
+    """(ring steps, volume factor) of Eqs 1-3: time = steps * latency + factor * bytes / β."""
+    if kind == "all_gather":
+        return ranks - 1, ranks - 1
+    if kind == "reduce_scatter":
+        return ranks - 1, (ranks - 1) / ranks
+    if kind == "all_reduce":
+        return 2 * (ranks - 1), 2 * (ranks - 1) / ranks
+    raise ValueError(f"unknown collective {kind!r}")
+
+
 def ring_time(kind: str, ranks: int, message_bytes: float, beta: float, latency: float = 0.0) -> float:
     """Eqs 1-3 (ring collectives) for a per-rank message, plus ``latency`` per ring step."""
     if ranks <= 1:
         return 0.0
-    if kind == "all_gather":
-        return (ranks - 1) * message_bytes / beta + (ranks - 1) * latency
-    if kind == "reduce_scatter":
-        return (ranks - 1) / ranks * message_bytes / beta + (ranks - 1) * latency
-    if kind == "all_reduce":
-        return 2 * (ranks - 1) / ranks * message_bytes / beta + 2 * (ranks - 1) * latency
-    raise ValueError(f"unknown collective {kind!r}")
+    steps, factor = ring_terms(kind, ranks)
+    return factor * message_bytes / beta + steps * latency
 
 
 def bandwidths(sizes: dict[str, int], machine: Machine, aware: bool) -> dict[str, float]:

@@ -82,23 +82,22 @@ def score(measured: list[dict], machine: Machine) -> list[Score]:
     return scores
 
 
-def _measure_worker(settings, passes: int) -> list[dict]:
+def _measure_worker(settings, shapes: list[dict[str, int]], passes: int) -> list[dict]:
     import statistics
 
     import torch
     import torch.distributed as dist
 
-    from par4d.bench.grid import _bench_par4d, grids
-    from par4d.perf import cpu_cores
+    from par4d.bench.grid import time_par4d
+    from par4d.perf import threads_per_rank
 
-    torch.set_num_threads(max(1, cpu_cores() // settings.nproc))
-    shapes = grids(settings.nproc)
+    torch.set_num_threads(threads_per_rank(settings.nproc))
     times: list[list[float]] = [[] for _ in shapes]
     # Round robin: a burst of load on the machine slows one pass of every grid,
     # not every pass of one grid.
     for _ in range(passes):
         for i, sizes in enumerate(shapes):
-            times[i].append(_bench_par4d(sizes, settings, settings.peak_flops)["s_per_iter"])
+            times[i].append(statistics.median(time_par4d(sizes, settings.iters)[0]))
     dist.destroy_process_group()
     return [{"sizes": sizes, "s_per_iter": statistics.median(t), "passes": t} for sizes, t in zip(shapes, times)]
 
@@ -119,44 +118,40 @@ def validate(nproc: int, machine: Machine, iters: int, plot: Path | None,
     every grid ``passes`` times (round robin; each grid's time is its median)."""
     if passes < 1:
         raise ValueError(f"passes must be >= 1, got {passes}")
-    from par4d.bench.grid import BenchSettings
+    from par4d.bench.grid import BenchSettings, grids
     from par4d.launch import launch_local
-    from par4d.perf import cpu_cores, measure_matmul_peak
 
     world = cluster.world_size if cluster is not None else nproc
-    from par4d.bench.grid import grids
-
-    profiled = [{"sizes": sizes} for sizes in grids(world)]
-    _add_profiled_compute(profiled, world)       # first: a failure here costs seconds, not the measurement
-    settings = BenchSettings(world, iters, measure_matmul_peak(threads=cpu_cores()))
+    shapes = grids(world)
+    compute = _profiled_compute(shapes, world)     # first: a failure here costs seconds, not the measurement
+    args = (BenchSettings(world, iters), shapes, passes)
     if cluster is None:
-        measured = launch_local(nproc, _measure_worker, (settings, passes), run_id="par4d-validate")[0]
+        measured = launch_local(nproc, _measure_worker, args, run_id="par4d-validate")[0]
         title = f"--nproc {nproc}"
     else:
         from par4d.cluster import launch_cluster
 
-        measured = launch_cluster(cluster, _measure_worker, (settings, passes))[0]
+        measured = launch_cluster(cluster, _measure_worker, args)[0]
         title = f"--nodes {cluster.nodes} --nproc {cluster.ranks_per_node} --link {cluster.link}"
-    for row in measured:
-        row["compute_s"] = next(p["compute_s"] for p in profiled if p["sizes"] == row["sizes"])
+    for row, seconds in zip(measured, compute):
+        row["compute_s"] = seconds
     scores = score(measured, machine)
     if plot is not None:
         _plot(measured, scores, plot, title)
     return measured, scores
 
 
-def _add_profiled_compute(measured: list[dict], world: int) -> None:
-    """Each row's ``compute_s``: rank 0's step without communication (plan/profile.py)
-    with the measurement's threads per rank, scaled by :func:`cores_shared`."""
+def _profiled_compute(shapes: list[dict[str, int]], world: int) -> list[float]:
+    """Per grid: rank 0's step without communication (plan/profile.py) with the
+    measurement's threads per rank, scaled by :func:`cores_shared`."""
     import torch
 
-    from par4d.perf import cpu_cores
+    from par4d.perf import cpu_cores, threads_per_rank
     from par4d.plan.profile import cores_shared, profile_compute
 
-    threads = max(1, cpu_cores() // world)                 # as _measure_worker sets them
+    threads = threads_per_rank(world)
     shared = cores_shared(world, threads, cpu_cores(), torch.cuda.is_available())
-    for row, profiled in zip(measured, profile_compute([row["sizes"] for row in measured], threads, iters=10)):
-        row["compute_s"] = profiled["seconds"] * shared
+    return [row["seconds"] * shared for row in profile_compute(shapes, threads, iters=10)]
 
 
 def _plot(measured: list[dict], scores: list[Score], path: Path, title: str) -> None:

@@ -15,7 +15,7 @@ from par4d.data_parallel import clip_grad_norm_, global_mean, sync_gradients
 from par4d.launch import distributed_env
 from par4d.layout import shard_batch
 from par4d.models import GPT
-from par4d.perf import cpu_cores, measure_matmul_peak
+from par4d.perf import cpu_cores, measure_matmul_peak, threads_per_rank
 from par4d.train import checkpoint
 from par4d.train.config import TrainConfig
 from par4d.train.data import Batches, load_corpus
@@ -25,7 +25,7 @@ from par4d.train.rank0 import on_rank0
 def _threads_per_rank() -> int:
     """Share this node's cores among its ranks."""
     env = distributed_env()
-    return max(1, cpu_cores() // (env.local_world_size if env else 1))
+    return threads_per_rank(env.local_world_size if env else 1)
 
 
 def run(config: TrainConfig) -> dict:
