@@ -139,13 +139,15 @@ def _world(nproc: int | None) -> tuple[int, bool]:
     return nproc, False
 
 
-def _planned_grid(args: argparse.Namespace, world: int, inside: bool) -> dict[str, int]:
-    """The planner's first choice for this training run on this machine."""
+def _planned_grid(args: argparse.Namespace, world: int, inside: bool) -> tuple[dict[str, int], float | None]:
+    """The planner's first choice for this training run on this machine, and the
+    machine's matmul peak when it was calibrated for it (so train need not measure again)."""
     from par4d.plan.machines import load_machine
     from par4d.plan.model import rank_configurations
     from par4d.plan.workload import GPTSpec
     from par4d.train.config import VOCAB_BYTES
 
+    peak = None
     if args.machine is not None:
         machine = load_machine(args.machine)
     elif inside:
@@ -156,7 +158,8 @@ def _planned_grid(args: argparse.Namespace, world: int, inside: bool) -> dict[st
         from par4d.plan.calibrate import calibrate
 
         print(f"par4d train: calibrating this machine on {world} ranks for --grid auto ...", flush=True)
-        machine = calibrate(world, Path(tempfile.mkdtemp()) / "local.toml")["machine"]
+        calibration = calibrate(world, Path(tempfile.mkdtemp()) / "local.toml")
+        machine, peak = calibration["machine"], calibration["peak_total"]
     spec = GPTSpec("train", n_layer=args.n_layer, hidden=args.n_embd, heads=args.n_head, seq_len=args.seq_len,
                    global_batch=args.batch_size, vocab=VOCAB_BYTES)
     ranked, excluded = rank_configurations(spec, world, machine, "full", checkpointing=False)
@@ -167,7 +170,7 @@ def _planned_grid(args: argparse.Namespace, world: int, inside: bool) -> dict[st
     print(f"par4d train: --grid auto chose x={best.sizes['x']} y={best.sizes['y']} z={best.sizes['z']} "
           f"data={best.sizes['data']} (predicted {best.t_iter:.3f} s/step; {len(ranked)} grids ranked on "
           f"{machine.name})", flush=True)
-    return {a: s for a, s in best.sizes.items() if s > 1} or {"x": 1}
+    return {a: s for a, s in best.sizes.items() if s > 1} or {"x": 1}, peak
 
 
 def _train_config(args: argparse.Namespace, world: int, inside: bool = False):
@@ -197,9 +200,9 @@ def _train_config(args: argparse.Namespace, world: int, inside: bool = False):
         if args.grid == "auto":
             if args.mlp != "dense":
                 raise ValueError("--grid auto plans the dense GPT only; give --grid for --mlp phantom")
-            grid = _planned_grid(args, world, inside)
+            grid, peak = _planned_grid(args, world, inside)
         else:
-            grid = parse_grid(args.grid) if args.grid else default_grid(world)
+            grid, peak = parse_grid(args.grid) if args.grid else default_grid(world), None
         # Launched here: name the new run now. Under torchrun/srun rank 0 names it later.
         out = Path(args.out) if args.out else (None if distributed_env() else new_run_dir(grid))
         if out is not None and out.exists() and any(out.iterdir()):
@@ -210,7 +213,7 @@ def _train_config(args: argparse.Namespace, world: int, inside: bool = False):
                              batch_size=args.batch_size, seq_len=args.seq_len, n_layer=args.n_layer,
                              n_embd=args.n_embd, n_head=args.n_head, lr=args.lr, seed=args.seed, data=args.data,
                              mlp=args.mlp, phantom_k=args.phantom_k, grad_clip=args.grad_clip,
-                             save_every=args.save_every, progress=not args.no_progress)
+                             save_every=args.save_every, progress=not args.no_progress, peak_flops=peak)
     sizes = validate_sizes(config.grid, world)
     # Every shape error on every rank's grid is raised here, before a process starts.
     GPT(config.model_config(), grid=Grid.virtual(sizes))
@@ -254,8 +257,8 @@ def _train(args: argparse.Namespace) -> int:
         return 0
     from par4d.perf import cpu_cores, measure_matmul_peak
 
-    # Measured here, before the ranks exist, so nothing competes for the cores.
-    config = replace(config, peak_flops=measure_matmul_peak(threads=cpu_cores()))
+    if config.peak_flops is None:   # measured here, before the ranks exist, so nothing competes for the cores
+        config = replace(config, peak_flops=measure_matmul_peak(threads=cpu_cores()))
     results = launch_local(world, worker, (config,), run_id="par4d-train")
     _print_summary(results[0])
     return 0

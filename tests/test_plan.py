@@ -141,7 +141,8 @@ def test_train_grid_auto_takes_the_planners_first_choice(tmp_path, capsys):
                     latency=5e-4, bytes_per_element=4, all_gather_scale=0.3, reduce_scatter_scale=0.25)
     profile.write_text(local.to_toml())
     args = argparse.Namespace(machine=str(profile), n_layer=2, n_embd=64, n_head=4, seq_len=64, batch_size=16)
-    chosen = _planned_grid(args, 4, inside=False)
+    chosen, peak = _planned_grid(args, 4, inside=False)
+    assert peak is None                                  # a given profile: nothing was measured here
     spec = GPTSpec("train", n_layer=2, hidden=64, heads=4, seq_len=64, global_batch=16, vocab=256)
     best = rank_configurations(spec, 4, local, "full", checkpointing=False)[0][0].sizes
     assert {**dict(x=1, y=1, z=1, data=1), **chosen} == best

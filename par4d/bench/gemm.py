@@ -45,13 +45,10 @@ def gemm_rows(shapes: list[tuple[str, int, int, int]], repeats: int = 21) -> lis
 
 
 def run_bench_gemm(args: argparse.Namespace) -> int:
-    from par4d.bench.grid import BATCH, CONFIG
+    from par4d.plan.validate import SPEC  # the bench GPT as the planner sees it
 
     torch.set_num_threads(cpu_cores())
-    m, h, v = BATCH * CONFIG.block_size, CONFIG.n_embd, CONFIG.vocab_size
-    shapes = [("qkv", m, h, 3 * h), ("attn.proj", m, h, h), ("mlp.fc", m, h, 4 * h), ("mlp.proj", m, 4 * h, h),
-              ("head", m, h, v)]
-    rows = gemm_rows(shapes)
+    rows = gemm_rows([(layer.name, layer.m, layer.k, layer.n) for layer in SPEC.layers()])
     if args.json:
         for row in rows:
             print(json.dumps(row))

@@ -102,6 +102,10 @@ class Prediction:
     mem_bytes: float = 0.0
     percent_of_peak: float = 0.0
 
+    def ranking_time(self, variant: str) -> float:
+        """What ``variant`` ranks by: iteration time (full), else communication time (as the paper)."""
+        return self.t_iter if variant == "full" else self.t_comm
+
     def row(self) -> dict:
         return {**self.sizes, "fits": self.fits, "excluded": self.excluded, "t_comm": self.t_comm,
                 **{f"t_comm_{a}": self.t_comm_axes.get(a, 0.0) for a in AXES4},
@@ -179,6 +183,6 @@ def rank_configurations(spec: GPTSpec | ModuleWorkload, world: int, machine: Mac
                         checkpointing: bool = False) -> tuple[list[Prediction], list[Prediction]]:
     """(configurations that fit, ranked by predicted time; the excluded ones)."""
     preds = [predict(spec, sizes, machine, variant, checkpointing) for sizes in factorizations(world)]
-    key = (lambda p: p.t_iter) if variant == "full" else (lambda p: p.t_comm)
-    fitting = sorted((p for p in preds if p.fits), key=lambda p: (key(p), p.sizes["x"], p.sizes["y"], p.sizes["z"]))
+    fitting = sorted((p for p in preds if p.fits),
+                     key=lambda p: (p.ranking_time(variant), p.sizes["x"], p.sizes["y"], p.sizes["z"]))
     return fitting, [p for p in preds if not p.fits]

@@ -73,7 +73,7 @@ def score(measured: list[dict], machine: Machine) -> list[Score]:
         if excluded:
             raise ValueError(f"the '{name}' model excludes measured configurations: {excluded} "
                              f"(is the machine profile's memory right?)")
-        predicted = [p.t_iter if variant == "full" else p.t_comm for p in preds]
+        predicted = [p.ranking_time(variant) for p in preds]
         p_ranks, m_ranks = _ranks(predicted), _ranks(times)
         best_predicted = p_ranks.index(1)
         best_measured = m_ranks.index(1)
