@@ -25,24 +25,25 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         row_max = flat.max(-1).values
         comm.all_reduce(grid, row_max, axis, op=torch.distributed.ReduceOp.MAX)
         shifted = flat - row_max[:, None]
-        exp = shifted.exp()
         local = tgt - start
         mine = (local >= 0) & (local < vocab_local)
-        picked = torch.where(mine, shifted.gather(1, local.clamp(0, vocab_local - 1)[:, None])[:, 0], 0.0)
+        index = local.clamp(0, vocab_local - 1)
+        picked = torch.where(mine, shifted.gather(1, index[:, None])[:, 0], 0.0)
+        exp = shifted.exp_()                                            # one (tokens, V/G) temporary
         stats = torch.stack([exp.sum(-1), picked], dim=-1)             # (tokens, 2)
         comm.all_reduce(grid, stats, axis)
         loss = stats[:, 0].log() - stats[:, 1]
-        ctx.save_for_backward(exp / stats[:, :1], local, mine)
+        ctx.save_for_backward(exp.div_(stats[:, :1]), index, mine)     # softmax
         ctx.shape, ctx.dtype = logits.shape, logits.dtype
         return loss.mean()
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, local, mine = ctx.saved_tensors
-        grad = softmax.clone()
-        rows = torch.nonzero(mine)[:, 0]
-        grad[rows, local[rows]] -= 1
-        grad *= grad_loss / softmax.shape[0]
+        softmax, index, mine = ctx.saved_tensors
+        scale = grad_loss / softmax.shape[0]
+        grad = softmax * scale
+        # minus the one-hot of the target, on the rank that holds it (no host sync)
+        grad.scatter_add_(1, index[:, None], (-scale * mine.to(grad.dtype))[:, None])
         return grad.reshape(ctx.shape).to(ctx.dtype), None, None, None
 
 
