@@ -91,12 +91,12 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, grid: Grid) -> torch.Tens
         if param.grad is None:
             continue
         copies = grid.size(*[a for a in TENSOR_AXES if a not in placement.sharded])
-        total += param.grad.double().square().sum() / copies
+        # The shard's norm in its own dtype (no float64 copy of the gradient), summed in float64.
+        total += torch.linalg.vector_norm(param.grad).double().square() / copies
         grads.append(param.grad)
     comm.all_reduce(grid, total, "x", "y", "z")
     norm = total.sqrt().float()
-    scale = max_norm / (norm + 1e-6)
-    if scale < 1:
-        for grad in grads:
-            grad.mul_(scale)
+    clip = (max_norm / (norm + 1e-6)).clamp(max=1.0)   # a tensor: no host sync to decide whether to clip
+    for grad in grads:
+        grad.mul_(clip)
     return norm[0]
