@@ -2,7 +2,7 @@
 
 Each rank back-propagates the mean loss of its own samples. The z reduce-scatter
 of Algorithm 1 already summed Ŵ's gradient over z; every other gradient is still
-partial over the axes in its :class:`~par4d.layout.ParamSpec` ``grad_sum``. This
+partial over the axes in its :class:`~par4d.layout.Placement`'s ``grad_sum``. This
 module sums the rest (bucketed: one all-reduce per group of axes and bucket) and
 divides by the number of batch shards G_data * G_z, so every gradient equals the
 single-device gradient of the mean loss over the global batch.
@@ -17,8 +17,8 @@ import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from par4d import comm
-from par4d.grid import Grid
-from par4d.layout import spec
+from par4d.grid import TENSOR_AXES, Grid
+from par4d.layout import Placement, placement_of
 
 BUCKET_BYTES = 25 * 2**20
 
@@ -34,6 +34,14 @@ def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]
     return buckets + ([current] if current else [])
 
 
+def _placement(name: str, param: torch.Tensor) -> Placement:
+    placement = placement_of(param)
+    if placement is None:
+        raise ValueError(f"parameter {name!r} is not a par4d parameter (no placement); "
+                         f"build the model from par4d.nn layers")
+    return placement
+
+
 @torch.no_grad()
 def sync_gradients(model: nn.Module, grid: Grid, bucket_bytes: int = BUCKET_BYTES) -> None:
     """Sum every parameter's gradient over its partial axes; divide by G_data * G_z.
@@ -42,10 +50,7 @@ def sync_gradients(model: nn.Module, grid: Grid, bucket_bytes: int = BUCKET_BYTE
     """
     groups: dict[tuple[str, ...], list[torch.Tensor]] = defaultdict(list)
     for name, param in model.named_parameters():
-        placement = spec(param)
-        if placement is None:
-            raise ValueError(f"parameter {name!r} is not a par4d parameter (no ParamSpec); "
-                             f"build the model from par4d.nn layers")
+        placement = _placement(name, param)
         if param.grad is not None:
             groups[placement.grad_sum].append(param.grad)
     scale = 1.0 / grid.size("z", "data")
@@ -80,14 +85,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, grid: Grid) -> torch.Tens
     tensor axes (x, y, z) it is not sharded on is divided by that replication, and the
     sum of squares is all-reduced over (x, y, z); data replicas are identical.
     """
-    from par4d.layout import TENSOR_AXES
-
     total = torch.zeros(1, dtype=torch.float64, device=grid.device)
     grads = []
     for name, param in model.named_parameters():
-        placement = spec(param)
-        if placement is None:
-            raise ValueError(f"parameter {name!r} is not a par4d parameter (no ParamSpec)")
+        placement = _placement(name, param)
         if param.grad is None:
             continue
         copies = grid.size(*[a for a in TENSOR_AXES if a not in placement.sharded])

@@ -1,42 +1,55 @@
-"""The 4D (+pipe) process grid: sizes, coordinates and process groups.
+"""The process grid: axis names, sizes, coordinates and process groups.
 
-Rank layout, innermost first (DESIGN §1)::
+Rank layout, innermost first (docs/architecture.md, "The grid")::
 
     rank = (((pipe * G_data + data) * G_z + z) * G_y + y) * G_x + x
 
 so ``x`` varies fastest. Single-axis groups come from torch's DeviceMesh; groups
 spanning several axes (e.g. ``("z", "data")`` for gradient sync) are built once at
 construction, collectively, so nothing is created lazily behind a user's back.
+Joining the job is :mod:`par4d.launch`'s work; a Grid is built over a job already joined.
 """
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import math
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import TYPE_CHECKING
+from enum import Enum
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from par4d.comm import Ledger
+from par4d.ledger import Ledger
 
-if TYPE_CHECKING:
-    from par4d.nn.gemm import GemmPlan
 
-AXES: tuple[str, ...] = ("x", "y", "z", "data", "pipe")
-"""Axis names, innermost first. The only names par4d accepts for grid axes."""
+class Axis(str, Enum):
+    """The grid axes, innermost first: the only names par4d accepts for them."""
+
+    X = "x"
+    Y = "y"
+    Z = "z"
+    DATA = "data"
+    PIPE = "pipe"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+AXES: tuple[str, ...] = tuple(a.value for a in Axis)
+"""Axis names, innermost first."""
+
+TENSOR_AXES: tuple[str, ...] = ("x", "y", "z")
+"""The axes of the 3D tensor-parallel grid inside one data replica."""
 
 # Multi-axis groups built at construction (each a tuple in AXES order).
 _COMBINED: tuple[tuple[str, ...], ...] = (("z", "data"), ("x", "y", "z"))
 
 
-def _check_axes(axes: Iterable[str]) -> tuple[str, ...]:
+def check_axes(axes: Iterable[str]) -> tuple[str, ...]:
+    """``axes`` in AXES order; an unknown name raises ``ValueError`` listing the valid ones."""
     axes = tuple(axes)
     unknown = [a for a in axes if a not in AXES]
     if unknown:
@@ -55,7 +68,7 @@ def parse_grid(text: str) -> dict[str, int]:
         if axis in sizes:
             raise ValueError(f"grid axis {axis!r} given twice in {text!r}")
         sizes[axis] = int(value)
-    _check_axes(sizes)
+    check_axes(sizes)
     return sizes
 
 
@@ -65,7 +78,7 @@ def validate_sizes(sizes: dict[str, int], world_size: int) -> dict[str, int]:
     Raises ``ValueError`` naming the numbers. Pure: no collective, so every rank
     raises the same error before any communication starts.
     """
-    _check_axes(sizes)
+    check_axes(sizes)
     full = {a: 1 for a in AXES}
     for axis, size in sizes.items():
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
@@ -79,6 +92,28 @@ def validate_sizes(sizes: dict[str, int], world_size: int) -> dict[str, int]:
             f"the product of the axis sizes must equal the world size"
         )
     return full
+
+
+def describe(sizes: dict[str, int]) -> str:
+    """``"x=2 y=1 z=2 data=1 pipe=1"``: every axis, in AXES order."""
+    return " ".join(f"{a}={sizes.get(a, 1)}" for a in AXES)
+
+
+def coords_of(rank: int, sizes: dict[str, int]) -> dict[str, int]:
+    """Coordinates of ``rank`` in a grid of ``sizes`` (the layout above)."""
+    coords = {}
+    for axis in AXES:
+        coords[axis] = rank % sizes[axis]
+        rank //= sizes[axis]
+    return coords
+
+
+def rank_of(coords: dict[str, int], sizes: dict[str, int]) -> int:
+    """Inverse of :func:`coords_of`."""
+    rank = 0
+    for axis in reversed(AXES):
+        rank = rank * sizes[axis] + coords[axis]
+    return rank
 
 
 @dataclass(eq=False)
@@ -95,17 +130,16 @@ class Grid:
     device: torch.device
     mesh: DeviceMesh | None
     ledger: Ledger = field(default_factory=Ledger)
-    gemm: GemmPlan | None = None   # set to tune the matmuls of this grid's layers (par4d.nn.gemm)
     _groups: dict[tuple[str, ...], dist.ProcessGroup] = field(default_factory=dict, repr=False)
     _closed: bool = field(default=False, repr=False)
 
     def size(self, *axes: str) -> int:
         """Number of ranks along the given axes (their product)."""
-        return math.prod(self.sizes[a] for a in _check_axes(axes))
+        return math.prod(self.sizes[a] for a in check_axes(axes))
 
     def coord(self, axis: str) -> int:
         """This rank's coordinate along ``axis``."""
-        return coords_of(self.rank, self.sizes)[_check_axes((axis,))[0]]
+        return coords_of(self.rank, self.sizes)[check_axes((axis,))[0]]
 
     @classmethod
     def virtual(cls, sizes: dict[str, int], rank: int = 0) -> Grid:
@@ -116,21 +150,22 @@ class Grid:
 
     def group(self, *axes: str) -> dist.ProcessGroup:
         """Process group of the ranks that differ from this one only along ``axes``."""
-        key = _check_axes(axes)
+        key = check_axes(axes)
         if self.mesh is None:
             state = "closed" if self._closed else "virtual"
             raise RuntimeError(f"{self!r} is {state}: it has no process groups")
+        if key == AXES:       # every axis: the whole job
+            return dist.group.WORLD
         if key not in self._groups:
             raise ValueError(f"no process group for axes {key}; available: {sorted(self._groups)}")
         return self._groups[key]
 
     def group_ranks(self, *axes: str) -> list[int]:
         """Global ranks of ``group(*axes)``, in axis order (innermost fastest)."""
-        key = _check_axes(axes)
+        key = check_axes(axes)
         mine = coords_of(self.rank, self.sizes)
         ranges = [range(self.sizes[a]) if a in key else [mine[a]] for a in AXES]
-        ranks = [rank_of(dict(zip(reversed(AXES), c)), self.sizes) for c in itertools.product(*reversed(ranges))]
-        return ranks
+        return [rank_of(dict(zip(reversed(AXES), c)), self.sizes) for c in itertools.product(*reversed(ranges))]
 
     def close(self) -> None:
         """Destroy the process groups this grid made; the job's default group stays.
@@ -160,113 +195,20 @@ class Grid:
         return math.prod(self.sizes.values())
 
     def describe(self) -> str:
-        return " ".join(f"{a}={self.sizes[a]}" for a in AXES)
+        return describe(self.sizes)
 
     def __repr__(self) -> str:
         return f"Grid({self.describe()}, rank={self.rank})"
 
 
-def coords_of(rank: int, sizes: dict[str, int]) -> dict[str, int]:
-    """Coordinates of ``rank`` in a grid of ``sizes`` (DESIGN §1 layout)."""
-    coords = {}
-    for axis in AXES:
-        coords[axis] = rank % sizes[axis]
-        rank //= sizes[axis]
-    return coords
-
-
-def rank_of(coords: dict[str, int], sizes: dict[str, int]) -> int:
-    """Inverse of :func:`coords_of`."""
-    rank = 0
-    for axis in reversed(AXES):
-        rank = rank * sizes[axis] + coords[axis]
-    return rank
-
-
-def _device() -> torch.device:
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local % torch.cuda.device_count())
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-_JOB: dict = {}   # the env:// store, this rank, the world size, and how often this process joined
-
-
-def _join_or_init_job() -> None:
-    """Join the torch.distributed job of the environment (torchrun, srun, par4d's
-    launcher), or start a one-rank job when there is none."""
-    if dist.is_initialized():
-        return
-    from par4d.launch import distributed_env, free_port
-
-    env = distributed_env()
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if env is None:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-        return
-    # env:// lets torchrun's workers reuse the agent's store; srun's variables are
-    # translated to the same names first.
-    os.environ.setdefault("MASTER_ADDR", env.master_addr)
-    os.environ.setdefault("MASTER_PORT", str(env.master_port))
-    os.environ.setdefault("RANK", str(env.rank))
-    os.environ.setdefault("WORLD_SIZE", str(env.world_size))
-    os.environ.setdefault("LOCAL_RANK", str(env.local_rank))
-    timeout = timedelta(minutes=10)
-    if "store" not in _JOB:
-        _JOB["store"], _JOB["rank"], _JOB["world"] = next(dist.rendezvous("env://", timeout=timeout))
-        _JOB["joins"] = 0
-        # Release the store while the interpreter is whole, not in its final teardown
-        # (the likely cause of one rank aborting at exit in CI: "terminate called").
-        atexit.register(_JOB.clear)
-    # destroy_process_group() restarts torch's group numbering, so joining again on
-    # the same store would read the previous join's keys and connect to stale peers
-    # (pytorch/pytorch#55967): every join gets its own key prefix. The store is kept
-    # so a second join needs no new server and cannot race for the port.
-    _JOB["joins"] += 1
-    store = dist.PrefixStore(f"par4d/join{_JOB['joins']}", _JOB["store"])
-    dist.init_process_group(backend, store=store, rank=_JOB["rank"], world_size=_JOB["world"], timeout=timeout)
-
-
-def init(x: int = 1, y: int = 1, z: int = 1, data: int = 1, pipe: int = 1) -> Grid:
-    """Build the grid ``x * y * z * data * pipe`` over the current job.
-
-    Joins an existing torch.distributed job or initializes one from the
-    environment (torchrun, srun, or par4d's launcher): gloo on CPU, NCCL where CUDA
-    is present. The shape is validated on every rank before any collective.
-    """
-    requested = {"x": x, "y": y, "z": z, "data": data, "pipe": pipe}
-    if dist.is_initialized():
-        world = dist.get_world_size()
-    else:
-        from par4d.launch import distributed_env
-
-        env = distributed_env()
-        world = env.world_size if env is not None else 1
-    sizes = validate_sizes(requested, world)
-    _join_or_init_job()
-    _check_same_on_every_rank(sizes)
-    return _build(sizes)
-
-
-def _check_same_on_every_rank(sizes: dict[str, int]) -> None:
-    """Ranks that ask for different grids would build mismatched groups and hang."""
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, sizes)
-    if any(other != sizes for other in every):
-        shapes = {}
-        for rank, other in enumerate(every):
-            shapes.setdefault(" ".join(f"{a}={other[a]}" for a in AXES), []).append(rank)
-        listing = "; ".join(f"ranks {ranks}: {shape}" for shape, ranks in shapes.items())
-        raise ValueError(f"ranks asked par4d.init for different grids ({listing})")
-
-
-def _build(sizes: dict[str, int]) -> Grid:
-    device = _device()
+def build_grid(sizes: dict[str, int], device: torch.device) -> Grid:
+    """The grid of validated ``sizes`` over the job this process has joined (collective:
+    every rank builds the same groups). :func:`par4d.init` checks first that every rank
+    asks for the same shape; call this directly only where that is known (one process
+    standing in for a whole job, as the planner's profiler does)."""
     names = tuple(reversed(AXES))  # outermost first: pipe, data, z, y, x
     mesh = init_device_mesh(device.type, tuple(sizes[a] for a in names), mesh_dim_names=names)
-    grid = Grid(sizes=sizes, rank=dist.get_rank(), device=device, mesh=mesh)
+    grid = Grid(sizes=dict(sizes), rank=dist.get_rank(), device=device, mesh=mesh)
     for axis in AXES:
         grid._groups[(axis,)] = mesh.get_group(axis)
     for combo in _COMBINED:

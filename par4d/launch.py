@@ -1,4 +1,4 @@
-"""Where the ranks come from: an existing launcher's environment, or our own.
+"""Where the ranks come from, and joining their job: :func:`init` builds a Grid over it.
 
 * torchrun (and par4d's launcher, which uses torchrun's elastic agent) sets
   ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``.
@@ -15,6 +15,15 @@ import socket
 import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:   # torch is imported where a rank joins a job: `par4d plan` needs none
+    import torch
+
+    from par4d.grid import Grid
+
+JOIN_TIMEOUT = timedelta(minutes=10)
 
 
 @dataclass(frozen=True)
@@ -100,3 +109,81 @@ def launch_local(nproc: int, entrypoint: Callable, args: Sequence, run_id: str =
         start_method="spawn",
     )
     return elastic_launch(config, entrypoint)(*args)
+
+
+def device(env: DistEnv | None) -> torch.device:
+    """This rank's device: its node-local GPU where CUDA is present, else the CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        local = env.local_rank if env is not None else 0
+        torch.cuda.set_device(local % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def join(env: DistEnv | None) -> None:
+    """Join the torch.distributed job of ``env`` (torchrun, srun, par4d's launcher), or
+    start a one-rank job when there is none; nothing when this process is in a job already.
+
+    torchrun's variables go through ``env://``, so workers reuse the agent's store;
+    srun's are passed as a ``tcp://`` address (no environment writes). Each join gets
+    its own key prefix in the store: ``destroy_process_group()`` restarts torch's group
+    numbering, and a second join on a store that still holds the first join's keys
+    would connect to stale peers (pytorch/pytorch#55967). The count of joins is kept
+    in the store itself (one counter per rank), not in this process.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if env is None:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        return
+    url = ("env://" if env.launcher == "torchrun" else
+           f"tcp://{env.master_addr}:{env.master_port}?rank={env.rank}&world_size={env.world_size}")
+    store, rank, world = next(dist.rendezvous(url, timeout=JOIN_TIMEOUT))
+    joins = store.add(f"par4d/joins/rank{rank}", 1)
+    store = dist.PrefixStore(f"par4d/join{joins}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=JOIN_TIMEOUT)
+
+
+def init(x: int = 1, y: int = 1, z: int = 1, data: int = 1, pipe: int = 1) -> Grid:
+    """Build the grid ``x * y * z * data * pipe`` over the current job.
+
+    Joins an existing torch.distributed job or initializes one from the
+    environment (torchrun, srun, or par4d's launcher): gloo on CPU, NCCL where CUDA
+    is present. The shape is validated on every rank before any collective.
+    """
+    import torch.distributed as dist
+
+    from par4d.grid import build_grid, validate_sizes
+
+    requested = {"x": x, "y": y, "z": z, "data": data, "pipe": pipe}
+    env = distributed_env()
+    if dist.is_initialized():
+        world = dist.get_world_size()
+    else:
+        world = env.world_size if env is not None else 1
+    sizes = validate_sizes(requested, world)
+    join(env)
+    _check_same_on_every_rank(sizes)
+    return build_grid(sizes, device(env))
+
+
+def _check_same_on_every_rank(sizes: dict[str, int]) -> None:
+    """Ranks that ask for different grids would build mismatched groups and hang."""
+    import torch.distributed as dist
+
+    from par4d.grid import describe
+
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, sizes)
+    if any(other != sizes for other in every):
+        shapes: dict[str, list[int]] = {}
+        for rank, other in enumerate(every):
+            shapes.setdefault(describe(other), []).append(rank)
+        listing = "; ".join(f"ranks {ranks}: {shape}" for shape, ranks in shapes.items())
+        raise ValueError(f"ranks asked par4d.init for different grids ({listing})")

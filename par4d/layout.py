@@ -1,9 +1,15 @@
-"""Layouts as data: how parameters and activations are split over the grid.
+"""Layouts as data, and the only code that cuts full tensors into shards and back.
 
-Activations (DESIGN §2): rows (whole samples) are split over ``data`` then ``z``;
-features are split over ``x`` or ``y`` and replicated over the other. Parameters
-carry a :class:`ParamSpec` saying which axes shard them and over which axes their
-gradient is still a partial sum after backward.
+**Parameters.** A :class:`Placement` says how a parameter lies on the grid: a sequence
+of :class:`Split` steps, each cutting one tensor dim over one grid axis, applied in
+order (an earlier split is the outer one: Algorithm 1's weight is cut into out-feature
+blocks over x, and each block into z shards), and the axes over which the gradient left
+by backward is still a partial sum (``grad_sum``). :func:`shard` and :func:`unshard`
+follow a placement both ways; layers, checkpoints and the single-device twins use
+nothing else (docs/architecture.md, "Layouts").
+
+**Activations.** Rows (whole samples) are split over ``data`` (outer) then ``z``;
+features over ``x`` or ``y`` and replicated over the other.
 """
 
 from __future__ import annotations
@@ -13,36 +19,75 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from par4d.grid import AXES, Grid
-
-TENSOR_AXES = ("x", "y", "z")
+from par4d import comm
+from par4d.grid import AXES, TENSOR_AXES, Grid, check_axes
 
 
 @dataclass(frozen=True)
-class ParamSpec:
-    """Placement of one parameter.
+class Split:
+    """Cut tensor dim ``dim`` over grid ``axis``.
 
-    sharded: tensor axes (x, y, z) over which ranks hold different pieces; over
-        the remaining tensor axes the parameter is replicated.
-    grad_sum: axes over which the gradient left by backward is still partial
-        (``data`` always; ``z`` unless a reduce-scatter over z already summed it).
+    The dim is first cut into ``chunks`` equal chunks (q, k, v of a fused projection),
+    each chunk into ``G_axis`` blocks; a rank keeps its block of every chunk,
+    concatenated in chunk order. ``stacked``: the dim has one entry per coordinate
+    (size ``G_axis``) and a rank's shard drops it (every rank's own blocks, stacked).
+    ``dim`` counts the dims of the tensor as it is when this split applies.
     """
 
-    sharded: tuple[str, ...]
+    dim: int
+    axis: str
+    chunks: int = 1
+    stacked: bool = False
+
+    def __post_init__(self) -> None:
+        check_axes((self.axis,))
+        assert self.chunks >= 1 and not (self.stacked and self.chunks > 1), self
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a parameter's pieces live (see the module docstring)."""
+
+    splits: tuple[Split, ...]
     grad_sum: tuple[str, ...]
 
     def __post_init__(self) -> None:
-        for axis in self.sharded + self.grad_sum:
-            assert axis in AXES, axis
+        check_axes(self.grad_sum)
+
+    @property
+    def sharded(self) -> tuple[str, ...]:
+        """The axes over which ranks hold different pieces, in AXES order."""
+        return check_axes({s.axis for s in self.splits})
+
+    def full_shape(self, local_shape: tuple[int, ...], grid: Grid) -> tuple[int, ...]:
+        """The full tensor's shape, from a shard's on ``grid``."""
+        shape = list(local_shape)
+        for s in reversed(self.splits):
+            if s.stacked:
+                shape.insert(s.dim, grid.size(s.axis))
+            else:
+                shape[s.dim] *= grid.size(s.axis)
+        return tuple(shape)
+
+    def coords(self, grid: Grid) -> dict[str, int]:
+        """This rank's coordinate on every tensor axis that really shards the parameter
+        (size > 1), in AXES order: what tells its shard from the others'."""
+        return {a: grid.coord(a) for a in self.sharded if a in TENSOR_AXES and grid.size(a) > 1}
+
+    def as_dict(self) -> dict:
+        """A JSON-able record (checkpoints keep it: what resharding needs)."""
+        return {"splits": [[s.dim, s.axis, s.chunks, s.stacked] for s in self.splits],
+                "grad_sum": list(self.grad_sum)}
 
 
-def mark(param: nn.Parameter, *, sharded: tuple[str, ...], grad_sum: tuple[str, ...]) -> nn.Parameter:
-    param._par4d_spec = ParamSpec(sharded, grad_sum)  # type: ignore[attr-defined]
+def place(param: nn.Parameter, placement: Placement) -> nn.Parameter:
+    """Attach ``placement`` to ``param``; returns it."""
+    param._par4d_placement = placement  # type: ignore[attr-defined]
     return param
 
 
-def spec(param: torch.Tensor) -> ParamSpec | None:
-    return getattr(param, "_par4d_spec", None)
+def placement_of(param: torch.Tensor) -> Placement | None:
+    return getattr(param, "_par4d_placement", None)
 
 
 def block(length: int, parts: int, index: int) -> slice:
@@ -51,13 +96,52 @@ def block(length: int, parts: int, index: int) -> slice:
     return slice(index * size, (index + 1) * size)
 
 
+def local_range(grid: Grid, length: int, axis: str) -> slice:
+    """This rank's block of a dim of ``length`` split over ``axis``."""
+    return block(length, grid.size(axis), grid.coord(axis))
+
+
+def shard(grid: Grid, full: torch.Tensor, placement: Placement) -> torch.Tensor:
+    """This rank's piece of ``full`` (a view where possible)."""
+    t = full
+    for s in placement.splits:
+        if s.stacked:
+            t = t.select(s.dim, grid.coord(s.axis))
+            continue
+        chunks = t.unflatten(s.dim, (s.chunks, t.shape[s.dim] // s.chunks))   # (..., c, L/c, ...)
+        mine = local_range(grid, chunks.shape[s.dim + 1], s.axis)
+        t = chunks.narrow(s.dim + 1, mine.start, mine.stop - mine.start).flatten(s.dim, s.dim + 1)
+    return t
+
+
+@torch.no_grad()
+def unshard(grid: Grid, local: torch.Tensor, placement: Placement) -> torch.Tensor:
+    """The full tensor on every rank (collective: one all-gather per split whose axis > 1)."""
+    t = local
+    for s in reversed(placement.splits):
+        if s.stacked:
+            t = comm.all_gather_dim(grid, t.unsqueeze(s.dim), s.axis, s.dim)
+            continue
+        per_chunk = t.unflatten(s.dim, (s.chunks, t.shape[s.dim] // s.chunks))
+        t = comm.all_gather_dim(grid, per_chunk, s.axis, s.dim + 1).flatten(s.dim, s.dim + 1)
+    return t
+
+
+def shard_name(grid: Grid, name: str, placement: Placement) -> str:
+    """``name@x1.z0``: a name that tells this rank's shard from the others' and is the
+    same on ranks that hold the same piece (replicas), e.g. as a checkpoint key."""
+    coords = placement.coords(grid)
+    return name + ("@" + ".".join(f"{a}{c}" for a, c in coords.items()) if coords else "")
+
+
+# -- activations -------------------------------------------------------------------
+
 def batch_slice(grid: Grid, batch: int) -> slice:
     """Rows of a global batch held by this rank: blocks over data, then z inside."""
     if batch % grid.size("data", "z"):
         raise ValueError(f"global batch of {batch} samples is not divisible by data * z = "
                          f"{grid.size('data')} * {grid.size('z')} = {grid.size('data', 'z')}")
-    shard = grid.coord("data") * grid.size("z") + grid.coord("z")
-    return block(batch, grid.size("data", "z"), shard)
+    return block(batch, grid.size("data", "z"), grid.coord("data") * grid.size("z") + grid.coord("z"))
 
 
 def shard_batch(grid: Grid, tensor: torch.Tensor) -> torch.Tensor:
@@ -67,9 +151,18 @@ def shard_batch(grid: Grid, tensor: torch.Tensor) -> torch.Tensor:
 
 def shard_features(grid: Grid, tensor: torch.Tensor, axis: str) -> torch.Tensor:
     """This rank's block of the last dim, split over ``axis``."""
-    return tensor[..., block(tensor.shape[-1], grid.size(axis), grid.coord(axis))]
+    return tensor[..., local_range(grid, tensor.shape[-1], axis)]
+
+
+def gather_features(grid: Grid, block_: torch.Tensor, axis: str) -> torch.Tensor:
+    """Inverse of :func:`shard_features` (collective: an all-gather over ``axis``)."""
+    return comm.all_gather_dim(grid, block_, axis, dim=block_.dim() - 1)
 
 
 def shard_activation(grid: Grid, tensor: torch.Tensor, axis: str) -> torch.Tensor:
     """A global activation (batch, ..., features) in par4d's layout."""
     return shard_features(grid, shard_batch(grid, tensor), axis)
+
+
+__all__ = ["AXES", "Placement", "Split", "batch_slice", "block", "gather_features", "local_range", "place",
+           "placement_of", "shard", "shard_activation", "shard_batch", "shard_features", "shard_name", "unshard"]

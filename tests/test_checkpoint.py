@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from par4d.data_parallel import sync_gradients
 from par4d.layout import shard_batch
 from par4d.models import GPT, GPTConfig, ReferenceGPT
 from par4d.train import checkpoint
+from par4d.train.step import train_step
 from tests import cases
 
 CONFIG = GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16, seed=9)
@@ -15,10 +15,8 @@ CONFIG = GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16, 
 def _step(model, grid, opt, seed):
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, CONFIG.vocab_size, (4, CONFIG.block_size + 1), generator=gen)
-    model(shard_batch(grid, tokens[:, :-1]), shard_batch(grid, tokens[:, 1:])).backward()
-    sync_gradients(model, grid)
-    opt.step()
-    opt.zero_grad()
+    x, y = shard_batch(grid, tokens[:, :-1]), shard_batch(grid, tokens[:, 1:])
+    train_step(model, opt, grid, model, x, y)
 
 
 def _round_trip(sizes: dict, folder: str) -> int:

@@ -11,6 +11,7 @@ import par4d
 from par4d.grid import parse_grid, validate_sizes
 from par4d.layout import shard_batch
 from par4d.models import GPT, GPTConfig
+from par4d.train.model import build_gpt
 from tests import cases
 
 
@@ -69,7 +70,7 @@ def test_linear_divisibility(pool4, k, n, transposed, sizes, words):
 
 
 def _gpt(config_kwargs, sizes):
-    return GPT(GPTConfig(**config_kwargs), grid=cases.grid(**sizes))
+    return build_gpt(GPTConfig(**config_kwargs), cases.grid(**sizes))
 
 
 @pytest.mark.parametrize("config, sizes, words", [

@@ -7,6 +7,7 @@ import torch
 import par4d
 from par4d.layout import shard_activation
 from par4d.nn.gemm import FORMS, GemmPlan, apply, environment_key
+from par4d.nn.linear import tune
 from tests import cases
 
 
@@ -22,15 +23,14 @@ def _tuned_linear(sizes: dict, cache: str) -> dict:
     layer = par4d.nn.Linear(12, 20, grid=grid, seed=1)
     inp = shard_activation(grid, torch.randn(4, 3, 12, generator=torch.Generator().manual_seed(2)), "y")
     results = []
-    for plan in (None, GemmPlan(cache)):
-        grid.gemm = plan
+    for plan in (None, GemmPlan(cache, grid=grid)):
+        tune(layer, plan)
         x = inp.clone().requires_grad_()
         out = layer(x)
         out.square().sum().backward()
         results.append((out.detach(), x.grad, layer.weight.grad.clone()))
         layer.weight.grad = None
         layer.bias.grad = None
-    grid.gemm = None   # the grid is shared with other tests
     for plain, tuned in zip(*results):
         torch.testing.assert_close(tuned, plain)
     return plan.choices[environment_key(inp.device, inp.dtype)]
@@ -48,7 +48,7 @@ def test_choices_agree_across_ranks_and_persist(pool4, tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        reused = GemmPlan(cache, agree=False)
+        reused = GemmPlan(cache)
         for key in choices[0]:
             name, shape, layout = key.split(":")
             m, k, n = map(int, shape.split("x"))

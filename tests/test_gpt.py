@@ -6,6 +6,7 @@ import torch
 from par4d.data_parallel import global_mean, sync_gradients
 from par4d.layout import shard_batch
 from par4d.models import GPT, GPTConfig, ReferenceGPT
+from par4d.train.model import build_gpt, build_reference
 from tests import cases
 
 # Not powers of two where the grid allows: vocabulary 36, width 24, head dim 6.
@@ -15,8 +16,8 @@ BATCH, STEPS = 4, 3
 
 def _gpt_matches_twin(sizes: dict, config: GPTConfig = CONFIG) -> int:
     grid = cases.grid(**sizes)
-    twin = ReferenceGPT(config)
-    model = GPT(config, grid=grid)
+    twin = build_reference(config)
+    model = build_gpt(config, grid)
     start = model.reference_state()
     for name, param in twin.named_parameters():
         assert torch.equal(start[name], param.detach()), f"{sizes}: initial {name} differs from the twin"
@@ -110,9 +111,9 @@ def test_gpt_with_phantom_mlp_matches_twin(pool4, sizes):
     from dataclasses import replace
 
     config = replace(CONFIG, mlp="phantom", phantom_k=3, phantom_p=sizes["x"])
-    expected = len(list(ReferenceGPT(config, init=False).parameters()))
+    expected = len(list(build_reference(config, init=False).parameters()))
     assert pool4.run(_gpt_matches_twin, sizes, config) == [expected] * 4
-    assert config.num_params() == sum(p.numel() for p in ReferenceGPT(config, init=False).parameters())
+    assert config.num_params() == sum(p.numel() for p in build_reference(config, init=False).parameters())
 
 
 def _clipped_like_torch(sizes: dict) -> float:

@@ -161,7 +161,7 @@ def test_synthetic_teacher_is_the_papers_task():
 
 
 def test_compare_rows_and_exact_bytes(tmp_path):
-    from par4d.phantom.compare import run_compare, write_report
+    from par4d.bench.phantom import run_compare, write_report
 
     n, batch, ks = 16, 4, [1, 3]
     rows, fits = run_compare(n, 2, [2], ks, batch=batch, lr=1e-2, iters=4, max_iters=30, target_loss=None, seed=0)

@@ -88,6 +88,43 @@ def test_flops_split_and_params():
     assert 5.0e9 < spec.params() < 5.3e9      # "GPT-5B"
 
 
+def test_gpt_spec_takes_the_models_arithmetic():
+    """GPTSpec's parameters, FLOPs and layers are its GPTConfig's, and the FLOPs are Narayanan et al.'s."""
+    from par4d.plan.workload import GPT_MODELS
+
+    small = GPTSpec("small", n_layer=2, hidden=64, heads=4, seq_len=64, global_batch=16, vocab=256)
+    for spec in [*GPT_MODELS.values(), small]:
+        config = GPTConfig(vocab_size=spec.vocab, block_size=spec.seq_len, n_layer=spec.n_layer, n_head=spec.heads,
+                           n_embd=spec.hidden)
+        assert spec.config == config
+        assert GPTSpec.from_config(spec.name, config, spec.global_batch) == spec
+        assert spec.params() == config.num_params()
+        linears = config.linear_layers()
+        assert [(l.name, l.m, l.k, l.n, l.transposed, l.count) for l in spec.layers()] == [
+            (l.name, spec.tokens, l.k, l.n, l.transposed, l.count) for l in linears]
+        assert sum(l.k * l.n * l.count for l in linears) + config.embedding_params() + config.vector_params() == (
+            config.num_params())
+        for checkpointing in (False, True):
+            matmul, attention = spec.flops_split(checkpointing)
+            assert matmul + attention == spec.flops_per_iteration(checkpointing) == (
+                spec.tokens * config.flops_per_token(recompute=checkpointing))
+            assert attention == spec.tokens * config.attention_flops_per_token(recompute=checkpointing)
+        # The async-pipeline paper's Eq. 3; recomputation runs the blocks' forward again, not the head's.
+        b, s, n, h, v = spec.global_batch, spec.seq_len, spec.n_layer, spec.hidden, spec.vocab
+        assert spec.flops_per_iteration(False) == pytest.approx(
+            72 * b * s * n * h * h * (1 + s / (6 * h) + v / (12 * n * h)), rel=1e-12)
+        assert spec.flops_per_iteration(True) == pytest.approx(
+            96 * b * s * n * h * h * (1 + s / (6 * h) + v / (16 * n * h)), rel=1e-12)
+    with pytest.raises(ValueError, match="n_embd=10 is not divisible by n_head=4"):
+        GPTSpec("bad", n_layer=1, hidden=10, heads=4, seq_len=8, global_batch=4, vocab=16)
+    # The planner plans the dense GPT: a phantom MLP has no dense fc/proj to list.
+    phantom = GPTConfig(mlp="phantom", phantom_p=2)
+    with pytest.raises(ValueError, match="only a dense MLP"):
+        phantom.linear_layers()
+    with pytest.raises(ValueError, match="dense GPT only"):
+        GPTSpec.from_config("p", phantom, 4)
+
+
 def test_ranking_and_exclusions():
     spec = gpt_spec("gpt-20b").with_batch(16, 2048)
     ranked, excluded = rank_configurations(spec, 32, NODE4, "full", checkpointing=True)
@@ -134,14 +171,14 @@ def test_plan_cli_errors(capsys, tmp_path):
 def test_train_grid_auto_takes_the_planners_first_choice(tmp_path, capsys):
     import argparse
 
-    from par4d.cli import _planned_grid
+    from par4d.plan.choose import planned_grid
 
     profile = tmp_path / "local.toml"
     local = Machine("local", devices_per_node=4, peak_flops=50e9, memory_bytes=4e9, beta_intra=1e9, beta_inter=1e9,
                     latency=5e-4, bytes_per_element=4, all_gather_scale=0.3, reduce_scatter_scale=0.25)
     profile.write_text(local.to_toml())
     args = argparse.Namespace(machine=str(profile), n_layer=2, n_embd=64, n_head=4, seq_len=64, batch_size=16)
-    chosen, peak = _planned_grid(args, 4, inside=False)
+    chosen, peak = planned_grid(4, inside=False, **vars(args))
     assert peak is None                                  # a given profile: nothing was measured here
     spec = GPTSpec("train", n_layer=2, hidden=64, heads=4, seq_len=64, global_batch=16, vocab=256)
     best = rank_configurations(spec, 4, local, "full", checkpointing=False)[0][0].sizes
@@ -150,7 +187,7 @@ def test_train_grid_auto_takes_the_planners_first_choice(tmp_path, capsys):
     # Under a launcher there is no way to calibrate first: a profile is required.
     args.machine = None
     with pytest.raises(ValueError, match="needs --machine PROFILE"):
-        _planned_grid(args, 4, inside=True)
+        planned_grid(4, inside=True, **vars(args))
 
 
 def test_workload_recorded_from_a_module():

@@ -4,9 +4,9 @@ import math
 
 import pytest
 
-from par4d.bench.grid import BATCH, CONFIG
 from par4d.plan.calibrate import fit
 from par4d.plan.machines import Machine
+from par4d.plan.measure import BATCH, CONFIG
 from par4d.plan.validate import SPEC, _ranks, kendall_tau, score
 
 
@@ -94,7 +94,7 @@ def _real_step_collectives(sizes):
     """Every collective a rank issues in one training step of the bench GPT on a real grid."""
     import torch.distributed as dist
 
-    from par4d.bench.grid import WARMUP, step_collectives, training_step
+    from par4d.plan.measure import WARMUP, step_collectives, training_step
     from tests import cases
 
     grid = cases.grid(**sizes)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from par4d.cli import default_grid, main
+from par4d.cli import main
+from par4d.plan.choose import default_grid
 
 SMALL = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--batch-size", "8", "--seq-len", "16",
          "--no-progress"]
@@ -100,7 +101,7 @@ def test_joins_a_torchrun_job(tmp_path):
 def test_bench_grid_rows_and_exact_bytes(tmp_path):
     """`par4d bench grid --json`: every valid grid, and byte counts that must agree
     exactly: data-only par4d and DDP both all-reduce every gradient once."""
-    from par4d.bench.grid import CONFIG, grids
+    from par4d.plan.measure import CONFIG, grids
 
     result = subprocess.run([sys.executable, "-m", "par4d.cli", "bench", "grid", "--nproc", "4", "--iters", "1",
                              "--json"], capture_output=True, text=True, timeout=300,

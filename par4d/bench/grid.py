@@ -17,45 +17,24 @@ import copy
 import json
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import par4d
-from par4d.data_parallel import sync_gradients
-from par4d.grid import Grid
 from par4d.launch import launch_local
-from par4d.layout import shard_batch
-from par4d.models import GPT, GPTConfig, ReferenceGPT
+from par4d.layout import block
+from par4d.models import ReferenceGPT
 from par4d.perf import cpu_cores, measure_matmul_peak, threads_per_rank
-from par4d.plan.model import factorizations
-
-CONFIG = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=128)
-BATCH = 32
-WARMUP = 2
+from par4d.plan.measure import BATCH, CONFIG, batch, grids, time_grid, time_iterations
 
 
 @dataclass(frozen=True)
 class BenchSettings:
     nproc: int
     iters: int
-    peak_flops: float | None = None   # for % of peak in the rows; plan validate needs times only
-
-
-def grids(world: int, config: GPTConfig = CONFIG, batch: int = BATCH) -> list[dict[str, int]]:
-    """Every (x, y, z, data) shape of ``world`` ranks on which the model and batch divide."""
-    shapes = []
-    for sizes in factorizations(world):
-        try:
-            GPT(config, grid=Grid.virtual(sizes))
-        except ValueError:
-            continue
-        if batch % (sizes["z"] * sizes["data"]) == 0:
-            shapes.append(sizes)
-    return shapes
+    peak_flops: float
 
 
 class _C10dBytes(TorchDispatchMode):
@@ -78,19 +57,6 @@ class _C10dBytes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _time_iterations(step, iters: int) -> list[float]:
-    for _ in range(WARMUP):
-        step()
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        start = time.perf_counter()
-        step()
-        dist.barrier()
-        times.append(time.perf_counter() - start)
-    return times
-
-
 def _sum_over_ranks(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t)
@@ -102,56 +68,14 @@ def _row(name: str, sizes: dict[str, int], times: list[float], bytes_per_iter: f
     s = statistics.median(times)
     tokens = BATCH * CONFIG.block_size / s
     flops = CONFIG.flops_per_token() * tokens
-    return {"name": name, "grid": " ".join(f"{a}={sizes.get(a, 1)}" for a in ("x", "y", "z", "data")),
+    return {"framework": "par4d" if name == "par4d" else "torch", "name": name,
+            "grid": " ".join(f"{a}={sizes.get(a, 1)}" for a in ("x", "y", "z", "data")),
             "s_per_iter": s, "tokens_per_s": tokens, "percent_of_peak": 100 * flops / peak,
             "bytes_per_iter": int(bytes_per_iter), "bytes_source": bytes_source, "iters": len(times)}
 
 
-def _batches():
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.block_size + 1), generator=gen)
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-def training_step(grid: Grid):
-    """One iteration of the bench GPT on ``grid``: forward, backward, gradient sync, AdamW."""
-    model = GPT(CONFIG, grid=grid)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    inputs, targets = _batches()
-    x, y = shard_batch(grid, inputs), shard_batch(grid, targets)
-
-    def step():
-        loss = model(x, y)
-        loss.backward()
-        sync_gradients(model, grid)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
-
-
-def step_collectives(grid: Grid, step) -> list[tuple[str, tuple[str, ...], int]]:
-    """(kind, axes, elements) of every collective one call of ``step`` issues on ``grid``."""
-    with grid.ledger.capture() as entries:
-        step()
-    return [(e.kind, e.axes, e.elements) for e in entries]
-
-
-def time_par4d(sizes: dict[str, int], iters: int) -> tuple[list[float], float]:
-    """Seconds of ``iters`` training steps of the bench GPT on grid ``sizes``, and the
-    ledger bytes per step of this rank. Closes the grid: idle groups of earlier grids
-    would slow the grids measured after them."""
-    grid = par4d.init(**sizes)
-    step = training_step(grid)
-    before = grid.ledger.total_bytes()
-    times = _time_iterations(step, iters)
-    per_rank = (grid.ledger.total_bytes() - before) / (WARMUP + iters)
-    grid.close()
-    return times, per_rank
-
-
 def _bench_par4d(sizes: dict[str, int], settings: BenchSettings) -> dict:
-    times, per_rank = time_par4d(sizes, settings.iters)
+    times, per_rank = time_grid(sizes, settings.iters)
     return _row("par4d", sizes, times, _sum_over_ranks(per_rank), settings.peak_flops, "ledger")
 
 
@@ -168,12 +92,12 @@ def _bench_torch(kind: str, settings: BenchSettings) -> dict:
     else:
         model = copy.deepcopy(twin)
         mesh = init_device_mesh("cpu", (world,))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
+        for layer in model.blocks:
+            fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    inputs, targets = _batches()
-    rows = slice(dist.get_rank() * BATCH // world, (dist.get_rank() + 1) * BATCH // world)
+    inputs, targets = batch()
+    rows = block(BATCH, world, dist.get_rank())       # as par4d's data (or z) shards: rank r, r-th block
     x, y = inputs[rows], targets[rows]
 
     def step():
@@ -182,7 +106,7 @@ def _bench_torch(kind: str, settings: BenchSettings) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    times = _time_iterations(step, settings.iters)
+    times = time_iterations(step, settings.iters)
     if kind == "ddp":
         per_rank, source = sum(p.numel() * p.element_size() for p in twin.parameters()), "gradient bytes"
         name = "torch DDP"
@@ -238,4 +162,4 @@ def run_bench_grid(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["grids", "markdown", "run_bench_grid", "training_step"]
+__all__ = ["markdown", "run_bench_grid"]

@@ -1,19 +1,39 @@
-"""GPT configuration and the initialization both twins share."""
+"""GPT configuration, its arithmetic (parameters, FLOPs, layer shapes, grid rules), and
+the initialization both twins share. Pure Python: torch is imported only by :func:`init_tensor`,
+so the planner (``par4d plan``) reads the model's arithmetic without it."""
 
 from __future__ import annotations
 
 import math
 import zlib
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     import torch
 
 
+class LinearShape(NamedTuple):
+    """One kind of par4d Linear in the GPT: ``in_features`` k -> ``out_features`` n, ``count`` of them.
+
+    ``transposed`` layers take features over x and give them over y (normal ones y -> x);
+    ``out_chunks`` equal parts of the output are split over the grid separately (qkv's q, k, v)."""
+
+    name: str
+    k: int
+    n: int
+    transposed: bool
+    out_chunks: int
+    count: int
+
+
 @dataclass(frozen=True)
 class GPTConfig:
-    """A GPT-2 style decoder: learned positions, pre-LN blocks, GELU MLP, untied head, no dropout."""
+    """A GPT-2 style decoder: learned positions, pre-LN blocks, GELU MLP, untied head, no dropout.
+
+    With ``d = n_embd``, ``L = n_layer``, ``V = vocab_size``, ``T = block_size``, a dense model has
+    ``V d + T d`` embedding parameters, ``L (12 d^2 + 13 d) + 2 d`` in its blocks and final norm, and
+    ``d V`` in its head (no bias)."""
 
     vocab_size: int = 256
     block_size: int = 64
@@ -36,29 +56,94 @@ class GPTConfig:
         if self.mlp == "phantom" and (self.n_embd % self.phantom_p or (4 * self.n_embd) % self.phantom_p):
             raise ValueError(f"GPTConfig: n_embd={self.n_embd} is not divisible by phantom_p={self.phantom_p}")
 
-    def _mlp_params(self) -> int:
+    def _linears(self) -> list[LinearShape]:
+        """The dense Linears, in execution order; a phantom model's MLP layers are not among them."""
+        d, layers = self.n_embd, self.n_layer
+        mlp = [LinearShape("mlp.fc", d, 4 * d, False, 1, layers),
+               LinearShape("mlp.proj", 4 * d, d, True, 1, layers)] if self.mlp == "dense" else []
+        return [LinearShape("qkv", d, 3 * d, False, 3, layers),
+                LinearShape("attn.proj", d, d, True, 1, layers),
+                *mlp,
+                LinearShape("head", d, self.vocab_size, False, 1, 1)]
+
+    def linear_layers(self) -> list[LinearShape]:
+        """The GPT's matmul layers, one entry per kind, in execution order: per block qkv
+        (d -> 3d, normal, 3 out-chunks), attn.proj (d -> d, transposed), mlp.fc (d -> 4d, normal),
+        mlp.proj (4d -> d, transposed), ``n_layer`` of each; then head (d -> V, normal, no bias).
+
+        Dense MLP only: a phantom MLP (``mlp="phantom"``) has no such fc/proj Linears, and listing
+        the others alone would undercount its work, so a phantom config raises ValueError (the
+        planner plans the dense GPT only)."""
+        if self.mlp != "dense":
+            raise ValueError(f"GPTConfig.mlp={self.mlp!r}: only a dense MLP has Linear layers to list")
+        return self._linears()
+
+    def _phantom_mlp_weights(self) -> int:
+        d, p, k = self.n_embd, self.phantom_p, self.phantom_k
+        # Per phantom layer: local blocks, compressors, decompressors (DESIGN §5); its bias is a vector.
+        return sum(n_in * n_out // p + k * n_in + (p - 1) * k * n_out for n_in, n_out in ((d, 4 * d), (4 * d, d)))
+
+    def _matmul_weights(self) -> int:
+        """Weights of every matmul (= its multiply-adds per token), the head's included."""
+        phantom = self.n_layer * self._phantom_mlp_weights() if self.mlp == "phantom" else 0
+        return sum(layer.k * layer.n * layer.count for layer in self._linears()) + phantom
+
+    def embedding_params(self) -> int:
+        """Token and position embeddings: ``(V + T) d``."""
+        return (self.vocab_size + self.block_size) * self.n_embd
+
+    def vector_params(self) -> int:
+        """Biases and norm gains: ``13 d`` per block (two LayerNorms' weight and bias 4d, qkv 3d,
+        attn.proj d, fc 4d, proj d: a phantom layer has the same bias) and the final norm's ``2 d``."""
         d = self.n_embd
-        if self.mlp == "dense":
-            return (4 * d * d + 4 * d) + (4 * d * d + d)
-        p, k = self.phantom_p, self.phantom_k
-        # Per phantom layer: local blocks, compressors, decompressors, bias (DESIGN §5).
-        return sum(n_in * n_out // p + k * n_in + (p - 1) * k * n_out + n_out
-                   for n_in, n_out in ((d, 4 * d), (4 * d, d)))
+        return self.n_layer * (2 * 2 * d + 3 * d + d + 4 * d + d) + 2 * d
 
     def num_params(self) -> int:
         """Parameters of the model (embeddings included), from the shapes alone."""
-        d, v, t, layers = self.n_embd, self.vocab_size, self.block_size, self.n_layer
-        per_block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + self._mlp_params()
-        return v * d + t * d + layers * per_block + 2 * d + d * v
+        return self.embedding_params() + self._matmul_weights() + self.vector_params()
 
-    def flops_per_token(self) -> int:
+    def _passes(self, recompute: bool) -> int:
+        # Forward + backward = 3 forwards; activation recomputation runs the forward once more.
+        return 4 if recompute else 3
+
+    def attention_flops_per_token(self, recompute: bool = False) -> int:
+        """Training FLOPs per token of causal attention's QK^T and AV, counted in full:
+        ``2 T d`` multiply-adds per block, 2 FLOPs each, times 3 passes (4 with ``recompute``)."""
+        return self._passes(recompute) * 2 * self.n_layer * 2 * self.block_size * self.n_embd
+
+    def flops_per_token(self, recompute: bool = False) -> int:
         """Training FLOPs per token (forward + backward = 3x forward): 2 per matmul
-        multiply-add of every Linear, plus causal attention's QK^T and AV counted in full."""
-        d, layers = self.n_embd, self.n_layer
-        mlp = self._mlp_params() - (5 * d)     # multiply-adds per token = weights (biases excluded)
-        linear = layers * (3 * d * d + d * d + mlp) + d * self.vocab_size
-        attention = layers * 2 * self.block_size * d
-        return 3 * 2 * (linear + attention)
+        multiply-add of every Linear, plus causal attention's QK^T and AV counted in full
+        (:meth:`attention_flops_per_token`).
+
+        ``recompute``: activation recomputation per block, as Narayanan et al. count it: the
+        blocks run their forward twice (x 4/3), the head once. Over a batch of ``B T`` tokens
+        this is their ``72 B T L d^2 (1 + T/(6d) + V/(12 L d))`` (``96 ... (1 + T/(6d) + V/(16 L d))``)."""
+        head = self.n_embd * self.vocab_size
+        blocks = 2 * (self._matmul_weights() - head)
+        return self._passes(recompute) * blocks + self.attention_flops_per_token(recompute) + 3 * 2 * head
+
+    def grid_problem(self, sizes: dict[str, int]) -> str | None:
+        """Why par4d's GPT cannot be built on grid ``sizes`` (axes x, y, z), or None.
+
+        The layers' own rules: heads split over x; embedding rows (V and T) over z; each
+        Linear with ``(g_in, g_out) = (x, y)`` if transposed else ``(y, x)`` needs ``k % g_in``,
+        ``n % (out_chunks g_out)`` and ``(n / g_out) % z``; the residual stream's d over y.
+        The batch is not part of the model (its rule is the workload's). Dense MLP only
+        (see :meth:`linear_layers`)."""
+        gx, gy, gz = sizes["x"], sizes["y"], sizes["z"]
+        layers = self.linear_layers()
+        if self.n_head % gx:
+            return f"heads={self.n_head} not divisible by x={gx}"
+        if self.vocab_size % gz or self.block_size % gz:
+            return f"embedding rows (vocab={self.vocab_size}, seq_len={self.block_size}) not divisible by z={gz}"
+        for layer in layers:
+            g_in, g_out = (gx, gy) if layer.transposed else (gy, gx)
+            if layer.k % g_in or layer.n % (layer.out_chunks * g_out) or (layer.n // g_out) % gz:
+                return f"{layer.name} ({layer.k} -> {layer.n}) does not divide the grid"
+        if self.n_embd % gy:
+            return f"hidden={self.n_embd} not divisible by y={gy}"
+        return None
 
 
 def init_tensor(config: GPTConfig, name: str, shape: tuple[int, ...]) -> torch.Tensor:

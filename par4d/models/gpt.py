@@ -7,11 +7,16 @@ re-laid out or fully replicated between layers:
 
     ln1 (stats over y) -> qkv (normal, heads over x) -> attention -> proj (transposed)
     ln2 (stats over y) -> fc (normal, 4D over x) -> GELU -> proj (transposed)
-        (or, with ``config.mlp == "phantom"``, phantom layers over x: DESIGN §5)
     ln_f -> head (normal, vocabulary over x) -> vocab-parallel cross-entropy over x
+
+The MLP comes from a factory (``mlp=``): the dense one above by default; a layer
+above this one supplies another, as :mod:`par4d.phantom` does for ``config.mlp ==
+"phantom"`` (models never import the layers built on top of them).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -20,11 +25,15 @@ import torch.nn.functional as F
 from par4d.grid import Grid
 from par4d.models.config import GPTConfig, init_tensor
 from par4d.nn import CausalSelfAttention, Embedding, LayerNorm, Linear, vocab_parallel_cross_entropy
-from par4d.nn.base import full_state_dict, load_full_state_dict
-from par4d.nn.collectives import GatherFeatures, SplitFeatures
+from par4d.nn.base import ShardedModule, full_state_dict, load_full_state_dict
+
+MLPFactory = Callable[[GPTConfig, Grid, str], nn.Module]
+"""``factory(config, grid, name)``: a block's MLP, residual layout (features over y) in and out."""
 
 
-class _MLP(nn.Module):
+class DenseMLP(nn.Module):
+    """fc (normal) -> GELU -> proj (transposed): the 4D MLP of every block by default."""
+
     def __init__(self, config: GPTConfig, grid: Grid, name: str):
         super().__init__()
         self.fc = Linear(config.n_embd, 4 * config.n_embd, grid=grid, name=f"{name}.fc", initialize=False)
@@ -35,33 +44,14 @@ class _MLP(nn.Module):
         return self.proj(F.gelu(self.fc(h)))
 
 
-class _PhantomMLP(nn.Module):
-    """Phantom layers over x in place of the dense MLP (needs y = z = 1): the residual
-    stream (replicated over x) is split into x blocks, runs fc -> GELU -> proj as
-    phantom layers, and is gathered back."""
-
-    def __init__(self, config: GPTConfig, grid: Grid, name: str):
-        super().__init__()
-        from par4d.phantom.layers import PhantomLinear
-
-        d, k = config.n_embd, config.phantom_k
-        self.grid = grid
-        self.fc = PhantomLinear(d, 4 * d, k, grid=grid, axis="x", name=f"{name}.fc", initialize=False)
-        self.proj = PhantomLinear(4 * d, d, k, grid=grid, axis="x", name=f"{name}.proj", initialize=False)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        local = SplitFeatures.apply(h, self.grid, "x")                        # (B, T, D/G_x)
-        return GatherFeatures.apply(self.proj(F.gelu(self.fc(local))), self.grid, "x")
-
-
 class _Block(nn.Module):
-    def __init__(self, config: GPTConfig, grid: Grid, name: str):
+    def __init__(self, config: GPTConfig, grid: Grid, name: str, mlp: MLPFactory):
         super().__init__()
         self.ln1 = LayerNorm(config.n_embd, grid=grid, name=f"{name}.ln1")
         self.attn = CausalSelfAttention(config.n_embd, config.n_head, grid=grid, name=f"{name}.attn",
                                         initialize=False)
         self.ln2 = LayerNorm(config.n_embd, grid=grid, name=f"{name}.ln2")
-        self.mlp = (_MLP if config.mlp == "dense" else _PhantomMLP)(config, grid, f"{name}.mlp")
+        self.mlp = mlp(config, grid, f"{name}.mlp")
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         h = h + self.attn(self.ln1(h))
@@ -74,23 +64,26 @@ class GPT(nn.Module):
     ``forward(idx, targets=None)`` takes this rank's samples ``idx`` (B_local, T) of
     global token ids and returns its logits shard (B_local, T, V / G_x), or with
     ``targets`` the mean cross-entropy over this rank's tokens.
+
+    ``mlp``: the factory of each block's MLP (default :class:`DenseMLP`); a config with
+    ``mlp="phantom"`` needs :class:`par4d.phantom.PhantomMLP` (or build the model with
+    :func:`par4d.train.model.build_gpt`, which picks the factory the config names).
     """
 
-    def __init__(self, config: GPTConfig, *, grid: Grid):
+    def __init__(self, config: GPTConfig, *, grid: Grid, mlp: MLPFactory | None = None):
         super().__init__()
         if grid.size("pipe") > 1:
             raise ValueError(f"GPT runs on the data x 3D tensor grid; pipe={grid.size('pipe')} is not supported yet")
-        if config.mlp == "phantom":
-            if config.phantom_p != grid.size("x"):
-                raise ValueError(f"GPTConfig.phantom_p={config.phantom_p} must equal the grid's x={grid.size('x')}")
-            if grid.size("y") > 1 or grid.size("z") > 1:
-                raise ValueError(f"a phantom MLP runs on x and data only; y={grid.size('y')} and "
-                                 f"z={grid.size('z')} must be 1")
+        if mlp is None:
+            if config.mlp != "dense":
+                raise ValueError(f"GPTConfig.mlp={config.mlp!r} needs its MLP factory: pass "
+                                 f"mlp=par4d.phantom.PhantomMLP, or build with par4d.train.model.build_gpt")
+            mlp = DenseMLP
         self.config, self.grid = config, grid
         # Layers skip their own initialization: the GPT loads init_tensor values below.
         self.wte = Embedding(config.vocab_size, config.n_embd, grid=grid, name="wte", initialize=False)
         self.wpe = Embedding(config.block_size, config.n_embd, grid=grid, name="wpe", initialize=False)
-        self.blocks = nn.ModuleList(_Block(config, grid, f"blocks.{i}") for i in range(config.n_layer))
+        self.blocks = nn.ModuleList(_Block(config, grid, f"blocks.{i}", mlp) for i in range(config.n_layer))
         self.ln_f = LayerNorm(config.n_embd, grid=grid, name="ln_f")
         self.head = Linear(config.n_embd, config.vocab_size, bias=False, grid=grid, name="head", initialize=False)
         if grid.device.type != "meta":
@@ -98,11 +91,12 @@ class GPT(nn.Module):
 
     def full_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         """(name, full shape) of every parameter, as in the single-device twin."""
-        from par4d.models.reference import ReferenceGPT
-
-        with torch.device("meta"):
-            twin = ReferenceGPT(self.config, init=False)
-        return [(name, tuple(p.shape)) for name, p in twin.named_parameters()]
+        shapes = []
+        for prefix, module in self.named_modules():
+            if isinstance(module, ShardedModule):
+                shapes += [(f"{prefix}.{name}" if prefix else name, shape)
+                           for name, shape in module.full_shapes().items()]
+        return shapes
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         seq = idx.shape[1]

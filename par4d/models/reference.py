@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from par4d.models.config import GPTConfig, init_tensor
+
+TwinMLPFactory = Callable[[GPTConfig], nn.Module]
+"""``factory(config)``: the twin of a block's MLP (named and shaped as par4d's)."""
 
 
 class _Attention(nn.Module):
@@ -34,26 +39,13 @@ class _MLP(nn.Module):
         return self.proj(F.gelu(self.fc(h)))
 
 
-class _PhantomMLP(nn.Module):
-    def __init__(self, config: GPTConfig):
-        super().__init__()
-        from par4d.phantom.layers import PhantomLinearTwin
-
-        d, k, p = config.n_embd, config.phantom_k, config.phantom_p
-        self.fc = PhantomLinearTwin(d, 4 * d, k, p)
-        self.proj = PhantomLinearTwin(4 * d, d, k, p)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(h)))
-
-
 class _Block(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, mlp: TwinMLPFactory):
         super().__init__()
         self.ln1 = nn.LayerNorm(config.n_embd)
         self.attn = _Attention(config)
         self.ln2 = nn.LayerNorm(config.n_embd)
-        self.mlp = _MLP(config) if config.mlp == "dense" else _PhantomMLP(config)
+        self.mlp = mlp(config)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         h = h + self.attn(self.ln1(h))
@@ -61,14 +53,23 @@ class _Block(nn.Module):
 
 
 class ReferenceGPT(nn.Module):
-    """Plain PyTorch GPT with exactly par4d GPT's parameters and initialization."""
+    """Plain PyTorch GPT with exactly par4d GPT's parameters and initialization.
 
-    def __init__(self, config: GPTConfig, init: bool = True):
+    ``mlp``: the twin of the par4d GPT's MLP factory (default: the dense MLP); a config
+    with ``mlp="phantom"`` needs :class:`par4d.phantom.PhantomMLPTwin`.
+    """
+
+    def __init__(self, config: GPTConfig, init: bool = True, *, mlp: TwinMLPFactory | None = None):
         super().__init__()
+        if mlp is None:
+            if config.mlp != "dense":
+                raise ValueError(f"GPTConfig.mlp={config.mlp!r} needs its twin MLP factory: pass "
+                                 f"mlp=par4d.phantom.PhantomMLPTwin, or build with par4d.train.model.build_reference")
+            mlp = _MLP
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd)
-        self.blocks = nn.ModuleList(_Block(config) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(_Block(config, mlp) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd)
         self.head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if not init:

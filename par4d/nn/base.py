@@ -1,27 +1,46 @@
-"""What every sharded par4d module offers: its parameters as full tensors, both ways."""
+"""What every sharded par4d module offers: its parameters as full tensors, both ways.
+
+A :class:`ShardedModule`'s own parameters each carry a :class:`~par4d.layout.Placement`;
+assembling and cutting them is :mod:`par4d.layout`'s work, so no layer slices by hand.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
+from par4d.grid import Grid
+from par4d.layout import placement_of, shard, unshard
+
 
 class ShardedModule(nn.Module):
-    """A module whose own parameters are shards of full tensors.
+    """A module whose own parameters are shards of full tensors, on ``self.grid``.
 
     ``full_state`` assembles them (a collective: call on every rank) and
     ``load_full_state`` keeps this rank's shards of given full tensors.
     """
 
-    def full_state(self, grad: bool = False) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
+    grid: Grid
 
+    def _placed(self):
+        for name, param in self.named_parameters(recurse=False):
+            placement = placement_of(param)
+            assert placement is not None, f"{type(self).__name__}.{name} has no placement"
+            yield name, param, placement
+
+    @torch.no_grad()
+    def full_state(self, grad: bool = False) -> dict[str, torch.Tensor]:
+        return {name: unshard(self.grid, (param.grad if grad else param).detach(), placement)
+                for name, param, placement in self._placed()}
+
+    @torch.no_grad()
     def load_full_state(self, state: dict[str, torch.Tensor]) -> None:
-        raise NotImplementedError
+        for name, param, placement in self._placed():
+            param.copy_(shard(self.grid, state[name], placement))
 
     def full_shapes(self) -> dict[str, tuple[int, ...]]:
         """Full shape of each of this module's own parameters."""
-        raise NotImplementedError
+        return {name: placement.full_shape(tuple(param.shape), self.grid) for name, param, placement in self._placed()}
 
 
 def full_state_dict(model: nn.Module, grad: bool = False) -> dict[str, torch.Tensor]:
@@ -40,12 +59,11 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> No
     Every parameter must be given and every given tensor used: a mismatch raises
     ``ValueError`` naming the keys.
     """
-    used, expected = set(), set()
+    used = set()
     for prefix, module in model.named_modules():
         if isinstance(module, ShardedModule):
             names = list(dict(module.named_parameters(recurse=False)))
             keys = {n: f"{prefix}.{n}" if prefix else n for n in names}
-            expected |= set(keys.values())
             missing = [k for k in keys.values() if k not in state]
             if missing:
                 raise ValueError(f"full state is missing {missing}")

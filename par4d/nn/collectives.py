@@ -6,6 +6,7 @@ import torch
 
 from par4d import comm
 from par4d.grid import Grid
+from par4d.layout import gather_features, shard_features
 
 
 class GatherShards(torch.autograd.Function):
@@ -32,12 +33,11 @@ class SplitFeatures(torch.autograd.Function):
     @staticmethod
     def forward(ctx, full: torch.Tensor, grid: Grid, axis: str) -> torch.Tensor:
         ctx.grid, ctx.axis = grid, axis
-        size = full.shape[-1] // grid.size(axis)
-        return full[..., grid.coord(axis) * size:(grid.coord(axis) + 1) * size].contiguous()
+        return shard_features(grid, full, axis).contiguous()
 
     @staticmethod
     def backward(ctx, grad_block: torch.Tensor):
-        return comm.all_gather_dim(ctx.grid, grad_block, ctx.axis, dim=grad_block.dim() - 1), None, None
+        return gather_features(ctx.grid, grad_block, ctx.axis), None, None
 
 
 class GatherFeatures(torch.autograd.Function):
@@ -46,10 +46,9 @@ class GatherFeatures(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, block: torch.Tensor, grid: Grid, axis: str) -> torch.Tensor:
-        ctx.grid, ctx.axis, ctx.size = grid, axis, block.shape[-1]
-        return comm.all_gather_dim(grid, block, axis, dim=block.dim() - 1)
+        ctx.grid, ctx.axis = grid, axis
+        return gather_features(grid, block, axis)
 
     @staticmethod
     def backward(ctx, grad_full: torch.Tensor):
-        start = ctx.grid.coord(ctx.axis) * ctx.size
-        return grad_full[..., start:start + ctx.size].contiguous(), None, None
+        return shard_features(ctx.grid, grad_full, ctx.axis).contiguous(), None, None

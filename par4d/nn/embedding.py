@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from par4d.grid import Grid
-from par4d.layout import block, mark
+from par4d.layout import Placement, Split, place
 from par4d.nn.base import ShardedModule
 from par4d.nn.collectives import gather_shards
 
@@ -29,8 +29,9 @@ class Embedding(ShardedModule):
         if num_embeddings % g_z:
             raise ValueError(f"{where}: num_embeddings={num_embeddings} is not divisible by z={g_z}")
         self.grid, self.axis, self.num_embeddings, self.dim = grid, axis, num_embeddings, dim
-        self.weight = mark(nn.Parameter(torch.empty(num_embeddings // g_z, dim // g_axis, device=grid.device)),
-                           sharded=("z", axis), grad_sum=("data",))
+        # Rows over z (gathered in forward like Ŵ, so z sums the gradient), features over axis.
+        self.weight = place(nn.Parameter(torch.empty(num_embeddings // g_z, dim // g_axis, device=grid.device)),
+                            Placement((Split(1, axis), Split(0, "z")), grad_sum=("data",)))
         if grid.device.type == "meta" or not initialize:
             return  # shapes only (a virtual grid), or the caller loads full tensors next
         generator = torch.Generator().manual_seed(seed)
@@ -39,22 +40,3 @@ class Embedding(ShardedModule):
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
         table = gather_shards(self.weight, self.grid, "z")   # (num_embeddings, dim / G_axis)
         return F.embedding(indices, table)
-
-    @torch.no_grad()
-    def load_full_state(self, state: dict[str, torch.Tensor]) -> None:
-        grid = self.grid
-        full = state["weight"]
-        cols = block(self.dim, grid.size(self.axis), grid.coord(self.axis))
-        rows = block(self.num_embeddings, grid.size("z"), grid.coord("z"))
-        self.weight.copy_(full[rows, cols])
-
-    def full_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {"weight": (self.num_embeddings, self.dim)}
-
-    @torch.no_grad()
-    def full_state(self, grad: bool = False) -> dict[str, torch.Tensor]:
-        from par4d import comm
-
-        shard = (self.weight.grad if grad else self.weight).detach()
-        rows = comm.all_gather(self.grid, shard, "z")
-        return {"weight": comm.all_gather_dim(self.grid, rows, self.axis, dim=1)}

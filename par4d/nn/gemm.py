@@ -4,7 +4,9 @@
 and layout. For each (pass, shape) a :class:`GemmPlan` times the forms once, keeps
 the fastest, and makes the choice identical on every rank of the grid (the summed
 times over all ranks decide). Choices persist in a JSON cache keyed by device, dtype
-and library versions, so a later run reuses them without timing.
+and library versions, so a later run reuses them without timing. The plan's own
+collectives go through :mod:`par4d.comm`, so the grid's ledger records them too.
+:func:`par4d.nn.linear.tune` gives a plan to every Linear of a model.
 
 Forms of ``a @ b`` (a: m x k, b: k x n):
     0  a @ b                      (as given)
@@ -18,10 +20,13 @@ from __future__ import annotations
 import json
 import statistics
 import time
+import zlib
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
+
+from par4d import comm
+from par4d.grid import AXES, Grid
 
 FORMS = ("a@b", "(bT@aT)T", "a@contig(b)", "contig(a)@b")
 
@@ -56,42 +61,40 @@ def _key(a: torch.Tensor, b: torch.Tensor, name: str) -> str:
     return f"{name}:{a.shape[0]}x{a.shape[1]}x{b.shape[1]}:{layout(a)}{layout(b)}"
 
 
-def environment_key(device: torch.device, dtype: torch.dtype, agree: bool = False) -> str:
-    """Device, dtype, torch version and threads; with ``agree``, rank 0's thread count
+def environment_key(device: torch.device, dtype: torch.dtype, grid: Grid | None = None) -> str:
+    """Device, dtype, torch version and threads; with a ``grid``, rank 0's thread count
     stands for all (ranks must look up the same keys)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    threads = torch.tensor([torch.get_num_threads()])
-    if agree and dist.is_initialized():
-        dist.broadcast(threads, src=0)
+    threads = torch.tensor([torch.get_num_threads()], device=grid.device if grid is not None else "cpu")
+    if grid is not None:
+        comm.broadcast(grid, threads, *AXES)
     return f"{name}|{dtype}|torch {torch.__version__}|threads {int(threads)}"
 
 
 class GemmPlan:
     """Chosen GEMM forms per (pass, shape, layout); see the module docstring."""
 
-    def __init__(self, cache: str | Path | None = None, repeats: int = 5, agree: bool = True):
-        """``agree``: sum the timings over all ranks of the job so every rank picks the
-        same form (a collective per new key: every rank must meet the same keys in the
-        same order, as SPMD training does)."""
-        self.agree, self.repeats = agree, repeats
+    def __init__(self, cache: str | Path | None = None, repeats: int = 5, grid: Grid | None = None):
+        """``grid``: agree with every rank of it — sum the timings over all ranks so every
+        rank picks the same form (a collective per new key: every rank must meet the same
+        keys in the same order, as SPMD training does). None: this process alone."""
+        self.grid, self.repeats = grid, repeats
         self.cache = Path(cache) if cache else None
         self.choices: dict[str, dict[str, int]] = {}
         self.timings: dict[str, list[float]] = {}
         self._envs: dict[tuple, str] = {}
         if self.cache and self.cache.is_file():
             self.choices = json.loads(self.cache.read_text())
-        if agree and dist.is_initialized():
+        if grid is not None:
             # Rank 0's cache is everyone's, so no rank tunes (a collective) alone.
-            box = [self.choices]
-            dist.broadcast_object_list(box, src=0)
-            self.choices = box[0]
+            self.choices = json.loads(_broadcast_text(grid, json.dumps(self.choices)))
 
     def mm(self, a: torch.Tensor, b: torch.Tensor, name: str) -> torch.Tensor:
         """``a @ b`` in the chosen form (timing the forms the first time a key is seen;
         with ``agree``, every rank must then meet the same key at the same point)."""
         env = self._envs.get((a.device, a.dtype))
         if env is None:   # once per device and dtype (a broadcast with agree)
-            env = self._envs[(a.device, a.dtype)] = environment_key(a.device, a.dtype, self.agree)
+            env = self._envs[(a.device, a.dtype)] = environment_key(a.device, a.dtype, self.grid)
         key = _key(a, b, name)
         table = self.choices.setdefault(env, {})
         if key not in table:
@@ -115,19 +118,30 @@ class GemmPlan:
                 runs.append(time.perf_counter() - start)
             seconds.append(statistics.median(runs))
         total = torch.tensor(seconds, dtype=torch.float64)
-        if self.agree and dist.is_initialized():
-            keys = [None] * dist.get_world_size()
-            dist.all_gather_object(keys, key)
-            if len(set(keys)) > 1:
-                raise RuntimeError(f"GEMM tuning: ranks met different matmuls at the same point: {sorted(set(keys))}")
-            dist.all_reduce(total)                       # one decision for every rank
+        if self.grid is not None:
+            # Every rank must be timing the same matmul: compare the key's checksum.
+            checksum = zlib.crc32(key.encode())
+            extremes = torch.tensor([checksum, -checksum], dtype=torch.int64, device=self.grid.device)
+            comm.all_reduce(self.grid, extremes, *AXES, op=torch.distributed.ReduceOp.MAX)
+            if extremes[0] != -extremes[1]:
+                raise RuntimeError(f"GEMM tuning: ranks met different matmuls at the same point (this rank: {key})")
+            total = comm.all_reduce(self.grid, total.to(self.grid.device), *AXES).cpu()   # one decision for all
         self.timings[key] = total.tolist()
         return int(torch.argmin(total))
 
     def _save(self) -> None:
-        if self.cache is None or (dist.is_initialized() and dist.get_rank() != 0):
+        if self.cache is None or (self.grid is not None and self.grid.rank != 0):
             return
         self.cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.cache.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.choices, indent=1, sort_keys=True))
         tmp.replace(self.cache)
+
+
+def _broadcast_text(grid: Grid, text: str) -> str:
+    """Rank 0's ``text`` on every rank of ``grid`` (its length first, then its bytes)."""
+    data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=grid.device)
+    length = comm.broadcast(grid, torch.tensor([data.numel()], device=grid.device), *AXES)
+    if grid.rank != 0:
+        data = torch.zeros(int(length), dtype=torch.uint8, device=grid.device)
+    return bytes(comm.broadcast(grid, data, *AXES).tolist()).decode()

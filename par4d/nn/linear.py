@@ -11,20 +11,24 @@ layer's output layout is exactly a transposed layer's input layout.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
 from par4d import comm
 from par4d.grid import Grid
-from par4d.layout import block, mark
+from par4d.layout import Placement, Split, place, placement_of, unshard
 from par4d.nn.base import ShardedModule
 
+if TYPE_CHECKING:
+    from par4d.nn.gemm import GemmPlan
 
-def _mm(grid: Grid, a: torch.Tensor, b: torch.Tensor, name: str) -> torch.Tensor:
-    """``a @ b`` (2-D), in the form the grid's GEMM plan chose, if it has one
+
+def _mm(gemm: GemmPlan | None, a: torch.Tensor, b: torch.Tensor, name: str) -> torch.Tensor:
+    """``a @ b`` (2-D), in the form the layer's GEMM plan chose, if it has one
     (contiguous: the result is all-reduced in place)."""
-    return a @ b if grid.gemm is None else grid.gemm.mm(a, b, name).contiguous()
+    return a @ b if gemm is None else gemm.mm(a, b, name).contiguous()
 
 
 class _Algorithm1(torch.autograd.Function):
@@ -32,15 +36,15 @@ class _Algorithm1(torch.autograd.Function):
     all-reduce over the out-axis + reduce-scatter_z of dŴ in backward."""
 
     @staticmethod
-    def forward(ctx, inp, w_shard, bias, grid: Grid, in_axis: str, out_axis: str):
+    def forward(ctx, inp, w_shard, bias, grid: Grid, in_axis: str, out_axis: str, gemm: GemmPlan | None):
         w = comm.all_gather(grid, w_shard, "z")            # (n/G_out, k/G_in)
         rows = inp.reshape(-1, inp.shape[-1])                # (rows, k/G_in)
-        out = _mm(grid, rows, w.t(), "forward").reshape(*inp.shape[:-1], w.shape[0])  # partial over in_axis
+        out = _mm(gemm, rows, w.t(), "forward").reshape(*inp.shape[:-1], w.shape[0])  # partial over in_axis
         comm.all_reduce(grid, out, in_axis)                  # O_{l,i}
         if bias is not None:
             out += bias                                      # after the sum: bias counted once
         ctx.save_for_backward(inp, w)                        # the paper caches I and W
-        ctx.grid, ctx.out_axis, ctx.has_bias = grid, out_axis, bias is not None
+        ctx.grid, ctx.out_axis, ctx.has_bias, ctx.gemm = grid, out_axis, bias is not None, gemm
         return out
 
     @staticmethod
@@ -50,12 +54,12 @@ class _Algorithm1(torch.autograd.Function):
         rows_out = grad_out.reshape(-1, grad_out.shape[-1])  # (rows, n/G_out)
         grad_in = None
         if ctx.needs_input_grad[0]:                          # not for a network's input
-            grad_in = _mm(grid, rows_out, w, "input-grad").reshape(*grad_out.shape[:-1], w.shape[1])
+            grad_in = _mm(ctx.gemm, rows_out, w, "input-grad").reshape(*grad_out.shape[:-1], w.shape[1])
             comm.all_reduce(grid, grad_in, ctx.out_axis)     # (..., k/G_in), was partial over out_axis
-        grad_w = _mm(grid, rows_out.t(), inp.reshape(-1, inp.shape[-1]), "weight-grad")  # partial over z
+        grad_w = _mm(ctx.gemm, rows_out.t(), inp.reshape(-1, inp.shape[-1]), "weight-grad")  # partial over z
         grad_w_shard = comm.reduce_scatter(grid, grad_w, "z")
         grad_b = rows_out.sum(0) if ctx.has_bias else None  # partial over z and data
-        return grad_in, grad_w_shard, grad_b, None, None, None
+        return grad_in, grad_w_shard, grad_b, None, None, None, None
 
 
 class Linear(ShardedModule):
@@ -70,7 +74,16 @@ class Linear(ShardedModule):
 
     Initialization draws the full weight from ``seed`` alone (``nn.Linear``'s
     uniform(-1/sqrt(k), 1/sqrt(k))), so the assembled weight is the same on every grid.
+
+    Placement (:mod:`par4d.layout`): the weight's out-features (dim 0) are cut per chunk
+    over the out-axis, its in-features (dim 1) over the in-axis, and each resulting block's
+    rows over z (Algorithm 1's Ŵ); the bias's out-features per chunk over the out-axis.
+
+    ``gemm``: a :class:`~par4d.nn.gemm.GemmPlan` for this layer's three matmuls, or None
+    (plain ``a @ b``); :func:`tune` sets it on every Linear of a model.
     """
+
+    gemm: GemmPlan | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, transposed: bool = False, *,
                  grid: Grid, out_chunks: int = 1, seed: int = 0, name: str = "Linear", initialize: bool = True):
@@ -88,78 +101,47 @@ class Linear(ShardedModule):
                              f"(out_features / {self.out_axis}={g_out}) are not divisible by z={g_z}")
         self.grid, self.transposed, self.out_chunks = grid, transposed, out_chunks
         self.in_features, self.out_features = in_features, out_features
-        self.weight = mark(nn.Parameter(torch.empty(out_features // (g_out * g_z), in_features // g_in,
-                                                    device=grid.device)),
-                           sharded=("x", "y", "z"), grad_sum=("data",))
+        out_split = Split(0, self.out_axis, chunks=out_chunks)
+        # z sums Ŵ's gradient (the reduce-scatter); the bias is replicated over z and the in-axis.
+        self.weight = place(nn.Parameter(torch.empty(out_features // (g_out * g_z), in_features // g_in,
+                                                     device=grid.device)),
+                            Placement((out_split, Split(1, self.in_axis), Split(0, "z")), grad_sum=("data",)))
         self.bias = None
         if bias:
-            self.bias = mark(nn.Parameter(torch.empty(out_features // g_out, device=grid.device)),
-                             sharded=(self.out_axis,), grad_sum=("z", "data"))
+            self.bias = place(nn.Parameter(torch.empty(out_features // g_out, device=grid.device)),
+                              Placement((out_split,), grad_sum=("z", "data")))
         if grid.device.type == "meta" or not initialize:
             return  # shapes only (a virtual grid), or the caller loads full tensors next
         generator = torch.Generator().manual_seed(seed)
         bound = 1 / math.sqrt(in_features)
         weight = torch.empty(out_features, in_features).uniform_(-bound, bound, generator=generator)
-        full_bias = torch.empty(out_features).uniform_(-bound, bound, generator=generator) if bias else None
-        self.load_full(weight, full_bias)
+        state = {"weight": weight}
+        if bias:
+            state["bias"] = torch.empty(out_features).uniform_(-bound, bound, generator=generator)
+        self.load_full_state(state)
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
-        return _Algorithm1.apply(inp, self.weight, self.bias, self.grid, self.in_axis, self.out_axis)
+        return _Algorithm1.apply(inp, self.weight, self.bias, self.grid, self.in_axis, self.out_axis, self.gemm)
 
-    # -- full <-> shard ------------------------------------------------------------
-    def _out_rows(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's out-feature block (per chunk) of a tensor with out-features in dim 0."""
-        c = self.out_chunks
-        chunks = full.reshape(c, full.shape[0] // c, *full.shape[1:])
-        rows = block(chunks.shape[1], self.grid.size(self.out_axis), self.grid.coord(self.out_axis))
-        return chunks[:, rows].reshape(-1, *full.shape[1:])
-
-    @torch.no_grad()
-    def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        """Set this rank's shards from the full ``(out, in)`` weight and ``(out,)`` bias."""
-        grid = self.grid
-        local = self._out_rows(weight)[:, block(self.in_features, grid.size(self.in_axis), grid.coord(self.in_axis))]
-        self.weight.copy_(local[block(local.shape[0], grid.size("z"), grid.coord("z"))])
-        if self.bias is not None:
-            assert bias is not None, "layer has a bias: pass the full bias"
-            self.bias.copy_(self._out_rows(bias))
-
-    def _assemble(self, local_rows: torch.Tensor, gather_in: bool) -> torch.Tensor:
-        grid, c = self.grid, self.out_chunks
-        if gather_in:
-            local_rows = comm.all_gather_dim(grid, local_rows, self.in_axis, dim=1)
-        per_rank = local_rows.reshape(c, -1, *local_rows.shape[1:])           # (c, n/(c G_out), ...)
-        gathered = comm.all_gather_dim(grid, per_rank, self.out_axis, dim=1)   # (c, n/c, ...)
-        return gathered.reshape(self.out_features, *local_rows.shape[1:])
-
-    @torch.no_grad()
     def full_weight(self, grad: bool = False) -> torch.Tensor:
         """The full ``(out, in)`` weight (or its gradient) on every rank (collective)."""
-        shard = self.weight.grad if grad else self.weight
-        return self._assemble(comm.all_gather(self.grid, shard.detach(), "z"), gather_in=True)
+        return unshard(self.grid, (self.weight.grad if grad else self.weight).detach(), placement_of(self.weight))
 
-    @torch.no_grad()
     def full_bias(self, grad: bool = False) -> torch.Tensor | None:
         """The full ``(out,)`` bias (or its gradient) on every rank (collective)."""
         if self.bias is None:
             return None
-        return self._assemble((self.bias.grad if grad else self.bias).detach(), gather_in=False)
-
-    def full_state(self, grad: bool = False) -> dict[str, torch.Tensor]:
-        state = {"weight": self.full_weight(grad)}
-        if self.bias is not None:
-            state["bias"] = self.full_bias(grad)
-        return state
-
-    def load_full_state(self, state: dict[str, torch.Tensor]) -> None:
-        self.load_full(state["weight"], state.get("bias"))
-
-    def full_shapes(self) -> dict[str, tuple[int, ...]]:
-        shapes = {"weight": (self.out_features, self.in_features)}
-        if self.bias is not None:
-            shapes["bias"] = (self.out_features,)
-        return shapes
+        return unshard(self.grid, (self.bias.grad if grad else self.bias).detach(), placement_of(self.bias))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"transposed={self.transposed}, bias={self.bias is not None}, shard={tuple(self.weight.shape)}")
+
+
+def tune(model: nn.Module, plan: GemmPlan | None) -> nn.Module:
+    """Run the matmuls of every par4d Linear of ``model`` through ``plan`` (None: plain
+    ``a @ b``); returns the model."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.gemm = plan
+    return model

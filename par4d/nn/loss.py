@@ -11,6 +11,7 @@ import torch
 
 from par4d import comm
 from par4d.grid import Grid
+from par4d.layout import local_range
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -19,7 +20,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, grid: Grid, axis: str):
         vocab_local = logits.shape[-1]
-        start = grid.coord(axis) * vocab_local
+        start = local_range(grid, vocab_local * grid.size(axis), axis).start   # this rank's first id
         flat = logits.reshape(-1, vocab_local).float()                 # (tokens, V/G)
         tgt = targets.reshape(-1)
         row_max = flat.max(-1).values

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from par4d import comm
 from par4d.grid import Grid
-from par4d.layout import block, mark
+from par4d.layout import Placement, Split, place
 from par4d.nn.base import ShardedModule
 
 
@@ -59,24 +59,9 @@ class LayerNorm(ShardedModule):
             raise ValueError(f"{name}(dim={dim}): dim is not divisible by {axis}={grid.size(axis)}")
         self.grid, self.axis, self.dim, self.eps = grid, axis, dim, eps
         local = dim // grid.size(axis)
-        self.weight = mark(nn.Parameter(torch.ones(local, device=grid.device)),
-                           sharded=(axis,), grad_sum=("z", "data"))
-        self.bias = mark(nn.Parameter(torch.zeros(local, device=grid.device)),
-                         sharded=(axis,), grad_sum=("z", "data"))
+        placement = Placement((Split(0, axis),), grad_sum=("z", "data"))   # replicated over z: partial there
+        self.weight = place(nn.Parameter(torch.ones(local, device=grid.device)), placement)
+        self.bias = place(nn.Parameter(torch.zeros(local, device=grid.device)), placement)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _ShardedLayerNorm.apply(x, self.weight, self.bias, self.grid, self.axis, self.dim, self.eps)
-
-    @torch.no_grad()
-    def load_full_state(self, state: dict[str, torch.Tensor]) -> None:
-        cols = block(self.dim, self.grid.size(self.axis), self.grid.coord(self.axis))
-        self.weight.copy_(state["weight"][cols])
-        self.bias.copy_(state["bias"][cols])
-
-    def full_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {"weight": (self.dim,), "bias": (self.dim,)}
-
-    @torch.no_grad()
-    def full_state(self, grad: bool = False) -> dict[str, torch.Tensor]:
-        return {name: comm.all_gather(self.grid, (p.grad if grad else p).detach(), self.axis)
-                for name, p in (("weight", self.weight), ("bias", self.bias))}

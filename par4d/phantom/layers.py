@@ -1,4 +1,4 @@
-"""Phantom parallelism (the phantom paper; clean notation in DESIGN §5).
+"""Phantom parallelism (the phantom paper, Section III; notation in docs/phantom.md).
 
 A feed-forward layer of width n_in -> n_out on the p ranks of one grid axis. Rank j
 holds its feature shard ``y^(j)`` (n_in/p) and, for the layer:
@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from par4d.grid import Grid
-from par4d.layout import mark
+from par4d.layout import Placement, Split, place
 from par4d.nn.base import ShardedModule
 from par4d.nn.collectives import gather_shards
 
@@ -68,11 +68,14 @@ class PhantomLinear(ShardedModule):
             "compressor": (k, local_in),
             "decompressors": (p - 1, local_out, k),
         }
+        # A rank's own blocks: the full state stacks every rank's along a leading dim (p is
+        # part of a phantom model's shape); the bias is one n_out vector cut over the axis.
+        # The ghosts' reduce-scatter already summed every gradient over the axis.
+        stacked = Placement((Split(0, axis, stacked=True),), grad_sum=("data",))
         for pname, shape in params.items():
-            setattr(self, pname, mark(nn.Parameter(torch.empty(shape, device=grid.device)),
-                                      sharded=(axis,), grad_sum=("data",)))
-        self.bias = mark(nn.Parameter(torch.zeros(local_out, device=grid.device)), sharded=(axis,),
-                         grad_sum=("data",)) if bias else None
+            setattr(self, pname, place(nn.Parameter(torch.empty(shape, device=grid.device)), stacked))
+        self.bias = place(nn.Parameter(torch.zeros(local_out, device=grid.device)),
+                          Placement((Split(0, axis),), grad_sum=("data",))) if bias else None
         if grid.device.type != "meta" and initialize:
             self._init(seed)
 
@@ -100,30 +103,6 @@ class PhantomLinear(ShardedModule):
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*lead, out.shape[-1])
-
-    # Full state: every rank's blocks stacked along a leading rank dimension (p is
-    # part of a phantom model's shape), the bias as one n_out vector.
-    def full_shapes(self) -> dict[str, tuple[int, ...]]:
-        shapes = {name: (self.p, *getattr(self, name).shape) for name in ("local", "compressor", "decompressors")}
-        if self.bias is not None:
-            shapes["bias"] = (self.n_out,)
-        return shapes
-
-    def full_state(self, grad: bool = False) -> dict[str, torch.Tensor]:
-        every = self.blocks(grad)
-        state = {name: torch.stack([b[i] for b in every]) for i, name in
-                 enumerate(("local", "compressor", "decompressors"))}
-        if self.bias is not None:
-            state["bias"] = torch.cat([b[3] for b in every])
-        return state
-
-    @torch.no_grad()
-    def load_full_state(self, state: dict[str, torch.Tensor]) -> None:
-        for name in ("local", "compressor", "decompressors"):
-            getattr(self, name).copy_(state[name][self.rank])
-        if self.bias is not None:
-            size = self.n_out // self.p
-            self.bias.copy_(state["bias"][self.rank * size:(self.rank + 1) * size])
 
     @torch.no_grad()
     def blocks(self, grad: bool = False) -> list[tuple[torch.Tensor, ...]]:

@@ -50,8 +50,9 @@ def _profile_worker(shapes: list[dict[str, int]], threads: int, iters: int) -> l
     # fake-backend mode uses the same one).
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from par4d.bench.grid import WARMUP, step_collectives, training_step
-    from par4d.grid import _build, validate_sizes
+    from par4d.grid import build_grid, validate_sizes
+    from par4d.launch import device
+    from par4d.plan.measure import WARMUP, step_collectives, training_step
 
     torch.set_num_threads(threads)
     world = math.prod(shapes[0].values())
@@ -59,7 +60,7 @@ def _profile_worker(shapes: list[dict[str, int]], threads: int, iters: int) -> l
     rows = []
     for sizes in shapes:
         # Not par4d.init: its check that every rank asked for the same grid needs peers.
-        grid = _build(validate_sizes(sizes, world))
+        grid = build_grid(validate_sizes(sizes, world), device(None))
         step = training_step(grid)
         for _ in range(WARMUP):
             step()

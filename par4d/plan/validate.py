@@ -13,13 +13,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from par4d.bench.grid import BATCH, CONFIG
 from par4d.plan.machines import Machine
 from par4d.plan.model import VARIANTS, predict
-from par4d.plan.workload import GPTSpec
+from par4d.plan.workload import MEASURED as SPEC  # the measured workload (plan/measure.py)
 
-SPEC = GPTSpec("bench-gpt", n_layer=CONFIG.n_layer, hidden=CONFIG.n_embd, heads=CONFIG.n_head,
-               seq_len=CONFIG.block_size, global_batch=BATCH, vocab=CONFIG.vocab_size)
+
+@dataclass(frozen=True)
+class MeasureSettings:
+    nproc: int
+    iters: int
 
 
 def kendall_tau(a: list[float], b: list[float]) -> float:
@@ -88,8 +90,8 @@ def _measure_worker(settings, shapes: list[dict[str, int]], passes: int) -> list
     import torch
     import torch.distributed as dist
 
-    from par4d.bench.grid import time_par4d
     from par4d.perf import threads_per_rank
+    from par4d.plan.measure import time_grid
 
     torch.set_num_threads(threads_per_rank(settings.nproc))
     times: list[list[float]] = [[] for _ in shapes]
@@ -97,7 +99,7 @@ def _measure_worker(settings, shapes: list[dict[str, int]], passes: int) -> list
     # not every pass of one grid.
     for _ in range(passes):
         for i, sizes in enumerate(shapes):
-            times[i].append(statistics.median(time_par4d(sizes, settings.iters)[0]))
+            times[i].append(statistics.median(time_grid(sizes, settings.iters)[0]))
     dist.destroy_process_group()
     return [{"sizes": sizes, "s_per_iter": statistics.median(t), "passes": t} for sizes, t in zip(shapes, times)]
 
@@ -118,13 +120,13 @@ def validate(nproc: int, machine: Machine, iters: int, plot: Path | None,
     every grid ``passes`` times (round robin; each grid's time is its median)."""
     if passes < 1:
         raise ValueError(f"passes must be >= 1, got {passes}")
-    from par4d.bench.grid import BenchSettings, grids
     from par4d.launch import launch_local
+    from par4d.plan.measure import grids
 
     world = cluster.world_size if cluster is not None else nproc
     shapes = grids(world)
     compute = _profiled_compute(shapes, world)     # first: a failure here costs seconds, not the measurement
-    args = (BenchSettings(world, iters), shapes, passes)
+    args = (MeasureSettings(world, iters), shapes, passes)
     if cluster is None:
         measured = launch_local(nproc, _measure_worker, args, run_id="par4d-validate")[0]
         title = f"--nproc {nproc}"

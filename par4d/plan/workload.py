@@ -3,12 +3,19 @@
 A layer is ``O = I W`` with ``I`` (m x k), ``W`` (k x n) as in the paper; ``m`` counts
 the rows of the whole global batch (samples x sequence), and the model divides it by
 ``G_data`` (and ``G_z``) itself. ``count`` folds identical layers together.
+
+:class:`GPTSpec` is par4d's GPT with a batch: its layers, parameters, FLOPs and grid rules
+are those of the model's own :class:`~par4d.models.config.GPTConfig` (torch-free).
+:class:`ModuleWorkload` records the layers of any ``nn.Module``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
+
+from par4d.models.config import GPTConfig
 
 if TYPE_CHECKING:   # torch is imported only to record a module's layers
     import torch
@@ -27,7 +34,12 @@ class Layer:
 
 @dataclass(frozen=True)
 class GPTSpec:
-    """A GPT-2 style transformer (the paper's Table I) and its batch."""
+    """par4d's GPT (a GPT-2 style transformer, the paper's Table I) and its batch.
+
+    The model's arithmetic (parameters, FLOPs, layer shapes, grid rules) is :class:`GPTConfig`'s,
+    of :attr:`config`; this adds the batch (``global_batch`` sequences of ``seq_len`` tokens)
+    and the planner's own estimates (extra collectives, memory). Construction validates the
+    model as GPTConfig does (ValueError, e.g. for ``hidden`` not divisible by ``heads``)."""
 
     name: str
     n_layer: int
@@ -37,72 +49,71 @@ class GPTSpec:
     global_batch: int = 2048          # sequences: 4M tokens, the paper's weak/strong scaling batch
     vocab: int = 51200
 
+    def __post_init__(self) -> None:
+        self.config  # noqa: B018  (build it now: a bad shape fails here, not mid-ranking)
+
+    @cached_property
+    def config(self) -> GPTConfig:
+        """The dense GPT of this shape."""
+        return GPTConfig(vocab_size=self.vocab, block_size=self.seq_len, n_layer=self.n_layer, n_head=self.heads,
+                         n_embd=self.hidden)
+
+    @classmethod
+    def from_config(cls, name: str, config: GPTConfig, global_batch: int) -> GPTSpec:
+        """The spec of ``config`` (dense MLP; its seed is irrelevant) with ``global_batch``
+        sequences of ``config.block_size`` tokens."""
+        if config.mlp != "dense":
+            raise ValueError(f"GPTSpec plans the dense GPT only; GPTConfig.mlp={config.mlp!r}")
+        return cls(name, n_layer=config.n_layer, hidden=config.n_embd, heads=config.n_head,
+                   seq_len=config.block_size, global_batch=global_batch, vocab=config.vocab_size)
+
     @property
     def tokens(self) -> int:
         return self.global_batch * self.seq_len
 
     def params(self) -> int:
-        h, v = self.hidden, self.vocab
-        per_block = 12 * h * h + 13 * h
-        return self.n_layer * per_block + v * h + self.seq_len * h + 2 * h + h * v
+        return self.config.num_params()
 
     def flops_per_iteration(self, checkpointing: bool = True) -> float:
-        """Narayanan et al.'s count (the async-pipeline paper's Eq. 3):
-        ``72 B s l h^2 (1 + s/(6h) + V/(12 l h))`` without activation recomputation,
-        ``96 B s l h^2 (1 + s/(6h) + V/(16 l h))`` with it."""
-        b, s, l, h, v = self.global_batch, self.seq_len, self.n_layer, self.hidden, self.vocab
-        if checkpointing:
-            return 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
-        return 72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
+        """``tokens x GPTConfig.flops_per_token``: Narayanan et al.'s count (the async-pipeline
+        paper's Eq. 3), ``72 B s l h^2 (1 + s/(6h) + V/(12 l h))`` without activation
+        recomputation, ``96 B s l h^2 (1 + s/(6h) + V/(16 l h))`` with it."""
+        return float(self.tokens * self.config.flops_per_token(recompute=checkpointing))
 
     def layers(self) -> list[Layer]:
-        """par4d's GPT: per block qkv (normal), attention proj (transposed), fc (normal),
-        MLP proj (transposed); then the vocabulary head (normal)."""
-        m, h, count = self.tokens, self.hidden, self.n_layer
-        return [
-            Layer("qkv", m, h, 3 * h, False, count),
-            Layer("attn.proj", m, h, h, True, count),
-            Layer("mlp.fc", m, h, 4 * h, False, count),
-            Layer("mlp.proj", m, 4 * h, h, True, count),
-            Layer("head", m, h, self.vocab, False, 1),
-        ]
+        """The config's :meth:`~GPTConfig.linear_layers` over all the batch's rows: per block
+        qkv (normal), attention proj (transposed), fc (normal), MLP proj (transposed); then the
+        vocabulary head (normal)."""
+        return [Layer(layer.name, self.tokens, layer.k, layer.n, layer.transposed, layer.count)
+                for layer in self.config.linear_layers()]
 
     def flops_split(self, checkpointing: bool = True) -> tuple[float, float]:
         """(matmul FLOPs, attention-score FLOPs) of one iteration; they sum to
         :meth:`flops_per_iteration`. Attention (QK^T and AV, causal counted in full)
         is the ``s/(6h)`` term: ``12 B s^2 l h`` (x 4/3 with recomputation)."""
-        total = self.flops_per_iteration(checkpointing)
-        attention = 12 * self.global_batch * self.seq_len**2 * self.n_layer * self.hidden
-        attention *= 4 / 3 if checkpointing else 1
-        return total - attention, attention
+        attention = self.tokens * self.config.attention_flops_per_token(recompute=checkpointing)
+        return self.flops_per_iteration(checkpointing) - attention, float(attention)
 
     def check(self, sizes: dict[str, int]) -> str | None:
-        """Why par4d's GPT cannot run on grid ``sizes`` (the layers' own rules), or None."""
-        gx, gy, gz, gd = sizes["x"], sizes["y"], sizes["z"], sizes["data"]
-        h, v = self.hidden, self.vocab
-        if self.heads % gx:
-            return f"heads={self.heads} not divisible by x={gx}"
+        """Why par4d's GPT cannot run on grid ``sizes`` with this batch, or None: the
+        batch's rule (samples over z and data) and :meth:`GPTConfig.grid_problem`."""
+        gz, gd = sizes["z"], sizes["data"]
+        problem = self.config.grid_problem(sizes)
+        if problem is not None and problem.startswith("heads="):
+            return problem                  # the one model rule reported before the batch's
         if self.global_batch % (gz * gd):
             return f"batch of {self.global_batch} sequences not divisible by z*data={gz * gd}"
-        if v % gz or self.seq_len % gz:
-            return f"embedding rows (vocab={v}, seq_len={self.seq_len}) not divisible by z={gz}"
-        for layer, chunks in zip(self.layers(), (3, 1, 1, 1, 1)):
-            g_in, g_out = (gx, gy) if layer.transposed else (gy, gx)
-            if layer.k % g_in or layer.n % (chunks * g_out) or (layer.n // g_out) % gz:
-                return f"{layer.name} ({layer.k} -> {layer.n}) does not divide the grid"
-        if h % gy:
-            return f"hidden={h} not divisible by y={gy}"
-        return None
+        return problem
 
     def extra_collectives(self, sizes: dict[str, int]) -> list[tuple[str, tuple[str, ...], float, int]]:
         """Collectives outside Eqs 4-8, per iteration: (kind, axes, elements per rank, count).
         Norm statistics, the vocabulary-parallel loss, the embeddings' gather/scatter over z,
         and the gradient sync of embeddings, biases and norm gains."""
         gx, gy, gz, gd = sizes["x"], sizes["y"], sizes["z"], sizes["data"]
-        h, rows = self.hidden, self.tokens / (gd * gz)
+        rows = self.tokens / (gd * gz)
         norms = 2 * self.n_layer + 1
-        vectors = self.n_layer * 13 * h + 2 * h                      # biases and norm gains (full size)
-        embed = (self.vocab + self.seq_len) * h
+        vectors = self.config.vector_params()                       # biases and norm gains (full size)
+        embed = self.config.embedding_params()
         return [
             ("all_gather", ("y",), 2 * rows, norms),                # row [mean, M2]
             ("all_reduce", ("y",), 2 * rows, norms),                # row gradient statistics
@@ -146,6 +157,11 @@ GPT_MODELS = {spec.name: spec for spec in (
     GPTSpec("gpt-80b", 42, 12288, 96),
 )}
 
+
+# What plan validate, its profiler and par4d bench grid measure (plan/measure.py): a
+# small GPT and batch that divide every grid of 4 or 8 ranks.
+MEASURED = GPTSpec.from_config("bench-gpt", GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4,
+                                                      n_embd=128), global_batch=32)
 
 def gpt_spec(name: str) -> GPTSpec:
     if name not in GPT_MODELS:

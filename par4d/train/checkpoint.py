@@ -1,8 +1,9 @@
 """Sharded checkpoints with torch.distributed.checkpoint (DCP).
 
 Each rank saves its own shards under keys that name the shard's coordinates
-(``blocks.0.mlp.fc.weight@x1.y0.z1``); copies that are replicated over an axis share
-one key, and DCP writes such a key once. A checkpoint is a folder
+(``blocks.0.mlp.fc.weight@x1.y0.z1``, :func:`par4d.layout.shard_name`); copies that are
+replicated over an axis share one key, and DCP writes such a key once. ``meta.json``
+records every parameter's full shape and placement (what resharding needs). A checkpoint is a folder
 ``checkpoints/step-<N>/`` (DCP files + ``meta.json``); the text file
 ``checkpoints/latest`` names the newest complete one and is replaced atomically, so
 an interrupted save never loses the last good checkpoint.
@@ -20,19 +21,31 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
 from par4d.grid import Grid
-from par4d.layout import TENSOR_AXES, spec
+from par4d.layout import placement_of, shard_name
 from par4d.train.rank0 import on_rank0
 
 FOLDER = "checkpoints"
 ADAMW_SLOTS = ("step", "exp_avg", "exp_avg_sq")
 
 
-def _shard_key(grid: Grid, name: str, param: torch.Tensor) -> str:
-    placement = spec(param)
+def _placement(name: str, param: torch.Tensor):
+    placement = placement_of(param)
     if placement is None:  # a key without coordinates would be deduplicated across ranks
-        raise ValueError(f"parameter {name!r} has no ParamSpec: par4d cannot tell how it is sharded")
-    axes = [a for a in TENSOR_AXES if a in placement.sharded and grid.size(a) > 1]
-    return name + ("@" + ".".join(f"{a}{grid.coord(a)}" for a in axes) if axes else "")
+        raise ValueError(f"parameter {name!r} has no placement: par4d cannot tell how it is sharded")
+    return placement
+
+
+def _shard_key(grid: Grid, name: str, param: torch.Tensor) -> str:
+    return shard_name(grid, name, _placement(name, param))
+
+
+def placements(grid: Grid, model: nn.Module) -> dict[str, dict]:
+    """Every parameter's full shape and placement, as ``meta.json`` records them."""
+    out = {}
+    for name, param in model.named_parameters():
+        placement = _placement(name, param)
+        out[name] = {"shape": list(placement.full_shape(tuple(param.shape), grid)), **placement.as_dict()}
+    return out
 
 
 def _state(grid: Grid, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -71,9 +84,11 @@ def save(run_dir: Path, step: int, grid: Grid, model: nn.Module, optimizer: torc
 
     on_rank0(prepare)
     dcp.save(_state(grid, model, optimizer), checkpoint_id=str(target))
+    layout = placements(grid, model)
 
     def commit():
-        _fsync_write(target / "meta.json", json.dumps(dict(meta, step=step, grid=grid.sizes), indent=2))
+        record = dict(meta, step=step, grid=grid.sizes, placements=layout)
+        _fsync_write(target / "meta.json", json.dumps(record, indent=2))
         _fsync_write(folder / "latest.tmp", target.name)
         os.replace(folder / "latest.tmp", folder / "latest")
         for old in folder.glob("step-*"):
@@ -95,14 +110,24 @@ def read_meta(run_dir: Path) -> dict:
     return json.loads((latest(run_dir) / "meta.json").read_text())
 
 
+def check_resumable(run_dir: Path, sizes: dict[str, int], steps: int | None = None) -> dict:
+    """The meta of ``run_dir``'s latest checkpoint, if a run on the grid ``sizes`` (every axis, as
+    ``validate_sizes`` returns it) can resume from it and, given ``steps``, still has steps to take."""
+    meta = read_meta(run_dir)
+    if steps is not None and steps <= meta["step"]:
+        raise ValueError(f"--resume {run_dir}: the checkpoint is at step {meta['step']}; "
+                         f"pass --steps greater than that (got {steps})")
+    if meta["grid"] != sizes:
+        saved, this = (" ".join(f"{a}={s}" for a, s in shape.items()) for shape in (meta["grid"], sizes))
+        raise ValueError(f"--resume {run_dir}: the checkpoint was saved on grid {saved}, this run is {this}; "
+                         f"resuming on another grid is not supported yet")
+    return meta
+
+
 def load(run_dir: Path, grid: Grid, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """Collective: load shards saved at the same grid; returns the checkpoint's meta."""
     _check_optimizer(optimizer)
-    meta = read_meta(run_dir)
-    if meta["grid"] != grid.sizes:
-        saved = " ".join(f"{a}={s}" for a, s in meta["grid"].items())
-        raise ValueError(f"--resume {run_dir}: the checkpoint was saved on grid {saved}, this run is "
-                         f"{grid.describe()}; resuming on another grid is not supported yet")
+    meta = check_resumable(run_dir, grid.sizes)
     # DCP loads in place: give AdamW's state its tensors first.
     for group in optimizer.param_groups:
         for param in group["params"]:

@@ -10,16 +10,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import par4d
-from par4d.data_parallel import clip_grad_norm_, global_mean, sync_gradients
-from par4d.launch import distributed_env
+from par4d.data_parallel import global_mean
+from par4d.launch import distributed_env, init
 from par4d.layout import shard_batch
 from par4d.models import GPT
 from par4d.perf import cpu_cores, measure_matmul_peak, threads_per_rank
 from par4d.train import checkpoint
 from par4d.train.config import TrainConfig
 from par4d.train.data import Batches, load_corpus
+from par4d.train.model import build_gpt
 from par4d.train.rank0 import on_rank0
+from par4d.train.step import train_step
 
 
 def _threads_per_rank() -> int:
@@ -31,7 +32,7 @@ def _threads_per_rank() -> int:
 def run(config: TrainConfig) -> dict:
     """Train on this rank; rank 0 writes the run directory. Returns rank 0's summary."""
     torch.set_num_threads(_threads_per_rank())
-    grid = par4d.init(**config.grid)
+    grid = init(**config.grid)
     rank0 = grid.rank == 0
     if config.out is None:  # under torchrun/srun: rank 0 names the run, the others follow
         config = replace(config, out=on_rank0(lambda: str(new_run_dir(config.grid))))
@@ -40,7 +41,7 @@ def run(config: TrainConfig) -> dict:
     on_rank0(lambda: out.mkdir(parents=True, exist_ok=True))
 
     model_config = config.model_config()
-    model = GPT(model_config, grid=grid)
+    model = build_gpt(model_config, grid)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
                                   betas=(0.9, 0.95))
     corpus, source = load_corpus(config.data)
@@ -63,13 +64,8 @@ def run(config: TrainConfig) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = lr
         inputs, targets = batches.train_batch(step)
-        loss = model(shard_batch(grid, inputs).to(grid.device), shard_batch(grid, targets).to(grid.device))
-        loss.backward()
-        sync_gradients(model, grid)
-        if config.grad_clip > 0:
-            clip_grad_norm_(model, config.grad_clip, grid)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        x, y = shard_batch(grid, inputs).to(grid.device), shard_batch(grid, targets).to(grid.device)
+        loss = train_step(model, optimizer, grid, model, x, y, grad_clip=config.grad_clip)
         mean_loss = global_mean(loss, grid).item()
         seconds = time.perf_counter() - began
         rates.append(tokens_per_step / seconds)

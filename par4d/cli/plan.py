@@ -1,4 +1,5 @@
-"""``par4d plan``: rank every grid configuration of a workload on a machine."""
+"""``par4d plan``: rank every grid configuration of a workload on a machine (no torch), and ``par4d plan validate``:
+measure every grid on local ranks and score the ranking against the measurements."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from par4d.plan.workload import GPT_MODELS, gpt_spec
 DEFAULT_BATCH_TOKENS = 32768   # the paper's running example: 16 sequences of 2048 tokens
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("plan", help="rank every grid configuration of a workload")
     p.add_argument("action", nargs="?", choices=["validate"],
                    help="validate: measure every grid on --nproc local ranks and score the model's ranking")
     p.add_argument("--model", default="gpt-20b", help=f"built-in GPT: {', '.join(GPT_MODELS)}")

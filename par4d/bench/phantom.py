@@ -1,5 +1,9 @@
 """``par4d phantom compare``: phantom vs tensor parallelism on the paper's synthetic task.
 
+A benchmark against the peer a user would pick instead (tensor parallelism), so it
+lives with the benchmarks, on top of the training step it shares with every other
+caller, not in :mod:`par4d.phantom` (the layers it compares).
+
 For each rank count p and ghost count k (and the TP baseline), train a depth-L FFN
 of width n on ``y = σ(W σ(x))`` and measure per-iteration time, communication time
 and bytes (ledger), parameter memory per rank, and, with a target loss, iterations,
@@ -40,18 +44,20 @@ class CompareSettings:
 
 
 def _global_loss(local_sum: torch.Tensor, grid, sharded: bool, denominator: float) -> float:
+    from par4d import comm
+
     value = local_sum.detach().clone().reshape(1)
     if sharded:
-        dist.all_reduce(value, group=grid.group("x"))
+        comm.all_reduce(grid, value, "x")
     return value.item() / denominator
 
 
 def _run_scheme(settings: CompareSettings, grid, scheme: str, k: int | None) -> tuple[dict, list]:
-    from par4d.data_parallel import sync_gradients
-    from par4d.layout import shard_features
+    from par4d.layout import placement_of, shard_features
     from par4d.phantom import PhantomFFN, TensorParallelFFN
     from par4d.phantom.data import SyntheticTeacher
     from par4d.phantom.energy import PROFILES, EnergyMonitor
+    from par4d.train.step import train_step
 
     n, p = settings.n, settings.p
     if scheme == "tp":
@@ -69,6 +75,10 @@ def _run_scheme(settings: CompareSettings, grid, scheme: str, k: int | None) -> 
     eval_inp = eval_x if scheme == "tp" else shard_features(grid, eval_x, "x")
     eval_target = shard_features(grid, eval_y, "x") if sharded else eval_y
 
+    def mse(inp: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the mean squared error over the global batch."""
+        return ((model(inp) - target) ** 2).sum() / (settings.batch * n)
+
     def evaluate() -> float:
         with torch.no_grad():
             return _global_loss(((model(eval_inp) - eval_target) ** 2).sum(), grid, sharded, EVAL_BATCH * n)
@@ -85,12 +95,7 @@ def _run_scheme(settings: CompareSettings, grid, scheme: str, k: int | None) -> 
         dist.barrier()
         start, waited, sent = time.perf_counter(), grid.ledger.total_seconds(), grid.ledger.total_bytes()
         with grid.ledger.capture() as captured:
-            out = model(inp)
-            local_sum = ((out - target) ** 2).sum()
-            (local_sum / (settings.batch * n)).backward()
-            sync_gradients(model, grid)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+            train_step(model, opt, grid, mse, inp, target)
         times.append(time.perf_counter() - start)
         comm_s.append(grid.ledger.total_seconds() - waited)
         comm_b.append(grid.ledger.total_bytes() - sent)
@@ -100,10 +105,8 @@ def _run_scheme(settings: CompareSettings, grid, scheme: str, k: int | None) -> 
             reached = step + 1
             break
     measured_j = monitor.stop()
-    from par4d.layout import spec
-
     # Each parameter once: a tensor replicated over x (a transposed layer's bias) counts 1/p per rank.
-    params = torch.tensor([sum(t.numel() / (1 if "x" in spec(t).sharded else p) for t in model.parameters())],
+    params = torch.tensor([sum(t.numel() / (1 if "x" in placement_of(t).sharded else p) for t in model.parameters())],
                           dtype=torch.float64)
     dist.all_reduce(params, group=grid.group("x"))
     mem = torch.tensor([4.0 * sum(t.numel() * t.element_size() for t in model.parameters())])  # param, grad, m, v
@@ -128,11 +131,11 @@ def _run_scheme(settings: CompareSettings, grid, scheme: str, k: int | None) -> 
 
 
 def compare_worker(settings: CompareSettings) -> dict:
-    import par4d
+    from par4d.launch import init
     from par4d.perf import threads_per_rank
 
     torch.set_num_threads(threads_per_rank(settings.p))
-    grid = par4d.init(x=settings.p)
+    grid = init(x=settings.p)
     rows, entries = [], []
     for scheme, k in [("tp", None)] + [("phantom", k) for k in settings.ks]:
         row, seen = _run_scheme(settings, grid, scheme, k)

@@ -1,0 +1,40 @@
+"""``par4d``: the command line. One module per command, each with ``add_parser(subparsers)`` and ``run(args)``;
+this one builds the top-level parser from them, dispatches, and turns a ``ValueError`` into an error line and
+exit status 2.
+
+    par4d train [--nproc N] [--grid x=2,z=2] [--steps N] [--out DIR | --resume DIR] ...
+    par4d plan --model gpt-20b --gpus 32 [--machine perlmutter] [--top 10] [--json]
+    par4d bench grid [--nproc N] [--json]
+
+Outside a launcher, ``--nproc N`` local ranks are started with torchrun's elastic agent; inside torchrun or srun
+the command joins the job instead. Command modules import torch only inside ``run``: ``par4d plan`` needs none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from par4d.cli import bench, calibrate, cluster, phantom, plan, train
+from par4d.cluster import ClusterUnavailable
+
+# In the order `par4d --help` lists them; each module's name is its command's.
+COMMANDS = (train, plan, calibrate, cluster, phantom, bench)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="par4d", description="4D hybrid parallel training for PyTorch")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for command in COMMANDS:
+        command.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    command = next(c for c in COMMANDS if c.__name__.rpartition(".")[2] == args.command)
+    try:
+        return command.run(args)
+    except (ValueError, ClusterUnavailable) as error:
+        print(f"par4d {args.command}: error: {error}", file=sys.stderr)
+        return 2

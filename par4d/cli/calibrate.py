@@ -1,0 +1,40 @@
+"""``par4d calibrate``: measure this machine's matmul peak and collective costs, print them, and write the machine
+profile that ``par4d plan --machine`` and ``par4d train --grid auto --machine`` read."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from par4d.cli.train import DEFAULT_NPROC
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("calibrate", help="measure this machine; write a machine profile for plan")
+    p.add_argument("--nproc", type=int, default=DEFAULT_NPROC, help="local ranks to measure with")
+    p.add_argument("--out", default="profiles/local.toml", help="where to write the TOML profile")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--nodes", type=int, default=None,
+                   help="measure an emulated cluster of this many nodes (--nproc ranks per node; needs root)")
+    p.add_argument("--link", default="1gbit", help="emulated inter-node link rate (with --nodes)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from par4d.plan.calibrate import calibrate
+
+    cluster = None
+    if args.nodes is not None:
+        from par4d.cluster import ClusterSpec
+
+        cluster = ClusterSpec(args.nodes, args.nproc, args.link)
+    result = calibrate(args.nproc, Path(args.out), args.repeats, cluster)
+    machine = result["machine"]
+    print(f"matmul peak {result['peak_total'] / 1e9:.1f} GFLOP/s fp32 (whole machine; "
+          f"{machine.peak_flops / 1e9:.1f} per rank of {result['world']})")
+    print(f"{'collective':<21} {'alpha (us)':>10} {'beta (GB/s)':>11}   c1 log2 p + c2 m + c3")
+    for kind, f in result["fits"].items():
+        tail = (f"c1={f['c1'] * 1e3:.3f} ms, c2={f['c2'] * 1e9:.3f} s/GB, c3={f['c3'] * 1e3:.3f} ms" if "c1" in f
+                else "(one group size: not fitted)")
+        print(f"{kind:<21} {f['alpha'] * 1e6:>10.1f} {f['beta'] / 1e9:>11.3f}   {tail}")
+    print(f"profile written to {args.out}")
+    return 0

@@ -1,0 +1,65 @@
+"""Which grid a training run gets when none is given: a fixed default from the world size, or the planner's first
+choice for the run's model on a machine profile (``--grid auto``). No torch here unless a machine must be calibrated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from par4d.plan.machines import load_machine
+from par4d.plan.model import rank_configurations
+from par4d.plan.workload import GPTSpec
+from par4d.train.config import VOCAB_BYTES
+
+
+def default_grid(world: int) -> dict[str, int]:
+    """Deterministic default shape: prime factors of ``world``, largest first, dealt
+    round-robin to x, z, y, data (4 -> x=2,z=2; 8 -> x=2,y=2,z=2; 16 -> all four = 2)."""
+    factors, n, p = [], world, 2
+    while n > 1:
+        while n % p == 0:
+            factors.append(p)
+            n //= p
+        p += 1
+    sizes = {a: 1 for a in ("x", "z", "y", "data")}
+    for i, factor in enumerate(sorted(factors, reverse=True)):
+        axis = ("x", "z", "y", "data")[i % 4]
+        sizes[axis] *= factor
+    return {a: s for a, s in sizes.items() if s > 1} or {"x": 1}
+
+
+def planned_grid(world: int, *, machine: str | None, inside: bool, n_layer: int, n_embd: int, n_head: int,
+                 seq_len: int, batch_size: int,
+                 report: Callable[[str], None] = print) -> tuple[dict[str, int], float | None]:
+    """The planner's first choice of grid for training the dense GPT on ``world`` ranks, and the machine's matmul
+    peak when it was calibrated for it (so training need not measure it again).
+
+    ``machine`` names a profile (built-in or TOML); ``None`` calibrates this machine first, which needs ranks of
+    its own and so cannot happen ``inside`` a launched job. ``report`` gets one line before a calibration and one
+    naming the choice.
+    """
+    peak = None
+    if machine is not None:
+        profile = load_machine(machine)
+    elif inside:
+        raise ValueError("--grid auto under torchrun/srun needs --machine PROFILE (make one with par4d calibrate)")
+    else:
+        # torch: imported only when there is something to measure
+        import tempfile
+        from pathlib import Path
+
+        from par4d.plan.calibrate import calibrate
+
+        report(f"calibrating this machine on {world} ranks for --grid auto ...")
+        calibration = calibrate(world, Path(tempfile.mkdtemp()) / "local.toml")
+        profile, peak = calibration["machine"], calibration["peak_total"]
+    spec = GPTSpec("train", n_layer=n_layer, hidden=n_embd, heads=n_head, seq_len=seq_len, global_batch=batch_size,
+                   vocab=VOCAB_BYTES)
+    ranked, excluded = rank_configurations(spec, world, profile, "full", checkpointing=False)
+    if not ranked:
+        reasons = "; ".join(sorted({p.excluded for p in excluded}))
+        raise ValueError(f"--grid auto: no grid of {world} ranks runs this model ({reasons})")
+    best = ranked[0]
+    report(f"--grid auto chose x={best.sizes['x']} y={best.sizes['y']} z={best.sizes['z']} data={best.sizes['data']} "
+           f"(predicted {best.t_iter:.3f} s/step; {len(ranked)} grids ranked on {profile.name})")
+    return {a: s for a, s in best.sizes.items() if s > 1} or {"x": 1}, peak

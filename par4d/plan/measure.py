@@ -1,0 +1,89 @@
+"""Measuring par4d's training step on real grids: the workload the planner is checked on.
+
+``plan validate``, the planner's profiler and ``par4d bench grid`` all measure this
+one GPT and batch (``CONFIG``, ``BATCH``), with the one training step
+(:func:`par4d.train.step.train_step`) on every grid of a world size that divides them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from par4d.grid import Grid
+from par4d.launch import init
+from par4d.layout import shard_batch
+from par4d.models import GPT, GPTConfig
+from par4d.plan.model import factorizations
+from par4d.plan.workload import MEASURED
+from par4d.train.step import train_step
+
+CONFIG, BATCH = MEASURED.config, MEASURED.global_batch
+WARMUP = 2
+
+
+def grids(world: int, config: GPTConfig = CONFIG, batch: int = BATCH) -> list[dict[str, int]]:
+    """Every (x, y, z, data) shape of ``world`` ranks on which the model and batch divide."""
+    shapes = []
+    for sizes in factorizations(world):
+        try:
+            GPT(config, grid=Grid.virtual(sizes))
+        except ValueError:
+            continue
+        if batch % (sizes["z"] * sizes["data"]) == 0:
+            shapes.append(sizes)
+    return shapes
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """The global (inputs, targets) every measurement trains on."""
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.block_size + 1), generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def training_step(grid: Grid) -> Callable[[], torch.Tensor]:
+    """One training step of the GPT on ``grid`` (forward, backward, gradient sync, AdamW),
+    as a function to call repeatedly."""
+    model = GPT(CONFIG, grid=grid)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    inputs, targets = batch()
+    x, y = shard_batch(grid, inputs), shard_batch(grid, targets)
+    return lambda: train_step(model, optimizer, grid, model, x, y)
+
+
+def step_collectives(grid: Grid, step: Callable[[], object]) -> list[tuple[str, tuple[str, ...], int]]:
+    """(kind, axes, elements) of every collective one call of ``step`` issues on ``grid``."""
+    with grid.ledger.capture() as entries:
+        step()
+    return [(e.kind, e.axes, e.elements) for e in entries]
+
+
+def time_iterations(step: Callable[[], object], iters: int) -> list[float]:
+    """Seconds of ``iters`` calls of ``step`` after WARMUP untimed ones, each between barriers."""
+    for _ in range(WARMUP):
+        step()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def time_grid(sizes: dict[str, int], iters: int) -> tuple[list[float], float]:
+    """Seconds of ``iters`` training steps on grid ``sizes``, and the ledger bytes per
+    step of this rank. Closes the grid: idle groups of earlier grids would slow the
+    grids measured after them."""
+    grid = init(**sizes)
+    step = training_step(grid)
+    before = grid.ledger.total_bytes()
+    times = time_iterations(step, iters)
+    per_rank = (grid.ledger.total_bytes() - before) / (WARMUP + iters)
+    grid.close()
+    return times, per_rank

@@ -1,0 +1,32 @@
+"""The one training step: every caller (``par4d train``, ``par4d bench``, ``plan
+validate`` and its profiler, ``phantom compare``) runs this function, so what later
+changes the order of a step (overlap, the pipeline, an offloaded optimizer) changes
+it once, for all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from par4d.data_parallel import clip_grad_norm_, sync_gradients
+from par4d.grid import Grid
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, grid: Grid,
+               loss: Callable[..., torch.Tensor], *inputs: torch.Tensor, grad_clip: float = 0.0) -> torch.Tensor:
+    """One optimizer step of ``model`` on ``grid``; returns this rank's loss (detached).
+
+    ``loss(*inputs)`` runs the forward pass and returns the mean loss of this rank's
+    samples (for par4d's GPT, ``loss`` is the model itself: ``model(idx, targets)``).
+    """
+    value = loss(*inputs)               # forward: Algorithm 1's all-gathers over z, all-reduces over the in-axes
+    value.backward()                    # backward: input-gradient all-reduces, weight-gradient reduce-scatters
+    sync_gradients(model, grid)         # after backward: sums what is still partial over data (and z)
+    if grad_clip > 0:                   # after the sync: the norm is that of the global batch's gradient
+        clip_grad_norm_(model, grad_clip, grid)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return value.detach()
