@@ -79,6 +79,11 @@ class Placement:
         return {"splits": [[s.dim, s.axis, s.chunks, s.stacked] for s in self.splits],
                 "grad_sum": list(self.grad_sum)}
 
+    @classmethod
+    def from_dict(cls, record: dict) -> Placement:
+        """Inverse of :meth:`as_dict`."""
+        return cls(tuple(Split(*split) for split in record["splits"]), tuple(record["grad_sum"]))
+
 
 def place(param: nn.Parameter, placement: Placement) -> nn.Parameter:
     """Attach ``placement`` to ``param``; returns it."""

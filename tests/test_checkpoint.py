@@ -64,3 +64,29 @@ def test_checkpoint_refuses_another_grid(pool4, tmp_path):
     pool4.run(_round_trip, dict(x=1, y=2, z=1, data=2), str(tmp_path))
     for message in pool4.errors(_wrong_grid, str(tmp_path), timeout=30):
         assert "saved on grid x=1 y=2 z=1 data=2 pipe=1" in message and "x=2 y=2 z=1 data=1" in message
+
+
+def _placements_recorded(sizes: dict, folder: str) -> int:
+    """meta.json's placements cut the full model into exactly the shards this rank holds."""
+    import json
+    from pathlib import Path
+
+    from par4d.layout import Placement, shard
+
+    grid = cases.grid(**sizes)
+    model = GPT(CONFIG, grid=grid)
+    run = Path(folder) / "placements"
+    checkpoint.save(run, 1, grid, model, torch.optim.AdamW(model.parameters()), {})
+    recorded = json.loads((checkpoint.latest(run) / "meta.json").read_text())["placements"]
+    full = model.reference_state()
+    assert set(recorded) == set(full)
+    for name, param in model.named_parameters():
+        assert recorded[name]["shape"] == list(full[name].shape), name
+        assert torch.equal(shard(grid, full[name], Placement.from_dict(recorded[name])), param.detach()), name
+    return len(recorded)
+
+
+def test_checkpoint_records_every_placement(pool8, tmp_path):
+    """On x, y and z all 2: chunked (qkv), nested (x then z) and replicated pieces."""
+    counts = pool8.run(_placements_recorded, dict(x=2, y=2, z=2, data=1), str(tmp_path))
+    assert counts == [len(list(ReferenceGPT(CONFIG, init=False).parameters()))] * 8

@@ -1,4 +1,4 @@
-"""The grid: DESIGN §1 rank layout, process groups, launcher environments."""
+"""The grid: the rank layout of docs/architecture.md, process groups, launcher environments."""
 
 import itertools
 

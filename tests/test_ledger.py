@@ -1,4 +1,4 @@
-"""The ledger pins the exact collectives of Algorithm 1 (DESIGN §4 message sizes)."""
+"""The ledger pins the exact collectives of Algorithm 1 (message sizes: docs/architecture.md, Notation)."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""DESIGN §2's special cases against PyTorch's own implementations of them.
+"""The special cases of docs/architecture.md (Notation) against PyTorch's own implementations of them.
 
 z only = FSDP (``fully_shard``), z + data = HSDP (``fully_shard`` on a 2D mesh),
 data only = ``DistributedDataParallel``: same twin, same global batch, same AdamW.

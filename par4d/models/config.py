@@ -80,7 +80,7 @@ class GPTConfig:
 
     def _phantom_mlp_weights(self) -> int:
         d, p, k = self.n_embd, self.phantom_p, self.phantom_k
-        # Per phantom layer: local blocks, compressors, decompressors (DESIGN §5); its bias is a vector.
+        # Per phantom layer: local blocks, compressors, decompressors (docs/phantom.md, Notation); its bias is a vector.
         return sum(n_in * n_out // p + k * n_in + (p - 1) * k * n_out for n_in, n_out in ((d, 4 * d), (4 * d, d)))
 
     def _matmul_weights(self) -> int:
