@@ -20,7 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
-from par4d.grid import Grid
+from par4d.grid import Grid, describe
 from par4d.layout import placement_of, shard_name
 from par4d.train.rank0 import on_rank0
 
@@ -118,7 +118,7 @@ def check_resumable(run_dir: Path, sizes: dict[str, int], steps: int | None = No
         raise ValueError(f"--resume {run_dir}: the checkpoint is at step {meta['step']}; "
                          f"pass --steps greater than that (got {steps})")
     if meta["grid"] != sizes:
-        saved, this = (" ".join(f"{a}={s}" for a, s in shape.items()) for shape in (meta["grid"], sizes))
+        saved, this = describe(meta["grid"]), describe(sizes)
         raise ValueError(f"--resume {run_dir}: the checkpoint was saved on grid {saved}, this run is {this}; "
                          f"resuming on another grid is not supported yet")
     return meta
