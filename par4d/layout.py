@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from par4d import comm
-from par4d.grid import AXES, TENSOR_AXES, Grid, check_axes
+from par4d.grid import TENSOR_AXES, Grid, check_axes
 
 
 @dataclass(frozen=True)
@@ -169,5 +169,5 @@ def shard_activation(grid: Grid, tensor: torch.Tensor, axis: str) -> torch.Tenso
     return shard_features(grid, shard_batch(grid, tensor), axis)
 
 
-__all__ = ["AXES", "Placement", "Split", "batch_slice", "block", "gather_features", "local_range", "place",
+__all__ = ["Placement", "Split", "batch_slice", "block", "gather_features", "local_range", "place",
            "placement_of", "shard", "shard_activation", "shard_batch", "shard_features", "shard_name", "unshard"]

@@ -29,9 +29,12 @@ class ShardedModule(nn.Module):
             yield name, param, placement
 
     @torch.no_grad()
+    def full_tensor(self, param: torch.Tensor, grad: bool = False) -> torch.Tensor:
+        """One own parameter (or its gradient) as a full tensor, on every rank (collective)."""
+        return unshard(self.grid, (param.grad if grad else param).detach(), placement_of(param))
+
     def full_state(self, grad: bool = False) -> dict[str, torch.Tensor]:
-        return {name: unshard(self.grid, (param.grad if grad else param).detach(), placement)
-                for name, param, placement in self._placed()}
+        return {name: self.full_tensor(param, grad) for name, param, _ in self._placed()}
 
     @torch.no_grad()
     def load_full_state(self, state: dict[str, torch.Tensor]) -> None:

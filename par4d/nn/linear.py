@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from par4d import comm
 from par4d.grid import Grid
-from par4d.layout import Placement, Split, place, placement_of, unshard
+from par4d.layout import Placement, Split, place
 from par4d.nn.base import ShardedModule
 
 if TYPE_CHECKING:
@@ -125,13 +125,13 @@ class Linear(ShardedModule):
 
     def full_weight(self, grad: bool = False) -> torch.Tensor:
         """The full ``(out, in)`` weight (or its gradient) on every rank (collective)."""
-        return unshard(self.grid, (self.weight.grad if grad else self.weight).detach(), placement_of(self.weight))
+        return self.full_tensor(self.weight, grad)
 
     def full_bias(self, grad: bool = False) -> torch.Tensor | None:
         """The full ``(out,)`` bias (or its gradient) on every rank (collective)."""
         if self.bias is None:
             return None
-        return unshard(self.grid, (self.bias.grad if grad else self.bias).detach(), placement_of(self.bias))
+        return self.full_tensor(self.bias, grad)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
