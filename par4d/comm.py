@@ -29,28 +29,45 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 class Handle:
-    """An in-flight collective; :meth:`wait` blocks and books the waited time."""
+    """An in-flight collective; :meth:`wait` blocks and books the waited time.
+
+    Its completion time comes from the work's future (a callback on the backend's
+    thread stores one float); where a backend gives no future, the end of the wait
+    stands in for it.
+    """
 
     def __init__(self, work: dist.Work | None, ledger: Ledger, entry: Entry | None, result: torch.Tensor):
         self._work, self._ledger, self._entry, self.result = work, ledger, entry, result
+        self._done_at: float | None = None
+        if work is not None:
+            try:
+                work.get_future().add_done_callback(self._completed)
+            except RuntimeError:   # no future for this backend or op
+                pass
+
+    def _completed(self, _future) -> None:
+        self._done_at = time.perf_counter()
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             start = time.perf_counter()
             self._work.wait()
-            self._ledger.waited(self._entry, time.perf_counter() - start)
+            end = time.perf_counter()
+            done = self._done_at if self._done_at is not None else end
+            self._ledger.waited(self._entry, end - start, max(0.0, min(done, end) - self._entry.issued_at))
             self._work = None
         return self.result
 
 
 def _issue(grid: Grid, kind: str, axes: tuple[str, ...], message: torch.Tensor, run, async_op: bool, result):
-    entry = Entry(kind, axes, message.numel(), message.numel() * message.element_size())
-    grid.ledger.record(entry)
     start = time.perf_counter()
+    entry = Entry(kind, axes, message.numel(), message.numel() * message.element_size(), issued_at=start)
+    grid.ledger.record(entry)
     work = run(async_op)
     if async_op:
         return Handle(work, grid.ledger, entry, result)
-    grid.ledger.waited(entry, time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    grid.ledger.waited(entry, seconds, seconds)
     return result
 
 

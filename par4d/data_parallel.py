@@ -3,14 +3,16 @@
 Each rank back-propagates the mean loss of its own samples. The z reduce-scatter
 of Algorithm 1 already summed Ŵ's gradient over z; every other gradient is still
 partial over the axes in its :class:`~par4d.layout.Placement`'s ``grad_sum``. This
-module sums the rest (bucketed: one all-reduce per group of axes and bucket) and
-divides by the number of batch shards G_data * G_z, so every gradient equals the
-single-device gradient of the mean loss over the global batch.
+module sums the rest (bucketed: one all-reduce per group of axes and bucket, overlapped
+with backward when the overlap settings say so) and divides by the number of batch
+shards G_data * G_z, so every gradient equals the single-device gradient of the mean
+loss over the global batch.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -19,18 +21,22 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from par4d import comm
 from par4d.grid import TENSOR_AXES, Grid
 from par4d.layout import Placement, placement_of
+from par4d.overlap import BUCKET_MB
 
-BUCKET_BYTES = 25 * 2**20
+if TYPE_CHECKING:
+    from par4d.nn.runtime import DeferredGrads
+
+BUCKET_BYTES = int(BUCKET_MB * 2**20)
 
 
-def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+def _buckets(params: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
     buckets, current, size = [], [], 0
-    for t in tensors:
-        if current and size + t.numel() * t.element_size() > limit:
+    for p in params:
+        if current and size + p.numel() * p.element_size() > limit:
             buckets.append(current)
             current, size = [], 0
-        current.append(t)
-        size += t.numel() * t.element_size()
+        current.append(p)
+        size += p.numel() * p.element_size()
     return buckets + ([current] if current else [])
 
 
@@ -42,30 +48,142 @@ def _placement(name: str, param: torch.Tensor) -> Placement:
     return placement
 
 
+class _Bucket:
+    def __init__(self, params: list[torch.Tensor]):
+        self.params = params
+        self.ready: set[int] = set()
+        self.flat: torch.Tensor | None = None
+        self.grads: list[torch.Tensor] = []
+        self.handle: comm.Handle | None = None
+
+
+class GradientSync:
+    """The data-parallel sync of one model: gradients summed over their partial axes in
+    fixed buckets, then divided by G_data * G_z.
+
+    Buckets are fixed when the sync is built: per group of partial axes, parameters in
+    reverse registration order (roughly the order backward produces their gradients),
+    cut at ``bucket_bytes``. The synchronous path and the overlapped one use the same
+    buckets, so they add the same numbers in the same order (the same bits).
+
+    Overlapped (``overlap=True``, between :meth:`arm` and :meth:`finish`): a gradient hook
+    marks each parameter ready as autograd accumulates its gradient; a bucket whose
+    parameters are all ready is all-reduced asynchronously while backward goes on.
+    Buckets of one group are launched strictly in order (every rank of the group issues
+    the same collectives in the same order). Gradients that arrive outside autograd's
+    accumulation (ORS's deferred reduce-scatters) are picked up by :meth:`finish`.
+    """
+
+    def __init__(self, model: nn.Module, grid: Grid, bucket_bytes: int = BUCKET_BYTES, overlap: bool = False,
+                 deferred: DeferredGrads | None = None):
+        """``deferred``: the model's ORS runtime, whose gradients arrive after backward."""
+        self.grid, self.overlap, self.deferred = grid, overlap, deferred
+        grouped: dict[tuple[str, ...], list[torch.Tensor]] = defaultdict(list)
+        for name, param in reversed(list(model.named_parameters())):
+            placement = _placement(name, param)
+            if param.requires_grad:
+                grouped[placement.grad_sum].append(param)
+        self.scale = 1.0 / grid.size("z", "data")
+        self.scaled_only = [p for axes, ps in grouped.items() if grid.size(*axes) == 1 for p in ps]
+        self.groups = {axes: [_Bucket(b) for b in _buckets(ps, bucket_bytes)]
+                       for axes, ps in sorted(grouped.items()) if grid.size(*axes) > 1}
+        self._armed = False
+        self.early_launches = 0              # buckets launched from hooks, during backward
+        self._where: dict[int, tuple[tuple[str, ...], int]] = {}
+        for axes, buckets in self.groups.items():
+            for index, bucket in enumerate(buckets):
+                for param in bucket.params:
+                    self._where[id(param)] = (axes, index)
+                    if overlap:
+                        param.register_post_accumulate_grad_hook(self._on_grad)
+        if overlap and deferred is not None:
+            deferred.listeners.append(self._on_deferred)
+
+    def arm(self) -> None:
+        """The next backward pass is the step's only one: launch buckets as they fill."""
+        self._armed = self.overlap
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if not self._armed or (self.deferred is not None and self.deferred.owes(param)):
+            return                           # not this step's, or its gradient is a deferred reduce-scatter
+        self._ready([param])
+
+    def _on_deferred(self, params: list[torch.Tensor]) -> None:
+        if self._armed:
+            self._ready(params)
+
+    def _ready(self, params: list[torch.Tensor]) -> None:
+        touched = set()
+        for param in params:
+            if id(param) in self._where:
+                axes, index = self._where[id(param)]
+                self.groups[axes][index].ready.add(id(param))
+                touched.add(axes)
+        for axes in sorted(touched):
+            self.early_launches += self._launch_ready(axes)
+
+    def _launch_ready(self, axes: tuple[str, ...]) -> int:
+        launched = 0
+        for bucket in self.groups[axes]:
+            if bucket.handle is not None or bucket.flat is not None:
+                continue
+            if len(bucket.ready) < len(bucket.params):
+                break                        # in order: a later bucket waits for this one
+            self._launch(axes, bucket)
+            launched += 1
+        return launched
+
+    def _launch(self, axes: tuple[str, ...], bucket: _Bucket) -> None:
+        bucket.grads = [p.grad for p in bucket.params if p.grad is not None]
+        if not bucket.grads:
+            bucket.flat = torch.empty(0)     # nothing to sum (no gradients at all): done
+            return
+        bucket.flat = _flatten_dense_tensors(bucket.grads)
+        bucket.handle = comm.all_reduce(self.grid, bucket.flat, *axes, async_op=True)
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Launch what is left (in order), wait for every bucket, write the mean gradients."""
+        self._armed = False
+        for axes, buckets in self.groups.items():
+            for bucket in buckets:
+                if bucket.handle is None and bucket.flat is None:
+                    self._launch(axes, bucket)
+        for buckets in self.groups.values():
+            for bucket in buckets:
+                if bucket.handle is not None:
+                    bucket.handle.wait()
+                    bucket.flat.mul_(self.scale)
+                    for grad, synced in zip(bucket.grads, _unflatten_dense_tensors(bucket.flat, bucket.grads)):
+                        grad.copy_(synced)
+                bucket.ready.clear()
+                bucket.flat, bucket.grads, bucket.handle = None, [], None
+        if self.scale != 1.0:                # nothing to sum: no flatten and copy back, only the scale
+            for param in self.scaled_only:
+                if param.grad is not None:
+                    param.grad.mul_(self.scale)
+
+
+def gradient_sync(model: nn.Module, grid: Grid) -> GradientSync:
+    """The model's :class:`GradientSync`, built on first use with the model's overlap
+    settings (``par4d.nn.set_overlap``) or else the grid's (``par4d.init(overlap=...)``)."""
+    sync = getattr(model, "par4d_gradient_sync", None)
+    if sync is None or sync.grid is not grid:
+        settings = getattr(model, "par4d_overlap", None) or grid.overlap
+        runtime = getattr(model, "par4d_runtime", None)
+        sync = GradientSync(model, grid, settings.bucket_bytes, settings.data_parallel,
+                            runtime.deferred if runtime is not None else None)
+        model.par4d_gradient_sync = sync
+    return sync
+
+
 @torch.no_grad()
-def sync_gradients(model: nn.Module, grid: Grid, bucket_bytes: int = BUCKET_BYTES) -> None:
+def sync_gradients(model: nn.Module, grid: Grid) -> None:
     """Sum every parameter's gradient over its partial axes; divide by G_data * G_z.
 
     Call after ``backward()`` and before the optimizer step, on every rank.
     """
-    groups: dict[tuple[str, ...], list[torch.Tensor]] = defaultdict(list)
-    for name, param in model.named_parameters():
-        placement = _placement(name, param)
-        if param.grad is not None:
-            groups[placement.grad_sum].append(param.grad)
-    scale = 1.0 / grid.size("z", "data")
-    for axes in sorted(groups):
-        if grid.size(*axes) == 1:     # nothing to sum: no flatten and copy back, only the scale
-            if scale != 1.0:
-                for grad in groups[axes]:
-                    grad.mul_(scale)
-            continue
-        for bucket in _buckets(groups[axes], bucket_bytes):
-            flat = _flatten_dense_tensors(bucket)
-            comm.all_reduce(grid, flat, *axes)
-            flat.mul_(scale)
-            for grad, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                grad.copy_(synced)
+    gradient_sync(model, grid).finish()
 
 
 @torch.no_grad()

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from par4d.ledger import Ledger
+from par4d.overlap import Overlap
 
 
 class Axis(str, Enum):
@@ -122,7 +123,7 @@ class Grid:
 
     Build it with :func:`par4d.init`. ``size(axis)``, ``coord(axis)`` and
     ``group(*axes)`` answer for this rank; ``ledger`` records every collective
-    par4d issues on this grid.
+    par4d issues on this grid; ``overlap`` is the default overlap of models built on it.
     """
 
     sizes: dict[str, int]
@@ -130,6 +131,7 @@ class Grid:
     device: torch.device
     mesh: DeviceMesh | None
     ledger: Ledger = field(default_factory=Ledger)
+    overlap: Overlap = field(default_factory=Overlap)
     _groups: dict[tuple[str, ...], dist.ProcessGroup] = field(default_factory=dict, repr=False)
     _closed: bool = field(default=False, repr=False)
 
@@ -201,14 +203,14 @@ class Grid:
         return f"Grid({self.describe()}, rank={self.rank})"
 
 
-def build_grid(sizes: dict[str, int], device: torch.device) -> Grid:
+def build_grid(sizes: dict[str, int], device: torch.device, overlap: Overlap | None = None) -> Grid:
     """The grid of validated ``sizes`` over the job this process has joined (collective:
     every rank builds the same groups). :func:`par4d.init` checks first that every rank
     asks for the same shape; call this directly only where that is known (one process
     standing in for a whole job, as the planner's profiler does)."""
     names = tuple(reversed(AXES))  # outermost first: pipe, data, z, y, x
     mesh = init_device_mesh(device.type, tuple(sizes[a] for a in names), mesh_dim_names=names)
-    grid = Grid(sizes=dict(sizes), rank=dist.get_rank(), device=device, mesh=mesh)
+    grid = Grid(sizes=dict(sizes), rank=dist.get_rank(), device=device, mesh=mesh, overlap=overlap or Overlap())
     for axis in AXES:
         grid._groups[(axis,)] = mesh.get_group(axis)
     for combo in _COMBINED:

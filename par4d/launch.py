@@ -22,6 +22,7 @@ if TYPE_CHECKING:   # torch is imported where a rank joins a job: `par4d plan` n
     import torch
 
     from par4d.grid import Grid
+    from par4d.overlap import Overlap
 
 JOIN_TIMEOUT = timedelta(minutes=10)
 
@@ -150,8 +151,11 @@ def join(env: DistEnv | None) -> None:
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=JOIN_TIMEOUT)
 
 
-def init(x: int = 1, y: int = 1, z: int = 1, data: int = 1, pipe: int = 1) -> Grid:
+def init(x: int = 1, y: int = 1, z: int = 1, data: int = 1, pipe: int = 1, overlap: Overlap | None = None) -> Grid:
     """Build the grid ``x * y * z * data * pipe`` over the current job.
+
+    ``overlap``: the overlap settings of models built on this grid (default
+    ``par4d.Overlap()``: every overlap on; ``Overlap.none()``: synchronous).
 
     Joins an existing torch.distributed job or initializes one from the
     environment (torchrun, srun, or par4d's launcher): gloo on CPU, NCCL where CUDA
@@ -170,7 +174,7 @@ def init(x: int = 1, y: int = 1, z: int = 1, data: int = 1, pipe: int = 1) -> Gr
     sizes = validate_sizes(requested, world)
     join(env)
     _check_same_on_every_rank(sizes)
-    return build_grid(sizes, device(env))
+    return build_grid(sizes, device(env), overlap)
 
 
 def _check_same_on_every_rank(sizes: dict[str, int]) -> None:

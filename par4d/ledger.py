@@ -1,4 +1,10 @@
-"""The ledger: what every collective on a grid moved and how long this rank waited for it.
+"""The ledger: what every collective on a grid moved, how long it was in flight, and how
+long this rank waited for it.
+
+Two times per collective: ``in_flight`` (from issue to completion) and ``seconds`` (how
+long this rank was blocked waiting for it: the *exposed* communication). A synchronous
+collective's two times are equal; an overlapped one's wait is shorter by the compute
+it hid behind.
 
 An :class:`Entry`'s ``elements`` is the per-rank message ``m`` of the ring model
 (docs/architecture.md, "Collectives and the ledger"): the input shard for an
@@ -16,13 +22,16 @@ from dataclasses import dataclass
 
 @dataclass
 class Entry:
-    """One collective: its kind, the axes it spans, its per-rank message, time waited."""
+    """One collective: its kind, the axes it spans, its per-rank message, when it was issued
+    (``time.perf_counter()``), how long it was in flight and how long this rank waited."""
 
     kind: str
     axes: tuple[str, ...]
     elements: int
     bytes: int
     seconds: float = 0.0
+    issued_at: float = 0.0
+    in_flight: float = 0.0
 
 
 @dataclass
@@ -31,6 +40,7 @@ class Total:
     elements: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    in_flight: float = 0.0
 
 
 class Ledger:
@@ -49,10 +59,14 @@ class Ledger:
         for captured in self._captures:
             captured.append(entry)
 
-    def waited(self, entry: Entry, seconds: float) -> None:
-        """Book ``seconds`` of waiting on an entry already recorded (async handles wait later)."""
+    def waited(self, entry: Entry, seconds: float, in_flight: float) -> None:
+        """Book the wait (``seconds``) and the issue-to-completion time of an entry already
+        recorded (async handles wait later)."""
         entry.seconds += seconds
-        self.totals[(entry.kind, entry.axes)].seconds += seconds
+        entry.in_flight += in_flight
+        total = self.totals[(entry.kind, entry.axes)]
+        total.seconds += seconds
+        total.in_flight += in_flight
 
     @contextmanager
     def capture(self) -> Iterator[list[Entry]]:
@@ -68,4 +82,10 @@ class Ledger:
         return sum(t.bytes for t in self.totals.values())
 
     def total_seconds(self) -> float:
+        """Seconds this rank waited for collectives (exposed communication)."""
         return sum(t.seconds for t in self.totals.values())
+
+    def total_in_flight(self) -> float:
+        """Seconds collectives were in flight, summed (issued communication; concurrent ones
+        each count in full)."""
+        return sum(t.in_flight for t in self.totals.values())

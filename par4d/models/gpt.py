@@ -24,8 +24,10 @@ import torch.nn.functional as F
 
 from par4d.grid import Grid
 from par4d.models.config import GPTConfig, init_tensor
-from par4d.nn import CausalSelfAttention, Embedding, LayerNorm, Linear, vocab_parallel_cross_entropy
+from par4d.nn import CausalSelfAttention, Embedding, LayerNorm, Linear, set_overlap, vocab_parallel_cross_entropy
 from par4d.nn.base import ShardedModule, full_state_dict, load_full_state_dict
+from par4d.nn.recompute import run_blocks
+from par4d.overlap import Overlap
 
 MLPFactory = Callable[[GPTConfig, Grid, str], nn.Module]
 """``factory(config, grid, name)``: a block's MLP, residual layout (features over y) in and out."""
@@ -68,9 +70,14 @@ class GPT(nn.Module):
     ``mlp``: the factory of each block's MLP (default :class:`DenseMLP`); a config with
     ``mlp="phantom"`` needs :class:`par4d.phantom.PhantomMLP` (or build the model with
     :func:`par4d.train.model.build_gpt`, which picks the factory the config names).
+
+    ``overlap``: the overlaps of its collectives (default: the grid's, ``par4d.init(overlap=...)``).
+    ``recompute``: recompute activations in segments of this many blocks (0: none; see
+    :func:`par4d.overlap.recompute_spacing` for the paper's choice).
     """
 
-    def __init__(self, config: GPTConfig, *, grid: Grid, mlp: MLPFactory | None = None):
+    def __init__(self, config: GPTConfig, *, grid: Grid, mlp: MLPFactory | None = None,
+                 overlap: Overlap | None = None, recompute: int = 0):
         super().__init__()
         if grid.size("pipe") > 1:
             raise ValueError(f"GPT runs on the data x 3D tensor grid; pipe={grid.size('pipe')} is not supported yet")
@@ -79,13 +86,16 @@ class GPT(nn.Module):
                 raise ValueError(f"GPTConfig.mlp={config.mlp!r} needs its MLP factory: pass "
                                  f"mlp=par4d.phantom.PhantomMLP, or build with par4d.train.model.build_gpt")
             mlp = DenseMLP
-        self.config, self.grid = config, grid
+        if recompute < 0 or (recompute and config.n_layer % recompute):
+            raise ValueError(f"recompute={recompute}: give 0 (none) or a divisor of n_layer={config.n_layer}")
+        self.config, self.grid, self.recompute = config, grid, recompute
         # Layers skip their own initialization: the GPT loads init_tensor values below.
         self.wte = Embedding(config.vocab_size, config.n_embd, grid=grid, name="wte", initialize=False)
         self.wpe = Embedding(config.block_size, config.n_embd, grid=grid, name="wpe", initialize=False)
         self.blocks = nn.ModuleList(_Block(config, grid, f"blocks.{i}", mlp) for i in range(config.n_layer))
         self.ln_f = LayerNorm(config.n_embd, grid=grid, name="ln_f")
         self.head = Linear(config.n_embd, config.vocab_size, bias=False, grid=grid, name="head", initialize=False)
+        set_overlap(self, overlap if overlap is not None else grid.overlap)
         if grid.device.type != "meta":
             self.load_reference_state({name: init_tensor(config, name, shape) for name, shape in self.full_shapes()})
 
@@ -103,8 +113,7 @@ class GPT(nn.Module):
         if seq > self.config.block_size:
             raise ValueError(f"sequence length {seq} exceeds block_size={self.config.block_size}")
         h = self.wte(idx) + self.wpe(torch.arange(seq, device=idx.device))   # (B, T, D/G_y)
-        for block in self.blocks:
-            h = block(h)
+        h = run_blocks(self.blocks, h, self.recompute, self.par4d_runtime)
         logits = self.head(self.ln_f(h))                                      # (B, T, V/G_x)
         if targets is None:
             return logits

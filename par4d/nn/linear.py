@@ -20,6 +20,8 @@ from par4d import comm
 from par4d.grid import Grid
 from par4d.layout import Placement, Split, place
 from par4d.nn.base import ShardedModule
+from par4d.nn.runtime import LayerRuntime
+from par4d.overlap import Overlap
 
 if TYPE_CHECKING:
     from par4d.nn.gemm import GemmPlan
@@ -33,33 +35,51 @@ def _mm(gemm: GemmPlan | None, a: torch.Tensor, b: torch.Tensor, name: str) -> t
 
 class _Algorithm1(torch.autograd.Function):
     """all-gather_z(Ŵ) + all-reduce over the in-axis in forward;
-    all-reduce over the out-axis + reduce-scatter_z of dŴ in backward."""
+    all-reduce over the out-axis + reduce-scatter_z of dŴ in backward.
+
+    With the layer's runtime (:mod:`par4d.nn.runtime`) the gather may have been
+    prefetched (OAG) or cached, the backward all-reduce is waited for after the weight
+    gradient is computed (OAR), and the reduce-scatter after the whole backward pass
+    (ORS). Only waits move: the arithmetic is the same in every case.
+    """
 
     @staticmethod
-    def forward(ctx, inp, w_shard, bias, grid: Grid, in_axis: str, out_axis: str, gemm: GemmPlan | None):
-        w = comm.all_gather(grid, w_shard, "z")            # (n/G_out, k/G_in)
+    def forward(ctx, inp, w_shard, bias, layer: Linear):
+        grid, runtime = layer.grid, layer.runtime
+        w = runtime.gathers.gather(w_shard) if runtime else comm.all_gather(grid, w_shard, "z")  # (n/G_out, k/G_in)
         rows = inp.reshape(-1, inp.shape[-1])                # (rows, k/G_in)
-        out = _mm(gemm, rows, w.t(), "forward").reshape(*inp.shape[:-1], w.shape[0])  # partial over in_axis
-        comm.all_reduce(grid, out, in_axis)                  # O_{l,i}
+        out = _mm(layer.gemm, rows, w.t(), "forward").reshape(*inp.shape[:-1], w.shape[0])  # partial over in_axis
+        comm.all_reduce(grid, out, layer.in_axis)            # O_{l,i}
         if bias is not None:
             out += bias                                      # after the sum: bias counted once
         ctx.save_for_backward(inp, w)                        # the paper caches I and W
-        ctx.grid, ctx.out_axis, ctx.has_bias, ctx.gemm = grid, out_axis, bias is not None, gemm
+        ctx.layer, ctx.has_bias = layer, bias is not None
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         inp, w = ctx.saved_tensors
-        grid = ctx.grid
+        layer = ctx.layer
+        grid, runtime = layer.grid, layer.runtime
+        overlap = runtime.overlap if runtime else None
         rows_out = grad_out.reshape(-1, grad_out.shape[-1])  # (rows, n/G_out)
-        grad_in = None
+        grad_in = pending_in = None
         if ctx.needs_input_grad[0]:                          # not for a network's input
-            grad_in = _mm(ctx.gemm, rows_out, w, "input-grad").reshape(*grad_out.shape[:-1], w.shape[1])
-            comm.all_reduce(grid, grad_in, ctx.out_axis)     # (..., k/G_in), was partial over out_axis
-        grad_w = _mm(ctx.gemm, rows_out.t(), inp.reshape(-1, inp.shape[-1]), "weight-grad")  # partial over z
-        grad_w_shard = comm.reduce_scatter(grid, grad_w, "z")
+            grad_in = _mm(layer.gemm, rows_out, w, "input-grad").reshape(*grad_out.shape[:-1], w.shape[1])
+            # (..., k/G_in), partial over out_axis; OAR: summed while the weight gradient is computed
+            pending_in = comm.all_reduce(grid, grad_in, layer.out_axis, async_op=bool(overlap and overlap.all_reduce))
+        grad_w_shard = None
+        if ctx.needs_input_grad[1]:
+            grad_w = _mm(layer.gemm, rows_out.t(), inp.reshape(-1, inp.shape[-1]), "weight-grad")  # partial over z
+            if overlap and overlap.reduce_scatter and grid.size("z") > 1:
+                # ORS: autograd gets no gradient here; the runtime accumulates it after backward.
+                runtime.deferred.defer(layer.weight, comm.reduce_scatter(grid, grad_w, "z", async_op=True))
+            else:
+                grad_w_shard = comm.reduce_scatter(grid, grad_w, "z")
         grad_b = rows_out.sum(0) if ctx.has_bias else None  # partial over z and data
-        return grad_in, grad_w_shard, grad_b, None, None, None, None
+        if isinstance(pending_in, comm.Handle):
+            pending_in.wait()
+        return grad_in, grad_w_shard, grad_b, None
 
 
 class Linear(ShardedModule):
@@ -81,9 +101,13 @@ class Linear(ShardedModule):
 
     ``gemm``: a :class:`~par4d.nn.gemm.GemmPlan` for this layer's three matmuls, or None
     (plain ``a @ b``); :func:`tune` sets it on every Linear of a model.
+
+    ``runtime``: the overlaps of this layer's collectives, shared by the Linears of one
+    model (:func:`set_overlap` sets it); None: every collective is waited for where issued.
     """
 
     gemm: GemmPlan | None = None
+    runtime: LayerRuntime | None = None   # the model's overlap runtime (set_overlap); None: synchronous
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, transposed: bool = False, *,
                  grid: Grid, out_chunks: int = 1, seed: int = 0, name: str = "Linear", initialize: bool = True):
@@ -121,7 +145,7 @@ class Linear(ShardedModule):
         self.load_full_state(state)
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
-        return _Algorithm1.apply(inp, self.weight, self.bias, self.grid, self.in_axis, self.out_axis, self.gemm)
+        return _Algorithm1.apply(inp, self.weight, self.bias, self)
 
     def full_weight(self, grad: bool = False) -> torch.Tensor:
         """The full ``(out, in)`` weight (or its gradient) on every rank (collective)."""
@@ -144,4 +168,22 @@ def tune(model: nn.Module, plan: GemmPlan | None) -> nn.Module:
     for module in model.modules():
         if isinstance(module, Linear):
             module.gemm = plan
+    return model
+
+
+def set_overlap(model: nn.Module, settings: Overlap | None) -> nn.Module:
+    """Overlap the collectives of every par4d Linear of ``model`` as ``settings`` say (None:
+    synchronous), with one runtime for the whole model: each forward of ``model`` begins an
+    iteration of its recorded gather order (OAG). Returns the model."""
+    previous = getattr(model, "par4d_runtime", None)
+    if previous is not None and previous.hook is not None:
+        previous.hook.remove()
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    runtime = None
+    if settings is not None and layers:
+        runtime = LayerRuntime(layers[0].grid, settings)
+        runtime.hook = model.register_forward_pre_hook(lambda module, args: runtime.gathers.begin())
+    for layer in layers:
+        layer.runtime = runtime
+    model.par4d_runtime, model.par4d_overlap = runtime, settings
     return model

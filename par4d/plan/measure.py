@@ -38,19 +38,19 @@ def grids(world: int, config: GPTConfig = CONFIG, batch: int = BATCH) -> list[di
     return shapes
 
 
-def batch() -> tuple[torch.Tensor, torch.Tensor]:
-    """The global (inputs, targets) every measurement trains on."""
+def batch(size: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global (inputs, targets) every measurement trains on: ``size`` sequences of seeded tokens."""
     gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.block_size + 1), generator=gen)
+    tokens = torch.randint(0, CONFIG.vocab_size, (size, CONFIG.block_size + 1), generator=gen)
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def training_step(grid: Grid) -> Callable[[], torch.Tensor]:
-    """One training step of the GPT on ``grid`` (forward, backward, gradient sync, AdamW),
-    as a function to call repeatedly."""
+def training_step(grid: Grid, batch_size: int = BATCH) -> Callable[[], torch.Tensor]:
+    """One training step of the GPT on ``grid`` (forward, backward, gradient sync, AdamW)
+    on a global batch of ``batch_size`` sequences, as a function to call repeatedly."""
     model = GPT(CONFIG, grid=grid)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    inputs, targets = batch()
+    inputs, targets = batch(batch_size)
     x, y = shard_batch(grid, inputs), shard_batch(grid, targets)
     return lambda: train_step(model, optimizer, grid, model, x, y)
 
@@ -76,12 +76,12 @@ def time_iterations(step: Callable[[], object], iters: int) -> list[float]:
     return times
 
 
-def time_grid(sizes: dict[str, int], iters: int) -> tuple[list[float], float]:
-    """Seconds of ``iters`` training steps on grid ``sizes``, and the ledger bytes per
-    step of this rank. Closes the grid: idle groups of earlier grids would slow the
-    grids measured after them."""
+def time_grid(sizes: dict[str, int], iters: int, batch_size: int = BATCH) -> tuple[list[float], float]:
+    """Seconds of ``iters`` training steps on grid ``sizes`` (global batch of ``batch_size``
+    sequences), and the ledger bytes per step of this rank. Closes the grid: idle groups of
+    earlier grids would slow the grids measured after them."""
     grid = init(**sizes)
-    step = training_step(grid)
+    step = training_step(grid, batch_size)
     before = grid.ledger.total_bytes()
     times = time_iterations(step, iters)
     per_rank = (grid.ledger.total_bytes() - before) / (WARMUP + iters)

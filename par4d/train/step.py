@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from par4d.data_parallel import clip_grad_norm_, sync_gradients
+from par4d.data_parallel import clip_grad_norm_, gradient_sync
 from par4d.grid import Grid
 
 
@@ -22,9 +22,11 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, grid: Grid,
     ``loss(*inputs)`` runs the forward pass and returns the mean loss of this rank's
     samples (for par4d's GPT, ``loss`` is the model itself: ``model(idx, targets)``).
     """
+    sync = gradient_sync(model, grid)
     value = loss(*inputs)               # forward: Algorithm 1's all-gathers over z, all-reduces over the in-axes
+    sync.arm()                          # this backward is the step's only one: buckets may start as they fill
     value.backward()                    # backward: input-gradient all-reduces, weight-gradient reduce-scatters
-    sync_gradients(model, grid)         # after backward: sums what is still partial over data (and z)
+    sync.finish()                       # after backward: sums what is still partial over data (and z)
     if grad_clip > 0:                   # after the sync: the norm is that of the global batch's gradient
         clip_grad_norm_(model, grad_clip, grid)
     optimizer.step()

@@ -1,0 +1,379 @@
+"""``par4d bench peers``: par4d against PyTorch's own parallelisms on one model and batch.
+
+Rows, all in one job on the same ranks, one after another: PyTorch DDP, FSDP2
+(``fully_shard`` per block and root), HSDP (FSDP2 on a 2D mesh: sharded inside a node,
+replicated across nodes; without ``--nodes`` a (2, nproc/2) mesh), FSDP2 + DTensor
+tensor parallelism (TP inside a node, FSDP across; without ``--nodes`` TP over 2 ranks),
+and par4d on every grid that divides the model and batch. Each rank trains on its own
+block of the global batch, as ``par4d bench grid`` does; the ranks of one TP group share
+a block. Columns and byte counts are bench grid's (its ``_row``), plus ``ratio_to_best_peer``:
+a row's s/iter over the fastest torch row's of the same workload.
+
+Two workloads, both always run:
+
+* ``demo``: par4d's demo batch (``BATCH`` = 32 sequences of 128 tokens, ``CONFIG``).
+* ``comm-bound``: one 128-token sequence per rank (global batch = world size), the
+  smallest batch that still gives every DDP rank a block of its own. The per-rank
+  compute shrinks 32/world-fold while DDP's all-reduce stays the model's 3.5 MB of
+  gradients, so its exposed communication becomes a large share of the step: measured
+  on 4 local CPU ranks (2 cores, gloo), 0.40 of DDP's iteration (0.18 on the demo batch);
+  an emulated 1 Gbit/s link between nodes only adds to it. Every run measures it again:
+  DDP's ``exposed_comm_s`` is its s/iter minus that of the same step under ``no_sync()``,
+  and the text output says so when it falls below a third.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from par4d.bench.grid import _C10dBytes, _row, _sum_over_ranks
+from par4d.launch import distributed_env, join, launch_local
+from par4d.layout import block
+from par4d.models import ReferenceGPT
+from par4d.perf import cpu_cores, measure_matmul_peak, threads_per_rank
+from par4d.plan.measure import BATCH, CONFIG, batch, grids, time_grid, time_iterations
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+PEERS = ("ddp", "fsdp", "hsdp", "tp")
+NAMES = {"ddp": "torch DDP", "fsdp": "torch FSDP2", "hsdp": "torch HSDP", "tp": "torch FSDP2+TP"}
+COMM_BOUND_SHARE = 1 / 3   # DDP's exposed all-reduce share the comm-bound batch is meant to reach
+
+
+@dataclass(frozen=True)
+class PeersSettings:
+    nproc: int              # ranks per node (all ranks without nodes)
+    nodes: int | None       # None: local ranks, no emulated cluster
+    iters: int
+    peak_flops: float
+
+    @property
+    def world(self) -> int:
+        return self.nproc * (self.nodes or 1)
+
+
+def workloads(world: int) -> list[tuple[str, int]]:
+    """(name, global batch in sequences) of both workloads on ``world`` ranks."""
+    return [("demo", BATCH), ("comm-bound", world)]
+
+
+def hsdp_shape(nproc: int, nodes: int | None) -> tuple[int, int]:
+    """(replicate, shard) sizes of HSDP's mesh: shard inside a node, replicate across nodes."""
+    return (nodes, nproc) if nodes is not None else (2, nproc // 2)
+
+
+def tp_shape(nproc: int, nodes: int | None) -> tuple[int, int]:
+    """(FSDP, TP) sizes of the FSDP2+TP mesh: TP inside a node (2 of the local ranks without nodes)."""
+    return (nodes, nproc) if nodes is not None else (nproc // 2, 2)
+
+
+def validate(nproc: int, nodes: int | None, iters: int) -> None:
+    """Every check that can fail, on the arguments alone: a bad shape must not surface as a hang mid-job."""
+    if nproc < 1 or iters < 1:
+        raise ValueError(f"--nproc and --iters must be >= 1 (got {nproc}, {iters})")
+    if nodes is not None and nodes < 1:
+        raise ValueError(f"--nodes must be >= 1 (got {nodes})")
+    world = nproc * (nodes or 1)
+    if nodes is None and nproc % 2:
+        raise ValueError(f"--nproc {nproc}: HSDP's (2, nproc/2) mesh and TP over 2 of the local ranks need an even "
+                         f"--nproc (or give --nodes)")
+    tp = tp_shape(nproc, nodes)[1]
+    if CONFIG.n_head % tp:
+        raise ValueError(f"FSDP2+TP: TP over {tp} ranks (the ranks of a node) does not divide the model's "
+                         f"{CONFIG.n_head} attention heads")
+    for name, size in workloads(world):
+        if size % world:
+            raise ValueError(f"the {name} batch of {size} sequences does not divide over {world} ranks")
+        if not grids(world, batch=size):
+            raise ValueError(f"no par4d grid of {world} ranks divides the benchmark model {CONFIG} "
+                             f"and the {name} batch of {size} sequences")
+
+
+def qkv_rows_by_rank(dim: int, tp: int) -> torch.Tensor:
+    """Row order of a fused qkv weight (q, k, v blocks of ``dim`` rows) after which ColwiseParallel's
+    contiguous split over ``tp`` ranks gives rank r the q, k and v rows of its own heads."""
+    return torch.arange(3 * dim).view(3, tp, dim // tp).transpose(0, 1).reshape(-1)
+
+
+class TPAttention(nn.Module):
+    """The twin's attention with its heads split over ``tp`` ranks: qkv ColwiseParallel and proj
+    RowwiseParallel leave each rank a local width ``dim / tp`` the twin's forward (which reshapes
+    with the global head count) cannot take. Reorders qkv's rows in place (see qkv_rows_by_rank),
+    so the sharded model computes exactly the twin's function. Keeps the names ``qkv`` and ``proj``."""
+
+    def __init__(self, attn: nn.Module, tp: int):
+        super().__init__()
+        if attn.n_head % tp:
+            raise ValueError(f"TP over {tp} ranks does not divide {attn.n_head} attention heads")
+        self.qkv, self.proj, self.local_heads = attn.qkv, attn.proj, attn.n_head // tp
+        order = qkv_rows_by_rank(attn.proj.in_features, tp)
+        with torch.no_grad():
+            self.qkv.weight.copy_(self.qkv.weight[order])
+            self.qkv.bias.copy_(self.qkv.bias[order])
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        batch_, seq, _ = h.shape
+        q, k, v = self.qkv(h).chunk(3, dim=-1)     # this rank's heads: q, k, v of width dim / tp each
+        width = q.shape[-1]
+        q, k, v = (t.view(batch_, seq, self.local_heads, width // self.local_heads).transpose(1, 2) for t in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(att.transpose(1, 2).reshape(batch_, seq, width))
+
+
+class _PeerBytes(_C10dBytes):
+    """bench grid's c10d counter, plus the functional collectives DTensor issues (TP). Ops on
+    DTensors are passed back (NotImplemented, as torch's CommDebugMode does), so DTensor runs
+    them with this mode still on and the collectives they turn into are seen here."""
+
+    FUNCTIONAL = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
+        if any(t is DTensor for t in types):
+            return NotImplemented
+        name = func.__name__.split(".")[0]
+        if func.namespace.startswith("_c10d_functional") and name.startswith(self.FUNCTIONAL):
+            inputs = args[0]
+            for t in inputs if isinstance(inputs, (list, tuple)) else [inputs]:
+                self.bytes += t.numel() * t.element_size()
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+@dataclass(frozen=True)
+class _Peer:
+    name: str
+    model: nn.Module
+    sizes: dict[str, int]             # par4d's axes it matches: x = TP, z = sharded, data = replicated
+    data_parts: int                   # the global batch is split in this many blocks ...
+    data_index: int                   # ... and this rank trains on this one
+
+
+def _mesh(kind: str, settings: PeersSettings) -> DeviceMesh | None:
+    """The DeviceMesh of peer ``kind`` (None for DDP, which runs on the job's default group)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if kind == "ddp":
+        return None
+    if kind == "fsdp":
+        return init_device_mesh("cpu", (settings.world,))
+    if kind == "hsdp":
+        shape, names = hsdp_shape(settings.nproc, settings.nodes), ("replicate", "shard")
+        return init_device_mesh("cpu", shape, mesh_dim_names=names)
+    if kind == "tp":
+        return init_device_mesh("cpu", tp_shape(settings.nproc, settings.nodes), mesh_dim_names=("dp", "tp"))
+    raise ValueError(f"unknown peer {kind!r}; peers are {', '.join(PEERS)}")
+
+
+def _build(kind: str, mesh: DeviceMesh | None, settings: PeersSettings) -> _Peer:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.nn.parallel import DistributedDataParallel
+
+    world, rank = settings.world, dist.get_rank()
+    model = ReferenceGPT(CONFIG)
+    if mesh is None:
+        return _Peer(NAMES[kind], DistributedDataParallel(model), {"data": world}, world, rank)
+    if kind == "tp":
+        dp, tp = mesh.shape
+        plan = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+                "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()}
+        for layer in model.blocks:
+            layer.attn = TPAttention(layer.attn, tp)
+            parallelize_module(layer, mesh["tp"], plan)
+        shard_mesh, peer = mesh["dp"], _Peer(NAMES[kind], model, {"x": tp, "z": dp}, dp, rank // tp)
+    elif kind == "hsdp":
+        replicate, shard = mesh.shape
+        shard_mesh, peer = mesh, _Peer(NAMES[kind], model, {"z": shard, "data": replicate}, world, rank)
+    else:
+        shard_mesh, peer = mesh, _Peer(NAMES[kind], model, {"z": world}, world, rank)
+    for layer in model.blocks:
+        fully_shard(layer, mesh=shard_mesh)
+    fully_shard(model, mesh=shard_mesh)
+    return peer
+
+
+def _destroy_groups(mesh: DeviceMesh) -> None:
+    """Destroy a mesh's own groups (not the job's default group): idle gloo groups slow later rows."""
+    for dim in range(mesh.ndim):
+        group = mesh.get_group(dim)
+        if group is dist.group.WORLD:
+            continue
+        try:
+            dist.destroy_process_group(group)
+        except ValueError:     # destroyed already through another mesh dim
+            pass
+
+
+def _for_workload(row: dict, workload: str, batch_size: int) -> dict:
+    """``_row`` assumes the demo batch; scale its throughput to ``batch_size`` sequences."""
+    scale = batch_size / BATCH
+    row.update(workload=workload, global_batch=batch_size, tokens_per_s=row["tokens_per_s"] * scale,
+               percent_of_peak=row["percent_of_peak"] * scale)
+    return row
+
+
+def _bench_par4d(sizes: dict[str, int], workload: str, batch_size: int, settings: PeersSettings) -> dict:
+    times, per_rank = time_grid(sizes, settings.iters, batch_size)
+    row = _row("par4d", sizes, times, _sum_over_ranks(per_rank), settings.peak_flops, "ledger")
+    return _for_workload(row, workload, batch_size)
+
+
+def _bench_torch(kind: str, mesh: DeviceMesh | None, workload: str, batch_size: int,
+                 settings: PeersSettings) -> dict:
+    peer = _build(kind, mesh, settings)
+    model = peer.model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    inputs, targets = batch(batch_size)
+    rows = block(batch_size, peer.data_parts, peer.data_index)
+    x, y = inputs[rows], targets[rows]
+
+    def step(sync: bool = True) -> None:
+        if sync:
+            model(x, y).backward()
+        else:
+            with model.no_sync():
+                model(x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    times = time_iterations(step, settings.iters)
+    extra: dict[str, float] = {}
+    if kind == "ddp":
+        # DDP's reducer all-reduces below Python: count its gradient bytes, all-reduced once per step.
+        per_rank, source = sum(p.numel() * p.element_size() for p in model.parameters()), "gradient bytes"
+        local = time_iterations(lambda: step(sync=False), settings.iters)
+        exposed = statistics.median(times) - statistics.median(local)
+        extra = {"exposed_comm_s": exposed, "exposed_comm_share": exposed / statistics.median(times)}
+    else:
+        counter = _PeerBytes()   # one more, untimed iteration: the dispatch hook costs time
+        with counter:
+            step()
+        per_rank, source = counter.bytes, "c10d dispatch"
+    row = _row(peer.name, peer.sizes, times, _sum_over_ranks(per_rank), settings.peak_flops, source)
+    return _for_workload(dict(row, **extra), workload, batch_size)
+
+
+def peers_worker(settings: PeersSettings) -> list[dict]:
+    join(distributed_env())    # the emulated cluster starts bare ranks; under torchrun this joins its job
+    # Every rank of every (emulated) node shares this machine's cores.
+    torch.set_num_threads(threads_per_rank(settings.world))
+    rows = []
+    for workload, size in workloads(settings.world):
+        rows += [_bench_par4d(sizes, workload, size, settings) for sizes in grids(settings.world, batch=size)]
+    for kind in PEERS:
+        # One mesh per peer for both workloads, its groups destroyed after: DTensor caches sharding decisions,
+        # meshes in them included, per *equal* mesh (same shape and names), so a second mesh like the first
+        # would be handed the first one's destroyed groups.
+        mesh = _mesh(kind, settings)
+        rows += [_bench_torch(kind, mesh, workload, size, settings) for workload, size in workloads(settings.world)]
+        if mesh is not None:
+            _destroy_groups(mesh)
+    order = [workload for workload, _ in workloads(settings.world)]
+    rows.sort(key=lambda r: order.index(r["workload"]))     # stable: per workload, par4d rows, then torch's
+    for row in rows:
+        row["matmul_peak_gflops"] = settings.peak_flops / 1e9
+    dist.destroy_process_group()
+    return rows
+
+
+def add_ratios(rows: list[dict]) -> list[dict]:
+    """Set every row's ``ratio_to_best_peer``: its s/iter over the fastest torch row's of its
+    workload (None where a workload has no torch row)."""
+    best: dict[str, float] = {}
+    for r in rows:
+        if r["framework"] == "torch":
+            best[r["workload"]] = min(best.get(r["workload"], float("inf")), r["s_per_iter"])
+    for r in rows:
+        peer = best.get(r["workload"])
+        r["ratio_to_best_peer"] = r["s_per_iter"] / peer if peer else None
+    return rows
+
+
+def summary(rows: list[dict], workload: str) -> str:
+    """One line: par4d's best grid of ``workload`` and its ratio to the best torch row."""
+    mine = [r for r in rows if r["workload"] == workload]
+    ours = min((r for r in mine if r["framework"] == "par4d"), key=lambda r: r["s_per_iter"], default=None)
+    peer = min((r for r in mine if r["framework"] == "torch"), key=lambda r: r["s_per_iter"], default=None)
+    if ours is None or peer is None:
+        return f"{workload}: no {'par4d' if ours is None else 'torch'} row"
+    return (f"{workload}: par4d's best grid {ours['grid']} takes {ours['s_per_iter']:.3f} s/iter, "
+            f"{ours['ratio_to_best_peer']:.2f}x the best peer ({peer['name']}, {peer['s_per_iter']:.3f} s/iter)")
+
+
+def markdown(rows: list[dict]) -> str:
+    def fmt(value: float | None, spec: str) -> str:
+        return "" if value is None else format(value, spec)
+
+    lines = ["| name | grid (x y z data) | s/iter (median) | x best peer | tokens/s | % of peak | MB/iter | "
+             "bytes from | DDP exposed comm s |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+    for r in rows:
+        lines.append(f"| {r['name']} | {r['grid']} | {r['s_per_iter']:.3f} | {fmt(r['ratio_to_best_peer'], '.2f')} | "
+                     f"{r['tokens_per_s']:,.0f} | {r['percent_of_peak']:.1f} | {r['bytes_per_iter'] / 1e6:.2f} | "
+                     f"{r['bytes_source']} | {fmt(r.get('exposed_comm_s'), '.3f')} |")
+    return "\n".join(lines)
+
+
+def _launch(settings: PeersSettings, link: str) -> list[dict]:
+    if settings.nodes is None:
+        return launch_local(settings.nproc, peers_worker, (settings,), run_id="par4d-bench-peers")[0]
+    from par4d.cluster import ClusterSpec, launch_cluster
+
+    return launch_cluster(ClusterSpec(settings.nodes, settings.nproc, link), peers_worker, (settings,))[0]
+
+
+def run_bench_peers(args: argparse.Namespace) -> int:
+    validate(args.nproc, args.nodes, args.iters)
+    if args.nodes is not None:
+        from par4d.cluster import ClusterSpec, ClusterUnavailable, unavailable_reason
+
+        ClusterSpec(args.nodes, args.nproc, args.link)     # checks --link before any rank starts
+        reason = unavailable_reason()
+        if reason:
+            raise ClusterUnavailable(reason)
+    # The peak is measured before the ranks exist, so nothing competes for the cores.
+    settings = PeersSettings(args.nproc, args.nodes, args.iters, measure_matmul_peak(threads=cpu_cores()))
+    rows = add_ratios(_launch(settings, args.link))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+        sys.stdout.flush()
+        return 0
+    where = (f"{args.nodes} emulated nodes x {args.nproc} ranks, {args.link} links" if args.nodes is not None
+             else f"{args.nproc} local ranks")
+    print(f"GPT {CONFIG.n_layer} layers x {CONFIG.n_embd} wide, {CONFIG.num_params():,} params, {where}, "
+          f"median of {args.iters} iterations; matmul peak {rows[0]['matmul_peak_gflops']:.0f} GFLOP/s fp32")
+    for workload, size in workloads(settings.world):
+        mine = [r for r in rows if r["workload"] == workload]
+        print(f"\n### {workload}: global batch {size} x {CONFIG.block_size} tokens\n")
+        print(markdown(mine))
+        ddp = next(r for r in mine if r["name"] == NAMES["ddp"])
+        low = (f"; below {COMM_BOUND_SHARE:.0%}: not communication-bound on these ranks"
+               if workload == "comm-bound" and ddp["exposed_comm_share"] < COMM_BOUND_SHARE else "")
+        print(f"\nDDP's exposed all-reduce: {ddp['exposed_comm_s']:.3f} s of {ddp['s_per_iter']:.3f} s/iter "
+              f"({ddp['exposed_comm_share']:.0%}{low})")
+    print()
+    for workload, _ in workloads(settings.world):
+        print(summary(rows, workload))
+    sys.stdout.flush()
+    return 0
+
+
+__all__ = ["TPAttention", "add_ratios", "markdown", "qkv_rows_by_rank", "run_bench_peers", "summary", "validate"]

@@ -1,0 +1,38 @@
+"""Activation recomputation over segments of blocks (``torch.utils.checkpoint``).
+
+A network of blocks cut into segments of ``every`` blocks keeps only each segment's
+input during the forward pass and recomputes the segment's activations in backward.
+The async-pipeline paper's spacing (Section V-A; :func:`par4d.overlap.recompute_spacing`)
+picks ``every`` as the divisor of the block count closest to its square root. The
+recomputed forward runs the same operations on the same values, so gradients are
+bit for bit those without recomputation (tested).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint, noop_context_fn
+
+from par4d.nn.runtime import LayerRuntime
+
+
+def _run(blocks: Sequence[nn.Module], h: torch.Tensor) -> torch.Tensor:
+    for block in blocks:
+        h = block(h)
+    return h
+
+
+def run_blocks(blocks: Sequence[nn.Module], h: torch.Tensor, every: int, runtime: LayerRuntime | None) -> torch.Tensor:
+    """``h`` through ``blocks`` in order; with ``every`` > 0, each run of ``every`` blocks is one
+    recomputed segment (its weights gathered again or taken from ``runtime``'s cache)."""
+    if every <= 0:
+        return _run(blocks, h)
+    if len(blocks) % every:
+        raise ValueError(f"recompute every {every} blocks: {len(blocks)} blocks do not split into such segments")
+    contexts = runtime.gathers.checkpoint_contexts if runtime is not None else noop_context_fn
+    for start in range(0, len(blocks), every):
+        h = checkpoint(_run, blocks[start:start + every], h, use_reentrant=False, context_fn=contexts)
+    return h

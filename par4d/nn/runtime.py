@@ -1,0 +1,201 @@
+"""The per-model runtime of the 4D paper's overlaps of Algorithm 1's z collectives
+(Section IV; docs/architecture.md, "Overlap"): OAG with the cache, and ORS.
+
+:class:`WeightGathers` serves every z all-gather of a weight shard Ŵ:
+
+* **OAG**: the first iteration records the order in which the layers gather (their
+  real execution order, recomputation included, not registration order). Later
+  iterations issue the next ``prefetch`` gathers of that order asynchronously while
+  the current layer computes. A layer that asks out of order (a model that skips or
+  repeats a layer) ends prefetching for the rest of that iteration: what was
+  prefetched is waited for and dropped, every later gather is synchronous, and the
+  new order is recorded for the next iteration (``order_changes`` counts this).
+  A prefetched weight is only ever used by the layer it was gathered for, within the
+  iteration it was gathered in (weights change only between iterations), so a
+  change of order costs time, never correctness. Orders are kept per grad mode, so
+  an evaluation pass does not disturb the training order.
+* **Cache**: inside a recomputed segment's first forward, the gathered weights of up
+  to ``cache_layers`` layers (the last ones: backward recomputes them first) are kept
+  and the recomputed forward reuses them instead of gathering again.
+
+:class:`DeferredGrads` is **ORS**: a weight-gradient reduce-scatter is issued
+asynchronously and waited for in a callback that autograd runs when the whole
+backward pass is done, which then accumulates the gradient into ``param.grad``
+exactly as autograd would have (in the same order, so the same bits).
+
+Every rank must run the same layers in the same order (as the synchronous path
+requires too): collectives over a group must be issued in the same order on all
+its ranks.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import torch
+from torch.autograd import Variable
+
+from par4d import comm
+from par4d.grid import Grid
+from par4d.overlap import Overlap
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
+    from par4d.comm import Handle
+
+
+class WeightGathers:
+    """All-gathers over z of weight shards, prefetched in recorded order (OAG) and cached
+    across recomputation; see the module docstring."""
+
+    def __init__(self, grid: Grid, prefetch: int, cache_layers: int | None):
+        """``prefetch``: how many gathers to keep in flight ahead (0: OAG off).
+        ``cache_layers``: weights kept for recomputation (None: all, 0: none)."""
+        self.grid, self.prefetch, self.cache_layers = grid, prefetch, cache_layers
+        self.order_changes = 0
+        self.prefetched = 0           # gathers served by a prefetch (counts for tests and reports)
+        self.cache_hits = 0
+        self.checkpointing = False    # inside a recomputed segment's first forward
+        self.recomputing = False      # inside its recomputation (in backward)
+        self._orders: dict[bool, list[torch.Tensor]] = {}   # grad mode -> shards in gather order
+        self._mode: bool | None = None                       # this iteration's grad mode; None: no iteration
+        self._seen: list[torch.Tensor] = []
+        self._ahead: dict[int, Handle] = {}                  # position in the order -> prefetched gather
+        self._diverged = False
+        self._cache: OrderedDict[int, torch.Tensor] = OrderedDict()
+
+    def begin(self) -> None:
+        """A new iteration (the model's forward starts): settle the last one's order."""
+        self._drain()
+        self._cache.clear()
+        if self._mode is not None:
+            recorded = self._orders.get(self._mode)
+            changed = recorded is not None and (self._diverged or len(self._seen) != len(recorded))
+            if recorded is None or changed:
+                self._orders[self._mode] = self._seen
+            if changed:
+                self.order_changes += 1
+                if self.order_changes == 1:
+                    warnings.warn("par4d: the layers gathered their weights in a different order than on the "
+                                  "recorded iteration; OAG prefetching was stopped for that iteration and the "
+                                  "new order recorded (results are unaffected; a model whose order changes "
+                                  "often gains less from OAG)", stacklevel=2)
+        self._mode, self._seen, self._diverged = torch.is_grad_enabled(), [], False
+
+    def gather(self, shard: torch.Tensor) -> torch.Tensor:
+        """The full W of ``shard`` (all-gathered over z)."""
+        if self.grid.size("z") == 1:
+            return shard
+        if self.recomputing:
+            cached = self._cache.pop(id(shard), None)
+            if cached is not None:
+                self.cache_hits += 1
+                return cached
+        full = self._gather(shard)
+        if self.checkpointing and not self.recomputing and self.cache_layers != 0:
+            self._cache[id(shard)] = full
+            while self.cache_layers is not None and len(self._cache) > self.cache_layers:
+                self._cache.popitem(last=False)    # keep the last ones: backward recomputes them first
+        return full
+
+    def _gather(self, shard: torch.Tensor) -> torch.Tensor:
+        if self._mode is None:        # called outside the model's forward: no iteration to record
+            return comm.all_gather(self.grid, shard, "z")
+        position = len(self._seen)
+        self._seen.append(shard)
+        order = self._orders.get(self._mode) if self.prefetch else None
+        if order is None or self._diverged:
+            return comm.all_gather(self.grid, shard, "z")
+        if position >= len(order) or order[position] is not shard:
+            self._diverged = True     # every rank diverges here alike: the prefetched gathers all complete
+            self._drain()
+            return comm.all_gather(self.grid, shard, "z")
+        handle = self._ahead.pop(position, None)
+        if handle is None:
+            handle = self._issue(shard)
+        else:
+            self.prefetched += 1
+        for ahead in range(position + 1, min(position + 1 + self.prefetch, len(order))):
+            if ahead not in self._ahead:
+                self._ahead[ahead] = self._issue(order[ahead])
+        return handle.wait()
+
+    def _issue(self, shard: torch.Tensor) -> Handle:
+        return comm.all_gather(self.grid, shard, "z", async_op=True)
+
+    def _drain(self) -> None:
+        for handle in self._ahead.values():
+            handle.wait()
+        self._ahead.clear()
+
+    @contextmanager
+    def _flag(self, name: str) -> Iterator[None]:
+        previous = getattr(self, name)
+        setattr(self, name, True)
+        try:
+            yield
+        finally:
+            setattr(self, name, previous)
+
+    def checkpoint_contexts(self):
+        """``context_fn`` for ``torch.utils.checkpoint``: flags the first forward and the
+        recomputation of a segment, so the cache knows which is which."""
+        return self._flag("checkpointing"), self._flag("recomputing")
+
+
+class DeferredGrads:
+    """ORS: weight-gradient reduce-scatters waited for when the backward pass is done.
+
+    Autograd still runs the parameter's accumulation (with no gradient), so gradient
+    hooks fire before the gradient exists: :meth:`owes` tells such a hook to wait, and
+    ``listeners`` hear of the parameters once :meth:`finish` has written them.
+    """
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[torch.Tensor, Handle]] = []
+        self._owed: set[int] = set()
+        self.listeners: list[Callable[[list[torch.Tensor]], None]] = []
+        self.deferred = 0             # reduce-scatters deferred so far
+
+    def defer(self, param: torch.Tensor, handle: Handle) -> None:
+        """Call from a backward function: ``handle``'s result is ``param``'s gradient."""
+        if not self._pending:
+            Variable._execution_engine.queue_callback(self.finish)
+        self._pending.append((param, handle))
+        self._owed.add(id(param))
+        self.deferred += 1
+
+    def owes(self, param: torch.Tensor) -> bool:
+        """Whether ``param``'s gradient of this backward pass is still to come."""
+        return id(param) in self._owed
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Wait for every deferred reduce-scatter and accumulate, in the order autograd would."""
+        pending, self._pending = self._pending, []
+        done = {}
+        for param, handle in pending:
+            grad = handle.wait()
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad += grad
+            done[id(param)] = param
+        self._owed.clear()
+        for listener in self.listeners:
+            listener(list(done.values()))
+
+
+class LayerRuntime:
+    """What one model's Algorithm 1 layers share: its overlap settings, gathers, deferred grads."""
+
+    def __init__(self, grid: Grid, overlap: Overlap):
+        self.overlap = overlap
+        self.gathers = WeightGathers(grid, overlap.prefetch if overlap.all_gather else 0, overlap.cache_layers)
+        self.deferred = DeferredGrads()
+        self.hook: RemovableHandle | None = None   # the model's forward pre-hook that begins an iteration

@@ -1,0 +1,123 @@
+"""Which communication overlaps a run uses, and how often it recomputes activations.
+
+The four overlaps of the 4D paper (Section IV; docs/architecture.md, "Overlap") plus
+par4d's overlapped data-parallel sync. Each reorders *waits* only, never arithmetic:
+every combination trains bit for bit as the synchronous path does (tested).
+
+* ``all_reduce`` (OAR): the backward all-reduce of dL/dI runs while the weight
+  gradient is computed.
+* ``reduce_scatter`` (ORS): weight-gradient reduce-scatters over z are waited for
+  only when the whole backward pass is done.
+* ``all_gather`` (OAG): the next ``prefetch`` layers' weight all-gathers over z are
+  issued while the current layer computes, in the layers' execution order recorded
+  on the first iteration; a change of order is detected and re-recorded.
+* ``cache_layers``: under activation recomputation the recomputed forward reuses the
+  weights gathered by the first forward, for up to this many layers (None: all; 0: off).
+* ``data_parallel``: gradient buckets of ``bucket_mb`` MB are all-reduced over their
+  partial axes from gradient hooks, as each bucket becomes ready during backward.
+
+No torch here: the CLI parses and checks these before any rank starts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+NAMES = ("oar", "ors", "oag", "cache", "dp")
+"""The switches of ``par4d train --overlap LIST``, in the order of the paper's Fig. 3."""
+
+_FIELD = {"oar": "all_reduce", "ors": "reduce_scatter", "oag": "all_gather", "dp": "data_parallel"}
+BUCKET_MB = 25.0   # DDP's default bucket size
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """The overlap switches (every one on by default) and their settings."""
+
+    all_reduce: bool = True
+    reduce_scatter: bool = True
+    all_gather: bool = True
+    prefetch: int = 1
+    cache_layers: int | None = None
+    data_parallel: bool = True
+    bucket_mb: float = BUCKET_MB
+
+    def __post_init__(self) -> None:
+        if self.prefetch < 1:
+            raise ValueError(f"Overlap(prefetch={self.prefetch}): prefetch depth must be >= 1 layer")
+        if self.cache_layers is not None and self.cache_layers < 0:
+            raise ValueError(f"Overlap(cache_layers={self.cache_layers}): must be >= 0 (None: every layer)")
+        if not self.bucket_mb > 0:
+            raise ValueError(f"Overlap(bucket_mb={self.bucket_mb}): bucket size must be > 0 MB")
+
+    @classmethod
+    def none(cls) -> Overlap:
+        """The synchronous path: every collective waited for where it is issued."""
+        return cls(**{field: False for field in _FIELD.values()}, cache_layers=0)
+
+    @classmethod
+    def parse(cls, text: str) -> Overlap:
+        """``all``, ``none``, or a comma list of :data:`NAMES` (the CLI's ``--overlap``)."""
+        text = text.strip().lower()
+        if text == "all":
+            return cls()
+        if text == "none":
+            return cls.none()
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        unknown = [n for n in names if n not in NAMES]
+        if unknown or not names:
+            raise ValueError(f"--overlap {text!r}: unknown {', '.join(map(repr, unknown)) or 'empty list'}; "
+                             f"give all, none, or a comma list of {', '.join(NAMES)}")
+        return cls(**{_FIELD[n]: n in names for n in _FIELD}, cache_layers=None if "cache" in names else 0)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The switches that are on, as :data:`NAMES`."""
+        return tuple(n for n in NAMES if (self.cache if n == "cache" else getattr(self, _FIELD[n])))
+
+    @property
+    def cache(self) -> bool:
+        return self.cache_layers != 0
+
+    def describe(self) -> str:
+        on = self.names
+        if on == NAMES:
+            return "all"
+        return ",".join(on) if on else "none"
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.bucket_mb * 2**20)
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def recompute_spacing(n_blocks: int) -> int:
+    """The async-pipeline paper's spacing (Section V-A): recompute every ``a`` blocks, ``a``
+    the divisor of the block count closest to its square root (the smaller on a tie)."""
+    if n_blocks < 1:
+        raise ValueError(f"recompute spacing of {n_blocks} blocks: need at least one block")
+    divisors = [a for a in range(1, n_blocks + 1) if n_blocks % a == 0]
+    return min(divisors, key=lambda a: (abs(a - math.sqrt(n_blocks)), a))
+
+
+def parse_recompute(text: str | int | None, n_blocks: int) -> int:
+    """``none`` (0: no recomputation), ``auto`` (:func:`recompute_spacing`) or ``N``: every
+    N blocks, N a divisor of the block count (the CLI's ``--recompute``)."""
+    if text is None:
+        return 0
+    value = str(text).strip().lower()
+    if value == "none":
+        return 0
+    if value == "auto":
+        return recompute_spacing(n_blocks)
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"--recompute {text!r}: give none, auto, or a block count N >= 1")
+    every = int(value)
+    if n_blocks % every:
+        divisors = ", ".join(str(a) for a in range(1, n_blocks + 1) if n_blocks % a == 0)
+        raise ValueError(f"--recompute {every}: the {n_blocks} blocks do not split into segments of {every}; "
+                         f"give a divisor of {n_blocks}: {divisors}")
+    return every

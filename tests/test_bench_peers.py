@@ -1,0 +1,89 @@
+"""``par4d bench peers`` without launching ranks: argument checks, ratios and the TP attention's math."""
+
+import copy
+
+import pytest
+import torch
+
+from par4d.bench import peers
+from par4d.bench.peers import TPAttention, add_ratios, markdown, summary, validate
+from par4d.cli import main
+from par4d.models import ReferenceGPT
+from par4d.plan.measure import CONFIG
+
+
+@pytest.mark.parametrize(("nproc", "nodes", "iters", "numbers"), [
+    (0, None, 8, "got 0, 8"),
+    (4, None, 0, "got 4, 0"),
+    (4, 0, 8, "got 0"),
+    (3, None, 8, "--nproc 3"),                 # HSDP's (2, nproc/2) mesh
+    (8, 2, 8, "TP over 8 ranks"),               # TP inside a node of 8 ranks, 4 heads
+    (6, None, 8, "32 sequences does not divide over 6 ranks"),
+])
+def test_bad_arguments_name_the_numbers(nproc, nodes, iters, numbers):
+    with pytest.raises(ValueError, match=numbers):
+        validate(nproc, nodes, iters)
+
+
+def test_world_without_a_par4d_grid_is_refused(monkeypatch):
+    monkeypatch.setattr(peers, "grids", lambda world, batch: [])
+    with pytest.raises(ValueError, match="no par4d grid of 4 ranks"):
+        validate(4, None, 1)
+
+
+def test_valid_shapes_pass():
+    validate(4, None, 1)
+    validate(2, 2, 1)       # 2 emulated nodes of 2 ranks: HSDP (2, 2), TP 2 inside a node
+
+
+def test_cli_reports_bad_input_before_any_rank_starts(capsys):
+    assert main(["bench", "peers", "--nproc", "3", "--iters", "1"]) == 2
+    assert "--nproc 3" in capsys.readouterr().err
+
+
+def _row(framework: str, workload: str, name: str, s: float) -> dict:
+    return {"framework": framework, "workload": workload, "name": name, "grid": "x=1 y=1 z=1 data=4",
+            "s_per_iter": s, "tokens_per_s": 1.0, "percent_of_peak": 1.0, "bytes_per_iter": 0, "bytes_source": "-"}
+
+
+def test_ratio_is_to_the_fastest_torch_row_of_the_same_workload():
+    rows = add_ratios([_row("par4d", "demo", "par4d", 0.5), _row("torch", "demo", "torch DDP", 0.4),
+                       _row("torch", "demo", "torch FSDP2", 0.8), _row("par4d", "comm-bound", "par4d", 0.1),
+                       _row("torch", "comm-bound", "torch FSDP2", 0.05)])
+    assert [r["ratio_to_best_peer"] for r in rows] == pytest.approx([1.25, 1.0, 2.0, 2.0, 1.0])
+    assert "1.25x the best peer (torch DDP" in summary(rows, "demo")
+    assert "2.00x the best peer (torch FSDP2" in summary(rows, "comm-bound")
+    assert markdown(rows).count("\n") == len(rows) + 1
+
+
+def test_ratio_is_none_without_a_torch_row():
+    rows = add_ratios([_row("par4d", "demo", "par4d", 0.5)])
+    assert rows[0]["ratio_to_best_peer"] is None
+    assert summary(rows, "demo") == "demo: no torch row"
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_tp_attention_split_over_ranks_equals_the_twins(tp):
+    """Each TP rank's slice (qkv rows as ColwiseParallel cuts them, proj columns as RowwiseParallel
+    does), summed over ranks plus proj's bias once, is the twin's attention."""
+    torch.manual_seed(0)
+    attn = ReferenceGPT(CONFIG).blocks[0].attn
+    h = torch.randn(2, 16, CONFIG.n_embd)
+    expected = attn(h)
+    wrapped = TPAttention(copy.deepcopy(attn), tp)
+    dim, width = CONFIG.n_embd, CONFIG.n_embd // tp
+    out = wrapped.proj.bias.detach().clone()
+    for rank in range(tp):
+        local = copy.deepcopy(wrapped)
+        rows, cols = slice(rank * 3 * width, (rank + 1) * 3 * width), slice(rank * width, (rank + 1) * width)
+        local.qkv = torch.nn.Linear(dim, 3 * width)
+        local.qkv.weight.data, local.qkv.bias.data = wrapped.qkv.weight[rows].detach(), wrapped.qkv.bias[rows].detach()
+        local.proj = torch.nn.Linear(width, dim, bias=False)
+        local.proj.weight.data = wrapped.proj.weight[:, cols].detach()
+        out = out + local(h)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_tp_attention_refuses_heads_that_do_not_divide():
+    with pytest.raises(ValueError, match="TP over 3 ranks does not divide 4 attention heads"):
+        TPAttention(ReferenceGPT(CONFIG).blocks[0].attn, 3)
