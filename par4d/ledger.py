@@ -86,6 +86,18 @@ class Ledger:
         return sum(t.seconds for t in self.totals.values())
 
     def total_in_flight(self) -> float:
-        """Seconds collectives were in flight, summed (issued communication; concurrent ones
-        each count in full)."""
+        """Seconds collectives were in flight, summed (concurrent ones each count in full;
+        :func:`in_flight_seconds` counts wall-clock time instead)."""
         return sum(t.in_flight for t in self.totals.values())
+
+
+def in_flight_seconds(entries: list[Entry]) -> float:
+    """Wall-clock seconds during which at least one of ``entries`` was in flight (the union
+    of their issue-to-completion intervals: concurrent collectives count once)."""
+    spans = sorted((e.issued_at, e.issued_at + e.in_flight) for e in entries)
+    total, end = 0.0, float("-inf")
+    for start, stop in spans:
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total

@@ -27,16 +27,20 @@ def _losses(run: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_resume_continues_the_exact_trajectory(tmp_path):
-    """4 ranks on x=2, z=2: 10 steps straight vs 5 steps, stop, resume to 10."""
+def test_resume_continues_the_exact_trajectory_and_overlap_changes_no_bit(tmp_path):
+    """4 ranks on x=2, z=2: 10 steps straight and synchronous (--overlap none) vs 5 steps with
+    every overlap and recomputation, stop, resume to 10: the same losses, bit for bit."""
     grid = ["--nproc", "4", "--grid", "x=2,z=2"]
     straight, split = tmp_path / "straight", tmp_path / "split"
-    result = _train(*grid, *SMALL, "--steps", "10", "--out", str(straight))
-    _train(*grid, *SMALL, "--steps", "5", "--out", str(split))
+    result = _train(*grid, *SMALL, "--steps", "10", "--out", str(straight), "--overlap", "none")
+    _train(*grid, *SMALL, "--steps", "5", "--out", str(split), "--overlap", "all", "--recompute", "auto")
     assert len(_losses(split)) == 5
     _train("--nproc", "4", "--resume", str(split), "--steps", "10")
 
     assert _losses(split) == _losses(straight)   # bit for bit: same grid, same batches, same state
+    overlapped = json.loads((split / "summary.json").read_text())
+    assert (overlapped["overlap"], overlapped["recompute_every"]) == ("all", 1)
+    assert "in flight" in result.stdout and "exposed" in result.stdout
     rows = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 11))
     assert all(r["tokens_per_s"] > 0 and r["comm_bytes"] > 0 for r in rows)
@@ -45,7 +49,9 @@ def test_resume_continues_the_exact_trajectory(tmp_path):
     summary = json.loads((straight / "summary.json").read_text())
     assert summary["grid"] == {"x": 2, "y": 1, "z": 2, "data": 1, "pipe": 1}
     assert summary["final_loss"] < summary["initial_loss"]
-    for field in ("parameters", "tokens/s", "model FLOP/s", "% of peak", "loss"):
+    assert summary["overlap"] == "none" and summary["comm_exposed_s_per_step"] > 0
+    assert all(r["comm_exposed_s"] >= 0 and r["comm_issued_s"] >= 0 for r in rows)
+    for field in ("parameters", "tokens/s", "model FLOP/s", "% of peak", "loss", "communication"):
         assert field in result.stdout, field
 
 
@@ -66,6 +72,13 @@ def test_default_grids():
     (["--nproc", "0"], "--nproc must be >= 1, got 0"),
     (["--steps", "0"], "--steps must be >= 1, got 0"),
     (["--data", "/nonexistent/file.txt"], "--data /nonexistent/file.txt: no such file"),
+    (["--overlap", "oar,fast"], "--overlap 'oar,fast': unknown 'fast'; give all, none, or a comma list of "
+                                "oar, ors, oag, cache, dp"),
+    (["--overlap", "oag,cache"], "--overlap oag,cache: the cache keeps gathered weights for recomputation; "
+                                 "add --recompute auto (or N), or leave cache out of --overlap (e.g. --overlap oag)"),
+    (["--recompute", "3", "--n-layer", "4"], "--recompute 3: the 4 blocks do not split into segments of 3; "
+                                             "give a divisor of 4: 1, 2, 4"),
+    (["--recompute", "sometimes"], "--recompute 'sometimes': give none, auto, or a block count N >= 1"),
 ])
 def test_cli_errors_before_any_process_starts(tmp_path, capsys, args, message):
     assert main(["train", *args, "--out", str(tmp_path / "run")]) == 2

@@ -42,6 +42,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float, default=_default("lr"), help="peak learning rate")
     p.add_argument("--grad-clip", type=float, default=_default("grad_clip"),
                    help="clip the global gradient norm to this (0: off)")
+    p.add_argument("--overlap", default=_default("overlap"), metavar="all|none|LIST",
+                   help="overlap communication with compute: all (default), none, or a comma list of "
+                        "oar,ors,oag,cache,dp (cache needs --recompute)")
+    p.add_argument("--recompute", default=_default("recompute"), metavar="none|auto|N",
+                   help="recompute activations in backward every N blocks; auto: the divisor of the block "
+                        "count closest to its square root (default none)")
     p.add_argument("--seed", type=int, default=_default("seed"))
     p.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -127,15 +133,28 @@ def _config(args: argparse.Namespace, world: int, inside: bool):
                              batch_size=args.batch_size, seq_len=args.seq_len, n_layer=args.n_layer,
                              n_embd=args.n_embd, n_head=args.n_head, lr=args.lr, seed=args.seed, data=args.data,
                              mlp=args.mlp, phantom_k=args.phantom_k, grad_clip=args.grad_clip,
-                             save_every=args.save_every, progress=not args.no_progress, peak_flops=peak)
+                             save_every=args.save_every, progress=not args.no_progress, peak_flops=peak,
+                             overlap=args.overlap, recompute=args.recompute)
     sizes = validate_sizes(config.grid, world)
-    build_gpt(config.model_config(), Grid.virtual(sizes))   # raises the shape errors of every rank's grid
+    build_gpt(config.model_config(), Grid.virtual(sizes), config.recompute_every())   # every rank's shape errors
     if config.batch_size % (sizes["data"] * sizes["z"]):
         raise ValueError(f"--batch-size {config.batch_size} is not divisible by data * z = "
                          f"{sizes['data']} * {sizes['z']} = {sizes['data'] * sizes['z']}")
     if config.data is not None and not Path(config.data).is_file():
         raise ValueError(f"--data {config.data}: no such file")
     return config
+
+
+def _every(blocks: int) -> str:
+    return f"every {blocks} blocks" if blocks else "none"
+
+
+def _communication(summary: dict) -> str:
+    issued, exposed, step = (summary[k] for k in ("comm_issued_s_per_step", "comm_exposed_s_per_step", "s_per_step"))
+    hidden = 100 * (1 - exposed / issued) if issued > 0 else 0.0
+    share = 100 * exposed / step if step > 0 else 0.0
+    return (f"in flight {issued * 1e3:.1f} ms, exposed (waited) {exposed * 1e3:.1f} ms per step on rank 0: "
+            f"{hidden:.0f}% hidden, exposed = {share:.0f}% of the step")
 
 
 def _print_summary(summary: dict) -> None:
@@ -150,6 +169,8 @@ def _print_summary(summary: dict) -> None:
         ("model FLOP/s", f"{summary['model_flops_per_s'] / 1e9:.2f} GFLOP/s"),
         ("matmul peak", f"{summary['matmul_peak_flops_per_s'] / 1e9:.1f} GFLOP/s fp32 (measured at start-up)"),
         ("% of peak", f"{summary['percent_of_peak']:.1f}%"),
+        ("overlap", f"{summary['overlap']}, recompute {_every(summary['recompute_every'])}"),
+        ("communication", _communication(summary)),
         ("loss", f"{summary['initial_loss']:.3f} -> {summary['final_loss']:.3f} (train), "
                  f"{summary['val_loss']:.3f} (validation)"),
         ("run directory", summary["config"]["out"]),

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from par4d.models.config import GPTConfig
+from par4d.overlap import Overlap, parse_recompute
 
 VOCAB_BYTES = 256   # byte-level tokens
 
@@ -35,6 +36,8 @@ class TrainConfig:
     eval_batches: int = 4
     progress: bool = True
     peak_flops: float | None = None  # measured by the launching process; None: rank 0 measures
+    overlap: str = "all"             # --overlap: all, none, or a comma list of par4d.overlap.NAMES
+    recompute: str = "none"          # --recompute: none, auto, or every N blocks
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len"):
@@ -44,6 +47,20 @@ class TrainConfig:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
         if self.grad_clip < 0:
             raise ValueError(f"--grad-clip must be >= 0 (0 disables), got {self.grad_clip}")
+        settings, every = self.overlap_settings(), self.recompute_every()   # both raise on bad values
+        if settings.cache and not every:
+            raise ValueError(f"--overlap {self.overlap}: the cache keeps gathered weights for recomputation; "
+                             f"add --recompute auto (or N), or leave cache out of --overlap "
+                             f"(e.g. --overlap {','.join(n for n in settings.names if n != 'cache') or 'none'})")
+
+    def overlap_settings(self) -> Overlap:
+        """``--overlap all`` without recomputation means every overlap but the cache (it needs recomputation)."""
+        if self.overlap.strip().lower() == "all" and self.recompute_every() == 0:
+            return replace(Overlap(), cache_layers=0)
+        return Overlap.parse(self.overlap)
+
+    def recompute_every(self) -> int:
+        return parse_recompute(self.recompute, self.n_layer)
 
     def model_config(self) -> GPTConfig:
         return GPTConfig(vocab_size=VOCAB_BYTES, block_size=self.seq_len, n_layer=self.n_layer,

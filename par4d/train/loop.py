@@ -13,6 +13,7 @@ import torch.distributed as dist
 from par4d.data_parallel import global_mean
 from par4d.launch import distributed_env, init
 from par4d.layout import shard_batch
+from par4d.ledger import in_flight_seconds
 from par4d.models import GPT
 from par4d.perf import cpu_cores, measure_matmul_peak, threads_per_rank
 from par4d.train import checkpoint
@@ -32,7 +33,7 @@ def _threads_per_rank() -> int:
 def run(config: TrainConfig) -> dict:
     """Train on this rank; rank 0 writes the run directory. Returns rank 0's summary."""
     torch.set_num_threads(_threads_per_rank())
-    grid = init(**config.grid)
+    grid = init(**config.grid, overlap=config.overlap_settings())
     rank0 = grid.rank == 0
     if config.out is None:  # under torchrun/srun: rank 0 names the run, the others follow
         config = replace(config, out=on_rank0(lambda: str(new_run_dir(config.grid))))
@@ -41,7 +42,7 @@ def run(config: TrainConfig) -> dict:
     on_rank0(lambda: out.mkdir(parents=True, exist_ok=True))
 
     model_config = config.model_config()
-    model = build_gpt(model_config, grid)
+    model = build_gpt(model_config, grid, config.recompute_every())
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
                                   betas=(0.9, 0.95))
     corpus, source = load_corpus(config.data)
@@ -56,22 +57,28 @@ def run(config: TrainConfig) -> dict:
     progress = _progress_bar(config, grid, start_step) if rank0 else None
 
     tokens_per_step = config.batch_size * config.seq_len
-    rates = []
+    rates, steps_comm = [], []
+    ledger = grid.ledger
     for step in range(start_step, config.steps):
         began = time.perf_counter()
-        bytes_before = grid.ledger.total_bytes()
+        bytes_before = ledger.total_bytes()
         lr = config.learning_rate(step)
         for group in optimizer.param_groups:
             group["lr"] = lr
         inputs, targets = batches.train_batch(step)
         x, y = shard_batch(grid, inputs).to(grid.device), shard_batch(grid, targets).to(grid.device)
-        loss = train_step(model, optimizer, grid, model, x, y, grad_clip=config.grad_clip)
-        mean_loss = global_mean(loss, grid).item()
+        with ledger.capture() as entries:
+            loss = train_step(model, optimizer, grid, model, x, y, grad_clip=config.grad_clip)
+            mean_loss = global_mean(loss, grid).item()
         seconds = time.perf_counter() - began
         rates.append(tokens_per_step / seconds)
+        # Rank 0's communication: wall seconds with a collective in flight (issued), seconds waited (exposed).
+        comm = (in_flight_seconds(entries), sum(e.seconds for e in entries), seconds)
+        steps_comm.append(comm)
         if rank0:
             record = {"step": step + 1, "loss": mean_loss, "tokens_per_s": tokens_per_step / seconds,
-                      "s_per_step": seconds, "lr": lr, "comm_bytes": grid.ledger.total_bytes() - bytes_before}
+                      "s_per_step": seconds, "lr": lr, "comm_bytes": ledger.total_bytes() - bytes_before,
+                      "comm_issued_s": comm[0], "comm_exposed_s": comm[1]}
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
             if progress is not None:
@@ -90,11 +97,15 @@ def run(config: TrainConfig) -> dict:
         steady = rates[1:] if len(rates) > 1 else rates   # the first step includes one-time warm-up
         tokens_per_s = sum(steady) / len(steady) if steady else 0.0
         flops = model_config.flops_per_token() * tokens_per_s
+        steady_comm = steps_comm[1:] if len(steps_comm) > 1 else steps_comm
+        issued, exposed, step_s = (sum(c[i] for c in steady_comm) / max(1, len(steady_comm)) for i in range(3))
         summary = {
             "grid": grid.sizes, "world_size": grid.world_size, "params": model_config.num_params(),
             "steps": config.steps, "start_step": start_step, "tokens_per_s": tokens_per_s,
             "model_flops_per_s": flops, "matmul_peak_flops_per_s": peak,
             "percent_of_peak": 100 * flops / peak if peak else 0.0,
+            "overlap": config.overlap_settings().describe(), "recompute_every": config.recompute_every(),
+            "s_per_step": step_s, "comm_issued_s_per_step": issued, "comm_exposed_s_per_step": exposed,
             "initial_loss": history[0]["loss"], "final_loss": history[-1]["loss"],
             "val_loss": val_loss, "data": source, "config": asdict(config),
         }

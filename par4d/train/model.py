@@ -11,9 +11,10 @@ from par4d.models import GPT, GPTConfig, ReferenceGPT
 from par4d.phantom.mlp import PhantomMLP, PhantomMLPTwin
 
 
-def build_gpt(config: GPTConfig, grid: Grid) -> GPT:
-    """par4d's GPT on ``grid``, its MLP the one ``config.mlp`` names (dense or phantom)."""
-    return GPT(config, grid=grid, mlp=PhantomMLP if config.mlp == "phantom" else None)
+def build_gpt(config: GPTConfig, grid: Grid, recompute: int = 0) -> GPT:
+    """par4d's GPT on ``grid``, its MLP the one ``config.mlp`` names (dense or phantom),
+    recomputing activations every ``recompute`` blocks (0: never); overlap as the grid says."""
+    return GPT(config, grid=grid, mlp=PhantomMLP if config.mlp == "phantom" else None, recompute=recompute)
 
 
 def build_reference(config: GPTConfig, init: bool = True) -> ReferenceGPT:
