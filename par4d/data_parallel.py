@@ -77,7 +77,7 @@ class GradientSync:
     def __init__(self, model: nn.Module, grid: Grid, bucket_bytes: int = BUCKET_BYTES, overlap: bool = False,
                  deferred: DeferredGrads | None = None):
         """``deferred``: the model's ORS runtime, whose gradients arrive after backward."""
-        self.grid, self.overlap, self.deferred = grid, overlap, deferred
+        self.grid, self.bucket_bytes, self.overlap, self.deferred = grid, bucket_bytes, overlap, deferred
         grouped: dict[tuple[str, ...], list[torch.Tensor]] = defaultdict(list)
         for name, param in reversed(list(model.named_parameters())):
             placement = _placement(name, param)
@@ -89,15 +89,24 @@ class GradientSync:
                        for axes, ps in sorted(grouped.items()) if grid.size(*axes) > 1}
         self._armed = False
         self.early_launches = 0              # buckets launched from hooks, during backward
+        self._hooks: list = []
         self._where: dict[int, tuple[tuple[str, ...], int]] = {}
         for axes, buckets in self.groups.items():
             for index, bucket in enumerate(buckets):
                 for param in bucket.params:
                     self._where[id(param)] = (axes, index)
                     if overlap:
-                        param.register_post_accumulate_grad_hook(self._on_grad)
+                        self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad))
         if overlap and deferred is not None:
             deferred.listeners.append(self._on_deferred)
+
+    def close(self) -> None:
+        """Remove the gradient hooks (a new sync replaces this one)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if self.deferred is not None and self._on_deferred in self.deferred.listeners:
+            self.deferred.listeners.remove(self._on_deferred)
 
     def arm(self) -> None:
         """The next backward pass is the step's only one: launch buckets as they fill."""
@@ -167,12 +176,15 @@ class GradientSync:
 def gradient_sync(model: nn.Module, grid: Grid) -> GradientSync:
     """The model's :class:`GradientSync`, built on first use with the model's overlap
     settings (``par4d.nn.set_overlap``) or else the grid's (``par4d.init(overlap=...)``)."""
+    settings = getattr(model, "par4d_overlap", None) or grid.overlap
+    runtime = getattr(model, "par4d_runtime", None)
     sync = getattr(model, "par4d_gradient_sync", None)
-    if sync is None or sync.grid is not grid:
-        settings = getattr(model, "par4d_overlap", None) or grid.overlap
-        runtime = getattr(model, "par4d_runtime", None)
-        sync = GradientSync(model, grid, settings.bucket_bytes, settings.data_parallel,
-                            runtime.deferred if runtime is not None else None)
+    deferred = runtime.deferred if runtime is not None else None
+    wanted = (grid, settings.bucket_bytes, settings.data_parallel, deferred)
+    if sync is None or (sync.grid, sync.bucket_bytes, sync.overlap, sync.deferred) != wanted:
+        if sync is not None:       # the settings changed (set_overlap): rebuild the buckets and hooks
+            sync.close()
+        sync = GradientSync(model, grid, settings.bucket_bytes, settings.data_parallel, deferred)
         model.par4d_gradient_sync = sync
     return sync
 

@@ -38,7 +38,7 @@ class Overlap:
     all_reduce: bool = True
     reduce_scatter: bool = True
     all_gather: bool = True
-    prefetch: int = 1
+    prefetch: int = 2
     cache_layers: int | None = None
     data_parallel: bool = True
     bucket_mb: float = BUCKET_MB

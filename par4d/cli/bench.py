@@ -1,6 +1,6 @@
-"""``par4d bench grid|peers|gemm``: the GPT on every valid grid against PyTorch DDP and FSDP2, par4d against
-DDP, FSDP2, HSDP and FSDP2+TP on two workloads (locally or on an emulated cluster), and the gain of GEMM tuning
-per matmul shape; the benchmarks themselves live in ``par4d.bench``."""
+"""``par4d bench grid|peers|overlap|gemm``: the GPT on every valid grid against PyTorch DDP and FSDP2, par4d
+against DDP, FSDP2, HSDP and FSDP2+TP on two workloads (locally or on an emulated cluster), each overlap's gain
+(Fig. 3's rows), and the gain of GEMM tuning per matmul shape; the benchmarks themselves live in ``par4d.bench``."""
 
 from __future__ import annotations
 
@@ -25,6 +25,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     peers.add_argument("--iters", type=int, default=8, help="timed iterations per row (after 2 warm-up)")
     peers.add_argument("--json", action="store_true", help="one JSON object per row on stdout")
     peers.add_argument("--out", default=None, help="also write the rows as JSON lines to this file")
+    overlap = sub.add_parser("overlap", help="each overlap's gain in the order of the 4D paper's Fig. 3 "
+                                             "(none, +oar, +ors, +oag, +cache, all)")
+    overlap.add_argument("--nproc", type=int, default=DEFAULT_NPROC, help="ranks (per node with --nodes)")
+    overlap.add_argument("--nodes", type=int, default=None,
+                         help="emulated nodes (network namespaces, needs root); default: local ranks")
+    overlap.add_argument("--link", default="1gbit", help="inter-node link rate per node with --nodes (tc tbf)")
+    overlap.add_argument("--grid", default=None, help="axis sizes (default: x=2 inside a node, z across nodes)")
+    overlap.add_argument("--prefetch", type=int, default=2, help="OAG prefetch depth, in layers (default 2: "
+                                                                 "par4d.Overlap's)")
+    overlap.add_argument("--iters", type=int, default=3, help="timed iterations per row and round")
+    overlap.add_argument("--rounds", type=int, default=3, help="interleaved rounds over all rows")
+    overlap.add_argument("--n-layer", type=int, default=4)
+    overlap.add_argument("--n-embd", type=int, default=256)
+    overlap.add_argument("--n-head", type=int, default=4)
+    overlap.add_argument("--seq-len", type=int, default=128)
+    overlap.add_argument("--batch-size", type=int, default=8, help="global batch, in sequences")
+    overlap.add_argument("--json", action="store_true", help="one JSON object per row on stdout")
+    overlap.add_argument("--out", default=None, help="also write the rows as JSON lines to this file")
     gemm = sub.add_parser("gemm", help="gain of GEMM tuning per matmul shape and pass")
     gemm.add_argument("--json", action="store_true", help="one JSON object per row")
 
@@ -34,6 +52,10 @@ def run(args: argparse.Namespace) -> int:
         from par4d.bench.gemm import run_bench_gemm
 
         return run_bench_gemm(args)
+    if args.bench == "overlap":
+        from par4d.bench.overlap import run_bench_overlap
+
+        return run_bench_overlap(args)
     if args.bench == "peers":
         from par4d.bench.peers import run_bench_peers
 

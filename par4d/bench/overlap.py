@@ -1,0 +1,189 @@
+"""``par4d bench overlap``: what each overlap buys, in the order of the 4D paper's Fig. 3.
+
+One GPT on one communication-heavy grid, one job: rows ``none``, ``+oar``, ``+ors``,
+``+oag``, ``+cache`` and ``all`` (``+dp``), each adding its switch to the row above.
+Every row recomputes activations at the paper's spacing (as the paper's runs do; the
+cache has nothing to reuse otherwise), so rows differ in their waits only. The rows
+share one model and switch settings with :func:`par4d.nn.set_overlap`; they are timed
+in interleaved rounds (each round runs every row), so drift of the machine spreads
+over all rows alike. Per row: median s/iter, and per iteration the seconds rank by
+rank spent waiting for collectives (``exposed_comm_s``, mean over ranks) and the wall
+seconds with a collective in flight (``in_flight_s``), and ``speedup`` over ``none``.
+
+Grid and workload. On 2 emulated nodes of 2 ranks (``--nodes 2 --nproc 2``) the grid is
+x=2 (inside a node: OAR's all-reduces over loopback), z=2 (across the link: the weight
+all-gathers of OAG and the cache, ORS's reduce-scatters, and the z-sums of biases and
+norms that the data-parallel overlap launches early). The default model and batch
+(4 blocks of width 256, 8 sequences of 128 tokens) were chosen so that over a 1 Gbit/s
+link communication and compute are of the same order: each rank sends about
+3/2 x 3.2 M x 4 B / 2 ≈ 10 MB of weights and gradients over z per iteration (80 ms at
+125 MB/s) against about 0.1-0.2 s of compute per rank on this machine (see
+docs/benchmarks.md for the measured split).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from par4d.data_parallel import gradient_sync
+from par4d.grid import Grid, parse_grid, validate_sizes
+from par4d.launch import init, launch_local
+from par4d.layout import shard_batch
+from par4d.ledger import in_flight_seconds
+from par4d.models import GPT, GPTConfig
+from par4d.nn import set_overlap
+from par4d.overlap import Overlap, recompute_spacing
+from par4d.perf import threads_per_rank
+from par4d.train.step import train_step
+
+ROWS = (("none", ()), ("+oar", ("oar",)), ("+ors", ("oar", "ors")), ("+oag", ("oar", "ors", "oag")),
+        ("+cache", ("oar", "ors", "oag", "cache")), ("all", ("oar", "ors", "oag", "cache", "dp")))
+"""Fig. 3's order: each row adds one switch to the row above."""
+
+
+@dataclass(frozen=True)
+class OverlapBench:
+    grid: dict[str, int]
+    config: GPTConfig
+    batch: int
+    iters: int
+    rounds: int
+    ranks_here: int        # ranks sharing this node's cores
+    recompute: int
+    prefetch: int
+
+
+def _settings(names: tuple[str, ...], prefetch: int = 1) -> Overlap:
+    return replace(Overlap.parse(",".join(names)) if names else Overlap.none(), prefetch=prefetch)
+
+
+def _mean_over_ranks(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+def bench_worker(bench: OverlapBench) -> list[dict]:
+    torch.set_num_threads(threads_per_rank(bench.ranks_here))
+    grid = init(**bench.grid)
+    model = GPT(bench.config, grid=grid, recompute=bench.recompute)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, bench.config.vocab_size, (bench.batch, bench.config.block_size + 1), generator=gen)
+    x, y = shard_batch(grid, tokens[:, :-1]).to(grid.device), shard_batch(grid, tokens[:, 1:]).to(grid.device)
+    times = {name: [] for name, _ in ROWS}
+    exposed = {name: [] for name, _ in ROWS}
+    flight = {name: [] for name, _ in ROWS}
+    by_kind = {name: {} for name, _ in ROWS}     # (kind, axes) -> seconds waited, summed over timed iterations
+    for _ in range(bench.rounds):
+        for name, switches in ROWS:
+            set_overlap(model, _settings(switches, bench.prefetch))
+            gradient_sync(model, grid)                       # rebuild the buckets for these settings
+            train_step(model, optimizer, grid, model, x, y)   # warm-up: records the gather order (OAG)
+            for _ in range(bench.iters):
+                dist.barrier()
+                with grid.ledger.capture() as entries:
+                    began = time.perf_counter()
+                    train_step(model, optimizer, grid, model, x, y)
+                    seconds = time.perf_counter() - began
+                times[name].append(seconds)
+                exposed[name].append(sum(e.seconds for e in entries))
+                flight[name].append(in_flight_seconds(entries))
+                for e in entries:
+                    key = f"{e.kind} {','.join(e.axes)}"
+                    by_kind[name][key] = by_kind[name].get(key, 0.0) + e.seconds
+    rows = []
+    for name, switches in ROWS:
+        s = _mean_over_ranks(statistics.median(times[name]))
+        rows.append({"framework": "par4d", "name": name, "overlap": _settings(switches).describe(),
+                     "grid": grid.describe(), "recompute_every": bench.recompute, "s_per_iter": s,
+                     "exposed_comm_s": _mean_over_ranks(statistics.median(exposed[name])),
+                     "in_flight_s": _mean_over_ranks(statistics.median(flight[name])),
+                     "iters": len(times[name]), "exposed_by_collective": _exposed_by(by_kind[name], len(times[name]))})
+    for row in rows:
+        row["speedup"] = rows[0]["s_per_iter"] / row["s_per_iter"]
+        row["exposed_share"] = row["exposed_comm_s"] / row["s_per_iter"]
+    grid.close()
+    dist.destroy_process_group()
+    return rows
+
+
+def _exposed_by(waited: dict[str, float], iters: int) -> dict[str, float]:
+    """Seconds waited per iteration for each kind of collective, mean over ranks (every rank
+    issues the same kinds: the grid's collectives are SPMD)."""
+    keys = sorted(waited)
+    t = torch.tensor([waited[k] / iters for k in keys], dtype=torch.float64)
+    dist.all_reduce(t)
+    return {k: v / dist.get_world_size() for k, v in zip(keys, t.tolist())}
+
+
+def _grid(world: int, ranks_per_node: int) -> dict[str, int]:
+    """x inside a node, z across nodes (x=2, z=world/2 for the default 2 x 2)."""
+    if world < 4 or world % 2:
+        raise ValueError(f"bench overlap needs an even world of at least 4 ranks (x=2, z>=2); got {world}")
+    if ranks_per_node % 2:
+        raise ValueError(f"bench overlap puts x=2 inside a node: --nproc {ranks_per_node} must be even")
+    return {"x": 2, "z": world // 2}
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| row | overlap | s/iter (median) | speedup over none | exposed comm s/iter | exposed share "
+             "| in flight s/iter |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        lines.append(f"| {r['name']} | {r['overlap']} | {r['s_per_iter']:.3f} | {r['speedup']:.2f}x | "
+                     f"{r['exposed_comm_s']:.3f} | {100 * r['exposed_share']:.0f}% | {r['in_flight_s']:.3f} |")
+    return "\n".join(lines)
+
+
+def run_bench_overlap(args: argparse.Namespace) -> int:
+    if args.iters < 1 or args.rounds < 1:
+        raise ValueError(f"--iters and --rounds must be >= 1 (got {args.iters}, {args.rounds})")
+    world = args.nproc * (args.nodes or 1)
+    sizes = parse_grid(args.grid) if args.grid else _grid(world, args.nproc if args.nodes else 2)
+    sizes = {a: s for a, s in validate_sizes(sizes, world).items() if s > 1}
+    config = GPTConfig(vocab_size=256, block_size=args.seq_len, n_layer=args.n_layer, n_embd=args.n_embd,
+                       n_head=args.n_head)
+    GPT(config, grid=Grid.virtual(sizes))       # shape errors before any rank starts
+    shards = sizes.get("z", 1) * sizes.get("data", 1)
+    if args.batch_size % shards:
+        raise ValueError(f"--batch-size {args.batch_size} is not divisible by z * data = {shards}")
+    recompute = recompute_spacing(config.n_layer)
+    if args.nodes:
+        from par4d.cluster import ClusterSpec, launch_cluster
+
+        bench = OverlapBench(sizes, config, args.batch_size, args.iters, args.rounds, args.nproc, recompute,
+                             args.prefetch)
+        rows = launch_cluster(ClusterSpec(args.nodes, args.nproc, args.link), bench_worker, (bench,))[0]
+        where = f"{args.nodes} emulated nodes x {args.nproc} ranks, {args.link} links"
+    else:
+        bench = OverlapBench(sizes, config, args.batch_size, args.iters, args.rounds, world, recompute, args.prefetch)
+        rows = launch_local(world, bench_worker, (bench,), run_id="par4d-bench-overlap")[0]
+        where = f"{world} local ranks"
+    for row in rows:
+        row.update(workload=f"GPT {config.n_layer}x{config.n_embd}, batch {args.batch_size}x{config.block_size}",
+                   where=where)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+    else:
+        print(f"GPT {config.n_layer} blocks x {config.n_embd} wide ({config.num_params():,} params), global batch "
+              f"{args.batch_size} x {config.block_size} tokens, grid {rows[0]['grid']}, {where}, recompute every "
+              f"{recompute} blocks, prefetch {args.prefetch}; median of {args.iters} x {args.rounds} rounds")
+        print(markdown(rows))
+    sys.stdout.flush()
+    return 0
+
+
+__all__ = ["ROWS", "markdown", "run_bench_overlap"]
