@@ -27,12 +27,16 @@ if TYPE_CHECKING:
     from par4d.nn.runtime import DeferredGrads
 
 BUCKET_BYTES = int(BUCKET_MB * 2**20)
+FIRST_BUCKET_BYTES = 2**20   # DDP's first bucket: the last layers' gradients start their sum early
 
 
 def _buckets(params: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    """Consecutive runs of ``params`` of at most ``limit`` bytes (or one parameter); the first
+    at most FIRST_BUCKET_BYTES, so communication starts early in backward (as DDP's does)."""
     buckets, current, size = [], [], 0
     for p in params:
-        if current and size + p.numel() * p.element_size() > limit:
+        cap = min(limit, FIRST_BUCKET_BYTES) if not buckets else limit
+        if current and size + p.numel() * p.element_size() > cap:
             buckets.append(current)
             current, size = [], 0
         current.append(p)
@@ -63,7 +67,7 @@ class GradientSync:
 
     Buckets are fixed when the sync is built: per group of partial axes, parameters in
     reverse registration order (roughly the order backward produces their gradients),
-    cut at ``bucket_bytes``. The synchronous path and the overlapped one use the same
+    cut at ``bucket_bytes`` (the first at 1 MB, as DDP's). The synchronous path and the overlapped one use the same
     buckets, so they add the same numbers in the same order (the same bits).
 
     Overlapped (``overlap=True``, between :meth:`arm` and :meth:`finish`): a gradient hook

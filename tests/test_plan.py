@@ -171,6 +171,7 @@ def test_plan_cli_errors(capsys, tmp_path):
 def test_train_grid_auto_takes_the_planners_first_choice(tmp_path, capsys):
     import argparse
 
+    from par4d.overlap import Overlap
     from par4d.plan.choose import planned_grid
 
     profile = tmp_path / "local.toml"
@@ -181,7 +182,8 @@ def test_train_grid_auto_takes_the_planners_first_choice(tmp_path, capsys):
     chosen, peak = planned_grid(4, inside=False, **vars(args))
     assert peak is None                                  # a given profile: nothing was measured here
     spec = GPTSpec("train", n_layer=2, hidden=64, heads=4, seq_len=64, global_batch=16, vocab=256)
-    best = rank_configurations(spec, 4, local, "full", checkpointing=False)[0][0].sizes
+    train_default = Overlap.parse("oar,ors,oag,dp")            # par4d train's overlaps without recomputation
+    best = rank_configurations(spec, 4, local, "full", checkpointing=False, overlap=train_default)[0][0].sizes
     assert {**dict(x=1, y=1, z=1, data=1), **chosen} == best
     assert "--grid auto chose" in capsys.readouterr().out
     # Under a launcher there is no way to calibrate first: a profile is required.
@@ -210,3 +212,46 @@ def test_workload_recorded_from_a_module():
     # A width that no grid axis of 4 divides is excluded with the layer's name.
     odd = ModuleWorkload.record(torch.nn.Linear(30, 6), torch.zeros(8, 30))
     assert "Linear0 (30 -> 6) does not divide the grid" in predict(odd, dict(x=1, y=4, z=1, data=1), machine).excluded
+
+
+def test_overlap_hides_communication_only_behind_compute():
+    """The full model with overlap: nothing hidden without compute; with ample compute only
+    what cannot overlap stays exposed (forward all-reduces, norm and loss collectives, the
+    first gather, the last reduce-scatter and bucket); every added switch hides more, never
+    less; and Overlap.none() is the synchronous prediction."""
+    from itertools import combinations
+
+    from par4d.overlap import NAMES, Overlap
+    from par4d.plan.model import ROLES, exposed_comm, layer_terms
+
+    spec = GPTSpec("t", n_layer=2, hidden=64, heads=4, seq_len=32, global_batch=8, vocab=256)
+    for sizes in (dict(x=2, y=1, z=2, data=1), dict(x=1, y=1, z=2, data=2), dict(x=2, y=2, z=2, data=2)):
+        sync = predict(spec, sizes, NODE4, "full", compute_seconds=1.0)
+        assert sync.t_exposed is None and sync.t_iter == pytest.approx(1.0 + sync.t_comm)
+        none = predict(spec, sizes, NODE4, "full", compute_seconds=1.0, overlap=Overlap.none())
+        assert none.t_exposed == pytest.approx(sync.t_comm)
+        idle = predict(spec, sizes, NODE4, "full", compute_seconds=0.0, overlap=Overlap())
+        assert idle.t_exposed == pytest.approx(idle.t_comm)            # nothing to hide behind
+        previous = sync.t_comm
+        for count in range(1, len(NAMES) + 1):                         # none < oar < +ors < ... (Fig. 3's order)
+            names = NAMES[:count]
+            pred = predict(spec, sizes, NODE4, "full", compute_seconds=1.0, overlap=Overlap.parse(",".join(names)))
+            assert pred.t_exposed <= previous + 1e-15, (sizes, names)
+            previous = pred.t_exposed
+        for r in range(len(NAMES) + 1):
+            for names in combinations(NAMES, r):
+                settings = Overlap.parse(",".join(names)) if names else Overlap.none()
+                pred = predict(spec, sizes, NODE4, "full", compute_seconds=1.0, overlap=settings)
+                assert previous - 1e-15 <= pred.t_exposed <= sync.t_comm + 1e-15, (sizes, names)
+
+    # Ample compute: exactly what cannot overlap, by hand from the per-role terms.
+    sizes = dict(x=2, y=1, z=2, data=2)
+    beta = bandwidths(sizes, NODE4, aware=True)
+    roles = {r: 0.0 for r in ROLES}
+    for layer in spec.layers():
+        for (_, role), t in layer_terms(layer, sizes, beta, 1, NODE4.latency, NODE4, False).items():
+            roles[role] += t
+    gathers = sum(layer.count for layer in spec.layers())
+    exposed = exposed_comm(roles, 1e6, Overlap(), gathers, buckets=2, checkpointing=False)
+    assert exposed == pytest.approx(roles["forward"] + roles["backward"] + roles["gather"] / gathers
+                                    + roles["reduce_scatter"] / gathers + roles["sync"] / 2)

@@ -38,8 +38,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-checkpointing", action="store_true", help="model runs without activation checkpointing")
     p.add_argument("--variant", choices=VARIANTS, default="full", help="model used for the ranking")
     p.add_argument("--train-tokens", type=float, default=None, help="also estimate days to train on N tokens")
+    p.add_argument("--overlap", default="all", metavar="all|none|LIST",
+                   help="overlaps the full model assumes, and validate measures with (default all)")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--json", action="store_true", help="one JSON object per configuration")
+
+
+def _overlap(args: argparse.Namespace):
+    from par4d.overlap import Overlap
+
+    return Overlap.parse(args.overlap)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,7 +66,9 @@ def run(args: argparse.Namespace) -> int:
         machine = replace(machine, devices_per_node=args.gpus_per_node)
     spec = gpt_spec(args.model).with_batch(args.batch_tokens // args.seq_len, args.seq_len)
     checkpointing = not args.no_checkpointing
-    ranked, excluded = rank_configurations(spec, args.gpus, machine, args.variant, checkpointing)
+    overlap = _overlap(args)
+    ranked, excluded = rank_configurations(spec, args.gpus, machine, args.variant, checkpointing,
+                                           overlap if overlap.names else None)
     if args.json:
         for position, pred in enumerate(ranked, 1):
             print(json.dumps({"rank": position, **pred.row(), **_days(pred, spec, args)}))
@@ -68,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"{spec.name}: {spec.params() / 1e9:.1f}B parameters, batch {spec.tokens:,} tokens "
           f"({spec.global_batch} x {spec.seq_len}), {args.gpus} x {machine.name} "
           f"({machine.devices_per_node} per node), model '{args.variant}', "
-          f"activation checkpointing {'on' if checkpointing else 'off'}")
+          f"activation checkpointing {'on' if checkpointing else 'off'}, overlap {overlap.describe()}")
     header = (f"{'#':>3}  {'x':>4} {'y':>4} {'z':>4} {'data':>5}  {'t_x':>8} {'t_y':>8} {'t_z':>8} {'t_data':>8}"
               f"  {'comm s':>8} {'compute s':>9} {'iter s':>8}  {'mem GB':>7} {'% peak':>6}")
     print(header)
@@ -132,7 +142,8 @@ def _validate(args: argparse.Namespace) -> int:
         machine = load_machine(args.machine)
     if args.gpus_per_node is not None:
         machine = replace(machine, devices_per_node=args.gpus_per_node)
+    overlap = _overlap(args)   # parsed before anything is measured
     measured, scores = validate(args.nproc, machine, args.iters, Path(args.plot) if args.plot else None, cluster,
-                                args.passes)
+                                args.passes, overlap)
     print(report(measured, scores, args.json))
     return 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from par4d.overlap import Overlap
 from par4d.plan.machines import load_machine
 from par4d.plan.model import rank_configurations
 from par4d.plan.workload import GPTSpec
@@ -55,7 +56,9 @@ def planned_grid(world: int, *, machine: str | None, inside: bool, n_layer: int,
         profile, peak = calibration["machine"], calibration["peak_total"]
     spec = GPTSpec("train", n_layer=n_layer, hidden=n_embd, heads=n_head, seq_len=seq_len, global_batch=batch_size,
                    vocab=VOCAB_BYTES)
-    ranked, excluded = rank_configurations(spec, world, profile, "full", checkpointing=False)
+    # par4d train's default: every overlap but the cache (it runs without recomputation by default)
+    ranked, excluded = rank_configurations(spec, world, profile, "full", checkpointing=False,
+                                           overlap=Overlap.parse("oar,ors,oag,dp"))
     if not ranked:
         reasons = "; ".join(sorted({p.excluded for p in excluded}))
         raise ValueError(f"--grid auto: no grid of {world} ranks runs this model ({reasons})")

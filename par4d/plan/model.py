@@ -8,15 +8,18 @@ Three variants rank configurations:
 * ``full``: ``aware`` + a latency term per collective step, the collectives of the
   non-matmul layers (norm statistics, vocabulary-parallel loss, embeddings, bias
   gradients), compute time (FLOPs over peak x efficiency, with the attention work
-  that is replicated over y counted where it runs), and memory per device. The
-  overlap optimizations are not implemented yet, so the model predicts the
-  synchronous path: ``t_iter = t_compute + t_comm``.
+  that is replicated over y counted where it runs), and memory per device:
+  ``t_iter = t_compute + t_comm`` for the synchronous path, and with overlap
+  settings ``t_iter = t_compute + t_exposed``: each overlapped collective hidden
+  behind the compute it overlaps with (:func:`exposed_comm`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+from par4d.overlap import Overlap
 from par4d.plan.machines import Machine
 from par4d.plan.workload import GPTSpec, Layer, ModuleWorkload
 
@@ -63,11 +66,20 @@ def bandwidths(sizes: dict[str, int], machine: Machine, aware: bool) -> dict[str
     return out
 
 
-def layer_comm(layer: Layer, sizes: dict[str, int], beta: dict[str, float], bytes_per_element: int,
-               latency: float = 0.0, machine: Machine | None = None, data_ar: bool = True) -> dict[str, float]:
-    """Eqs 4-8 for one layer (times ``layer.count``), per axis. A transposed layer swaps
-    x and y (sizes and bandwidths). With ``machine``, all-gather and reduce-scatter use
-    its measured bandwidth scales; ``data_ar=False`` leaves Eq 8 out (the full model
+ROLES = ("gather", "forward", "input_grad", "reduce_scatter", "backward", "sync")
+"""Where a collective sits in an iteration, which decides what it can hide behind:
+``gather`` (Ŵ's z all-gather: OAG, behind forward compute), ``forward`` (never hidden),
+``input_grad`` (dL/dI's all-reduce: OAR, behind the weight-gradient matmul),
+``reduce_scatter`` (dŴ's: ORS, behind the rest of backward), ``backward`` (never
+hidden), ``sync`` (the data-parallel sums: behind backward with the dp overlap)."""
+
+
+def layer_terms(layer: Layer, sizes: dict[str, int], beta: dict[str, float], bytes_per_element: int,
+                latency: float = 0.0, machine: Machine | None = None,
+                data_ar: bool = True) -> dict[tuple[str, str], float]:
+    """Eqs 4-8 for one layer (times ``layer.count``), per (axis, role). A transposed layer
+    swaps x and y (sizes and bandwidths). With ``machine``, all-gather and reduce-scatter
+    use its measured bandwidth scales; ``data_ar=False`` leaves Eq 8 out (the full model
     counts par4d's bucketed data all-reduce once per iteration instead)."""
     ag = machine.all_gather_scale if machine else 1.0
     rs = machine.reduce_scatter_scale if machine else 1.0
@@ -77,17 +89,70 @@ def layer_comm(layer: Layer, sizes: dict[str, int], beta: dict[str, float], byte
     b, k, n = bytes_per_element, layer.k, layer.n
     m = layer.m / gd                                                # rows of one data-parallel replica
     times = {
-        ("z", "AG"): ring_time("all_gather", gz, k * n / (gx * gy * gz) * b, beta["z"] * ag, latency),
-        ("z", "RS"): ring_time("reduce_scatter", gz, k * n / (gx * gy) * b, beta["z"] * rs, latency),
-        (in_axis, "AR"): ring_time("all_reduce", g_in, m * n / (gz * g_out) * b, beta[in_axis], latency),
-        (out_axis, "AR"): ring_time("all_reduce", g_out, m * k / (gz * g_in) * b, beta[out_axis], latency),
-        ("data", "AR"): ring_time("all_reduce", gd, k * n / (gx * gy * gz) * b, beta["data"], latency)
+        ("z", "gather"): ring_time("all_gather", gz, k * n / (gx * gy * gz) * b, beta["z"] * ag, latency),
+        ("z", "reduce_scatter"): ring_time("reduce_scatter", gz, k * n / (gx * gy) * b, beta["z"] * rs, latency),
+        (in_axis, "forward"): ring_time("all_reduce", g_in, m * n / (gz * g_out) * b, beta[in_axis], latency),
+        (out_axis, "input_grad"): ring_time("all_reduce", g_out, m * k / (gz * g_in) * b, beta[out_axis], latency),
+        ("data", "sync"): ring_time("all_reduce", gd, k * n / (gx * gy * gz) * b, beta["data"], latency)
         if data_ar else 0.0,
     }
+    return {key: t * layer.count for key, t in times.items()}
+
+
+def layer_comm(layer: Layer, sizes: dict[str, int], beta: dict[str, float], bytes_per_element: int,
+               latency: float = 0.0, machine: Machine | None = None, data_ar: bool = True) -> dict[str, float]:
+    """:func:`layer_terms` summed per axis."""
     per_axis = {a: 0.0 for a in AXES4}
-    for (axis, _), t in times.items():
-        per_axis[axis] += t * layer.count
+    for (axis, _), t in layer_terms(layer, sizes, beta, bytes_per_element, latency, machine, data_ar).items():
+        per_axis[axis] += t
     return per_axis
+
+
+def exposed_comm(roles: dict[str, float], t_compute: float, overlap: Overlap | None, gathers: int,
+                 buckets: int, checkpointing: bool) -> float:
+    """Seconds of communication an iteration waits for, given its time per role (:data:`ROLES`).
+
+    Synchronous (``overlap`` None or all off): every second. Overlapped, hidden behind the
+    compute it overlaps with, not summed (Section IV of the 4D paper; par4d's dp overlap):
+    forward compute (a third of the step's, a quarter with recomputation) hides the
+    prefetched gathers but the first; backward compute hides the input-gradient
+    all-reduces (OAR: at most the weight-gradient half of it), the deferred reduce-scatters
+    (ORS: all but the last layer's), the data-parallel buckets (all but the last) and,
+    under recomputation, the recomputed gathers (none with the cache). What does not fit
+    in the compute it overlaps with stays exposed.
+    """
+    on = overlap.names if overlap is not None else ()
+    gather, rs, sync, grad_in = roles["gather"], roles["reduce_scatter"], roles["sync"], roles["input_grad"]
+    regather = 0.0 if (not checkpointing or "cache" in on) else gather
+    t_forward = t_compute / (4 if checkpointing else 3)
+    t_backward = t_compute - t_forward
+    exposed = roles["forward"] + roles["backward"]
+    if "oag" in on and gathers:
+        exposed += gather / gathers + max(0.0, gather * (1 - 1 / gathers) - t_forward)
+    else:
+        exposed += gather
+    hideable, tails = 0.0, 0.0
+    if "oar" in on:
+        hidden = min(grad_in, t_backward / 2)
+        exposed += grad_in - hidden
+        hideable += hidden
+    else:
+        exposed += grad_in
+    if "ors" in on and gathers:
+        hideable += rs * (1 - 1 / gathers)
+        tails += rs / gathers
+    else:
+        exposed += rs
+    if "dp" in on and buckets:
+        hideable += sync * (1 - 1 / buckets)
+        tails += sync / buckets
+    else:
+        exposed += sync
+    if "oag" in on:
+        hideable += regather
+    else:
+        exposed += regather
+    return exposed + tails + max(0.0, hideable - t_backward)
 
 
 @dataclass
@@ -98,6 +163,7 @@ class Prediction:
     t_comm_axes: dict[str, float] = field(default_factory=dict)
     t_comm: float = 0.0
     t_compute: float = 0.0
+    t_exposed: float | None = None   # communication not hidden by overlap (None: synchronous, all of t_comm)
     t_iter: float = 0.0
     mem_bytes: float = 0.0
     percent_of_peak: float = 0.0
@@ -109,8 +175,18 @@ class Prediction:
     def row(self) -> dict:
         return {**self.sizes, "fits": self.fits, "excluded": self.excluded, "t_comm": self.t_comm,
                 **{f"t_comm_{a}": self.t_comm_axes.get(a, 0.0) for a in AXES4},
-                "t_compute": self.t_compute, "t_iter": self.t_iter, "mem_bytes": self.mem_bytes,
+                "t_compute": self.t_compute, "t_exposed": self.t_exposed, "t_iter": self.t_iter,
+                "mem_bytes": self.mem_bytes,
                 "percent_of_peak": self.percent_of_peak}
+
+
+def _extra_role(kind: str, axes: tuple[str, ...]) -> str:
+    """The role of one of :meth:`GPTSpec.extra_collectives`: the gradient sums over data (and
+    z) are the data-parallel sync; the rest (norm statistics, loss, embedding gather and
+    reduce-scatter) run where the layers need them, never overlapped."""
+    if kind == "all_reduce" and "data" in axes:
+        return "sync"
+    return "forward" if kind == "all_gather" or axes == ("x",) else "backward"
 
 
 def factorizations(world: int) -> list[dict[str, int]]:
@@ -125,10 +201,12 @@ def factorizations(world: int) -> list[dict[str, int]]:
 
 
 def predict(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Machine, variant: str = "full",
-            checkpointing: bool = False, compute_seconds: float | None = None) -> Prediction:
+            checkpointing: bool = False, compute_seconds: float | None = None,
+            overlap: Overlap | None = None) -> Prediction:
     """Time and memory of one iteration of ``spec`` on grid ``sizes``. The full model
     takes its compute time from ``compute_seconds`` when given (profiled on this
-    machine, plan/profile.py), else from FLOPs over peak x efficiency."""
+    machine, plan/profile.py), else from FLOPs over peak x efficiency; with ``overlap``
+    it counts only the communication left exposed (:func:`exposed_comm`)."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown model variant {variant!r}; valid: {', '.join(VARIANTS)}")
     if compute_seconds is not None and variant != "full":
@@ -143,9 +221,14 @@ def predict(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Mach
     b = machine.bytes_per_element
     full = variant == "full"
     axes = {a: 0.0 for a in AXES4}
+    roles = {r: 0.0 for r in ROLES}
+    gathers = 0
     for layer in spec.layers():
-        for axis, t in layer_comm(layer, sizes, beta, b, latency, machine if full else None, not full).items():
+        for (axis, role), t in layer_terms(layer, sizes, beta, b, latency, machine if full else None, not full).items():
             axes[axis] += t
+            roles[role] += t
+        gathers += layer.count if sizes["z"] > 1 else 0
+    grad_bytes = 0.0
     if full:
         scale = {"all_reduce": 1.0, "all_gather": machine.all_gather_scale,
                  "reduce_scatter": machine.reduce_scatter_scale}
@@ -157,7 +240,11 @@ def predict(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Mach
             for axis in axis_group:
                 ranks *= sizes[axis]
             slowest = min(beta[a] for a in axis_group) * scale[kind]
-            axes[axis_group[-1]] += ring_time(kind, ranks, elements * b, slowest, latency) * count
+            t = ring_time(kind, ranks, elements * b, slowest, latency) * count
+            axes[axis_group[-1]] += t
+            roles[_extra_role(kind, axis_group)] += t
+            if "data" in axis_group and kind == "all_reduce" and ranks > 1:
+                grad_bytes += elements * b
     pred.t_comm_axes = axes
     pred.t_comm = sum(axes.values())
     world = sizes["x"] * sizes["y"] * sizes["z"] * sizes["data"]
@@ -174,15 +261,21 @@ def predict(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Mach
             pred.excluded = (f"needs {pred.mem_bytes / 1e9:.1f} GB per device, "
                              f"{machine.name} has {machine.memory_bytes / 1e9:.0f} GB")
     pred.t_iter = pred.t_compute + pred.t_comm
+    if full and overlap is not None:
+        buckets = math.ceil(grad_bytes / overlap.bucket_bytes) + (1 if grad_bytes > 2**20 else 0)
+        pred.t_exposed = exposed_comm(roles, pred.t_compute, overlap, gathers, buckets, checkpointing)
+        pred.t_iter = pred.t_compute + pred.t_exposed
     if pred.t_iter > 0:
         pred.percent_of_peak = 100 * flops / (pred.t_iter * world * machine.peak_flops)
     return pred
 
 
 def rank_configurations(spec: GPTSpec | ModuleWorkload, world: int, machine: Machine, variant: str = "full",
-                        checkpointing: bool = False) -> tuple[list[Prediction], list[Prediction]]:
+                        checkpointing: bool = False,
+                        overlap: Overlap | None = None) -> tuple[list[Prediction], list[Prediction]]:
     """(configurations that fit, ranked by predicted time; the excluded ones)."""
-    preds = [predict(spec, sizes, machine, variant, checkpointing) for sizes in factorizations(world)]
+    preds = [predict(spec, sizes, machine, variant, checkpointing, overlap=overlap if variant == "full" else None)
+             for sizes in factorizations(world)]
     fitting = sorted((p for p in preds if p.fits),
                      key=lambda p: (p.ranking_time(variant), p.sizes["x"], p.sizes["y"], p.sizes["z"]))
     return fitting, [p for p in preds if not p.fits]

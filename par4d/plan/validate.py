@@ -10,9 +10,10 @@ communication time (as the paper does), the full models by iteration time.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from par4d.overlap import Overlap
 from par4d.plan.machines import Machine
 from par4d.plan.model import VARIANTS, predict
 from par4d.plan.workload import MEASURED as SPEC  # the measured workload (plan/measure.py)
@@ -22,6 +23,7 @@ from par4d.plan.workload import MEASURED as SPEC  # the measured workload (plan/
 class MeasureSettings:
     nproc: int
     iters: int
+    overlap: Overlap = field(default_factory=Overlap)
 
 
 def kendall_tau(a: list[float], b: list[float]) -> float:
@@ -61,16 +63,19 @@ class Score:
     predicted: list[float]
 
 
-def score(measured: list[dict], machine: Machine) -> list[Score]:
+def score(measured: list[dict], machine: Machine, overlap: Overlap | None = None) -> list[Score]:
     """``measured``: rows with ``sizes`` and ``s_per_iter``, and ``compute_s`` (profiled
-    compute) to score the full model with profiled compute too, as ``full-profiled``."""
+    compute) to score the full model with profiled compute too, as ``full-profiled``.
+    ``overlap``: the settings the rows were measured with (the full models count only the
+    communication they leave exposed; None: synchronous)."""
     times = [row["s_per_iter"] for row in measured]
     scores = []
     profiled = all("compute_s" in row for row in measured)
     for name in VARIANTS + (("full-profiled",) if profiled else ()):
         variant = "full" if name == "full-profiled" else name
         preds = [predict(SPEC, row["sizes"], machine, variant, checkpointing=False,
-                         compute_seconds=row["compute_s"] if name == "full-profiled" else None) for row in measured]
+                         compute_seconds=row["compute_s"] if name == "full-profiled" else None,
+                         overlap=overlap if variant == "full" else None) for row in measured]
         excluded = [(p.sizes, p.excluded) for p in preds if not p.fits]
         if excluded:
             raise ValueError(f"the '{name}' model excludes measured configurations: {excluded} "
@@ -99,7 +104,7 @@ def _measure_worker(settings, shapes: list[dict[str, int]], passes: int) -> list
     # not every pass of one grid.
     for _ in range(passes):
         for i, sizes in enumerate(shapes):
-            times[i].append(statistics.median(time_grid(sizes, settings.iters)[0]))
+            times[i].append(statistics.median(time_grid(sizes, settings.iters, overlap=settings.overlap)[0]))
     dist.destroy_process_group()
     return [{"sizes": sizes, "s_per_iter": statistics.median(t), "passes": t} for sizes, t in zip(shapes, times)]
 
@@ -115,9 +120,11 @@ def repeatability(measured: list[dict]) -> float | None:
 
 
 def validate(nproc: int, machine: Machine, iters: int, plot: Path | None,
-             cluster=None, passes: int = 1) -> tuple[list[dict], list[Score]]:
+             cluster=None, passes: int = 1, overlap: Overlap | None = None) -> tuple[list[dict], list[Score]]:
     """Measure on ``nproc`` local ranks, or on an emulated ``cluster`` (ClusterSpec),
-    every grid ``passes`` times (round robin; each grid's time is its median)."""
+    every grid ``passes`` times (round robin; each grid's time is its median), with
+    ``overlap`` (default ``Overlap()``: every overlap on; ``Overlap.none()``: synchronous)."""
+    overlap = Overlap() if overlap is None else overlap
     if passes < 1:
         raise ValueError(f"passes must be >= 1, got {passes}")
     from par4d.launch import launch_local
@@ -126,7 +133,7 @@ def validate(nproc: int, machine: Machine, iters: int, plot: Path | None,
     world = cluster.world_size if cluster is not None else nproc
     shapes = grids(world)
     compute = _profiled_compute(shapes, world)     # first: a failure here costs seconds, not the measurement
-    args = (MeasureSettings(world, iters), shapes, passes)
+    args = (MeasureSettings(world, iters, overlap), shapes, passes)
     if cluster is None:
         measured = launch_local(nproc, _measure_worker, args, run_id="par4d-validate")[0]
         title = f"--nproc {nproc}"
@@ -137,7 +144,7 @@ def validate(nproc: int, machine: Machine, iters: int, plot: Path | None,
         title = f"--nodes {cluster.nodes} --nproc {cluster.ranks_per_node} --link {cluster.link}"
     for row, seconds in zip(measured, compute):
         row["compute_s"] = seconds
-    scores = score(measured, machine)
+    scores = score(measured, machine, overlap if overlap.names else None)
     if plot is not None:
         _plot(measured, scores, plot, title)
     return measured, scores
