@@ -85,7 +85,9 @@ def test_repeatability_and_report_of_several_passes():
     text = report(measured, score(measured, machine), as_json=False)
     assert "| 1 1 1 4 | 0.100 | 0.100 0.110 0.100 |" in text and "Pass against pass: mean τ 0.56" in text
     import json
-    rows = [json.loads(line) for line in report(measured, score(measured, machine), as_json=True).splitlines()]
+    lines = [json.loads(line) for line in report(measured, score(measured, machine), as_json=True).splitlines()]
+    grid_rows, rows = [r for r in lines if "grid" in r], [r for r in lines if "model" in r]
+    assert [r["grid"] for r in grid_rows] == grids and set(grid_rows[0]["predicted_s"]) == {"agnostic", "aware", "full"}
     assert [r["model"] for r in rows] == ["agnostic", "aware", "full"]
     assert all(r["passes"] == 3 and r["kendall_tau_between_passes"] == pytest.approx(5 / 9) for r in rows)
 

@@ -192,12 +192,15 @@ def _plot(measured: list[dict], scores: list[Score], path: Path, title: str) -> 
 def report(measured: list[dict], scores: list[Score], as_json: bool) -> str:
     between = repeatability(measured)
     if as_json:
-        return "\n".join(json.dumps({"model": s.model, "kendall_tau": s.kendall_tau,
+        grids = [json.dumps({"grid": row["sizes"], "s_per_iter": row["s_per_iter"],
+                             "predicted_s": {s.model: s.predicted[i] for s in scores}})
+                 for i, row in enumerate(measured)]
+        return "\n".join(grids + [json.dumps({"model": s.model, "kendall_tau": s.kendall_tau,
                                      "measured_rank_of_predicted_best": s.measured_rank_of_predicted_best,
                                      "predicted_rank_of_measured_best": s.predicted_rank_of_measured_best,
                                      "configurations": len(measured),
                                      "passes": len(measured[0].get("passes", [1])),
-                                     "kendall_tau_between_passes": between}) for s in scores)
+                                     "kendall_tau_between_passes": between}) for s in scores])
     multi = between is not None
     head = "| grid (x y z data) | measured s/iter | " + ("passes (s) | " if multi else "")
     lines = [head + " | ".join(f"{s.model} (s)" for s in scores) + " |",
