@@ -87,3 +87,26 @@ def test_tp_attention_split_over_ranks_equals_the_twins(tp):
 def test_tp_attention_refuses_heads_that_do_not_divide():
     with pytest.raises(ValueError, match="TP over 3 ranks does not divide 4 attention heads"):
         TPAttention(ReferenceGPT(CONFIG).blocks[0].attn, 3)
+
+
+def test_ddp_with_and_without_sync_are_timed_in_turns(monkeypatch):
+    """Each step's times are its own, whatever WARMUP's parity: the exposed-comm difference relies on it."""
+    log: list[str] = []
+
+    def fake_time_iterations(step, iters):
+        for _ in range(peers.WARMUP + iters):
+            step()
+        return [{"sync": 1.0, "local": 2.0}[name] for name in log[peers.WARMUP:]]
+
+    monkeypatch.setattr(peers, "time_iterations", fake_time_iterations)
+    sync, local = peers._in_turns([lambda: log.append("sync"), lambda: log.append("local")], 3)
+    assert (sync, local) == ([1.0] * 3, [2.0] * 3)
+
+
+def test_throughput_is_recounted_for_the_workloads_tokens():
+    from par4d.bench.grid import _row as grid_row
+
+    row = peers._for_workload(grid_row("par4d", {}, [0.5], 0, 1e9, "ledger"), peers.Workload("comm-bound", 4, 32), 1e9)
+    assert row["tokens_per_s"] == pytest.approx(4 * 32 / 0.5)
+    assert (row["workload"], row["global_batch"], row["seq_len"]) == ("comm-bound", 4, 32)
+    assert [w.name for w in peers.workloads(4)] == ["demo", "comm-bound"]

@@ -12,22 +12,29 @@ a row's s/iter over the fastest torch row's of the same workload.
 Two workloads, both always run:
 
 * ``demo``: par4d's demo batch (``BATCH`` = 32 sequences of 128 tokens, ``CONFIG``).
-* ``comm-bound``: one 128-token sequence per rank (global batch = world size), the
-  smallest batch that still gives every DDP rank a block of its own. The per-rank
-  compute shrinks 32/world-fold while DDP's all-reduce stays the model's 3.5 MB of
-  gradients, so its exposed communication becomes a large share of the step: measured
-  on 4 local CPU ranks (2 cores, gloo), 0.40 of DDP's iteration (0.18 on the demo batch);
-  an emulated 1 Gbit/s link between nodes only adds to it. Every run measures it again:
-  DDP's ``exposed_comm_s`` is its s/iter minus that of the same step under ``no_sync()``,
-  and the text output says so when it falls below a third.
+* ``comm-bound``: one sequence of 32 tokens per rank (global batch: world size x 32).
+  DDP's exposed all-reduce (the model's 3.5 MB of gradients) does not shrink with the batch,
+  and at this model size the step's compute hardly does either (per-step overheads dominate),
+  so the batch was chosen by measurement: DDP on 4 local ranks of a 2-core machine (gloo),
+  steps with and without sync in turns (8-15 each), exposed 0.01-0.03 s per step. Its share of
+  the step with one sequence per rank, over several runs: 0.20-0.39 at 32 tokens, 0.22-0.31
+  at 64, 0.07-0.23 at 128 (0.04-0.18 on the demo batch); 16 tokens gave no more (0.38, once).
+  32 tokens gives the largest share, but a third only in some runs (0.35, 0.39): on this
+  machine the target is not met reliably, and other jobs on the cores push the share down.
+  An emulated 1 Gbit/s link between nodes only adds to it. Every run measures it again
+  (DDP's ``exposed_comm_s``: its s/iter minus that of the same step under ``no_sync()``),
+  and the text output says when it falls below a third.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -41,7 +48,7 @@ from par4d.launch import distributed_env, join, launch_local
 from par4d.layout import block
 from par4d.models import ReferenceGPT
 from par4d.perf import cpu_cores, measure_matmul_peak, threads_per_rank
-from par4d.plan.measure import BATCH, CONFIG, batch, grids, time_grid, time_iterations
+from par4d.plan.measure import BATCH, CONFIG, WARMUP, batch, grids, time_grid, time_iterations
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -49,6 +56,7 @@ if TYPE_CHECKING:
 PEERS = ("ddp", "fsdp", "hsdp", "tp")
 NAMES = {"ddp": "torch DDP", "fsdp": "torch FSDP2", "hsdp": "torch HSDP", "tp": "torch FSDP2+TP"}
 COMM_BOUND_SHARE = 1 / 3   # DDP's exposed all-reduce share the comm-bound batch is meant to reach
+COMM_BOUND_SEQ_LEN = 32    # tokens per sequence of the comm-bound batch (one sequence per rank): module docstring
 
 
 @dataclass(frozen=True)
@@ -63,9 +71,21 @@ class PeersSettings:
         return self.nproc * (self.nodes or 1)
 
 
-def workloads(world: int) -> list[tuple[str, int]]:
-    """(name, global batch in sequences) of both workloads on ``world`` ranks."""
-    return [("demo", BATCH), ("comm-bound", world)]
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    sequences: int          # global batch
+    seq_len: int            # tokens per sequence
+
+    @property
+    def tokens(self) -> int:
+        return self.sequences * self.seq_len
+
+
+
+def workloads(world: int) -> list[Workload]:
+    """Both workloads on ``world`` ranks (see the module docstring for how comm-bound's batch was chosen)."""
+    return [Workload("demo", BATCH, CONFIG.block_size), Workload("comm-bound", world, COMM_BOUND_SEQ_LEN)]
 
 
 def hsdp_shape(nproc: int, nodes: int | None) -> tuple[int, int]:
@@ -92,12 +112,12 @@ def validate(nproc: int, nodes: int | None, iters: int) -> None:
     if CONFIG.n_head % tp:
         raise ValueError(f"FSDP2+TP: TP over {tp} ranks (the ranks of a node) does not divide the model's "
                          f"{CONFIG.n_head} attention heads")
-    for name, size in workloads(world):
-        if size % world:
-            raise ValueError(f"the {name} batch of {size} sequences does not divide over {world} ranks")
-        if not grids(world, batch=size):
+    for w in workloads(world):
+        if w.sequences % world:
+            raise ValueError(f"the {w.name} batch of {w.sequences} sequences does not divide over {world} ranks")
+        if not grids(world, batch=w.sequences):
             raise ValueError(f"no par4d grid of {world} ranks divides the benchmark model {CONFIG} "
-                             f"and the {name} batch of {size} sequences")
+                             f"and the {w.name} batch of {w.sequences} sequences")
 
 
 def qkv_rows_by_rank(dim: int, tp: int) -> torch.Tensor:
@@ -218,27 +238,36 @@ def _destroy_groups(mesh: DeviceMesh) -> None:
             pass
 
 
-def _for_workload(row: dict, workload: str, batch_size: int) -> dict:
-    """``_row`` assumes the demo batch; scale its throughput to ``batch_size`` sequences."""
-    scale = batch_size / BATCH
-    row.update(workload=workload, global_batch=batch_size, tokens_per_s=row["tokens_per_s"] * scale,
-               percent_of_peak=row["percent_of_peak"] * scale)
+def _for_workload(row: dict, workload: Workload, peak_flops: float) -> dict:
+    """``_row`` assumes the demo batch; recount tokens/s and % of peak for ``workload``'s tokens
+    (attention's FLOPs per token grow with the sequence length)."""
+    tokens_per_s = row["tokens_per_s"] * workload.tokens / (BATCH * CONFIG.block_size)
+    flops_per_token = dataclasses.replace(CONFIG, block_size=workload.seq_len).flops_per_token()
+    row.update(workload=workload.name, global_batch=workload.sequences, seq_len=workload.seq_len,
+               tokens_per_s=tokens_per_s, percent_of_peak=100 * flops_per_token * tokens_per_s / peak_flops)
     return row
 
 
-def _bench_par4d(sizes: dict[str, int], workload: str, batch_size: int, settings: PeersSettings) -> dict:
-    times, per_rank = time_grid(sizes, settings.iters, batch_size)
+def _bench_par4d(sizes: dict[str, int], workload: Workload, settings: PeersSettings) -> dict:
+    times, per_rank = time_grid(sizes, settings.iters, workload.sequences, workload.seq_len)
     row = _row("par4d", sizes, times, _sum_over_ranks(per_rank), settings.peak_flops, "ledger")
-    return _for_workload(row, workload, batch_size)
+    return _for_workload(row, workload, settings.peak_flops)
 
 
-def _bench_torch(kind: str, mesh: DeviceMesh | None, workload: str, batch_size: int,
-                 settings: PeersSettings) -> dict:
+def _in_turns(steps: list[Callable[[], object]], iters: int) -> list[list[float]]:
+    """Seconds of ``iters`` calls of each of ``steps``, called in turns: a difference of their
+    medians must not pick up a slow spell of a shared machine that hit only one of them."""
+    calls = itertools.cycle(steps)
+    times = time_iterations(lambda: next(calls)(), len(steps) * iters)
+    return [[t for k, t in enumerate(times) if (WARMUP + k) % len(steps) == j] for j in range(len(steps))]
+
+
+def _bench_torch(kind: str, mesh: DeviceMesh | None, workload: Workload, settings: PeersSettings) -> dict:
     peer = _build(kind, mesh, settings)
     model = peer.model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    inputs, targets = batch(batch_size)
-    rows = block(batch_size, peer.data_parts, peer.data_index)
+    inputs, targets = batch(workload.sequences, workload.seq_len)
+    rows = block(workload.sequences, peer.data_parts, peer.data_index)
     x, y = inputs[rows], targets[rows]
 
     def step(sync: bool = True) -> None:
@@ -250,21 +279,21 @@ def _bench_torch(kind: str, mesh: DeviceMesh | None, workload: str, batch_size: 
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    times = time_iterations(step, settings.iters)
     extra: dict[str, float] = {}
     if kind == "ddp":
         # DDP's reducer all-reduces below Python: count its gradient bytes, all-reduced once per step.
         per_rank, source = sum(p.numel() * p.element_size() for p in model.parameters()), "gradient bytes"
-        local = time_iterations(lambda: step(sync=False), settings.iters)
+        times, local = _in_turns([step, lambda: step(sync=False)], settings.iters)
         exposed = statistics.median(times) - statistics.median(local)
         extra = {"exposed_comm_s": exposed, "exposed_comm_share": exposed / statistics.median(times)}
     else:
+        times = time_iterations(step, settings.iters)
         counter = _PeerBytes()   # one more, untimed iteration: the dispatch hook costs time
         with counter:
             step()
         per_rank, source = counter.bytes, "c10d dispatch"
     row = _row(peer.name, peer.sizes, times, _sum_over_ranks(per_rank), settings.peak_flops, source)
-    return _for_workload(dict(row, **extra), workload, batch_size)
+    return _for_workload(dict(row, **extra), workload, settings.peak_flops)
 
 
 def peers_worker(settings: PeersSettings) -> list[dict]:
@@ -272,17 +301,17 @@ def peers_worker(settings: PeersSettings) -> list[dict]:
     # Every rank of every (emulated) node shares this machine's cores.
     torch.set_num_threads(threads_per_rank(settings.world))
     rows = []
-    for workload, size in workloads(settings.world):
-        rows += [_bench_par4d(sizes, workload, size, settings) for sizes in grids(settings.world, batch=size)]
+    for workload in workloads(settings.world):
+        rows += [_bench_par4d(sizes, workload, settings) for sizes in grids(settings.world, batch=workload.sequences)]
     for kind in PEERS:
         # One mesh per peer for both workloads, its groups destroyed after: DTensor caches sharding decisions,
         # meshes in them included, per *equal* mesh (same shape and names), so a second mesh like the first
         # would be handed the first one's destroyed groups.
         mesh = _mesh(kind, settings)
-        rows += [_bench_torch(kind, mesh, workload, size, settings) for workload, size in workloads(settings.world)]
+        rows += [_bench_torch(kind, mesh, workload, settings) for workload in workloads(settings.world)]
         if mesh is not None:
             _destroy_groups(mesh)
-    order = [workload for workload, _ in workloads(settings.world)]
+    order = [workload.name for workload in workloads(settings.world)]
     rows.sort(key=lambda r: order.index(r["workload"]))     # stable: per workload, par4d rows, then torch's
     for row in rows:
         row["matmul_peak_gflops"] = settings.peak_flops / 1e9
@@ -360,18 +389,18 @@ def run_bench_peers(args: argparse.Namespace) -> int:
              else f"{args.nproc} local ranks")
     print(f"GPT {CONFIG.n_layer} layers x {CONFIG.n_embd} wide, {CONFIG.num_params():,} params, {where}, "
           f"median of {args.iters} iterations; matmul peak {rows[0]['matmul_peak_gflops']:.0f} GFLOP/s fp32")
-    for workload, size in workloads(settings.world):
-        mine = [r for r in rows if r["workload"] == workload]
-        print(f"\n### {workload}: global batch {size} x {CONFIG.block_size} tokens\n")
+    for w in workloads(settings.world):
+        mine = [r for r in rows if r["workload"] == w.name]
+        print(f"\n### {w.name}: global batch {w.sequences} x {w.seq_len} tokens\n")
         print(markdown(mine))
         ddp = next(r for r in mine if r["name"] == NAMES["ddp"])
         low = (f"; below {COMM_BOUND_SHARE:.0%}: not communication-bound on these ranks"
-               if workload == "comm-bound" and ddp["exposed_comm_share"] < COMM_BOUND_SHARE else "")
+               if w.name == "comm-bound" and ddp["exposed_comm_share"] < COMM_BOUND_SHARE else "")
         print(f"\nDDP's exposed all-reduce: {ddp['exposed_comm_s']:.3f} s of {ddp['s_per_iter']:.3f} s/iter "
               f"({ddp['exposed_comm_share']:.0%}{low})")
     print()
-    for workload, _ in workloads(settings.world):
-        print(summary(rows, workload))
+    for w in workloads(settings.world):
+        print(summary(rows, w.name))
     sys.stdout.flush()
     return 0
 

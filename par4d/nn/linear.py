@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from par4d import comm
 from par4d.grid import Grid
@@ -145,6 +146,8 @@ class Linear(ShardedModule):
         self.load_full_state(state)
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        if self.gemm is None and self.grid.size(self.in_axis, self.out_axis, "z") == 1:
+            return F.linear(inp, self.weight, self.bias)   # nothing to gather or sum: PyTorch's fused layer
         return _Algorithm1.apply(inp, self.weight, self.bias, self)
 
     def full_weight(self, grad: bool = False) -> torch.Tensor:

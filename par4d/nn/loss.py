@@ -8,6 +8,7 @@ axis; backward is local: ``(softmax - onehot) / tokens``.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from par4d import comm
 from par4d.grid import Grid
@@ -50,5 +51,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, grid: Grid,
                                  axis: str = "x") -> torch.Tensor:
-    """Mean cross-entropy of this rank's tokens; ``logits`` (..., V / G_axis), ``targets`` (...) global ids."""
+    """Mean cross-entropy of this rank's tokens; ``logits`` (..., V / G_axis), ``targets`` (...) global ids.
+    With the vocabulary whole on this rank (G_axis = 1), PyTorch's fused ``cross_entropy``."""
+    if grid.size(axis) == 1:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
     return _VocabParallelCrossEntropy.apply(logits, targets, grid, axis)

@@ -17,6 +17,7 @@ from par4d.grid import Grid
 from par4d.launch import init
 from par4d.layout import shard_batch
 from par4d.models import GPT, GPTConfig
+from par4d.overlap import Overlap
 from par4d.plan.model import factorizations
 from par4d.plan.workload import MEASURED
 from par4d.train.step import train_step
@@ -38,19 +39,19 @@ def grids(world: int, config: GPTConfig = CONFIG, batch: int = BATCH) -> list[di
     return shapes
 
 
-def batch(size: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
-    """The global (inputs, targets) every measurement trains on: ``size`` sequences of seeded tokens."""
+def batch(size: int = BATCH, seq_len: int = CONFIG.block_size) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global (inputs, targets) every measurement trains on: ``size`` sequences of ``seq_len`` seeded tokens."""
     gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, CONFIG.vocab_size, (size, CONFIG.block_size + 1), generator=gen)
+    tokens = torch.randint(0, CONFIG.vocab_size, (size, seq_len + 1), generator=gen)
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def training_step(grid: Grid, batch_size: int = BATCH) -> Callable[[], torch.Tensor]:
-    """One training step of the GPT on ``grid`` (forward, backward, gradient sync, AdamW)
-    on a global batch of ``batch_size`` sequences, as a function to call repeatedly."""
+def training_step(grid: Grid, batch_size: int = BATCH, seq_len: int = CONFIG.block_size) -> Callable[[], torch.Tensor]:
+    """One training step of the GPT on ``grid`` (forward, backward, gradient sync, AdamW) on a
+    global batch of ``batch_size`` sequences of ``seq_len`` tokens, as a function to call repeatedly."""
     model = GPT(CONFIG, grid=grid)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    inputs, targets = batch(batch_size)
+    inputs, targets = batch(batch_size, seq_len)
     x, y = shard_batch(grid, inputs), shard_batch(grid, targets)
     return lambda: train_step(model, optimizer, grid, model, x, y)
 
@@ -76,12 +77,13 @@ def time_iterations(step: Callable[[], object], iters: int) -> list[float]:
     return times
 
 
-def time_grid(sizes: dict[str, int], iters: int, batch_size: int = BATCH) -> tuple[list[float], float]:
+def time_grid(sizes: dict[str, int], iters: int, batch_size: int = BATCH,
+              seq_len: int = CONFIG.block_size, overlap: Overlap | None = None) -> tuple[list[float], float]:
     """Seconds of ``iters`` training steps on grid ``sizes`` (global batch of ``batch_size``
-    sequences), and the ledger bytes per step of this rank. Closes the grid: idle groups of
-    earlier grids would slow the grids measured after them."""
-    grid = init(**sizes)
-    step = training_step(grid, batch_size)
+    sequences of ``seq_len`` tokens), and the ledger bytes per step of this rank. Closes the
+    grid: idle groups of earlier grids would slow the grids measured after them."""
+    grid = init(**sizes, overlap=overlap)      # None: par4d.Overlap(), every overlap on
+    step = training_step(grid, batch_size, seq_len)
     before = grid.ledger.total_bytes()
     times = time_iterations(step, iters)
     per_rank = (grid.ledger.total_bytes() - before) / (WARMUP + iters)
