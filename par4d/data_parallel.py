@@ -86,11 +86,12 @@ class GradientSync:
         for name, param in reversed(list(model.named_parameters())):
             placement = _placement(name, param)
             if param.requires_grad:
-                grouped[placement.grad_sum].append(param)
+                # Axes of one rank add nothing: ("z", "data") at z=1 is the data group, so biases
+                # share buckets (and all-reduces) with the weights there, as in DDP.
+                grouped[tuple(a for a in placement.grad_sum if grid.size(a) > 1)].append(param)
         self.scale = 1.0 / grid.size("z", "data")
-        self.scaled_only = [p for axes, ps in grouped.items() if grid.size(*axes) == 1 for p in ps]
-        self.groups = {axes: [_Bucket(b) for b in _buckets(ps, bucket_bytes)]
-                       for axes, ps in sorted(grouped.items()) if grid.size(*axes) > 1}
+        self.scaled_only = grouped.pop((), [])
+        self.groups = {axes: [_Bucket(b) for b in _buckets(ps, bucket_bytes)] for axes, ps in sorted(grouped.items())}
         self._armed = False
         self.early_launches = 0              # buckets launched from hooks, during backward
         self._hooks: list = []
