@@ -6,10 +6,11 @@ losses, every gradient after the data-parallel sync, every parameter after 3 Ada
 steps (``torch.equal``, no tolerance). All 32 combinations on x=2,z=2; every pair of
 switches on z=2,data=2; each switch alone and all together on x=2,y=2,z=2 and
 x=2,z=2,data=2 (8 ranks). (Each collective costs ~1 ms of latency on this machine's
-gloo: the suite stays fast by covering pairs, where switches interact, on the rest.) Each run also proves the switch did something (prefetched
-gathers, cache hits, deferred reduce-scatters, buckets launched during backward), and
-the ledger's bytes are exact: overlap moves the same bytes; the cache removes exactly
-the recomputed gathers.
+gloo: the suite stays fast by covering pairs, where switches interact, on the rest.)
+Each run also proves the switch did something (prefetched gathers, cache hits,
+deferred reduce-scatters, buckets launched during backward), and the ledger's bytes
+are exact: overlap moves the same bytes; the cache removes exactly the recomputed
+gathers.
 """
 
 import itertools

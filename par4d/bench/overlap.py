@@ -144,6 +144,32 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plot(tables: dict[str, list[dict]], path: str) -> None:
+    """Stacked bars per row, one panel per configuration (title -> rows), as the paper's Fig. 3:
+    compute (the iteration minus exposed communication) and exposed communication."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(tables), figsize=(5.2 * len(tables), 3.8), squeeze=False)
+    for ax, (title, rows) in zip(axes[0], tables.items()):
+        names = [r["name"] for r in rows]
+        exposed = [r["exposed_comm_s"] for r in rows]
+        compute = [r["s_per_iter"] - e for r, e in zip(rows, exposed)]
+        ax.bar(names, compute, label="compute (and other work)", color="#4c72b0")
+        ax.bar(names, exposed, bottom=compute, label="exposed communication", color="#dd8452")
+        for i, r in enumerate(rows):
+            ax.text(i, r["s_per_iter"], f"{r['speedup']:.2f}x", ha="center", va="bottom", fontsize=8)
+        ax.set_title(title, fontsize=9)
+        ax.set_ylabel("s / iteration (median)")
+        ax.tick_params(axis="x", labelsize=8)
+    axes[0][0].legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def run_bench_overlap(args: argparse.Namespace) -> int:
     if args.iters < 1 or args.rounds < 1:
         raise ValueError(f"--iters and --rounds must be >= 1 (got {args.iters}, {args.rounds})")
@@ -174,6 +200,8 @@ def run_bench_overlap(args: argparse.Namespace) -> int:
     if args.out:
         with open(args.out, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
+    if args.plot:
+        plot({f"{rows[0]['grid']}, {where}": rows}, args.plot)
     if args.json:
         for row in rows:
             print(json.dumps(row))
@@ -186,4 +214,4 @@ def run_bench_overlap(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["ROWS", "markdown", "run_bench_overlap"]
+__all__ = ["ROWS", "markdown", "plot", "run_bench_overlap"]

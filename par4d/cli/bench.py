@@ -43,6 +43,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     overlap.add_argument("--batch-size", type=int, default=8, help="global batch, in sequences")
     overlap.add_argument("--json", action="store_true", help="one JSON object per row on stdout")
     overlap.add_argument("--out", default=None, help="also write the rows as JSON lines to this file")
+    overlap.add_argument("--plot", default=None, help="also draw the rows as stacked bars (PNG) here")
     gemm = sub.add_parser("gemm", help="gain of GEMM tuning per matmul shape and pass")
     gemm.add_argument("--json", action="store_true", help="one JSON object per row")
 

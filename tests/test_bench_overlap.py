@@ -1,0 +1,48 @@
+"""`par4d bench overlap` without launching ranks: its rows, its errors, its table and figure."""
+
+import argparse
+
+import pytest
+
+from par4d.bench.overlap import ROWS, _grid, markdown, plot, run_bench_overlap
+from par4d.overlap import NAMES
+
+
+def test_rows_add_one_switch_each_in_the_papers_order():
+    assert [name for name, _ in ROWS] == ["none", "+oar", "+ors", "+oag", "+cache", "all"]
+    assert [switches for _, switches in ROWS] == [NAMES[:i] for i in range(len(NAMES) + 1)]
+
+
+def _args(**changes) -> argparse.Namespace:
+    base = dict(nproc=4, nodes=None, link="1gbit", grid=None, iters=1, rounds=1, n_layer=4, n_embd=256, n_head=4,
+                seq_len=128, batch_size=8, prefetch=2, json=False, out=None, plot=None)
+    return argparse.Namespace(**{**base, **changes})
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(nproc=3), "bench overlap needs an even world of at least 4 ranks (x=2, z>=2); got 3"),
+    (dict(nproc=3, nodes=2), "bench overlap puts x=2 inside a node: --nproc 3 must be even"),
+    (dict(batch_size=7), "--batch-size 7 is not divisible by z * data = 2"),
+    (dict(n_head=3), "n_embd=256 is not divisible by n_head=3"),
+    (dict(iters=0), "--iters and --rounds must be >= 1 (got 0, 1)"),
+    (dict(grid="x=3"), "x=3 * y=1 * z=1 * data=1 * pipe=1 = 3 ranks, but the job has world size 4"),
+])
+def test_bad_input_is_refused_before_any_rank_starts(changes, message):
+    with pytest.raises(ValueError) as error:
+        run_bench_overlap(_args(**changes))
+    assert message in str(error.value)
+
+
+def test_default_grid_puts_x_inside_a_node_and_z_across():
+    assert _grid(4, 2) == {"x": 2, "z": 2}
+    assert _grid(8, 4) == {"x": 2, "z": 4}
+
+
+def test_table_and_figure(tmp_path):
+    rows = [{"name": name, "overlap": ",".join(s) or "none", "s_per_iter": 1.0 - 0.1 * i,
+             "exposed_comm_s": 0.5 - 0.08 * i, "in_flight_s": 0.5, "speedup": 1.0 / (1.0 - 0.1 * i),
+             "exposed_share": (0.5 - 0.08 * i) / (1.0 - 0.1 * i)} for i, (name, s) in enumerate(ROWS)]
+    table = markdown(rows)
+    assert "| all | oar,ors,oag,cache,dp | 0.500 | 2.00x | 0.100 | 20% | 0.500 |" in table
+    plot({"test": rows}, str(tmp_path / "fig.png"))
+    assert (tmp_path / "fig.png").stat().st_size > 5000
