@@ -21,7 +21,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from par4d import comm
 from par4d.grid import TENSOR_AXES, Grid
 from par4d.layout import Placement, placement_of
-from par4d.overlap import BUCKET_MB
+from par4d.overlap import BUCKET_MB, Overlap
 
 if TYPE_CHECKING:
     from par4d.nn.runtime import DeferredGrads
@@ -93,6 +93,7 @@ class GradientSync:
         self.scaled_only = grouped.pop((), [])
         self.groups = {axes: [_Bucket(b) for b in _buckets(ps, bucket_bytes)] for axes, ps in sorted(grouped.items())}
         self._armed = False
+        self.trained = tuple((id(p), p.requires_grad) for p in model.parameters())   # what the buckets hold
         self.early_launches = 0              # buckets launched from hooks, during backward
         self._hooks: list = []
         self._where: dict[int, tuple[tuple[str, ...], int]] = {}
@@ -114,7 +115,16 @@ class GradientSync:
             self.deferred.listeners.remove(self._on_deferred)
 
     def arm(self) -> None:
-        """The next backward pass is the step's only one: launch buckets as they fill."""
+        """The next backward pass is the step's only one: launch buckets as they fill, and
+        defer its reduce-scatters (ORS). State a raised backward left behind is dropped."""
+        for buckets in self.groups.values():
+            for bucket in buckets:
+                if bucket.handle is not None:
+                    bucket.handle.wait()
+                bucket.ready.clear()
+                bucket.flat, bucket.grads, bucket.handle = None, [], None
+        if self.deferred is not None:
+            self.deferred.arm()
         self._armed = self.overlap
 
     def _on_grad(self, param: torch.Tensor) -> None:
@@ -181,12 +191,17 @@ class GradientSync:
 def gradient_sync(model: nn.Module, grid: Grid) -> GradientSync:
     """The model's :class:`GradientSync`, built on first use with the model's overlap
     settings (``par4d.nn.set_overlap``) or else the grid's (``par4d.init(overlap=...)``)."""
-    settings = getattr(model, "par4d_overlap", None) or grid.overlap
+    if "par4d_overlap" in vars(model):    # set_overlap was called (None: synchronous)
+        settings = model.par4d_overlap or Overlap.none()
+    else:
+        settings = grid.overlap
     runtime = getattr(model, "par4d_runtime", None)
     sync = getattr(model, "par4d_gradient_sync", None)
     deferred = runtime.deferred if runtime is not None else None
-    wanted = (grid, settings.bucket_bytes, settings.data_parallel, deferred)
-    if sync is None or (sync.grid, sync.bucket_bytes, sync.overlap, sync.deferred) != wanted:
+    # Which parameters train is part of the buckets: unfreezing one, or replacing one, rebuilds them.
+    trained = tuple((id(p), p.requires_grad) for p in model.parameters())
+    wanted = (grid, settings.bucket_bytes, settings.data_parallel, deferred, trained)
+    if sync is None or (sync.grid, sync.bucket_bytes, sync.overlap, sync.deferred, sync.trained) != wanted:
         if sync is not None:       # the settings changed (set_overlap): rebuild the buckets and hooks
             sync.close()
         sync = GradientSync(model, grid, settings.bucket_bytes, settings.data_parallel, deferred)

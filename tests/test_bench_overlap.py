@@ -15,14 +15,14 @@ def test_rows_add_one_switch_each_in_the_papers_order():
 
 def _args(**changes) -> argparse.Namespace:
     base = dict(nproc=4, nodes=None, link="1gbit", grid=None, iters=1, rounds=1, n_layer=4, n_embd=256, n_head=4,
-                seq_len=128, batch_size=8, prefetch=2, json=False, out=None, plot=None)
+                seq_len=128, batch_size=16, prefetch=2, json=False, out=None, plot=None)
     return argparse.Namespace(**{**base, **changes})
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(nproc=3), "bench overlap needs an even world of at least 4 ranks (x=2, z>=2); got 3"),
-    (dict(nproc=3, nodes=2), "bench overlap puts x=2 inside a node: --nproc 3 must be even"),
-    (dict(batch_size=7), "--batch-size 7 is not divisible by z * data = 2"),
+    (dict(nproc=1), "bench overlap needs at least 2 ranks (z >= 2); got 1"),
+    (dict(batch_size=6), "--batch-size 6 is not divisible by z * data = 4"),
+    (dict(grid="x=2,z=2", batch_size=7), "--batch-size 7 is not divisible by z * data = 2"),
     (dict(n_head=3), "n_embd=256 is not divisible by n_head=3"),
     (dict(iters=0), "--iters and --rounds must be >= 1 (got 0, 1)"),
     (dict(grid="x=3"), "x=3 * y=1 * z=1 * data=1 * pipe=1 = 3 ranks, but the job has world size 4"),
@@ -33,9 +33,9 @@ def test_bad_input_is_refused_before_any_rank_starts(changes, message):
     assert message in str(error.value)
 
 
-def test_default_grid_puts_x_inside_a_node_and_z_across():
-    assert _grid(4, 2) == {"x": 2, "z": 2}
-    assert _grid(8, 4) == {"x": 2, "z": 4}
+def test_default_grid_puts_every_rank_on_z():
+    assert _grid(4) == {"z": 4}
+    assert _grid(8) == {"z": 8}
 
 
 def test_table_and_figure(tmp_path):

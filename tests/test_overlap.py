@@ -175,3 +175,45 @@ def test_a_model_that_changes_its_order_trains_bitwise(sizes, world, request):
     # Steps 2, 3 and 4 each change the order; a change is counted when the next forward begins.
     assert [r["order_changes"] for r in results] == [2] * world
     assert all(r["prefetched"] > 0 for r in results)   # step 1 repeats step 0's order: prefetched
+
+
+def _outside_the_step_and_after_a_failure(sizes: dict) -> dict:
+    """ORS and the dp hooks act only inside the training step: ``torch.autograd.grad`` keeps
+    autograd's meaning; a backward that raised mid-step leaves nothing behind."""
+    grid = cases.grid(**sizes)
+    gen = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.block_size + 1), generator=gen)
+    x, y = shard_batch(grid, tokens[:, :-1]), shard_batch(grid, tokens[:, 1:])
+
+    overlapped, synchronous = GPT(CONFIG, grid=grid), GPT(CONFIG, grid=grid, overlap=Overlap.none())
+    weights = [p for n, p in overlapped.named_parameters() if n.endswith("qkv.weight")]
+    got = torch.autograd.grad(overlapped(x, y), weights)
+    want = torch.autograd.grad(synchronous(x, y), [p for n, p in synchronous.named_parameters()
+                                                   if n.endswith("qkv.weight")])
+    _same("autograd.grad with every overlap on", list(got), list(want))
+    assert all(p.grad is None for p in overlapped.parameters())
+
+    def fail(grad):
+        raise RuntimeError("injected failure in backward")
+
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (overlapped, synchronous)]
+    hook = overlapped.wte.weight.register_hook(fail)       # runs late in backward: the layers have deferred
+    try:
+        train_step(overlapped, optimizers[0], grid, overlapped, x, y)
+        raise AssertionError("the injected failure did not raise")
+    except RuntimeError as error:
+        assert "injected failure" in str(error)
+    hook.remove()
+    overlapped.zero_grad(set_to_none=True)
+    runs = []
+    for model, optimizer in zip((overlapped, synchronous), optimizers):
+        losses = [train_step(model, optimizer, grid, model, x, y) for _ in range(2)]
+        runs.append({"losses": losses, "params": [p.detach().clone() for p in model.parameters()]})
+    for key in ("losses", "params"):
+        _same(f"after a failed step, {key}", runs[0][key], runs[1][key])
+    return {"deferred": overlapped.par4d_runtime.deferred.deferred}
+
+
+def test_overlap_acts_only_inside_the_step_and_survives_a_failed_backward(pool4):
+    results = pool4.run(_outside_the_step_and_after_a_failure, dict(z=2, data=2))
+    assert all(r["deferred"] > 0 for r in results)

@@ -31,7 +31,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     overlap.add_argument("--nodes", type=int, default=None,
                          help="emulated nodes (network namespaces, needs root); default: local ranks")
     overlap.add_argument("--link", default="1gbit", help="inter-node link rate per node with --nodes (tc tbf)")
-    overlap.add_argument("--grid", default=None, help="axis sizes (default: x=2 inside a node, z across nodes)")
+    overlap.add_argument("--grid", default=None, help="axis sizes (default: z = every rank, across the nodes)")
     overlap.add_argument("--prefetch", type=int, default=2, help="OAG prefetch depth, in layers (default 2: "
                                                                  "par4d.Overlap's)")
     overlap.add_argument("--iters", type=int, default=3, help="timed iterations per row and round")
@@ -40,7 +40,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     overlap.add_argument("--n-embd", type=int, default=256)
     overlap.add_argument("--n-head", type=int, default=4)
     overlap.add_argument("--seq-len", type=int, default=128)
-    overlap.add_argument("--batch-size", type=int, default=8, help="global batch, in sequences")
+    overlap.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
     overlap.add_argument("--json", action="store_true", help="one JSON object per row on stdout")
     overlap.add_argument("--out", default=None, help="also write the rows as JSON lines to this file")
     overlap.add_argument("--plot", default=None, help="also draw the rows as stacked bars (PNG) here")

@@ -72,7 +72,7 @@ class _Algorithm1(torch.autograd.Function):
         grad_w_shard = None
         if ctx.needs_input_grad[1]:
             grad_w = _mm(layer.gemm, rows_out.t(), inp.reshape(-1, inp.shape[-1]), "weight-grad")  # partial over z
-            if overlap and overlap.reduce_scatter and grid.size("z") > 1:
+            if overlap and overlap.reduce_scatter and runtime.deferred.armed and grid.size("z") > 1:
                 # ORS: autograd gets no gradient here; the runtime accumulates it after backward.
                 runtime.deferred.defer(layer.weight, comm.reduce_scatter(grid, grad_w, "z", async_op=True))
             else:
@@ -182,6 +182,10 @@ def set_overlap(model: nn.Module, settings: Overlap | None) -> nn.Module:
     if previous is not None and previous.hook is not None:
         previous.hook.remove()
     layers = [m for m in model.modules() if isinstance(m, Linear)]
+    grids = {id(layer.grid) for layer in layers}
+    if len(grids) > 1:
+        raise ValueError(f"set_overlap: the Linears of {type(model).__name__} live on {len(grids)} different grids; "
+                         f"one model's overlap runtime serves one grid")
     runtime = None
     if settings is not None and layers:
         runtime = LayerRuntime(layers[0].grid, settings)

@@ -104,11 +104,11 @@ class WeightGathers:
         return full
 
     def _gather(self, shard: torch.Tensor) -> torch.Tensor:
-        if self._mode is None:        # called outside the model's forward: no iteration to record
+        if self._mode is None or not self.prefetch:   # no iteration begun, or OAG off: nothing to record
             return comm.all_gather(self.grid, shard, "z")
         position = len(self._seen)
         self._seen.append(shard)
-        order = self._orders.get(self._mode) if self.prefetch else None
+        order = self._orders.get(self._mode)
         if order is None or self._diverged:
             return comm.all_gather(self.grid, shard, "z")
         if position >= len(order) or order[position] is not shard:
@@ -151,21 +151,37 @@ class WeightGathers:
 class DeferredGrads:
     """ORS: weight-gradient reduce-scatters waited for when the backward pass is done.
 
-    Autograd still runs the parameter's accumulation (with no gradient), so gradient
-    hooks fire before the gradient exists: :meth:`owes` tells such a hook to wait, and
-    ``listeners`` hear of the parameters once :meth:`finish` has written them.
+    Only in an armed backward (:meth:`arm`: the training step's one backward pass), so
+    ``torch.autograd.grad``, ``backward(inputs=...)`` and other backward passes keep
+    autograd's meaning. Autograd still runs the parameter's accumulation (with no
+    gradient), so gradient hooks fire before the gradient exists: :meth:`owes` tells
+    such a hook to wait, and ``listeners`` hear of the parameters once :meth:`finish`
+    has written them. A backward that raised leaves handles behind: the next
+    :meth:`arm` waits for and drops them.
     """
 
     def __init__(self) -> None:
+        self.armed = False
         self._pending: list[tuple[torch.Tensor, Handle]] = []
         self._owed: set[int] = set()
+        self._task: int | None = None     # the autograd graph task whose end runs finish()
         self.listeners: list[Callable[[list[torch.Tensor]], None]] = []
-        self.deferred = 0             # reduce-scatters deferred so far
+        self.deferred = 0                 # reduce-scatters deferred so far
+
+    def arm(self) -> None:
+        """The next backward pass is the training step's: defer its reduce-scatters."""
+        for _, handle in self._pending:    # left by a backward that raised
+            handle.wait()
+        self._pending, self._task = [], None
+        self._owed.clear()
+        self.armed = True
 
     def defer(self, param: torch.Tensor, handle: Handle) -> None:
         """Call from a backward function: ``handle``'s result is ``param``'s gradient."""
-        if not self._pending:
+        task = torch._C._current_graph_task_id()
+        if task != self._task:            # once per backward pass, at its end
             Variable._execution_engine.queue_callback(self.finish)
+            self._task = task
         self._pending.append((param, handle))
         self._owed.add(id(param))
         self.deferred += 1
@@ -176,19 +192,22 @@ class DeferredGrads:
 
     @torch.no_grad()
     def finish(self) -> None:
-        """Wait for every deferred reduce-scatter and accumulate, in the order autograd would."""
-        pending, self._pending = self._pending, []
-        done = {}
+        """Wait for every deferred reduce-scatter and accumulate as autograd would: the
+        contributions to one parameter summed in arrival order, then added to ``.grad``."""
+        pending, self._pending, self._task, self.armed = self._pending, [], None, False
+        sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for param, handle in pending:
             grad = handle.wait()
+            previous = sums.get(id(param))
+            sums[id(param)] = (param, grad if previous is None else previous[1] + grad)
+        for param, grad in sums.values():
             if param.grad is None:
                 param.grad = grad
             else:
                 param.grad += grad
-            done[id(param)] = param
         self._owed.clear()
         for listener in self.listeners:
-            listener(list(done.values()))
+            listener([param for param, _ in sums.values()])
 
 
 class LayerRuntime:
