@@ -14,6 +14,7 @@ features over ``x`` or ``y`` and replicated over the other.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -132,6 +133,54 @@ def unshard(grid: Grid, local: torch.Tensor, placement: Placement) -> torch.Tens
     return t
 
 
+@dataclass(frozen=True)
+class Box:
+    """A rectangle of a shard and where it lies in the full tensor: per full dim ``(start,
+    length)`` in ``full``, and in ``local`` the shard's start per dim it keeps (a stacked dim
+    has length 1 in the full tensor and no dim in the shard)."""
+
+    full: tuple[tuple[int, int], ...]
+    local: tuple[int | None, ...]     # per full dim: the shard's start, None for a dim the shard drops
+
+    def as_list(self) -> list:
+        return [[list(f) for f in self.full], list(self.local)]
+
+    @classmethod
+    def from_list(cls, record: list) -> Box:
+        return cls(tuple(tuple(f) for f in record[0]), tuple(record[1]))
+
+
+def boxes(placement: Placement, full_shape: tuple[int, ...], coords: dict[str, int],
+          sizes: dict[str, int]) -> list[Box]:
+    """The rectangles a shard is made of, for the rank at ``coords`` of a grid of ``sizes``:
+    one unless a split has chunks (a fused qkv's shard is three). Follows :func:`shard` on
+    one index vector per dim, never on the tensor, so it costs the dims' lengths only."""
+    dims = [(d, torch.arange(n)) for d, n in enumerate(full_shape)]   # the tensor's dims as the splits see them
+    fixed: dict[int, int] = {}
+    for s in placement.splits:
+        full_dim, index = dims[s.dim]
+        if s.stacked:
+            fixed[full_dim] = coords[s.axis]
+            del dims[s.dim]
+            continue
+        chunks = index.view(s.chunks, -1)
+        mine = block(chunks.shape[1], sizes[s.axis], coords[s.axis])
+        dims[s.dim] = (full_dim, chunks[:, mine].reshape(-1))
+    runs: dict[int, list[tuple[int, int, int]]] = {}   # full dim -> (local start, full start, length)
+    for full_dim, index in dims:
+        starts = [0] + [i for i in range(1, len(index)) if index[i] != index[i - 1] + 1]
+        ends = starts[1:] + [len(index)]
+        runs[full_dim] = [(a, int(index[a]), b - a) for a, b in zip(starts, ends)]
+    out = []
+    ordered = sorted(runs)
+    for combo in itertools.product(*(runs[d] for d in ordered)):
+        chosen = dict(zip(ordered, combo))
+        full = tuple((fixed[d], 1) if d in fixed else (chosen[d][1], chosen[d][2]) for d in range(len(full_shape)))
+        local = tuple(None if d in fixed else chosen[d][0] for d in range(len(full_shape)))
+        out.append(Box(full, local))
+    return out
+
+
 def shard_name(grid: Grid, name: str, placement: Placement) -> str:
     """``name@x1.z0``: a name that tells this rank's shard from the others' and is the
     same on ranks that hold the same piece (replicas), e.g. as a checkpoint key."""
@@ -169,5 +218,5 @@ def shard_activation(grid: Grid, tensor: torch.Tensor, axis: str) -> torch.Tenso
     return shard_features(grid, shard_batch(grid, tensor), axis)
 
 
-__all__ = ["Placement", "Split", "batch_slice", "block", "gather_features", "local_range", "place",
+__all__ = ["Box", "Placement", "Split", "batch_slice", "boxes", "block", "gather_features", "local_range", "place",
            "placement_of", "shard", "shard_activation", "shard_batch", "shard_features", "shard_name", "unshard"]

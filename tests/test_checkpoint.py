@@ -52,18 +52,85 @@ def test_checkpoint_round_trip(pool4, tmp_path, sizes):
     assert counts == [len(list(ReferenceGPT(CONFIG, init=False).parameters()))] * 4
 
 
-def _wrong_grid(folder: str):
+def _full_optimizer_state(grid, model, opt) -> dict:
+    from par4d.layout import placement_of, unshard
+
+    out = {}
+    for name, param in model.named_parameters():
+        for slot in ("exp_avg", "exp_avg_sq"):
+            out[f"{name}/{slot}"] = unshard(grid, opt.state[param][slot], placement_of(param)).clone()
+        out[f"{name}/step"] = opt.state[param]["step"].clone()
+    return out
+
+
+def _global_loss(model, grid, seed) -> float:
+    from par4d.data_parallel import global_mean
+
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, CONFIG.vocab_size, (4, CONFIG.block_size + 1), generator=gen)
+    x, y = shard_batch(grid, tokens[:, :-1]), shard_batch(grid, tokens[:, 1:])
+    with torch.no_grad():
+        return global_mean(model(x, y), grid).item()
+
+
+def _train_and_save(sizes: dict, folder: str) -> dict:
+    """Grid A: 2 steps, save, then 2 more steps; the full state at the save and the
+    continuation's losses (what grid B must reproduce)."""
     from pathlib import Path
 
-    grid = cases.grid(x=2, y=2)
+    grid = cases.grid(**sizes)
     model = GPT(CONFIG, grid=grid)
-    return checkpoint.load(Path(folder) / "x1y2z1d2", grid, model, torch.optim.AdamW(model.parameters()))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for seed in range(2):
+        _step(model, grid, opt, seed)
+    checkpoint.save(Path(folder), 2, grid, model, opt, {"note": "grid A"})
+    saved = {"model": model.reference_state(), "optim": _full_optimizer_state(grid, model, opt)}
+    losses = []
+    for seed in (7, 8):
+        _step(model, grid, opt, seed)
+        losses.append(_global_loss(model, grid, 100 + seed))
+    return {**saved, "losses": losses}
 
 
-def test_checkpoint_refuses_another_grid(pool4, tmp_path):
-    pool4.run(_round_trip, dict(x=1, y=2, z=1, data=2), str(tmp_path))
-    for message in pool4.errors(_wrong_grid, str(tmp_path), timeout=30):
-        assert "saved on grid x=1 y=2 z=1 data=2 pipe=1" in message and "x=2 y=2 z=1 data=1" in message
+def _load_elsewhere(sizes: dict, folder: str, expected: dict) -> int:
+    """Grid B: load A's checkpoint; the full model and optimizer state equal A's bit for bit
+    and training goes on as A's did, to fp32 rounding."""
+    from pathlib import Path
+
+    grid = cases.grid(**sizes)
+    model = GPT(CONFIG.__class__(**{**CONFIG.__dict__, "seed": 1}), grid=grid)   # other weights until loaded
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    assert checkpoint.load(Path(folder), grid, model, opt)["step"] == 2
+    for name, tensor in model.reference_state().items():
+        assert torch.equal(tensor, expected["model"][name]), f"{grid.describe()}: {name}"
+    for key, tensor in _full_optimizer_state(grid, model, opt).items():
+        assert torch.equal(tensor, expected["optim"][key]), f"{grid.describe()}: optimizer {key}"
+    for seed, want in zip((7, 8), expected["losses"]):
+        _step(model, grid, opt, seed)
+        got = _global_loss(model, grid, 100 + seed)
+        assert abs(got - want) <= 1e-5 * abs(want) + 1e-6, f"{grid.describe()} after step {seed}: {got} vs {want}"
+    return len(expected["model"])
+
+
+@pytest.mark.parametrize("a, b", [
+    (dict(x=2, z=2), dict(y=2, z=2)),
+    (dict(z=4), dict(x=2, data=2)),
+    (dict(data=4), dict(x=2, y=2)),
+    (dict(y=2, data=2), dict(z=2, data=2)),
+], ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
+def test_a_checkpoint_loads_at_another_grid(pool4, tmp_path, a, b):
+    expected = pool4.run(_train_and_save, a, str(tmp_path))[0]
+    counts = pool4.run(_load_elsewhere, b, str(tmp_path), expected)
+    assert counts == [len(list(ReferenceGPT(CONFIG, init=False).parameters()))] * 4
+
+
+def test_a_checkpoint_of_4_ranks_loads_on_8(pool4, pool8, tmp_path):
+    """Saved by x=2,z=2 on 4 ranks, loaded by x=2,y=2,z=2 and x=2,z=2,data=2 on 8 (and back)."""
+    expected = pool4.run(_train_and_save, dict(x=2, z=2), str(tmp_path / "four"))[0]
+    pool8.run(_load_elsewhere, dict(x=2, y=2, z=2), str(tmp_path / "four"), expected)
+    pool8.run(_load_elsewhere, dict(x=2, z=2, data=2), str(tmp_path / "four"), expected)
+    expected = pool8.run(_train_and_save, dict(x=2, y=2, z=2), str(tmp_path / "eight"))[0]
+    pool4.run(_load_elsewhere, dict(z=2, data=2), str(tmp_path / "eight"), expected)
 
 
 def _placements_recorded(sizes: dict, folder: str) -> int:

@@ -139,3 +139,17 @@ def test_bench_grid_rows_and_exact_bytes(tmp_path):
     vectors = sum(p.numel() for p in params if p.dim() == 1)
     z_only = next(r for r in par4d_rows if r["grid"] == "x=1 y=1 z=4 data=1")
     assert z_only["bytes_per_iter"] == 4 * 4 * (weights // 4 + weights + vectors)
+
+
+def test_resume_on_another_grid_and_rank_count(tmp_path):
+    """4 steps on 2 ranks (x=2), then resumed on 4 ranks at z=2,data=2 up to 6: the run goes on
+    from its checkpoint and says the grid changed (trajectories match: tests/test_checkpoint.py)."""
+    run = tmp_path / "moved"
+    _train("--nproc", "2", "--grid", "x=2", *SMALL, "--steps", "4", "--out", str(run))
+    result = _train("--nproc", "4", "--resume", str(run), "--grid", "z=2,data=2", "--steps", "6")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["grid_changed"] and summary["resumed_from"]["grid"]["x"] == 2
+    assert summary["grid"] == {"x": 1, "y": 1, "z": 2, "data": 2, "pipe": 1}
+    assert "saved on grid x=2 y=1 z=1 data=1 pipe=1: the grid changed" in result.stdout

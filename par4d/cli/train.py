@@ -29,7 +29,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help=f"total optimizer steps (default {_default('steps')}; on --resume, the saved run's)")
     p.add_argument("--out", default=None, help="run directory (default: a new folder under runs/)")
     p.add_argument("--resume", metavar="DIR", default=None,
-                   help="continue the run in DIR from its checkpoint (same grid)")
+                   help="continue the run in DIR from its checkpoint, on its grid or another one (--grid)")
     p.add_argument("--data", default=None, help="a UTF-8 text file (default: Python's bundled docs)")
     p.add_argument("--batch-size", type=int, default=_default("batch_size"), help="global batch, in sequences")
     p.add_argument("--seq-len", type=int, default=_default("seq_len"))
@@ -107,7 +107,8 @@ def _config(args: argparse.Namespace, world: int, inside: bool):
         saved = read_meta(run_dir)["train_config"]
         steps = args.steps if args.steps is not None else saved["steps"]
         grid = parse_grid(args.grid) if args.grid else saved["grid"]
-        check_resumable(run_dir, validate_sizes(grid, world), steps)
+        validate_sizes(grid, world)
+        check_resumable(run_dir, steps)
         config = TrainConfig(**dict(saved, steps=steps, out=str(run_dir), resume=True, grid=grid,
                                     progress=not args.no_progress, peak_flops=None))
     else:
@@ -145,6 +146,17 @@ def _config(args: argparse.Namespace, world: int, inside: bool):
     return config
 
 
+def _resumed(summary: dict) -> str:
+    source = summary.get("resumed_from")
+    if not source:
+        return ""
+    from par4d.grid import describe
+
+    if summary.get("grid_changed"):
+        return f"  (resumed from step {source['step']} saved on grid {describe(source['grid'])}: the grid changed)"
+    return f"  (resumed from step {source['step']}, same grid)"
+
+
 def _every(blocks: int) -> str:
     return f"every {blocks} blocks" if blocks else "none"
 
@@ -164,7 +176,7 @@ def _print_summary(summary: dict) -> None:
     rows = [
         ("grid", f"{grid}  ({summary['world_size']} ranks)"),
         ("parameters", f"{summary['params']:,}"),
-        ("steps", f"{summary['start_step']} -> {summary['steps']}"),
+        ("steps", f"{summary['start_step']} -> {summary['steps']}" + _resumed(summary)),
         ("tokens/s", f"{summary['tokens_per_s']:,.0f}"),
         ("model FLOP/s", f"{summary['model_flops_per_s'] / 1e9:.2f} GFLOP/s"),
         ("matmul peak", f"{summary['matmul_peak_flops_per_s'] / 1e9:.1f} GFLOP/s fp32 (measured at start-up)"),

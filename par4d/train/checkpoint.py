@@ -1,42 +1,58 @@
-"""Sharded checkpoints with torch.distributed.checkpoint (DCP).
+"""Sharded checkpoints that load at any grid: safetensors files and JSON, no pickle.
 
-Each rank saves its own shards under keys that name the shard's coordinates
-(``blocks.0.mlp.fc.weight@x1.y0.z1``, :func:`par4d.layout.shard_name`); copies that are
-replicated over an axis share one key, and DCP writes such a key once. ``meta.json``
-records every parameter's full shape and placement (what resharding needs). A checkpoint is a folder
-``checkpoints/step-<N>/`` (DCP files + ``meta.json``); the text file
-``checkpoints/latest`` names the newest complete one and is replaced atomically, so
-an interrupted save never loses the last good checkpoint.
+A checkpoint is a folder ``checkpoints/step-<N>/``:
+
+* ``rank-<r>.safetensors``: the pieces rank r owns: its shard of every parameter and of
+  its AdamW state, unless another rank holds the same piece (a copy replicated over an
+  axis is written once, by the replica at coordinate 0 of every axis it is copied over);
+* ``index.json``: per tensor (``model/<name>``, ``optim/<name>/<slot>``), its full shape
+  and dtype, and per piece the file, the key and the boxes (:class:`par4d.layout.Box`)
+  that say where the piece lies in the full tensor;
+* ``meta.json``: the run's settings, the step, the grid, every parameter's placement;
+* ``manifest.json``, written last: every file's size and SHA-256.
+
+Loading on any grid whose model has the same full shapes: each rank computes the boxes
+of its own shards on its grid, intersects them with the saved boxes, and reads only the
+overlapping slices (``safetensors``' lazy slices), so no rank reads the whole model. The
+text file ``checkpoints/latest`` names the newest complete checkpoint and is replaced
+atomically.
+
+Why not ``torch.distributed.checkpoint``: its default reader unpickles its ``.metadata``
+file (a crafted checkpoint runs code), and its resharding needs DTensor placements,
+which cannot express par4d's chunked splits (a fused qkv shard is three rectangles of
+the full weight) without torch's private strided sharding. Safetensors holds raw
+tensors with a JSON header, which is also what ``transformers`` reads.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import shutil
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
+import torch.distributed as dist
 import torch.nn as nn
+from safetensors import safe_open
+from safetensors.torch import save_file
 
-from par4d.grid import Grid, describe
-from par4d.layout import placement_of, shard_name
+from par4d.grid import AXES, Grid
+from par4d.layout import Box, Placement, boxes, placement_of
 from par4d.train.rank0 import on_rank0
 
 FOLDER = "checkpoints"
 ADAMW_SLOTS = ("step", "exp_avg", "exp_avg_sq")
+FORMAT = "par4d-safetensors-1"
 
 
-def _placement(name: str, param: torch.Tensor):
+def _placement(name: str, param: torch.Tensor) -> Placement:
     placement = placement_of(param)
-    if placement is None:  # a key without coordinates would be deduplicated across ranks
+    if placement is None:
         raise ValueError(f"parameter {name!r} has no placement: par4d cannot tell how it is sharded")
     return placement
-
-
-def _shard_key(grid: Grid, name: str, param: torch.Tensor) -> str:
-    return shard_name(grid, name, _placement(name, param))
 
 
 def placements(grid: Grid, model: nn.Module) -> dict[str, dict]:
@@ -48,14 +64,30 @@ def placements(grid: Grid, model: nn.Module) -> dict[str, dict]:
     return out
 
 
-def _state(grid: Grid, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    state: dict[str, torch.Tensor] = {}
+def _coords(grid: Grid) -> dict[str, int]:
+    return {a: grid.coord(a) for a in AXES}
+
+
+def _owns(grid: Grid, placement: Placement) -> bool:
+    """Whether this rank writes its piece: it is coordinate 0 of every axis the piece is copied over."""
+    return all(grid.coord(a) == 0 for a in AXES if a not in placement.sharded)
+
+
+def _tensors(grid: Grid, model: nn.Module, optimizer: torch.optim.Optimizer):
+    """(key, local tensor, placement, full shape) of the model's parameters and their AdamW state;
+    the step counter is a scalar, replicated (one full piece)."""
     for name, param in model.named_parameters():
-        key = _shard_key(grid, name, param)
-        state[f"model/{key}"] = param.data
-        for slot, value in optimizer.state.get(param, {}).items():
-            state[f"optim/{key}/{slot}"] = value
-    return state
+        placement = _placement(name, param)
+        full = placement.full_shape(tuple(param.shape), grid)
+        yield f"model/{name}", param.data, placement, full
+        for slot in ADAMW_SLOTS:
+            value = optimizer.state.get(param, {}).get(slot)
+            if value is None:
+                continue
+            if slot == "step":
+                yield f"optim/{name}/{slot}", value, Placement((), ()), ()
+            else:
+                yield f"optim/{name}/{slot}", value, placement, full
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
@@ -70,6 +102,20 @@ def _fsync_write(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _gather(value):
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, value)
+    return every
+
+
 def save(run_dir: Path, step: int, grid: Grid, model: nn.Module, optimizer: torch.optim.Optimizer,
          meta: dict) -> Path:
     """Collective: save model and optimizer shards of ``step``; returns its folder."""
@@ -81,14 +127,39 @@ def save(run_dir: Path, step: int, grid: Grid, model: nn.Module, optimizer: torc
         folder.mkdir(parents=True, exist_ok=True)
         if target.exists():  # an incomplete earlier attempt at this step: never the latest
             shutil.rmtree(target)
+        target.mkdir()
 
     on_rank0(prepare)
-    dcp.save(_state(grid, model, optimizer), checkpoint_id=str(target))
+    dist.barrier()
+    file = f"rank-{grid.rank:05d}.safetensors"
+    owned, records = {}, {}
+    for key, tensor, placement, full in _tensors(grid, model, optimizer):
+        if not _owns(grid, placement):
+            continue
+        owned[key] = tensor.detach().contiguous().cpu()
+        pieces = boxes(placement, full, _coords(grid), grid.sizes)
+        records[key] = {"shape": list(full), "dtype": str(tensor.dtype).removeprefix("torch."),
+                        "piece": {"file": file, "boxes": [b.as_list() for b in pieces]}}
+    digest = None
+    if owned:
+        save_file(owned, str(target / file))
+        digest = {"file": file, "bytes": (target / file).stat().st_size, "sha256": _sha256(target / file)}
+    every = _gather((records, digest))
     layout = placements(grid, model)
 
     def commit():
-        record = dict(meta, step=step, grid=grid.sizes, placements=layout)
-        _fsync_write(target / "meta.json", json.dumps(record, indent=2))
+        index: dict[str, dict] = {}
+        for rank_records, _ in every:
+            for key, record in rank_records.items():
+                entry = index.setdefault(key, {"shape": record["shape"], "dtype": record["dtype"], "pieces": []})
+                entry["pieces"].append(record["piece"])
+        _fsync_write(target / "index.json", json.dumps({"format": FORMAT, "tensors": index}))
+        _fsync_write(target / "meta.json", json.dumps(dict(meta, step=step, grid=grid.sizes, placements=layout),
+                                                       indent=2))
+        files = [d for _, d in every if d is not None]
+        for name in ("index.json", "meta.json"):
+            files.append({"file": name, "bytes": (target / name).stat().st_size, "sha256": _sha256(target / name)})
+        _fsync_write(target / "manifest.json", json.dumps({"format": FORMAT, "files": files}, indent=1))
         _fsync_write(folder / "latest.tmp", target.name)
         os.replace(folder / "latest.tmp", folder / "latest")
         for old in folder.glob("step-*"):
@@ -96,6 +167,7 @@ def save(run_dir: Path, step: int, grid: Grid, model: nn.Module, optimizer: torc
                 shutil.rmtree(old)
 
     on_rank0(commit)
+    dist.barrier()     # no rank returns (and perhaps loads) before the checkpoint is complete
     return target
 
 
@@ -110,29 +182,95 @@ def read_meta(run_dir: Path) -> dict:
     return json.loads((latest(run_dir) / "meta.json").read_text())
 
 
-def check_resumable(run_dir: Path, sizes: dict[str, int], steps: int | None = None) -> dict:
-    """The meta of ``run_dir``'s latest checkpoint, if a run on the grid ``sizes`` (every axis, as
-    ``validate_sizes`` returns it) can resume from it and, given ``steps``, still has steps to take."""
+def check_resumable(run_dir: Path, steps: int | None = None) -> dict:
+    """The meta of ``run_dir``'s latest checkpoint, if it is one this par4d reads and, given
+    ``steps``, the run still has steps to take. Any grid may resume it (the model's shapes
+    must divide the new grid: the caller builds the model there first)."""
     meta = read_meta(run_dir)
+    if not (latest(run_dir) / "manifest.json").is_file():
+        raise ValueError(f"--resume {run_dir}: {latest(run_dir)} is not a complete par4d checkpoint of this "
+                         f"version (no manifest.json; checkpoints of par4d before 2026-11-23 used another format)")
     if steps is not None and steps <= meta["step"]:
         raise ValueError(f"--resume {run_dir}: the checkpoint is at step {meta['step']}; "
                          f"pass --steps greater than that (got {steps})")
-    if meta["grid"] != sizes:
-        saved, this = describe(meta["grid"]), describe(sizes)
-        raise ValueError(f"--resume {run_dir}: the checkpoint was saved on grid {saved}, this run is {this}; "
-                         f"resuming on another grid is not supported yet")
     return meta
 
 
+def _verify(checkpoint_dir: Path) -> dict[str, dict]:
+    """The manifest's record of every file, after checking each file's size and the JSON
+    files' checksums (a shard file's checksum is checked by each rank that opens it)."""
+    manifest = json.loads((checkpoint_dir / "manifest.json").read_text())
+    files = {f["file"]: f for f in manifest["files"]}
+    for name, record in files.items():
+        path = checkpoint_dir / name
+        size = path.stat().st_size if path.is_file() else None
+        if size != record["bytes"]:
+            raise ValueError(f"checkpoint file {path} is missing or has the wrong size "
+                             f"({size} bytes, manifest.json says {record['bytes']})")
+        if name.endswith(".json"):
+            _check_sum(path, record)
+    return files
+
+
+def _check_sum(path: Path, record: dict) -> None:
+    if _sha256(path) != record["sha256"]:
+        raise ValueError(f"checkpoint file {path} does not match its SHA-256 in manifest.json (corrupt)")
+
+
+def _overlap(saved: Box, wanted: Box) -> tuple[tuple[slice, ...], tuple[slice, ...]] | None:
+    """(slices of the saved piece, slices of the wanted shard) where the two boxes meet."""
+    src, dst = [], []
+    for (s_start, s_len), s_local, (w_start, w_len), w_local in zip(saved.full, saved.local, wanted.full, wanted.local):
+        lo, hi = max(s_start, w_start), min(s_start + s_len, w_start + w_len)
+        if lo >= hi:
+            return None
+        if s_local is not None:
+            src.append(slice(s_local + lo - s_start, s_local + hi - s_start))
+        if w_local is not None:
+            dst.append(slice(w_local + lo - w_start, w_local + hi - w_start))
+    return tuple(src), tuple(dst)
+
+
+@torch.no_grad()
 def load(run_dir: Path, grid: Grid, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Collective: load shards saved at the same grid; returns the checkpoint's meta."""
+    """Collective: load the latest checkpoint of ``run_dir`` into this grid's shards, whatever
+    grid saved it; returns the checkpoint's meta. Each rank reads only the slices of the
+    saved pieces that overlap its own shards."""
     _check_optimizer(optimizer)
-    meta = check_resumable(run_dir, grid.sizes)
-    # DCP loads in place: give AdamW's state its tensors first.
-    for group in optimizer.param_groups:
+    meta = check_resumable(run_dir)
+    folder = latest(run_dir)
+    files = _verify(folder)
+    index = json.loads((folder / "index.json").read_text())
+    if index.get("format") != FORMAT:
+        raise ValueError(f"{folder / 'index.json'}: format {index.get('format')!r}, this par4d reads {FORMAT!r}")
+    tensors = index["tensors"]
+    for group in optimizer.param_groups:        # AdamW's state needs its tensors before they are filled
         for param in group["params"]:
             if not optimizer.state.get(param):
                 optimizer.state[param] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(param),
                                           "exp_avg_sq": torch.zeros_like(param)}
-    dcp.load(_state(grid, model, optimizer), checkpoint_id=str(latest(run_dir)))
+    readers: dict[str, object] = {}
+    with contextlib.ExitStack() as opened:
+        for key, tensor, placement, full in _tensors(grid, model, optimizer):
+            record = tensors.get(key)
+            if record is None:
+                raise ValueError(f"checkpoint {folder} has no {key!r}")
+            if tuple(record["shape"]) != tuple(full):
+                raise ValueError(f"checkpoint {folder}: {key} has full shape {tuple(record['shape'])}, this model "
+                                 f"{tuple(full)} (phantom layers' shapes depend on the grid's x)")
+            for wanted in boxes(placement, full, _coords(grid), grid.sizes):
+                for piece in record["pieces"]:
+                    if piece["file"] not in files:
+                        raise ValueError(f"checkpoint {folder}: {piece['file']} is not in manifest.json")
+                    reader = readers.get(piece["file"])
+                    if reader is None:
+                        _check_sum(folder / piece["file"], files[piece["file"]])
+                        reader = opened.enter_context(safe_open(str(folder / piece["file"]), "pt"))
+                        readers[piece["file"]] = reader
+                    for saved in map(Box.from_list, piece["boxes"]):
+                        where = _overlap(saved, wanted)
+                        if where is not None:
+                            src, dst = where
+                            part = reader.get_slice(key)[src] if src else reader.get_tensor(key)
+                            tensor[dst] = part.to(tensor.device, tensor.dtype).reshape(tensor[dst].shape)
     return meta

@@ -47,7 +47,9 @@ def run(config: TrainConfig) -> dict:
                                   betas=(0.9, 0.95))
     corpus, source = load_corpus(config.data)
     batches = Batches(corpus, config.seq_len, config.batch_size, config.seed)
-    start_step = checkpoint.load(out, grid, model, optimizer)["step"] if config.resume else 0
+    resumed = checkpoint.load(out, grid, model, optimizer) if config.resume else None
+    start_step = resumed["step"] if resumed else 0
+    resumed_from = None if resumed is None else {"step": resumed["step"], "grid": resumed["grid"]}
     # The machine's peak, best measured before the ranks exist (par4d's launcher does);
     # under torchrun/srun rank 0 measures on every core while the others wait.
     peak = config.peak_flops
@@ -101,7 +103,9 @@ def run(config: TrainConfig) -> dict:
         issued, exposed, step_s = (sum(c[i] for c in steady_comm) / max(1, len(steady_comm)) for i in range(3))
         summary = {
             "grid": grid.sizes, "world_size": grid.world_size, "params": model_config.num_params(),
-            "steps": config.steps, "start_step": start_step, "tokens_per_s": tokens_per_s,
+            "steps": config.steps, "start_step": start_step, "resumed_from": resumed_from,
+            "grid_changed": resumed_from is not None and resumed_from["grid"] != grid.sizes,
+            "tokens_per_s": tokens_per_s,
             "model_flops_per_s": flops, "matmul_peak_flops_per_s": peak,
             "percent_of_peak": 100 * flops / peak if peak else 0.0,
             "overlap": config.overlap_settings().describe(), "recompute_every": config.recompute_every(),
