@@ -157,3 +157,70 @@ def test_checkpoint_records_every_placement(pool8, tmp_path):
     """On x, y and z all 2: chunked (qkv), nested (x then z) and replicated pieces."""
     counts = pool8.run(_placements_recorded, dict(x=2, y=2, z=2, data=1), str(tmp_path))
     assert counts == [len(list(ReferenceGPT(CONFIG, init=False).parameters()))] * 8
+
+
+def _save_two(sizes: dict, folder: str) -> None:
+    from pathlib import Path
+
+    grid = cases.grid(**sizes)
+    model = GPT(CONFIG, grid=grid)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in (1, 2):
+        _step(model, grid, opt, step)
+        checkpoint.save(Path(folder), step, grid, model, opt, {"train_config": {}}, keep=2)
+
+
+class _Payload:
+    """Unpickling this runs ``open(marker, 'w')``: a crafted checkpoint trying to run code."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _damages(path, marker):
+    import pickle
+
+    data = path.read_bytes()
+    half = len(data) // 2
+    flipped = bytearray(data)
+    flipped[half] ^= 0x01
+    return {"truncated": data[:half], "zeroed": bytes(len(data)), "overwritten": b"x" * len(data),
+            "flipped": bytes(flipped), "pickle": pickle.dumps(_Payload(str(marker)))}
+
+
+def test_a_damaged_checkpoint_is_detected_and_the_previous_one_used(pool4, tmp_path):
+    """Every kind of file of the newest checkpoint, truncated, zeroed, overwritten, one bit
+    flipped, or replaced by a pickle payload: the damage is reported naming the file, the
+    previous checkpoint is chosen, and nothing in the files runs."""
+    import shutil
+
+    run = tmp_path / "run"
+    pool4.run(_save_two, dict(x=2, z=2), str(run))
+    newest, previous = checkpoint.latest(run), run / "checkpoints" / "step-00000001"
+    assert newest.name == "step-00000002" and previous.is_dir()
+    pristine = tmp_path / "pristine"
+    shutil.copytree(newest, pristine)
+    marker = tmp_path / "payload-ran"
+    files = ["index.json", "meta.json", "manifest.json"] + sorted(p.name for p in newest.glob("*.safetensors"))
+    for name in files:
+        for damage, data in _damages(pristine / name, marker).items():
+            shutil.rmtree(newest)
+            shutil.copytree(pristine, newest)
+            (newest / name).write_bytes(data)
+            reports = []
+            assert checkpoint.choose(run, reports.append) == previous, (name, damage)
+            assert len(reports) == 1 and name in reports[0] and "step-00000002" in reports[0], (name, damage, reports)
+            assert not marker.exists(), f"{name} ({damage}): the payload ran"
+    # A garbled pointer and a missing manifest (an interrupted save) fall back too.
+    shutil.rmtree(newest)
+    shutil.copytree(pristine, newest)
+    (run / "checkpoints" / "latest").write_bytes(b"\x80garbage")
+    assert checkpoint.choose(run) == newest                 # the pointer is only a hint: newest intact
+    (newest / "manifest.json").unlink()
+    assert checkpoint.choose(run) == previous
+    (previous / "index.json").write_bytes(b"{}")
+    with pytest.raises(ValueError, match="no intact checkpoint"):
+        checkpoint.choose(run)

@@ -50,6 +50,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "count closest to its square root (default none)")
     p.add_argument("--seed", type=int, default=_default("seed"))
     p.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps")
+    p.add_argument("--keep", type=int, default=_default("keep"),
+                   help="checkpoints kept (the newest; a corrupt one falls back to the one before it)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -101,16 +103,20 @@ def _config(args: argparse.Namespace, world: int, inside: bool):
     from par4d.train.model import build_gpt
 
     if args.resume:
-        from par4d.train.checkpoint import check_resumable, read_meta
+        from par4d.train.checkpoint import check_resumable
 
         run_dir = Path(args.resume)
-        saved = read_meta(run_dir)["train_config"]
+        folder, meta = check_resumable(run_dir, report=_say)    # the newest intact checkpoint
+        saved = meta["train_config"]
         steps = args.steps if args.steps is not None else saved["steps"]
+        if steps <= meta["step"]:
+            raise ValueError(f"--resume {run_dir}: the checkpoint is at step {meta['step']}; "
+                             f"pass --steps greater than that (got {steps})")
         grid = parse_grid(args.grid) if args.grid else saved["grid"]
         validate_sizes(grid, world)
-        check_resumable(run_dir, steps)
         config = TrainConfig(**dict(saved, steps=steps, out=str(run_dir), resume=True, grid=grid,
-                                    progress=not args.no_progress, peak_flops=None))
+                                    progress=not args.no_progress, peak_flops=None, checkpoint=str(folder),
+                                    keep=args.keep))
     else:
         if args.grid == "auto":
             if args.mlp != "dense":
@@ -135,7 +141,7 @@ def _config(args: argparse.Namespace, world: int, inside: bool):
                              n_embd=args.n_embd, n_head=args.n_head, lr=args.lr, seed=args.seed, data=args.data,
                              mlp=args.mlp, phantom_k=args.phantom_k, grad_clip=args.grad_clip,
                              save_every=args.save_every, progress=not args.no_progress, peak_flops=peak,
-                             overlap=args.overlap, recompute=args.recompute)
+                             overlap=args.overlap, recompute=args.recompute, keep=args.keep)
     sizes = validate_sizes(config.grid, world)
     build_gpt(config.model_config(), Grid.virtual(sizes), config.recompute_every())   # every rank's shape errors
     if config.batch_size % (sizes["data"] * sizes["z"]):

@@ -117,8 +117,12 @@ def _gather(value):
 
 
 def save(run_dir: Path, step: int, grid: Grid, model: nn.Module, optimizer: torch.optim.Optimizer,
-         meta: dict) -> Path:
-    """Collective: save model and optimizer shards of ``step``; returns its folder."""
+         meta: dict, keep: int = 2) -> Path:
+    """Collective: save model and optimizer shards of ``step``; returns its folder. The
+    newest ``keep`` complete checkpoints stay (a corrupt latest one falls back to the one
+    before it), older ones are deleted once this one is complete."""
+    if keep < 1:
+        raise ValueError(f"--keep must be >= 1, got {keep}")
     _check_optimizer(optimizer)
     folder = run_dir / FOLDER
     target = folder / f"step-{step:08d}"
@@ -162,9 +166,8 @@ def save(run_dir: Path, step: int, grid: Grid, model: nn.Module, optimizer: torc
         _fsync_write(target / "manifest.json", json.dumps({"format": FORMAT, "files": files}, indent=1))
         _fsync_write(folder / "latest.tmp", target.name)
         os.replace(folder / "latest.tmp", folder / "latest")
-        for old in folder.glob("step-*"):
-            if old != target:
-                shutil.rmtree(old)
+        for old in sorted(folder.glob("step-*"), reverse=True)[keep:]:
+            shutil.rmtree(old)
 
     on_rank0(commit)
     dist.barrier()     # no rank returns (and perhaps loads) before the checkpoint is complete
@@ -172,49 +175,91 @@ def save(run_dir: Path, step: int, grid: Grid, model: nn.Module, optimizer: torc
 
 
 def latest(run_dir: Path) -> Path:
+    """The folder the ``latest`` pointer names (not verified: see :func:`choose`)."""
     pointer = run_dir / FOLDER / "latest"
     if not pointer.is_file():
         raise ValueError(f"--resume {run_dir}: no checkpoint there (expected {pointer})")
-    return run_dir / FOLDER / pointer.read_text().strip()
+    return run_dir / FOLDER / pointer.read_text(errors="replace").strip()
 
 
-def read_meta(run_dir: Path) -> dict:
-    return json.loads((latest(run_dir) / "meta.json").read_text())
+def _candidates(run_dir: Path) -> list[Path]:
+    """The checkpoint folders of a run, the one ``latest`` names first, then newest first."""
+    folder = run_dir / FOLDER
+    found = sorted(folder.glob("step-*"), reverse=True) if folder.is_dir() else []
+    try:
+        named = latest(run_dir)
+    except ValueError:
+        named = None
+    if named is not None and named in found:
+        found.remove(named)
+        found.insert(0, named)
+    return found
 
 
-def check_resumable(run_dir: Path, steps: int | None = None) -> dict:
-    """The meta of ``run_dir``'s latest checkpoint, if it is one this par4d reads and, given
-    ``steps``, the run still has steps to take. Any grid may resume it (the model's shapes
-    must divide the new grid: the caller builds the model there first)."""
-    meta = read_meta(run_dir)
-    if not (latest(run_dir) / "manifest.json").is_file():
-        raise ValueError(f"--resume {run_dir}: {latest(run_dir)} is not a complete par4d checkpoint of this "
-                         f"version (no manifest.json; checkpoints of par4d before 2026-11-23 used another format)")
-    if steps is not None and steps <= meta["step"]:
-        raise ValueError(f"--resume {run_dir}: the checkpoint is at step {meta['step']}; "
-                         f"pass --steps greater than that (got {steps})")
-    return meta
-
-
-def _verify(checkpoint_dir: Path) -> dict[str, dict]:
-    """The manifest's record of every file, after checking each file's size and the JSON
-    files' checksums (a shard file's checksum is checked by each rank that opens it)."""
-    manifest = json.loads((checkpoint_dir / "manifest.json").read_text())
-    files = {f["file"]: f for f in manifest["files"]}
+def verify(checkpoint_dir: Path) -> dict[str, dict]:
+    """Check every file of a checkpoint against ``manifest.json`` (size and SHA-256); returns
+    the manifest's records. Raises ``ValueError`` naming the first file that fails."""
+    manifest_path = checkpoint_dir / "manifest.json"
+    if not manifest_path.is_file():
+        raise ValueError(f"{manifest_path} is missing (an interrupted save, or a checkpoint of par4d before "
+                         f"2026-11-23, which used another format)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        if manifest.get("format") != FORMAT:
+            raise ValueError(f"format {manifest.get('format')!r}, this par4d reads {FORMAT!r}")
+        files = {f["file"]: f for f in manifest["files"]}
+        for required in ("index.json", "meta.json"):
+            if required not in files:
+                raise ValueError(f"it lists no {required}")
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{manifest_path} is unreadable ({error})") from None
     for name, record in files.items():
         path = checkpoint_dir / name
         size = path.stat().st_size if path.is_file() else None
         if size != record["bytes"]:
             raise ValueError(f"checkpoint file {path} is missing or has the wrong size "
                              f"({size} bytes, manifest.json says {record['bytes']})")
-        if name.endswith(".json"):
-            _check_sum(path, record)
+        _check_sum(path, record)
     return files
 
 
 def _check_sum(path: Path, record: dict) -> None:
     if _sha256(path) != record["sha256"]:
         raise ValueError(f"checkpoint file {path} does not match its SHA-256 in manifest.json (corrupt)")
+
+
+def choose(run_dir: Path, report=None) -> Path:
+    """The newest checkpoint of ``run_dir`` that verifies; each one skipped is reported
+    (``report(line)``) with the file that failed. Raises if none is intact."""
+    problems = []
+    for candidate in _candidates(run_dir):
+        try:
+            verify(candidate)
+        except ValueError as error:
+            problems.append(str(error))
+            if report is not None:
+                report(f"checkpoint {candidate.name} is unusable: {error}; trying the one before it")
+            continue
+        return candidate
+    if not problems:
+        raise ValueError(f"--resume {run_dir}: no checkpoint there (expected {run_dir / FOLDER}/step-*)")
+    raise ValueError(f"--resume {run_dir}: no intact checkpoint ({'; '.join(problems)})")
+
+
+def read_meta(checkpoint_dir: Path) -> dict:
+    return json.loads((checkpoint_dir / "meta.json").read_text())
+
+
+def check_resumable(run_dir: Path, steps: int | None = None, report=None) -> tuple[Path, dict]:
+    """(the checkpoint to resume from, its meta): the newest intact one of ``run_dir`` and,
+    given ``steps``, only if the run still has steps to take. Any grid may resume it (the
+    model's shapes must divide the new grid: the caller builds the model there first)."""
+    folder = choose(run_dir, report)
+    meta = read_meta(folder)
+    if steps is not None and steps <= meta["step"]:
+        raise ValueError(f"--resume {run_dir}: the checkpoint is at step {meta['step']}; "
+                         f"pass --steps greater than that (got {steps})")
+    return folder, meta
 
 
 def _overlap(saved: Box, wanted: Box) -> tuple[tuple[slice, ...], tuple[slice, ...]] | None:
@@ -232,14 +277,15 @@ def _overlap(saved: Box, wanted: Box) -> tuple[tuple[slice, ...], tuple[slice, .
 
 
 @torch.no_grad()
-def load(run_dir: Path, grid: Grid, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Collective: load the latest checkpoint of ``run_dir`` into this grid's shards, whatever
-    grid saved it; returns the checkpoint's meta. Each rank reads only the slices of the
-    saved pieces that overlap its own shards."""
+def load(run_dir: Path, grid: Grid, model: nn.Module, optimizer: torch.optim.Optimizer,
+         folder: Path | None = None) -> dict:
+    """Collective: load a checkpoint of ``run_dir`` (``folder``, or else the newest intact one)
+    into this grid's shards, whatever grid saved it; returns its meta. Each rank reads only
+    the slices of the saved pieces that overlap its own shards (and checks those files)."""
     _check_optimizer(optimizer)
-    meta = check_resumable(run_dir)
-    folder = latest(run_dir)
-    files = _verify(folder)
+    folder = choose(run_dir) if folder is None else Path(folder)
+    meta = read_meta(folder)
+    files = {f["file"]: f for f in json.loads((folder / "manifest.json").read_text())["files"]}
     index = json.loads((folder / "index.json").read_text())
     if index.get("format") != FORMAT:
         raise ValueError(f"{folder / 'index.json'}: format {index.get('format')!r}, this par4d reads {FORMAT!r}")

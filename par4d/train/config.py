@@ -38,6 +38,8 @@ class TrainConfig:
     peak_flops: float | None = None  # measured by the launching process; None: rank 0 measures
     overlap: str = "all"             # --overlap: all, none, or a comma list of par4d.overlap.NAMES
     recompute: str = "none"          # --recompute: none, auto, or every N blocks
+    keep: int = 2                    # --keep: checkpoints kept
+    checkpoint: str | None = None    # on --resume: the checkpoint folder chosen (verified) before the ranks start
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len"):
@@ -45,6 +47,8 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if self.keep < 1:
+            raise ValueError(f"--keep must be >= 1, got {self.keep}")
         if self.grad_clip < 0:
             raise ValueError(f"--grad-clip must be >= 0 (0 disables), got {self.grad_clip}")
         settings, every = self.overlap_settings(), self.recompute_every()   # both raise on bad values

@@ -47,7 +47,7 @@ def run(config: TrainConfig) -> dict:
                                   betas=(0.9, 0.95))
     corpus, source = load_corpus(config.data)
     batches = Batches(corpus, config.seq_len, config.batch_size, config.seed)
-    resumed = checkpoint.load(out, grid, model, optimizer) if config.resume else None
+    resumed = checkpoint.load(out, grid, model, optimizer, config.checkpoint) if config.resume else None
     start_step = resumed["step"] if resumed else 0
     resumed_from = None if resumed is None else {"step": resumed["step"], "grid": resumed["grid"]}
     # The machine's peak, best measured before the ranks exist (par4d's launcher does);
@@ -87,10 +87,10 @@ def run(config: TrainConfig) -> dict:
                 progress.set_postfix(loss=f"{mean_loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
                 progress.update(1)
         if config.save_every and (step + 1) % config.save_every == 0 and step + 1 < config.steps:
-            checkpoint.save(out, step + 1, grid, model, optimizer, _meta(config))
+            checkpoint.save(out, step + 1, grid, model, optimizer, _meta(config), config.keep)
     if progress is not None:
         progress.close()
-    checkpoint.save(out, config.steps, grid, model, optimizer, _meta(config))
+    checkpoint.save(out, config.steps, grid, model, optimizer, _meta(config), config.keep)
     val_loss = _evaluate(model, grid, batches, config.eval_batches)
 
     def finish() -> dict:
