@@ -88,14 +88,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_local(nproc: int, entrypoint: Callable, args: Sequence, run_id: str = "par4d") -> dict[int, object]:
+def launch_local(nproc: int, entrypoint: Callable, args: Sequence, run_id: str = "par4d",
+                 max_restarts: int = 0) -> dict[int, object]:
     """Run ``entrypoint(*args)`` on ``nproc`` local ranks with torchrun's elastic agent.
 
-    Returns each rank's return value. A failing rank raises ``ChildFailedError``
-    with that rank's traceback.
+    Returns each rank's return value. When a rank fails (an error, a kill, out of memory)
+    the agent stops the others and, up to ``max_restarts`` times, starts all ranks again
+    (``TORCHELASTIC_RESTART_COUNT`` tells them which attempt this is); after that a
+    failing rank raises ``ChildFailedError`` with that rank's traceback.
     """
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    if max_restarts < 0:
+        raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
@@ -105,7 +110,7 @@ def launch_local(nproc: int, entrypoint: Callable, args: Sequence, run_id: str =
         run_id=run_id,
         rdzv_backend="c10d",
         rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        max_restarts=0,
+        max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
     )

@@ -15,8 +15,8 @@ SMALL = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--batch-size", "8
          "--no-progress"]
 
 
-def _train(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def _train(*args: str, timeout: float = 240, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
     result = subprocess.run([sys.executable, "-m", "par4d.cli", "train", *args], capture_output=True, text=True,
                             timeout=timeout, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -153,3 +153,34 @@ def test_resume_on_another_grid_and_rank_count(tmp_path):
     assert summary["grid_changed"] and summary["resumed_from"]["grid"]["x"] == 2
     assert summary["grid"] == {"x": 1, "y": 1, "z": 2, "data": 2, "pipe": 1}
     assert "saved on grid x=2 y=1 z=1 data=1 pipe=1: the grid changed" in result.stdout
+
+
+def _final_tensors(run: Path) -> dict:
+    from safetensors.torch import load_file
+
+    folder = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+    tensors = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        tensors.update({f"{file.name}/{k}": v for k, v in load_file(file).items()})
+    return tensors
+
+
+def test_a_killed_rank_is_restarted_and_the_run_ends_as_an_uninterrupted_one(tmp_path):
+    """Rank 1 is killed with SIGKILL after step 12 of 14 (checkpoints every 5 steps): the agent
+    restarts both ranks, they resume from step 10, and the final parameters and AdamW state
+    are bit for bit those of an uninterrupted run."""
+    common = ["--nproc", "2", "--grid", "x=2", *SMALL, "--steps", "14", "--save-every", "5"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    _train(*common, "--out", str(straight))
+    result = _train(*common, "--out", str(killed), "--max-restarts", "1", env_extra={"PAR4D_KILL_AT": "1:12"})
+    assert "restart 1: resuming" in result.stdout, result.stdout[-2000:]
+    assert json.loads((killed / "summary.json").read_text())["start_step"] == 10
+    assert _losses(killed) == _losses(straight)
+    want, got = _final_tensors(straight), _final_tensors(killed)
+    assert set(got) == set(want) and all(torch_equal(got[k], want[k]) for k in want)
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a, b)

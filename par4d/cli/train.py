@@ -50,6 +50,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "count closest to its square root (default none)")
     p.add_argument("--seed", type=int, default=_default("seed"))
     p.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="when a rank dies, restart every rank up to N times from the newest checkpoint "
+                        "(--save-every bounds what is recomputed); under torchrun/srun use their own restarts")
     p.add_argument("--keep", type=int, default=_default("keep"),
                    help="checkpoints kept (the newest; a corrupt one falls back to the one before it)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -60,6 +63,11 @@ def run(args: argparse.Namespace) -> int:
     from par4d.train.loop import worker
 
     world, inside = _world(args.nproc)
+    if args.max_restarts < 0:
+        raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if inside and args.max_restarts:
+        raise ValueError("--max-restarts restarts par4d's own local ranks; under torchrun or srun give the "
+                         "launcher's own restart option (torchrun --max-restarts N) together with --out")
     config = _config(args, world, inside)
     if inside:
         summary = worker(config)
@@ -70,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
     if config.peak_flops is None:   # measured here, before the ranks exist, so nothing competes for the cores
         config = replace(config, peak_flops=measure_matmul_peak(threads=cpu_cores()))
-    results = launch_local(world, worker, (config,), run_id="par4d-train")
+    results = launch_local(world, worker, (config,), run_id="par4d-train", max_restarts=args.max_restarts)
     _print_summary(results[0])
     return 0
 

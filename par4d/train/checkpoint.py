@@ -182,6 +182,11 @@ def latest(run_dir: Path) -> Path:
     return run_dir / FOLDER / pointer.read_text(errors="replace").strip()
 
 
+def has_checkpoint(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds any checkpoint folder (intact or not: :func:`choose` tells)."""
+    return bool(_candidates(run_dir))
+
+
 def _candidates(run_dir: Path) -> list[Path]:
     """The checkpoint folders of a run, the one ``latest`` names first, then newest first."""
     folder = run_dir / FOLDER

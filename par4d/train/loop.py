@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -40,6 +42,12 @@ def run(config: TrainConfig) -> dict:
         config = replace(config, out=_broadcast(config.out))
     out = Path(config.out)
     on_rank0(lambda: out.mkdir(parents=True, exist_ok=True))
+    restart = restart_count()
+    if restart and not config.resume and checkpoint.has_checkpoint(out):
+        # Restarted by the elastic agent after a rank died: go on from the newest intact checkpoint.
+        config = replace(config, resume=True, checkpoint=None)
+        on_rank0(lambda: print(f"par4d train: restart {restart}: resuming {out} from its newest intact "
+                               f"checkpoint", flush=True))
 
     model_config = config.model_config()
     model = build_gpt(model_config, grid, config.recompute_every())
@@ -72,6 +80,7 @@ def run(config: TrainConfig) -> dict:
         with ledger.capture() as entries:
             loss = train_step(model, optimizer, grid, model, x, y, grad_clip=config.grad_clip)
             mean_loss = global_mean(loss, grid).item()
+        _injected_fault(grid.rank, step + 1, restart)
         seconds = time.perf_counter() - began
         rates.append(tokens_per_step / seconds)
         # Rank 0's communication: wall seconds with a collective in flight (issued), seconds waited (exposed).
@@ -118,6 +127,25 @@ def run(config: TrainConfig) -> dict:
         return summary
 
     return on_rank0(finish) or {}
+
+
+def restart_count() -> int:
+    """How many times the elastic agent (par4d's launcher, torchrun) restarted this job."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+FAULT_ENV = "PAR4D_KILL_AT"
+"""Fault injection (tests, ``par4d bench faults``): ``RANK:STEP`` kills that rank with SIGKILL
+after that step, on the job's first attempt only."""
+
+
+def _injected_fault(rank: int, step: int, restart: int) -> None:
+    spec = os.environ.get(FAULT_ENV)
+    if not spec or restart:
+        return
+    target_rank, target_step = (int(v) for v in spec.split(":"))
+    if (rank, step) == (target_rank, target_step):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _broadcast(value):
