@@ -122,7 +122,8 @@ def shard(grid: Grid, full: torch.Tensor, placement: Placement) -> torch.Tensor:
 
 @torch.no_grad()
 def unshard(grid: Grid, local: torch.Tensor, placement: Placement) -> torch.Tensor:
-    """The full tensor on every rank (collective: one all-gather per split whose axis > 1)."""
+    """The full tensor on every rank (collective: one all-gather per split whose axis > 1);
+    always a new tensor, never a view of ``local`` (which an optimizer step would change)."""
     t = local
     for s in reversed(placement.splits):
         if s.stacked:
@@ -130,7 +131,8 @@ def unshard(grid: Grid, local: torch.Tensor, placement: Placement) -> torch.Tens
             continue
         per_chunk = t.unflatten(s.dim, (s.chunks, t.shape[s.dim] // s.chunks))
         t = comm.all_gather_dim(grid, per_chunk, s.axis, s.dim + 1).flatten(s.dim, s.dim + 1)
-    return t
+    shares = t.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()   # no gather ran
+    return t.clone() if shares else t
 
 
 @dataclass(frozen=True)

@@ -85,11 +85,6 @@ class Ledger:
         """Seconds this rank waited for collectives (exposed communication)."""
         return sum(t.seconds for t in self.totals.values())
 
-    def total_in_flight(self) -> float:
-        """Seconds collectives were in flight, summed (concurrent ones each count in full;
-        :func:`in_flight_seconds` counts wall-clock time instead)."""
-        return sum(t.in_flight for t in self.totals.values())
-
 
 def in_flight_seconds(entries: list[Entry]) -> float:
     """Wall-clock seconds during which at least one of ``entries`` was in flight (the union

@@ -22,7 +22,7 @@ No torch here: the CLI parses and checks these before any rank starts.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 NAMES = ("oar", "ors", "oag", "cache", "dp")
 """The switches of ``par4d train --overlap LIST``, in the order of the paper's Fig. 3."""
@@ -89,9 +89,6 @@ class Overlap:
     @property
     def bucket_bytes(self) -> int:
         return int(self.bucket_mb * 2**20)
-
-    def as_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def recompute_spacing(n_blocks: int) -> int:

@@ -58,7 +58,7 @@ def _full_optimizer_state(grid, model, opt) -> dict:
     out = {}
     for name, param in model.named_parameters():
         for slot in ("exp_avg", "exp_avg_sq"):
-            out[f"{name}/{slot}"] = unshard(grid, opt.state[param][slot], placement_of(param)).clone()
+            out[f"{name}/{slot}"] = unshard(grid, opt.state[param][slot], placement_of(param))
         out[f"{name}/step"] = opt.state[param]["step"].clone()
     return out
 

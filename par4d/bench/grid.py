@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import sys
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from par4d.bench.common import emit, sum_over_ranks
 from par4d.launch import launch_local
 from par4d.layout import block
 from par4d.models import ReferenceGPT
@@ -57,12 +57,6 @@ class _C10dBytes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _sum_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t)
-    return t.item()
-
-
 def _row(name: str, sizes: dict[str, int], times: list[float], bytes_per_iter: float, peak: float,
          bytes_source: str) -> dict:
     s = statistics.median(times)
@@ -76,7 +70,7 @@ def _row(name: str, sizes: dict[str, int], times: list[float], bytes_per_iter: f
 
 def _bench_par4d(sizes: dict[str, int], settings: BenchSettings) -> dict:
     times, per_rank = time_grid(sizes, settings.iters)
-    return _row("par4d", sizes, times, _sum_over_ranks(per_rank), settings.peak_flops, "ledger")
+    return _row("par4d", sizes, times, sum_over_ranks(per_rank), settings.peak_flops, "ledger")
 
 
 def _bench_torch(kind: str, settings: BenchSettings) -> dict:
@@ -116,7 +110,7 @@ def _bench_torch(kind: str, settings: BenchSettings) -> dict:
             step()
         per_rank, source = counter.bytes, "c10d dispatch"
         name = "torch FSDP2"
-    return _row(name, sizes, times, _sum_over_ranks(per_rank), settings.peak_flops, source)
+    return _row(name, sizes, times, sum_over_ranks(per_rank), settings.peak_flops, source)
 
 
 def bench_worker(settings: BenchSettings) -> list[dict]:
@@ -147,13 +141,7 @@ def run_bench_grid(args: argparse.Namespace) -> int:
     # The peak is measured before the ranks exist, so nothing competes for the cores.
     settings = BenchSettings(args.nproc, args.iters, measure_matmul_peak(threads=cpu_cores()))
     rows = launch_local(args.nproc, bench_worker, (settings,), run_id="par4d-bench")[0]
-    if args.out:
-        with open(args.out, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-    if args.json:
-        for row in rows:
-            print(json.dumps(row))
-    else:
+    if not emit(rows, args.out, args.json):
         print(f"GPT {CONFIG.n_layer} layers x {CONFIG.n_embd} wide, {CONFIG.num_params():,} params, "
               f"global batch {BATCH} x {CONFIG.block_size} tokens, {args.nproc} ranks, "
               f"median of {args.iters} iterations; matmul peak {rows[0]['matmul_peak_gflops']:.0f} GFLOP/s fp32")

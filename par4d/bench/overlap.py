@@ -25,7 +25,6 @@ dominates.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -34,9 +33,10 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from par4d.bench.common import emit, launch, sum_over_ranks, where
 from par4d.data_parallel import gradient_sync
 from par4d.grid import Grid, parse_grid, validate_sizes
-from par4d.launch import init, launch_local
+from par4d.launch import init
 from par4d.layout import shard_batch
 from par4d.ledger import in_flight_seconds
 from par4d.models import GPT, GPTConfig
@@ -67,9 +67,7 @@ def _settings(names: tuple[str, ...], prefetch: int = 1) -> Overlap:
 
 
 def _mean_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t)
-    return t.item() / dist.get_world_size()
+    return sum_over_ranks(value) / dist.get_world_size()
 
 
 def bench_worker(bench: OverlapBench) -> list[dict]:
@@ -182,31 +180,18 @@ def run_bench_overlap(args: argparse.Namespace) -> int:
     if args.batch_size % shards:
         raise ValueError(f"--batch-size {args.batch_size} is not divisible by z * data = {shards}")
     recompute = recompute_spacing(config.n_layer)
-    if args.nodes:
-        from par4d.cluster import ClusterSpec, launch_cluster
-
-        bench = OverlapBench(sizes, config, args.batch_size, args.iters, args.rounds, args.nproc, recompute,
-                             args.prefetch)
-        rows = launch_cluster(ClusterSpec(args.nodes, args.nproc, args.link), bench_worker, (bench,))[0]
-        where = f"{args.nodes} emulated nodes x {args.nproc} ranks, {args.link} links"
-    else:
-        bench = OverlapBench(sizes, config, args.batch_size, args.iters, args.rounds, world, recompute, args.prefetch)
-        rows = launch_local(world, bench_worker, (bench,), run_id="par4d-bench-overlap")[0]
-        where = f"{world} local ranks"
+    ranks_here = args.nproc if args.nodes else world        # ranks sharing one node's cores
+    bench = OverlapBench(sizes, config, args.batch_size, args.iters, args.rounds, ranks_here, recompute, args.prefetch)
+    rows = launch(bench_worker, (bench,), args.nproc, args.nodes, args.link, "par4d-bench-overlap")
+    ranks = where(args.nproc, args.nodes, args.link)
     for row in rows:
         row.update(workload=f"GPT {config.n_layer}x{config.n_embd}, batch {args.batch_size}x{config.block_size}",
-                   where=where)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+                   where=ranks)
     if args.plot:
-        plot({f"{rows[0]['grid']}, {where}": rows}, args.plot)
-    if args.json:
-        for row in rows:
-            print(json.dumps(row))
-    else:
+        plot({f"{rows[0]['grid']}, {ranks}": rows}, args.plot)
+    if not emit(rows, args.out, args.json):
         print(f"GPT {config.n_layer} blocks x {config.n_embd} wide ({config.num_params():,} params), global batch "
-              f"{args.batch_size} x {config.block_size} tokens, grid {rows[0]['grid']}, {where}, recompute every "
+              f"{args.batch_size} x {config.block_size} tokens, grid {rows[0]['grid']}, {ranks}, recompute every "
               f"{recompute} blocks, prefetch {args.prefetch}; median of {args.iters} x {args.rounds} rounds")
         print(markdown(rows))
     sys.stdout.flush()

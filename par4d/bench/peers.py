@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
 import statistics
 import sys
 from collections.abc import Callable
@@ -43,8 +42,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from par4d.bench.grid import _C10dBytes, _row, _sum_over_ranks
-from par4d.launch import distributed_env, join, launch_local
+from par4d.bench.common import emit, launch, sum_over_ranks, where
+from par4d.bench.grid import _C10dBytes, _row
+from par4d.launch import distributed_env, join
 from par4d.layout import block
 from par4d.models import ReferenceGPT
 from par4d.perf import cpu_cores, measure_matmul_peak, threads_per_rank
@@ -250,7 +250,7 @@ def _for_workload(row: dict, workload: Workload, peak_flops: float) -> dict:
 
 def _bench_par4d(sizes: dict[str, int], workload: Workload, settings: PeersSettings) -> dict:
     times, per_rank = time_grid(sizes, settings.iters, workload.sequences, workload.seq_len)
-    row = _row("par4d", sizes, times, _sum_over_ranks(per_rank), settings.peak_flops, "ledger")
+    row = _row("par4d", sizes, times, sum_over_ranks(per_rank), settings.peak_flops, "ledger")
     return _for_workload(row, workload, settings.peak_flops)
 
 
@@ -292,7 +292,7 @@ def _bench_torch(kind: str, mesh: DeviceMesh | None, workload: Workload, setting
         with counter:
             step()
         per_rank, source = counter.bytes, "c10d dispatch"
-    row = _row(peer.name, peer.sizes, times, _sum_over_ranks(per_rank), settings.peak_flops, source)
+    row = _row(peer.name, peer.sizes, times, sum_over_ranks(per_rank), settings.peak_flops, source)
     return _for_workload(dict(row, **extra), workload, settings.peak_flops)
 
 
@@ -357,14 +357,6 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _launch(settings: PeersSettings, link: str) -> list[dict]:
-    if settings.nodes is None:
-        return launch_local(settings.nproc, peers_worker, (settings,), run_id="par4d-bench-peers")[0]
-    from par4d.cluster import ClusterSpec, launch_cluster
-
-    return launch_cluster(ClusterSpec(settings.nodes, settings.nproc, link), peers_worker, (settings,))[0]
-
-
 def run_bench_peers(args: argparse.Namespace) -> int:
     validate(args.nproc, args.nodes, args.iters)
     if args.nodes is not None:
@@ -376,18 +368,12 @@ def run_bench_peers(args: argparse.Namespace) -> int:
             raise ClusterUnavailable(reason)
     # The peak is measured before the ranks exist, so nothing competes for the cores.
     settings = PeersSettings(args.nproc, args.nodes, args.iters, measure_matmul_peak(threads=cpu_cores()))
-    rows = add_ratios(_launch(settings, args.link))
-    if args.out:
-        with open(args.out, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-    if args.json:
-        for row in rows:
-            print(json.dumps(row))
+    rows = add_ratios(launch(peers_worker, (settings,), args.nproc, args.nodes, args.link, "par4d-bench-peers"))
+    if emit(rows, args.out, args.json):
         sys.stdout.flush()
         return 0
-    where = (f"{args.nodes} emulated nodes x {args.nproc} ranks, {args.link} links" if args.nodes is not None
-             else f"{args.nproc} local ranks")
-    print(f"GPT {CONFIG.n_layer} layers x {CONFIG.n_embd} wide, {CONFIG.num_params():,} params, {where}, "
+    print(f"GPT {CONFIG.n_layer} layers x {CONFIG.n_embd} wide, {CONFIG.num_params():,} params, "
+          f"{where(args.nproc, args.nodes, args.link)}, "
           f"median of {args.iters} iterations; matmul peak {rows[0]['matmul_peak_gflops']:.0f} GFLOP/s fp32")
     for w in workloads(settings.world):
         mine = [r for r in rows if r["workload"] == w.name]

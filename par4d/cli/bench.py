@@ -9,28 +9,33 @@ import argparse
 from par4d.cli.train import DEFAULT_NPROC
 
 
+def _ranks(p: argparse.ArgumentParser) -> None:
+    """Where a benchmark runs: local ranks, or emulated nodes of ranks."""
+    p.add_argument("--nproc", type=int, default=DEFAULT_NPROC, help="ranks (per node with --nodes)")
+    p.add_argument("--nodes", type=int, default=None,
+                   help="emulated nodes (network namespaces, needs root); default: local ranks")
+    p.add_argument("--link", default="1gbit", help="inter-node link rate per node with --nodes (tc tbf)")
+
+
+def _output(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="one JSON object per row on stdout")
+    p.add_argument("--out", default=None, help="also write the rows as JSON lines to this file")
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("bench", help="benchmarks")
     sub = p.add_subparsers(dest="bench", required=True)
     grid = sub.add_parser("grid", help="the GPT on every valid grid vs PyTorch DDP and FSDP2")
     grid.add_argument("--nproc", type=int, default=DEFAULT_NPROC)
     grid.add_argument("--iters", type=int, default=8, help="timed iterations per row (after 2 warm-up)")
-    grid.add_argument("--json", action="store_true", help="one JSON object per row on stdout")
-    grid.add_argument("--out", default=None, help="also write the rows as JSON lines to this file")
+    _output(grid)
     peers = sub.add_parser("peers", help="par4d vs PyTorch DDP, FSDP2, HSDP and FSDP2+TP, demo and comm-bound batch")
-    peers.add_argument("--nproc", type=int, default=DEFAULT_NPROC, help="ranks (per node with --nodes)")
-    peers.add_argument("--nodes", type=int, default=None,
-                       help="emulated nodes (network namespaces, needs root); default: local ranks")
-    peers.add_argument("--link", default="1gbit", help="inter-node link rate per node with --nodes (tc tbf)")
+    _ranks(peers)
     peers.add_argument("--iters", type=int, default=8, help="timed iterations per row (after 2 warm-up)")
-    peers.add_argument("--json", action="store_true", help="one JSON object per row on stdout")
-    peers.add_argument("--out", default=None, help="also write the rows as JSON lines to this file")
+    _output(peers)
     overlap = sub.add_parser("overlap", help="each overlap's gain in the order of the 4D paper's Fig. 3 "
                                              "(none, +oar, +ors, +oag, +cache, all)")
-    overlap.add_argument("--nproc", type=int, default=DEFAULT_NPROC, help="ranks (per node with --nodes)")
-    overlap.add_argument("--nodes", type=int, default=None,
-                         help="emulated nodes (network namespaces, needs root); default: local ranks")
-    overlap.add_argument("--link", default="1gbit", help="inter-node link rate per node with --nodes (tc tbf)")
+    _ranks(overlap)
     overlap.add_argument("--grid", default=None, help="axis sizes (default: z = every rank, across the nodes)")
     overlap.add_argument("--prefetch", type=int, default=2, help="OAG prefetch depth, in layers (default 2: "
                                                                  "par4d.Overlap's)")
@@ -41,8 +46,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     overlap.add_argument("--n-head", type=int, default=4)
     overlap.add_argument("--seq-len", type=int, default=128)
     overlap.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
-    overlap.add_argument("--json", action="store_true", help="one JSON object per row on stdout")
-    overlap.add_argument("--out", default=None, help="also write the rows as JSON lines to this file")
+    _output(overlap)
     overlap.add_argument("--plot", default=None, help="also draw the rows as stacked bars (PNG) here")
     gemm = sub.add_parser("gemm", help="gain of GEMM tuning per matmul shape and pass")
     gemm.add_argument("--json", action="store_true", help="one JSON object per row")

@@ -30,11 +30,8 @@ class ShardedModule(nn.Module):
 
     @torch.no_grad()
     def full_tensor(self, param: torch.Tensor, grad: bool = False) -> torch.Tensor:
-        """One own parameter (or its gradient) as a full tensor, on every rank (collective); a
-        copy, never a view of the parameter (which the next optimizer step would change)."""
-        local = (param.grad if grad else param).detach()
-        full = unshard(self.grid, local, placement_of(param))
-        return full.clone() if full.data_ptr() == local.data_ptr() else full
+        """One own parameter (or its gradient) as a full tensor, on every rank (collective; a copy)."""
+        return unshard(self.grid, (param.grad if grad else param).detach(), placement_of(param))
 
     def full_state(self, grad: bool = False) -> dict[str, torch.Tensor]:
         return {name: self.full_tensor(param, grad) for name, param, _ in self._placed()}

@@ -1,0 +1,45 @@
+"""What every benchmark does alike: launch its worker on local ranks or emulated nodes,
+sum a number over ranks, and write its rows as JSON lines."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from par4d.launch import launch_local
+
+
+def launch(worker: Callable, args: Sequence, nproc: int, nodes: int | None, link: str, run_id: str):
+    """Rank 0's result of ``worker(*args)`` on ``nproc`` local ranks, or on ``nodes`` emulated
+    nodes of ``nproc`` ranks each joined by ``link``."""
+    if not nodes:
+        return launch_local(nproc, worker, args, run_id=run_id)[0]
+    from par4d.cluster import ClusterSpec, launch_cluster
+
+    return launch_cluster(ClusterSpec(nodes, nproc, link), worker, args)[0]
+
+
+def where(nproc: int, nodes: int | None, link: str) -> str:
+    """The ranks a benchmark ran on, in words."""
+    return f"{nodes} emulated nodes x {nproc} ranks, {link} links" if nodes else f"{nproc} local ranks"
+
+
+def sum_over_ranks(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def emit(rows: list[dict], out: str | None, as_json: bool) -> bool:
+    """Write ``rows`` as JSON lines to ``out`` (if given) and, with ``as_json``, to stdout;
+    returns ``as_json`` (the caller prints its table otherwise)."""
+    if out:
+        with open(out, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    if as_json:
+        for row in rows:
+            print(json.dumps(row))
+    return as_json
