@@ -10,7 +10,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import signal
 import socket
 import subprocess
 from collections.abc import Callable, Sequence
@@ -88,19 +91,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class RankFailed(RuntimeError):
+    """A launched rank raised an error or was killed (after the restarts allowed)."""
+
+    def __init__(self, rank: int, cause: str):
+        super().__init__(f"rank {rank} failed: {cause}")
+        self.rank, self.cause = rank, cause
+
+
+class Interrupted(RuntimeError):
+    """The launcher itself was sent a signal (a scheduler's SIGTERM, Ctrl-C); its ranks were told."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
 def launch_local(nproc: int, entrypoint: Callable, args: Sequence, run_id: str = "par4d",
                  max_restarts: int = 0) -> dict[int, object]:
     """Run ``entrypoint(*args)`` on ``nproc`` local ranks with torchrun's elastic agent.
 
     Returns each rank's return value. When a rank fails (an error, a kill, out of memory)
     the agent stops the others and, up to ``max_restarts`` times, starts all ranks again
-    (``TORCHELASTIC_RESTART_COUNT`` tells them which attempt this is); after that a
-    failing rank raises ``ChildFailedError`` with that rank's traceback.
+    (``TORCHELASTIC_RESTART_COUNT`` tells them which attempt this is); after that
+    :class:`RankFailed` names the first rank that failed and why, in one line (the agent's
+    own multi-line report is silenced). A signal to this process (SIGTERM, SIGINT) is
+    passed on to the ranks, which get up to 30 s to finish, and raises :class:`Interrupted`.
     """
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     if max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
@@ -114,7 +137,34 @@ def launch_local(nproc: int, entrypoint: Callable, args: Sequence, run_id: str =
         monitor_interval=0.1,
         start_method="spawn",
     )
-    return elastic_launch(config, entrypoint)(*args)
+    try:
+        with _agent_quiet():
+            return elastic_launch(config, entrypoint)(*args)
+    except ChildFailedError as error:
+        rank, failure = error.get_first_failure()
+        message = failure.message
+        cause = message.get("message", "") if isinstance(message, dict) else str(message)
+        if failure.exitcode < 0:
+            cause = f"killed by {failure.signal_name()}" + (" (out of memory?)" if -failure.exitcode == 9 else "")
+        raise RankFailed(rank, cause.strip() or f"exit status {failure.exitcode}") from None
+    except SignalException as error:
+        raise Interrupted(error.sigval) from None
+
+
+@contextlib.contextmanager
+def _agent_quiet():
+    """Silence the elastic agent's loggers (each has its own level) while it runs: its report
+    of a failure is a traceback of 70+ lines, which RankFailed says in one."""
+    loggers = [logging.getLogger(name) for name in list(logging.Logger.manager.loggerDict)
+               if name.startswith(("torch.distributed.elastic", "torch.multiprocessing"))]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)
 
 
 def device(env: DistEnv | None) -> torch.device:

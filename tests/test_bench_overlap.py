@@ -46,3 +46,19 @@ def test_table_and_figure(tmp_path):
     assert "| all | oar,ors,oag,cache,dp | 0.500 | 2.00x | 0.100 | 20% | 0.500 |" in table
     plot({"test": rows}, str(tmp_path / "fig.png"))
     assert (tmp_path / "fig.png").stat().st_size > 5000
+
+
+def test_cli_never_overwrites_the_plot(tmp_path, capsys, monkeypatch):
+    import par4d.bench.overlap
+    from par4d.cli import main
+
+    calls = []
+    monkeypatch.setattr(par4d.bench.overlap, "run_bench_overlap", lambda args: calls.append(args.plot) or 0)
+    figure = tmp_path / "fig.png"
+    figure.write_bytes(b"mine")
+    assert main(["bench", "overlap", "--plot", str(figure)]) == 2
+    assert (f"par4d bench: error: --plot {figure} already exists; pass --force to overwrite it, or choose another "
+            f"--plot" in capsys.readouterr().err)
+    assert figure.read_bytes() == b"mine" and calls == []
+    assert main(["bench", "overlap", "--plot", str(figure), "--force"]) == 0
+    assert calls == [str(figure)]

@@ -110,3 +110,44 @@ def test_throughput_is_recounted_for_the_workloads_tokens():
     assert row["tokens_per_s"] == pytest.approx(4 * 32 / 0.5)
     assert (row["workload"], row["global_batch"], row["seq_len"]) == ("comm-bound", 4, 32)
     assert [w.name for w in peers.workloads(4)] == ["demo", "comm-bound"]
+
+
+@pytest.mark.parametrize("command, module, function", [("grid", "par4d.bench.grid", "run_bench_grid"),
+                                                       ("peers", "par4d.bench.peers", "run_bench_peers"),
+                                                       ("overlap", "par4d.bench.overlap", "run_bench_overlap")])
+def test_bench_never_overwrites_its_out_file(tmp_path, capsys, monkeypatch, command, module, function):
+    import importlib
+
+    from par4d.bench.common import emit
+
+    calls = []
+
+    def bench(args):                                   # the benchmark, without measuring or starting ranks
+        calls.append(args.out)
+        emit([{"row": 1}], args.out, False)
+        return 0
+
+    monkeypatch.setattr(importlib.import_module(module), function, bench)
+    out = tmp_path / "rows.jsonl"
+    out.write_text("mine\n")
+    assert main(["bench", command, "--out", str(out)]) == 2
+    assert (f"par4d bench: error: --out {out} already exists; pass --force to overwrite it, or choose another "
+            f"--out (nothing is overwritten)" in capsys.readouterr().err)
+    assert main(["bench", command, "--out", str(tmp_path)]) == 2
+    assert f"--out {tmp_path} is a folder" in capsys.readouterr().err
+    assert out.read_text() == "mine\n" and calls == []
+    assert main(["bench", command, "--out", str(out), "--force"]) == 0
+    assert out.read_text() == '{"row": 1}\n'
+    fresh = tmp_path / "new" / "rows.jsonl"            # a missing folder is created
+    assert main(["bench", command, "--out", str(fresh)]) == 0
+    assert fresh.read_text() == '{"row": 1}\n' and calls == [str(out), str(fresh)]
+
+
+def test_a_dangling_link_counts_as_an_existing_file(tmp_path):
+    from par4d.cli.files import check_new_file
+
+    link = tmp_path / "rows.jsonl"
+    link.symlink_to(tmp_path / "elsewhere.jsonl")      # writing would create the link's target
+    with pytest.raises(ValueError, match="already exists; pass --force"):
+        check_new_file(link, "--out", force=False)
+    check_new_file(link, "--out", force=True)

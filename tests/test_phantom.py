@@ -179,3 +179,34 @@ def test_compare_rows_and_exact_bytes(tmp_path):
     report = tmp_path / "phantom.md"
     write_report(rows, fits, "par4d phantom compare (test)", report)
     assert "| PP | 2 | 3 |" in report.read_text() and (tmp_path / "figures" / "phantom.png").is_file()
+
+
+def test_compare_never_overwrites_a_report_or_its_figure(tmp_path, capsys, monkeypatch):
+    import par4d.bench.phantom
+    from par4d.cli import main
+
+    calls = []
+
+    def compared(args):                                # the experiment, without starting ranks
+        calls.append(args.report)
+        (tmp_path / "phantom.md").write_text("new\n")
+        return 0
+
+    monkeypatch.setattr(par4d.bench.phantom, "main", compared)
+    report = tmp_path / "phantom.md"
+    report.write_text("mine\n")
+    assert main(["phantom", "compare", "--report", str(report)]) == 2
+    assert (f"par4d phantom: error: --report {report} already exists; pass --force to overwrite it, or choose "
+            f"another --report" in capsys.readouterr().err)
+    assert report.read_text() == "mine\n"
+    report.unlink()
+    figure = tmp_path / "figures" / "phantom.png"      # write_report's figure for this report
+    figure.parent.mkdir()
+    figure.write_bytes(b"mine")
+    assert main(["phantom", "compare", "--report", str(report)]) == 2
+    assert f"--report {report}: its figure {figure} already exists" in capsys.readouterr().err
+    assert figure.read_bytes() == b"mine" and not report.exists() and calls == []
+    assert main(["phantom", "compare", "--report", str(tmp_path / "figures")]) == 2
+    assert "is a folder" in capsys.readouterr().err
+    assert main(["phantom", "compare", "--report", str(report), "--force"]) == 0
+    assert calls == [str(report)] and report.read_text() == "new\n"

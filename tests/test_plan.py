@@ -2,6 +2,8 @@
 
 import json
 import math
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -9,6 +11,7 @@ from par4d.cli import main
 from par4d.grid import Grid
 from par4d.models import GPT, GPTConfig
 from par4d.plan import GPTSpec, Layer, Machine, bandwidths, factorizations, predict, rank_configurations, ring_time
+from par4d.plan.machines import load_machine
 from par4d.plan.model import layer_comm
 from par4d.plan.workload import gpt_spec
 
@@ -255,3 +258,101 @@ def test_overlap_hides_communication_only_behind_compute():
     exposed = exposed_comm(roles, 1e6, Overlap(), gathers, buckets=2, checkpointing=False)
     assert exposed == pytest.approx(roles["forward"] + roles["backward"] + roles["gather"] / gathers
                                     + roles["reduce_scatter"] / gathers + roles["sync"] / 2)
+
+
+def _profile(tmp_path, line: str):
+    """NODE4's profile with ``line`` in place of its key's line (or added to [machine])."""
+    key = line.partition(" = ")[0]
+    lines = [kept for kept in NODE4.to_toml().splitlines() if kept.partition(" = ")[0] != key]
+    path = tmp_path / "m.toml"
+    path.write_text("\n".join([*lines, line]) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("line, message", [
+    ("devices_per_node = true", "machine.devices_per_node must be a number, got True"),
+    ("peak_flops = false", "machine.peak_flops must be a number, got False"),
+    ("beta_inter = nan", "machine.beta_inter must be a finite number, got nan"),
+    ("memory_bytes = inf", "machine.memory_bytes must be a finite number, got inf"),
+    ("latency = -inf", "machine.latency must be a finite number, got -inf"),
+    ("devices_per_node = 2.5", "machine.devices_per_node must be a whole number, got 2.5"),
+    ("bytes_per_element = 1.5", "machine.bytes_per_element must be a whole number, got 1.5"),
+    ("beta_intra = -1e9", "machine.beta_intra must be > 0, got -1000000000.0"),
+    ("devices_per_node = 0", "machine.devices_per_node must be > 0, got 0"),
+    ("memory_bytes = 0", "machine.memory_bytes must be > 0, got 0"),
+    ("all_gather_scale = -0.5", "machine.all_gather_scale must be > 0, got -0.5"),
+    ("latency = -1e-6", "machine.latency must be >= 0, got -1e-06"),
+    ("efficiency = 1.5", "machine.efficiency is a fraction of peak, in (0, 1]; got 1.5"),
+    ("name = 3", "machine.name must be a non-empty string, got 3"),
+    ('peak_flops = "fast"', "machine.peak_flops must be a number, got 'fast'"),
+    ("gpus_per_node = 4", "unknown keys ['gpus_per_node'] in [machine]"),
+])
+def test_machine_profile_values_are_checked(tmp_path, line, message):
+    path = _profile(tmp_path, line)
+    with pytest.raises(ValueError) as error:
+        load_machine(str(path))
+    assert str(error.value).startswith(f"{path}: {message}"), str(error.value)
+
+
+def test_machine_profile_syntax_error_names_the_file(tmp_path, capsys):
+    path = tmp_path / "broken.toml"
+    path.write_text('[machine]\nname = "m\ndevices_per_node = 4\n')
+    with pytest.raises(ValueError, match=r"broken\.toml: not valid TOML: .*line 2, column"):
+        load_machine(str(path))
+    assert main(["plan", "--gpus", "8", "--machine", str(path)]) == 2
+    assert f"par4d plan: error: {path}: not valid TOML" in capsys.readouterr().err
+
+
+def test_machine_profiles_that_load(tmp_path):
+    # A whole float is the count it names; 0 latency is the paper's model; an int peak is a number.
+    machine = load_machine(str(_profile(tmp_path, "devices_per_node = 4.0")))
+    assert machine.devices_per_node == 4 and type(machine.devices_per_node) is int
+    assert load_machine(str(_profile(tmp_path, "latency = 0"))).latency == 0
+    assert load_machine(str(_profile(tmp_path, "peak_flops = 312"))).peak_flops == 312
+    # The profiles in docs/ (written by par4d calibrate, with their [fit] tables) load.
+    bundled = sorted((Path(__file__).parent.parent / "docs" / "profiles").glob("*.toml"))
+    assert len(bundled) >= 4
+    for path in bundled:
+        assert load_machine(str(path)).name == path.stem
+    # Built in code, the same checks hold.
+    for bad in (dict(devices_per_node=True), dict(peak_flops=math.inf), dict(bytes_per_element=2.5)):
+        with pytest.raises(ValueError, match=f"machine 'test': {next(iter(bad))} must be"):
+            replace(NODE4, **bad)
+
+
+def test_what_calibrate_writes_loads(tmp_path):
+    from par4d.plan.calibrate import _toml_fit
+
+    machine = Machine('emulated-2x2-"1gbit"', devices_per_node=2, peak_flops=52270423031.342705,
+                      memory_bytes=6331317248.0, beta_intra=611201825.4235398, beta_inter=126612047.76046872,
+                      latency=0.0005996755236718624, efficiency=0.5, bytes_per_element=4,
+                      all_gather_scale=0.6679025336063775, reduce_scatter_scale=0.487086089044996)
+    fits = {"all_reduce": {"alpha": 6e-4, "beta": 6.1e8, "points": 8, "c1": 6e-3, "c2": 1e-8, "c3": -6e-3}}
+    path = tmp_path / "local.toml"
+    path.write_text(_toml_fit(machine, fits, 2.09e11, 4))
+    assert load_machine(str(path)) == machine
+
+
+def test_calibrate_never_overwrites_a_profile(tmp_path, capsys, monkeypatch):
+    import par4d.plan.calibrate
+
+    calls = []
+
+    def measured(nproc, out, repeats, cluster):     # par4d calibrate's work, without measuring anything
+        calls.append(out)
+        out.write_text("measured\n")
+        return {"machine": NODE4, "fits": {}, "peak_total": 1e9, "world": nproc}
+
+    monkeypatch.setattr(par4d.plan.calibrate, "calibrate", measured)
+    profile = tmp_path / "local.toml"
+    profile.write_text("mine\n")
+    assert main(["calibrate", "--out", str(profile)]) == 2
+    assert (f"par4d calibrate: error: --out {profile} already exists; pass --force to overwrite it, or choose "
+            f"another --out" in capsys.readouterr().err)
+    assert main(["calibrate", "--out", str(tmp_path)]) == 2
+    assert f"--out {tmp_path} is a folder" in capsys.readouterr().err
+    assert main(["calibrate", "--out", str(profile / "sub.toml")]) == 2
+    assert f"{profile} is a file, not a folder" in capsys.readouterr().err
+    assert profile.read_text() == "mine\n" and calls == []
+    assert main(["calibrate", "--out", str(profile), "--force"]) == 0
+    assert profile.read_text() == "measured\n" and calls == [profile]

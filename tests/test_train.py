@@ -15,11 +15,12 @@ SMALL = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--batch-size", "8
          "--no-progress"]
 
 
-def _train(*args: str, timeout: float = 240, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+def _train(*args: str, timeout: float = 240, env_extra: dict | None = None,
+           status: int = 0) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
     result = subprocess.run([sys.executable, "-m", "par4d.cli", "train", *args], capture_output=True, text=True,
                             timeout=timeout, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == status, result.stderr[-3000:]
     return result
 
 
@@ -95,7 +96,37 @@ def test_cli_never_overwrites_a_run(tmp_path, capsys):
     assert "already holds files; pass --resume" in capsys.readouterr().err
     assert (run / "metrics.jsonl").read_text() == '{"step": 1, "loss": 1.0}\n'
     assert main(["train", "--resume", str(tmp_path / "missing")]) == 2
-    assert "no checkpoint there" in capsys.readouterr().err
+    assert "missing: no such folder" in capsys.readouterr().err
+    assert main(["train", "--resume", str(tmp_path)]) == 2
+    assert f"--resume {tmp_path} is not a par4d run folder (it has no checkpoints/ folder)" in capsys.readouterr().err
+    assert main(["train", "--out", str(run / "metrics.jsonl")]) == 2
+    assert "metrics.jsonl is a file; give a folder" in capsys.readouterr().err
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1, "loss": 1.0}\n'
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "is empty"),
+    (b"\x7fELF\x02\x01\x01\x00\xd0\xff" * 400, "is not UTF-8 text (byte 0xd0 at offset 8)"),
+    (b"text\x00" * 400, "holds NUL bytes (offset 4): not a text file"),
+    (b"short text", "has 10 bytes; --seq-len 16 needs at least 180"),
+])
+def test_data_is_checked_before_any_process_starts(tmp_path, capsys, content, message):
+    data = tmp_path / "data.txt"
+    data.write_bytes(content)
+    assert main(["train", "--data", str(data), *SMALL, "--out", str(tmp_path / "run")]) == 2
+    assert f"--data {data} {message}" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--lr", "nan", "--lr must be a finite number > 0, got nan"),
+    ("--lr", "inf", "--lr must be a finite number > 0, got inf"),
+    ("--grad-clip", "nan", "--grad-clip must be a finite number >= 0 (0 disables), got nan"),
+    ("--save-every", "-1", "--save-every must be >= 0 (0: only at the end), got -1"),
+])
+def test_settings_are_checked_before_any_process_starts(tmp_path, capsys, flag, value, message):
+    assert main(["train", flag, value, *SMALL, "--out", str(tmp_path / "run")]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_joins_a_torchrun_job(tmp_path):
@@ -165,18 +196,28 @@ def _final_tensors(run: Path) -> dict:
     return tensors
 
 
-def test_a_killed_rank_is_restarted_and_the_run_ends_as_an_uninterrupted_one(tmp_path):
+def test_a_killed_rank_and_a_preempted_run_end_as_an_uninterrupted_one(tmp_path):
     """Rank 1 is killed with SIGKILL after step 12 of 14 (checkpoints every 5 steps): the agent
-    restarts both ranks, they resume from step 10, and the final parameters and AdamW state
-    are bit for bit those of an uninterrupted run."""
+    restarts both ranks, they resume from step 10. Another run's launcher gets SIGTERM after
+    step 7: every rank saves step 7 and exits (status 143), and a resume runs to 14. Both end
+    with the parameters and AdamW state of an uninterrupted run, bit for bit."""
     common = ["--nproc", "2", "--grid", "x=2", *SMALL, "--steps", "14", "--save-every", "5"]
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    straight, killed, stopped = tmp_path / "straight", tmp_path / "killed", tmp_path / "stopped"
     _train(*common, "--out", str(straight))
-    result = _train(*common, "--out", str(killed), "--max-restarts", "1", env_extra={"PAR4D_KILL_AT": "1:12"})
+    result = _train(*common, "--out", str(killed), "--max-restarts", "1", env_extra={"PAR4D_FAULTS": "1:12"})
     assert "restart 1: resuming" in result.stdout, result.stdout[-2000:]
     assert json.loads((killed / "summary.json").read_text())["start_step"] == 10
     assert _losses(killed) == _losses(straight)
-    want, got = _final_tensors(straight), _final_tensors(killed)
+    want = _final_tensors(straight)
+    got = _final_tensors(killed)
+    assert set(got) == set(want) and all(torch_equal(got[k], want[k]) for k in want)
+
+    result = _train(*common, "--out", str(stopped), env_extra={"PAR4D_FAULTS": "0:7:TERM"}, status=143)
+    assert f"stopped by SIGTERM: step 7 is saved; continue with: par4d train --resume {stopped}" in result.stdout
+    assert len(_losses(stopped)) == 7 and not (stopped / "summary.json").exists()
+    _train("--resume", str(stopped), "--nproc", "2")
+    assert _losses(stopped) == _losses(straight)
+    got = _final_tensors(stopped)
     assert set(got) == set(want) and all(torch_equal(got[k], want[k]) for k in want)
 
 
@@ -184,3 +225,52 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return torch.equal(a, b)
+
+
+def test_resume_keeps_the_model_and_data_takes_the_schedule(tmp_path, capsys, monkeypatch):
+    """A resume refuses a different model, batch, seed, --out or data file (its checksum is
+    recorded, so a resume from another folder or of an edited file is caught), and takes a
+    new --lr and step count."""
+    data = tmp_path / "corpus.txt"
+    data.write_text("par4d trains on this line of text. " * 40)
+    run = tmp_path / "run"
+    _train("--nproc", "1", *SMALL, "--steps", "3", "--data", str(data), "--out", str(run))
+    saved = json.loads((run / "summary.json").read_text())["config"]
+    assert saved["data"] == str(data.resolve()) and len(saved["data_sha256"]) == 64
+
+    monkeypatch.chdir(tmp_path.parent)   # the recorded path is absolute: resuming from elsewhere finds the file
+    for args, message in [
+        (["--batch-size", "16"], "--batch-size 16 differs from the run's 8; a resumed run keeps its model"),
+        (["--n-embd", "64"], "--n-embd 64 differs from the run's 32"),
+        (["--seed", "1"], "--seed 1 differs from the run's 0"),
+        (["--out", str(tmp_path / "other")], f"--out {tmp_path / 'other'} names another"),
+        (["--data", str(tmp_path / "other.txt")], f"--data {tmp_path / 'other.txt'} is not the run's data"),
+    ]:
+        assert main(["train", "--resume", str(run), "--steps", "5", *args]) == 2
+        assert message in capsys.readouterr().err, args
+    data.write_text("par4d trains on this line of text! " * 40)
+    assert main(["train", "--resume", str(run), "--steps", "5"]) == 2
+    assert "is not the text this run started on" in capsys.readouterr().err
+    data.write_text("par4d trains on this line of text. " * 40)
+
+    result = _train("--resume", str(run), "--nproc", "1", "--steps", "5", "--lr", "0.001", "--batch-size", "8")
+    assert "--lr 0.001 replaces the run's 0.003 from step 3" in result.stdout
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert rows[3]["lr"] == pytest.approx(0.001 * 4 / 20) and rows[2]["lr"] == pytest.approx(0.003 * 3 / 20)
+
+
+def test_an_error_inside_a_rank_is_one_line_and_a_nan_loss_stops_the_run(tmp_path):
+    """A learning rate of 1e30 turns the loss NaN at step 2: the run stops before recording it,
+    the user reads one line naming the rank and the cause, and the traceback is in the run's log."""
+    run = tmp_path / "run"
+    result = _train("--nproc", "2", "--grid", "x=2", *SMALL, "--steps", "10", "--lr", "1e30", "--grad-clip", "0",
+                    "--out", str(run), status=1)
+    lines = result.stderr.strip().splitlines()
+    rank = lines[0].removeprefix("par4d train: error: rank ")[0]   # both ranks fail; the first to is named
+    log = run / "logs" / f"rank-{rank}.log"
+    assert lines == [f"par4d train: error: rank {rank} failed: FloatingPointError: the loss is nan at step 2 "
+                     f"(learning rate 1e+29): the run stops here without recording it (try a lower --lr, or "
+                     f"--grad-clip; a resume takes both) (traceback in {log})"]
+    assert "Traceback (most recent call last)" in log.read_text() and "FloatingPointError" in log.read_text()
+    assert len(_losses(run)) == 1

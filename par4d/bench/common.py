@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -35,8 +36,10 @@ def sum_over_ranks(value: float) -> float:
 
 def emit(rows: list[dict], out: str | None, as_json: bool) -> bool:
     """Write ``rows`` as JSON lines to ``out`` (if given) and, with ``as_json``, to stdout;
-    returns ``as_json`` (the caller prints its table otherwise)."""
+    returns ``as_json`` (the caller prints its table otherwise). The CLI has refused an existing ``out`` unless
+    --force (par4d.cli.files); a missing parent folder is created."""
     if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
         with open(out, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
     if as_json:

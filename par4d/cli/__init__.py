@@ -8,6 +8,9 @@ exit status 2.
 
 Outside a launcher, ``--nproc N`` local ranks are started with torchrun's elastic agent; inside torchrun or srun
 the command joins the job instead. Command modules import torch only inside ``run``: ``par4d plan`` needs none.
+
+Exit status: 0 done; 1 a rank failed (one line names it; ``train`` keeps the traceback in the run's
+``logs/``); 2 bad input, found before anything started; 128 + N stopped by signal N (``train`` saved its step).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import sys
 
 from par4d.cli import bench, calibrate, cluster, phantom, plan, train
 from par4d.cluster import ClusterUnavailable
+from par4d.launch import Interrupted, RankFailed
 
 # In the order `par4d --help` lists them; each module's name is its command's.
 COMMANDS = (train, plan, calibrate, cluster, phantom, bench)
@@ -35,6 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     command = next(c for c in COMMANDS if c.__name__.rpartition(".")[2] == args.command)
     try:
         return command.run(args)
-    except (ValueError, ClusterUnavailable) as error:
+    except (ValueError, ClusterUnavailable) as error:   # bad input: nothing started, or nothing was lost
         print(f"par4d {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except RankFailed as error:
+        print(f"par4d {args.command}: error: {error}", file=sys.stderr)
+        return 1
+    except Interrupted as error:
+        print(f"par4d {args.command}: {error}", file=sys.stderr)
+        return 128 + error.signum

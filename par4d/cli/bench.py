@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from par4d.cli.files import check_new_file
 from par4d.cli.train import DEFAULT_NPROC
 
 
@@ -17,9 +18,17 @@ def _ranks(p: argparse.ArgumentParser) -> None:
     p.add_argument("--link", default="1gbit", help="inter-node link rate per node with --nodes (tc tbf)")
 
 
-def _output(p: argparse.ArgumentParser) -> None:
+def _output(p: argparse.ArgumentParser, plot: bool = False) -> None:
+    """Where rows go: stdout, --out (and --plot); an existing file is refused before anything runs."""
     p.add_argument("--json", action="store_true", help="one JSON object per row on stdout")
-    p.add_argument("--out", default=None, help="also write the rows as JSON lines to this file")
+    p.add_argument("--out", default=None,
+                   help="also write the rows as JSON lines to this file (an existing file is refused unless --force)")
+    if plot:
+        p.add_argument("--plot", default=None,
+                       help="also draw the rows as stacked bars (PNG) here (an existing file is refused unless "
+                            "--force)")
+    p.add_argument("--force", action="store_true",
+                   help="overwrite an existing --out file" + (" and --plot file" if plot else ""))
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -46,13 +55,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     overlap.add_argument("--n-head", type=int, default=4)
     overlap.add_argument("--seq-len", type=int, default=128)
     overlap.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
-    _output(overlap)
-    overlap.add_argument("--plot", default=None, help="also draw the rows as stacked bars (PNG) here")
+    _output(overlap, plot=True)
     gemm = sub.add_parser("gemm", help="gain of GEMM tuning per matmul shape and pass")
     gemm.add_argument("--json", action="store_true", help="one JSON object per row")
 
 
 def run(args: argparse.Namespace) -> int:
+    for flag in ("--out", "--plot"):        # before any peak is measured or rank starts
+        path = getattr(args, flag[2:], None)
+        if path:
+            check_new_file(path, flag, args.force)
     if args.bench == "gemm":
         from par4d.bench.gemm import run_bench_gemm
 

@@ -6,13 +6,17 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from par4d.cli.files import check_new_file
 from par4d.cli.train import DEFAULT_NPROC
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("calibrate", help="measure this machine; write a machine profile for plan")
     p.add_argument("--nproc", type=int, default=DEFAULT_NPROC, help="local ranks to measure with")
-    p.add_argument("--out", default="profiles/local.toml", help="where to write the TOML profile")
+    p.add_argument("--out", default="profiles/local.toml",
+                   help="where to write the TOML profile (default profiles/local.toml; an existing file is "
+                        "refused unless --force)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --out file")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--nodes", type=int, default=None,
                    help="measure an emulated cluster of this many nodes (--nproc ranks per node; needs root)")
@@ -20,6 +24,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_new_file(args.out, "--out", args.force)     # before the matmul peak and the ranks
     from par4d.plan.calibrate import calibrate
 
     cluster = None

@@ -4,6 +4,9 @@ or a markdown report with figures; the experiment itself lives in ``par4d.bench.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from par4d.cli.files import check_new_file
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -21,10 +24,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     compare.add_argument("--target-loss", type=float, default=None, help="train each scheme to this MSE")
     compare.add_argument("--seed", type=int, default=0)
     compare.add_argument("--json", action="store_true", help="one JSON object per row")
-    compare.add_argument("--report", default=None, help="write a markdown report with figures (e.g. docs/phantom.md)")
+    compare.add_argument("--report", default=None,
+                         help="write a markdown report with figures (e.g. docs/phantom.md, its figure "
+                              "docs/figures/phantom.png); an existing report or figure is refused unless --force")
+    compare.add_argument("--force", action="store_true", help="overwrite an existing --report and its figure")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.report:     # before any rank starts; the figure's path is par4d.bench.phantom.write_report's
+        report = Path(args.report)
+        check_new_file(report, "--report", args.force)
+        figure = report.parent / "figures" / f"{report.stem}.png"
+        check_new_file(figure, "--report", args.force, label=f"--report {report}: its figure {figure}")
     from par4d.bench.phantom import main
 
     return main(args)

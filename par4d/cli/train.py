@@ -4,6 +4,7 @@ launching local ranks or joining a torchrun/srun job, and printing the run's sum
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,10 +17,20 @@ def _default(name: str):
     return TrainConfig.__dataclass_fields__[name].default
 
 
+def _help(name: str, text: str = "") -> str:
+    return f"{text} (default {_default(name)})" if text else f"default {_default(name)}"
+
+
+# A resumed run keeps these (they decide the model and its batches); it takes HONOURED ones when given.
+FIXED = ("batch_size", "seq_len", "n_layer", "n_embd", "n_head", "mlp", "phantom_k", "seed")
+HONOURED = ("lr", "grad_clip", "save_every", "keep", "overlap", "recompute")
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("train", help="train the GPT on text (the main job)")
     p.add_argument("--nproc", type=int, default=None,
-                   help=f"local ranks to start (default {DEFAULT_NPROC}); ignored under torchrun/srun")
+                   help=f"local ranks to start (default: as many as --grid names, or the resumed run's grid, "
+                        f"else {DEFAULT_NPROC}); under torchrun/srun the job's")
     p.add_argument("--grid", default=None,
                    help="axis sizes, e.g. x=2,z=2, or 'auto' for the planner's first choice "
                         "(default: picked from --nproc)")
@@ -30,72 +41,131 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="run directory (default: a new folder under runs/)")
     p.add_argument("--resume", metavar="DIR", default=None,
                    help="continue the run in DIR from its checkpoint, on its grid or another one (--grid)")
-    p.add_argument("--data", default=None, help="a UTF-8 text file (default: Python's bundled docs)")
-    p.add_argument("--batch-size", type=int, default=_default("batch_size"), help="global batch, in sequences")
-    p.add_argument("--seq-len", type=int, default=_default("seq_len"))
-    p.add_argument("--n-layer", type=int, default=_default("n_layer"))
-    p.add_argument("--n-embd", type=int, default=_default("n_embd"))
-    p.add_argument("--n-head", type=int, default=_default("n_head"))
-    p.add_argument("--mlp", choices=["dense", "phantom"], default=_default("mlp"),
-                   help="phantom: phantom layers over x in every MLP (needs y = z = 1)")
-    p.add_argument("--phantom-k", type=int, default=_default("phantom_k"), help="ghost neurons per phantom layer")
-    p.add_argument("--lr", type=float, default=_default("lr"), help="peak learning rate")
-    p.add_argument("--grad-clip", type=float, default=_default("grad_clip"),
-                   help="clip the global gradient norm to this (0: off)")
-    p.add_argument("--overlap", default=_default("overlap"), metavar="all|none|LIST",
-                   help="overlap communication with compute: all (default), none, or a comma list of "
-                        "oar,ors,oag,cache,dp (cache needs --recompute)")
-    p.add_argument("--recompute", default=_default("recompute"), metavar="none|auto|N",
-                   help="recompute activations in backward every N blocks; auto: the divisor of the block "
-                        "count closest to its square root (default none)")
-    p.add_argument("--seed", type=int, default=_default("seed"))
-    p.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps")
+    p.add_argument("--data", default=None,
+                   help="a UTF-8 text file (default: Python's bundled docs); a resumed run checks it is the same")
+    model = p.add_argument_group("model and batch (a resumed run keeps its own: a different value is refused)")
+    model.add_argument("--batch-size", type=int, default=None, help=_help("batch_size", "global batch, in sequences"))
+    model.add_argument("--seq-len", type=int, default=None, help=_help("seq_len"))
+    model.add_argument("--n-layer", type=int, default=None, help=_help("n_layer"))
+    model.add_argument("--n-embd", type=int, default=None, help=_help("n_embd"))
+    model.add_argument("--n-head", type=int, default=None, help=_help("n_head"))
+    model.add_argument("--mlp", choices=["dense", "phantom"], default=None,
+                       help=_help("mlp", "phantom: phantom layers over x in every MLP (needs y = z = 1)"))
+    model.add_argument("--phantom-k", type=int, default=None,
+                       help=_help("phantom_k", "ghost neurons per phantom layer"))
+    model.add_argument("--seed", type=int, default=None, help=_help("seed"))
+    steps = p.add_argument_group("optimizer and schedule (a resumed run takes these when given)")
+    steps.add_argument("--lr", type=float, default=None, help=_help("lr", "peak learning rate"))
+    steps.add_argument("--grad-clip", type=float, default=None,
+                       help=_help("grad_clip", "clip the global gradient norm to this (0: off)"))
+    steps.add_argument("--overlap", default=None, metavar="all|none|LIST",
+                       help=_help("overlap", "overlap communication with compute: all, none, or a comma list of "
+                                             "oar,ors,oag,cache,dp (cache needs --recompute)"))
+    steps.add_argument("--recompute", default=None, metavar="none|auto|N",
+                       help=_help("recompute", "recompute activations in backward every N blocks; auto: the divisor "
+                                               "of the block count closest to its square root"))
+    steps.add_argument("--save-every", type=int, default=None,
+                       help=_help("save_every", "also checkpoint every N steps (0: only at the end)"))
+    steps.add_argument("--keep", type=int, default=None,
+                       help=_help("keep", "checkpoints kept (the newest; a corrupt one falls back to the one before "
+                                          "it)"))
     p.add_argument("--max-restarts", type=int, default=0,
                    help="when a rank dies, restart every rank up to N times from the newest checkpoint "
                         "(--save-every bounds what is recomputed); under torchrun/srun use their own restarts")
-    p.add_argument("--keep", type=int, default=_default("keep"),
-                   help="checkpoints kept (the newest; a corrupt one falls back to the one before it)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
-    from par4d.launch import launch_local
-    from par4d.train.loop import worker
+    from par4d.launch import Interrupted, RankFailed, distributed_env, launch_local
+    from par4d.train.loop import FAULT_ENV, parse_faults, worker
 
-    world, inside = _world(args.nproc)
+    world, inside = _world(args)
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if inside and args.max_restarts:
         raise ValueError("--max-restarts restarts par4d's own local ranks; under torchrun or srun give the "
                          "launcher's own restart option (torchrun --max-restarts N) together with --out")
     config = _config(args, world, inside)
+    parse_faults(os.environ.get(FAULT_ENV, ""))     # a malformed test hook fails here, not in every rank
     if inside:
-        summary = worker(config)
-        if summary:
-            _print_summary(summary)
-        return 0
+        return _finish(worker(config), quiet=distributed_env().rank != 0)
     from par4d.perf import cpu_cores, measure_matmul_peak
 
     if config.peak_flops is None:   # measured here, before the ranks exist, so nothing competes for the cores
         config = replace(config, peak_flops=measure_matmul_peak(threads=cpu_cores()))
-    results = launch_local(world, worker, (config,), run_id="par4d-train", max_restarts=args.max_restarts)
-    _print_summary(results[0])
+    try:
+        results = launch_local(world, worker, (config, True), run_id="par4d-train", max_restarts=args.max_restarts)
+    except RankFailed as error:
+        raise RankFailed(error.rank, _with_log(error, Path(config.out))) from None
+    except Interrupted as error:   # this process got the signal; the ranks saved their step before exiting
+        return _stopped(error.signum, Path(config.out))
+    return _finish(results[0])
+
+
+def _with_log(error, out: Path) -> str:
+    from par4d.train.loop import failure_log
+
+    log = failure_log(out, error.rank)
+    return f"{error.cause} (traceback in {log})" if log.is_file() else error.cause
+
+
+def _finish(summary: dict, quiet: bool = False) -> int:
+    """Print rank 0's summary (``quiet``: another rank's); a run a signal stopped early exits
+    with 128 + the signal's number."""
+    if "stopped" in summary:
+        import signal
+
+        signum = signal.Signals[summary["stopped"]["signal"]]
+        return 128 + signum if quiet else _stopped(signum, Path(summary["stopped"]["run"]))
+    if summary and not quiet:
+        _print_summary(summary)
     return 0
 
 
-def _world(nproc: int | None) -> tuple[int, bool]:
-    """(world size, whether we are inside a launched job)."""
+def _stopped(signum: int, out: Path) -> int:
+    import signal
+
+    from par4d.train.checkpoint import has_checkpoint, latest, read_meta
+
+    name = signal.Signals(signum).name
+    if has_checkpoint(out):
+        step = read_meta(latest(out))["step"]
+        _say(f"stopped by {name}: step {step} is saved; continue with: par4d train --resume {out}")
+    else:
+        _say(f"stopped by {name} before a checkpoint was written; nothing to resume in {out}")
+    return 128 + signum
+
+
+def _world(args: argparse.Namespace) -> tuple[int, bool]:
+    """(world size, whether we are inside a launched job). Without --nproc: as many ranks as
+    --grid names, or as the resumed run's grid has, or DEFAULT_NPROC."""
     from par4d.launch import distributed_env
 
     env = distributed_env()
     if env is not None:
-        if nproc is not None and nproc != env.world_size:
-            raise ValueError(f"--nproc {nproc} but the {env.launcher} job has {env.world_size} ranks")
+        if args.nproc is not None and args.nproc != env.world_size:
+            raise ValueError(f"--nproc {args.nproc} but the {env.launcher} job has {env.world_size} ranks")
         return env.world_size, True
-    nproc = DEFAULT_NPROC if nproc is None else nproc
+    nproc = _default_nproc(args) if args.nproc is None else args.nproc
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     return nproc, False
+
+
+def _default_nproc(args: argparse.Namespace) -> int:
+    from math import prod
+
+    from par4d.grid import parse_grid
+    from par4d.train.checkpoint import latest, read_meta
+
+    if args.grid and args.grid != "auto":
+        return prod(parse_grid(args.grid).values())
+    if args.resume:
+        try:   # the grid it was saved on (the checkpoint itself is verified later)
+            return prod(read_meta(latest(Path(args.resume)))["train_config"]["grid"].values())
+        except (ValueError, OSError, KeyError, TypeError, AttributeError):
+            pass
+    return DEFAULT_NPROC
 
 
 def _say(line: str) -> None:
@@ -104,60 +174,91 @@ def _say(line: str) -> None:
 
 def _config(args: argparse.Namespace, world: int, inside: bool):
     """The run's ``TrainConfig``; every error a rank would raise on its grid is raised here, before any starts."""
-    from par4d.grid import Grid, parse_grid, validate_sizes
-    from par4d.launch import distributed_env
-    from par4d.train.config import TrainConfig
-    from par4d.train.loop import new_run_dir
+    from par4d.grid import Grid, validate_sizes
+    from par4d.train.data import BUNDLED, read_corpus
     from par4d.train.model import build_gpt
 
-    if args.resume:
-        from par4d.train.checkpoint import check_resumable
-
-        run_dir = Path(args.resume)
-        folder, meta = check_resumable(run_dir, report=_say)    # the newest intact checkpoint
-        saved = meta["train_config"]
-        steps = args.steps if args.steps is not None else saved["steps"]
-        if steps <= meta["step"]:
-            raise ValueError(f"--resume {run_dir}: the checkpoint is at step {meta['step']}; "
-                             f"pass --steps greater than that (got {steps})")
-        grid = parse_grid(args.grid) if args.grid else saved["grid"]
-        validate_sizes(grid, world)
-        config = TrainConfig(**dict(saved, steps=steps, out=str(run_dir), resume=True, grid=grid,
-                                    progress=not args.no_progress, peak_flops=None, checkpoint=str(folder),
-                                    keep=args.keep))
-    else:
-        if args.grid == "auto":
-            if args.mlp != "dense":
-                raise ValueError("--grid auto plans the dense GPT only; give --grid for --mlp phantom")
-            from par4d.plan.choose import planned_grid
-
-            grid, peak = planned_grid(world, machine=args.machine, inside=inside, n_layer=args.n_layer,
-                                      n_embd=args.n_embd, n_head=args.n_head, seq_len=args.seq_len,
-                                      batch_size=args.batch_size, report=_say)
-        else:
-            from par4d.plan.choose import default_grid
-
-            grid, peak = parse_grid(args.grid) if args.grid else default_grid(world), None
-        # Launched here: name the new run now. Under torchrun/srun rank 0 names it later.
-        out = Path(args.out) if args.out else (None if distributed_env() else new_run_dir(grid))
-        if out is not None and out.exists() and any(out.iterdir()):
-            raise ValueError(f"--out {out} already holds files; pass --resume {out} to continue that run, "
-                             f"or choose another --out (nothing is overwritten)")
-        steps = _default("steps") if args.steps is None else args.steps
-        config = TrainConfig(grid=grid, out=None if out is None else str(out), steps=steps,
-                             batch_size=args.batch_size, seq_len=args.seq_len, n_layer=args.n_layer,
-                             n_embd=args.n_embd, n_head=args.n_head, lr=args.lr, seed=args.seed, data=args.data,
-                             mlp=args.mlp, phantom_k=args.phantom_k, grad_clip=args.grad_clip,
-                             save_every=args.save_every, progress=not args.no_progress, peak_flops=peak,
-                             overlap=args.overlap, recompute=args.recompute, keep=args.keep)
+    config = _resumed_config(args, world, inside) if args.resume else _new_config(args, world, inside)
     sizes = validate_sizes(config.grid, world)
     build_gpt(config.model_config(), Grid.virtual(sizes), config.recompute_every())   # every rank's shape errors
     if config.batch_size % (sizes["data"] * sizes["z"]):
         raise ValueError(f"--batch-size {config.batch_size} is not divisible by data * z = "
                          f"{sizes['data']} * {sizes['z']} = {sizes['data'] * sizes['z']}")
-    if config.data is not None and not Path(config.data).is_file():
-        raise ValueError(f"--data {config.data}: no such file")
-    return config
+    corpus = read_corpus(config.data, config.seq_len, config.data_sha256)   # a resume checks it is the same text
+    return replace(config, data=None if corpus.source == BUNDLED else corpus.source, data_sha256=corpus.sha256)
+
+
+def _grid(args: argparse.Namespace, world: int, inside: bool, dims: dict) -> tuple[dict, float | None]:
+    """(grid, the machine's peak where the planner measured it) from --grid, or a default for ``world``."""
+    from par4d.grid import parse_grid
+    from par4d.plan.choose import default_grid, planned_grid
+
+    if args.grid != "auto":
+        return (parse_grid(args.grid) if args.grid else default_grid(world)), None
+    if dims["mlp"] != "dense":
+        raise ValueError("--grid auto plans the dense GPT only; give --grid for --mlp phantom")
+    return planned_grid(world, machine=args.machine, inside=inside, report=_say,
+                        **{k: dims[k] for k in ("n_layer", "n_embd", "n_head", "seq_len", "batch_size")})
+
+
+def _new_config(args: argparse.Namespace, world: int, inside: bool):
+    from par4d.launch import distributed_env
+    from par4d.train.config import TrainConfig
+    from par4d.train.loop import new_run_dir
+
+    chosen = {name: getattr(args, name) for name in FIXED + HONOURED if getattr(args, name) is not None}
+    dims = {name: chosen.get(name, _default(name)) for name in FIXED}
+    grid, peak = _grid(args, world, inside, dims)
+    # Launched here: name the new run now. Under torchrun/srun rank 0 names it later.
+    out = Path(args.out) if args.out else (None if distributed_env() else new_run_dir(grid))
+    if out is not None and out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give a folder for the run (nothing is overwritten)")
+    if out is not None and out.exists() and any(out.iterdir()):
+        raise ValueError(f"--out {out} already holds files; pass --resume {out} to continue that run, "
+                         f"or choose another --out (nothing is overwritten)")
+    steps = _default("steps") if args.steps is None else args.steps
+    return TrainConfig(grid=grid, out=None if out is None else str(out), steps=steps, data=args.data,
+                       progress=not args.no_progress, peak_flops=peak, **chosen)
+
+
+def _resumed_config(args: argparse.Namespace, world: int, inside: bool):
+    """The saved run's config with what a resume may change: the grid, the step count, the HONOURED settings."""
+    from par4d.train.checkpoint import FOLDER, check_resumable
+    from par4d.train.config import TrainConfig
+
+    run_dir = Path(args.resume)
+    if not run_dir.is_dir():
+        raise ValueError(f"--resume {run_dir}: no such folder")
+    if not (run_dir / FOLDER).is_dir():
+        raise ValueError(f"--resume {run_dir} is not a par4d run folder (it has no {FOLDER}/ folder)")
+    folder, meta = check_resumable(run_dir, report=_say)    # the newest intact checkpoint
+    saved = meta["train_config"]
+    for name in FIXED:
+        given = getattr(args, name)
+        if given is not None and given != saved[name]:
+            raise ValueError(f"--resume {run_dir}: {_flag(name)} {given} differs from the run's {saved[name]}; "
+                             f"a resumed run keeps its model, batch and seed (start a new run to change them)")
+    if args.out is not None and Path(args.out).resolve() != run_dir.resolve():
+        raise ValueError(f"--resume {run_dir} continues in that folder; --out {args.out} names another "
+                         f"(drop --out, or copy the run there and resume the copy)")
+    if args.data is not None and (saved["data"] is None or Path(args.data).resolve() != Path(saved["data"])):
+        raise ValueError(f"--resume {run_dir}: --data {args.data} is not the run's data "
+                         f"({saved['data'] or 'the default data'}); a resumed run trains on the text it started on")
+    steps = args.steps if args.steps is not None else saved["steps"]
+    if steps <= meta["step"]:
+        raise ValueError(f"--resume {run_dir}: the checkpoint is at step {meta['step']}; "
+                         f"pass --steps greater than that (got {steps})")
+    honoured = {name: getattr(args, name) for name in HONOURED if getattr(args, name) is not None}
+    for name, value in honoured.items():
+        if value != saved[name]:
+            _say(f"{_flag(name)} {value} replaces the run's {saved[name]} from step {meta['step']}")
+    grid, peak = _grid(args, world, inside, saved) if args.grid else (saved["grid"], None)
+    return TrainConfig(**dict(saved, **honoured, steps=steps, out=str(run_dir), resume=True, grid=grid,
+                              progress=not args.no_progress, peak_flops=peak, checkpoint=str(folder)))
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def _resumed(summary: dict) -> str:

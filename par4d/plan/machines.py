@@ -15,10 +15,15 @@ figures (link bandwidths, documented per field). User profiles are TOML files:
     bytes_per_element = 2      # 2 for bf16/fp16 training, 4 for fp32
     all_gather_scale = 1.0     # optional: all-gather / reduce-scatter bandwidth
     reduce_scatter_scale = 1.0 #   relative to all-reduce (full model only)
+
+Every value is checked when the profile loads, and the error names the file and the key: numbers are finite and
+not booleans, counts (devices_per_node, bytes_per_element) are whole, all are > 0 except latency (>= 0) and
+efficiency is at most 1; an unknown key in [machine] is an error. Other tables (calibrate's [fit]) are notes.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
@@ -42,24 +47,43 @@ class Machine:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name == "name":
-                continue
-            if not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
-                raise ValueError(f"machine {self.name!r}: {f.name}={value!r} must be a number >= 0")
-        if self.devices_per_node < 1 or self.peak_flops <= 0 or self.beta_intra <= 0 or self.beta_inter <= 0:
-            raise ValueError(f"machine {self.name!r}: devices_per_node, peak_flops, beta_intra and beta_inter "
-                             f"must be > 0")
-        if self.all_gather_scale <= 0 or self.reduce_scatter_scale <= 0:
-            raise ValueError(f"machine {self.name!r}: collective scales must be > 0")
-        if not 0 < self.efficiency <= 1:
-            raise ValueError(f"machine {self.name!r}: efficiency={self.efficiency} must be in (0, 1]")
+            problem = _problem(f.name, getattr(self, f.name))
+            if problem:
+                raise ValueError(f"machine {self.name!r}: {problem}")
+            if f.name in COUNTS:        # a whole float (4.0) is the count it names
+                object.__setattr__(self, f.name, int(getattr(self, f.name)))
 
     def to_toml(self) -> str:
         lines = ["[machine]"]
         for key, value in asdict(self).items():
-            lines.append(f'{key} = "{value}"' if isinstance(value, str) else f"{key} = {value!r}")
+            # json's string escapes are TOML's basic-string escapes: a name with quotes still loads
+            lines.append(f"{key} = {json.dumps(value) if isinstance(value, str) else repr(value)}")
         return "\n".join(lines) + "\n"
+
+
+# Fields that count things: whole numbers >= 1. Every other number is finite and > 0, except these lower bounds.
+COUNTS = ("devices_per_node", "bytes_per_element")
+AT_LEAST_ZERO = ("latency",)            # 0 = the paper's model (no per-step latency)
+
+
+def _problem(key: str, value) -> str | None:
+    """What is wrong with ``value`` for the Machine field ``key`` ("key must be ..., got ..."), or None."""
+    if key == "name":
+        return None if isinstance(value, str) and value else f"name must be a non-empty string, got {value!r}"
+    # bool is an int subclass (TOML true would read as 1): refused before the number checks.
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"{key} must be a number, got {value!r}"
+    if not math.isfinite(value):
+        return f"{key} must be a finite number, got {value!r}"
+    if key in COUNTS and value != int(value):
+        return f"{key} must be a whole number, got {value!r}"
+    if key in AT_LEAST_ZERO:
+        return None if value >= 0 else f"{key} must be >= 0, got {value!r}"
+    if value <= 0:
+        return f"{key} must be > 0, got {value!r}"
+    if key == "efficiency" and value > 1:
+        return f"efficiency is a fraction of peak, in (0, 1]; got {value!r}"
+    return None
 
 
 GB = 1e9
@@ -77,7 +101,9 @@ BUILTIN = {m.name: m for m in (PERLMUTTER, FRONTIER)}
 
 
 def load_machine(name_or_path: str) -> Machine:
-    """A built-in profile by name, or a TOML profile by path."""
+    """A built-in profile by name, or a TOML profile by path. Every error names the file and, where one is at
+    fault, the key (``machine.devices_per_node``); unknown keys in ``[machine]`` are errors (a typo is never
+    ignored), other tables (calibrate's ``[fit]``) are the file's own notes."""
     if name_or_path in BUILTIN:
         return BUILTIN[name_or_path]
     path = Path(name_or_path)
@@ -87,14 +113,24 @@ def load_machine(name_or_path: str) -> Machine:
         import tomllib
     except ModuleNotFoundError as exc:  # Python 3.10
         raise ValueError("reading machine profiles needs Python >= 3.11 (tomllib)") from exc
-    table = tomllib.loads(path.read_text()).get("machine")
+    try:
+        document = tomllib.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{path}: not valid TOML: {exc}") from None
+    table = document.get("machine")
     if not isinstance(table, dict):
         raise ValueError(f"{path}: no [machine] table")
     known = {f.name for f in fields(Machine)}
     unknown = sorted(set(table) - known)
     if unknown:
-        raise ValueError(f"{path}: unknown keys {unknown}; valid keys are {sorted(known)}")
+        raise ValueError(f"{path}: unknown keys {unknown} in [machine]; valid keys are {sorted(known)}")
     missing = sorted(f.name for f in fields(Machine) if f.default is MISSING and f.name not in table)
     if missing:
-        raise ValueError(f"{path}: missing keys {missing}")
+        raise ValueError(f"{path}: missing keys {missing} in [machine]")
+    for key, value in table.items():
+        problem = _problem(key, value)
+        if problem:
+            raise ValueError(f"{path}: machine.{problem}")
     return Machine(**table)

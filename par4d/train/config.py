@@ -30,7 +30,8 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0  # global gradient-norm limit; 0 disables
     seed: int = 0
-    data: str | None = None
+    data: str | None = None          # the corpus's absolute path; None: Python's bundled documentation
+    data_sha256: str | None = None   # its SHA-256, checked on every start (a resume must see the same text)
     resume: bool = False
     save_every: int = 0
     eval_batches: int = 4
@@ -45,12 +46,14 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.lr <= 0:
-            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"--lr must be a finite number > 0, got {self.lr}")
+        if self.save_every < 0:
+            raise ValueError(f"--save-every must be >= 0 (0: only at the end), got {self.save_every}")
         if self.keep < 1:
             raise ValueError(f"--keep must be >= 1, got {self.keep}")
-        if self.grad_clip < 0:
-            raise ValueError(f"--grad-clip must be >= 0 (0 disables), got {self.grad_clip}")
+        if not (math.isfinite(self.grad_clip) and self.grad_clip >= 0):
+            raise ValueError(f"--grad-clip must be a finite number >= 0 (0 disables), got {self.grad_clip}")
         settings, every = self.overlap_settings(), self.recompute_every()   # both raise on bad values
         if settings.cache and not every:
             raise ValueError(f"--overlap {self.overlap}: the cache keeps gathered weights for recomputation; "

@@ -6,38 +6,79 @@ run resumed at step s sees exactly the batches an uninterrupted run would.
 
 from __future__ import annotations
 
+import hashlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from par4d.train.config import VOCAB_BYTES  # noqa: F401  (re-exported)
 
+BUNDLED = "pydoc_data.topics (Python's bundled documentation)"
+TRAIN_SHARE = 0.9
 
-def load_corpus(path: str | None = None) -> tuple[torch.Tensor, str]:
-    """UTF-8 bytes of ``path``, or of Python's bundled documentation (no download)."""
+
+@dataclass(frozen=True)
+class Corpus:
+    """A checked corpus: its text as UTF-8 bytes, where it came from, and their SHA-256."""
+
+    data: bytes
+    source: str          # the absolute path, or BUNDLED
+    sha256: str
+
+
+def min_bytes(seq_len: int) -> int:
+    """The shortest corpus whose train and validation splits each hold one window of ``seq_len + 1``."""
+    return 10 * (seq_len + 2)
+
+
+def read_corpus(path: str | None, seq_len: int, sha256: str | None = None) -> Corpus:
+    """The corpus at ``path`` (or Python's bundled documentation, no download), checked:
+    it must be UTF-8 text without NUL bytes, long enough for ``seq_len``, and, given
+    ``sha256``, the very file a run started on. Raises ``ValueError`` naming the file."""
     if path is None:
         import pydoc_data.topics
 
         topics = pydoc_data.topics.topics
-        text = "\n\n".join(topics[key] for key in sorted(topics))
-        source = "pydoc_data.topics (Python's bundled documentation)"
+        data, source, name = "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8"), BUNDLED, "the default data"
     else:
-        file = Path(path)
+        file = Path(path).resolve()
+        name = f"--data {path}"
+        if not file.exists():
+            raise ValueError(f"{name}: no such file")
         if not file.is_file():
-            raise ValueError(f"--data {path}: no such file")
-        text = file.read_text(encoding="utf-8", errors="replace")
-        source = str(file)
-    data = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
-    return data, source
+            raise ValueError(f"{name} is not a file")
+        data, source = file.read_bytes(), str(file)
+    digest = hashlib.sha256(data).hexdigest()
+    if sha256 is not None and digest != sha256:
+        raise ValueError(f"{name} ({source}) is not the text this run started on: its SHA-256 is {digest[:12]}..., "
+                         f"the run recorded {sha256[:12]}... (restore that file, or start a new run)")
+    if not data:
+        raise ValueError(f"{name} is empty")
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{name} is not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start})") from None
+    if b"\0" in data:
+        raise ValueError(f"{name} holds NUL bytes (offset {data.index(0)}): not a text file")
+    if len(data) < min_bytes(seq_len):
+        raise ValueError(f"{name} has {len(data):,} bytes; --seq-len {seq_len} needs at least {min_bytes(seq_len):,} "
+                         f"(a {seq_len + 1}-byte window in each of the 90% train and 10% validation splits)")
+    return Corpus(data, source, digest)
+
+
+def as_tokens(corpus: Corpus) -> torch.Tensor:
+    return torch.frombuffer(bytearray(corpus.data), dtype=torch.uint8).long()
 
 
 class Batches:
     """Random windows of ``seq_len + 1`` bytes; a 90/10 train/validation split."""
 
     def __init__(self, data: torch.Tensor, seq_len: int, batch_size: int, seed: int):
-        if len(data) < 10 * (seq_len + 1):
-            raise ValueError(f"the corpus has {len(data)} tokens, too few for sequences of {seq_len}")
-        split = int(0.9 * len(data))
+        if len(data) < min_bytes(seq_len):
+            raise ValueError(f"the corpus has {len(data)} tokens, too few for sequences of {seq_len} "
+                             f"(at least {min_bytes(seq_len)})")
+        split = int(TRAIN_SHARE * len(data))
         self.train, self.val = data[:split], data[split:]
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
 

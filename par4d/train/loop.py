@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import time
@@ -20,10 +21,11 @@ from par4d.models import GPT
 from par4d.perf import cpu_cores, measure_matmul_peak, threads_per_rank
 from par4d.train import checkpoint
 from par4d.train.config import TrainConfig
-from par4d.train.data import Batches, load_corpus
+from par4d.train.data import Batches, as_tokens, read_corpus
 from par4d.train.model import build_gpt
 from par4d.train.rank0 import on_rank0
 from par4d.train.step import train_step
+from par4d.train.stop import StopRequest
 
 
 def _threads_per_rank() -> int:
@@ -32,8 +34,9 @@ def _threads_per_rank() -> int:
     return threads_per_rank(env.local_world_size if env else 1)
 
 
-def run(config: TrainConfig) -> dict:
-    """Train on this rank; rank 0 writes the run directory. Returns rank 0's summary."""
+def run(config: TrainConfig, stop: StopRequest) -> dict:
+    """Train on this rank; rank 0 writes the run directory. Returns rank 0's summary
+    (``stopped``: the signal and step, when a signal stopped the run early)."""
     torch.set_num_threads(_threads_per_rank())
     grid = init(**config.grid, overlap=config.overlap_settings())
     rank0 = grid.rank == 0
@@ -53,8 +56,9 @@ def run(config: TrainConfig) -> dict:
     model = build_gpt(model_config, grid, config.recompute_every())
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
                                   betas=(0.9, 0.95))
-    corpus, source = load_corpus(config.data)
-    batches = Batches(corpus, config.seq_len, config.batch_size, config.seed)
+    corpus = read_corpus(config.data, config.seq_len, config.data_sha256)
+    source = corpus.source
+    batches = Batches(as_tokens(corpus), config.seq_len, config.batch_size, config.seed)
     resumed = checkpoint.load(out, grid, model, optimizer, config.checkpoint) if config.resume else None
     start_step = resumed["step"] if resumed else 0
     resumed_from = None if resumed is None else {"step": resumed["step"], "grid": resumed["grid"]}
@@ -80,7 +84,11 @@ def run(config: TrainConfig) -> dict:
         with ledger.capture() as entries:
             loss = train_step(model, optimizer, grid, model, x, y, grad_clip=config.grad_clip)
             mean_loss = global_mean(loss, grid).item()
-        _injected_fault(grid.rank, step + 1, restart)
+        if not math.isfinite(mean_loss):   # the same value on every rank: all stop here, none waits
+            raise FloatingPointError(
+                f"the loss is {mean_loss} at step {step + 1} (learning rate {lr:.3g}): the run stops here without "
+                f"recording it (try a lower --lr, or --grad-clip; a resume takes both)")
+        _injected_fault(grid.rank, step + 1, restart, stop)
         seconds = time.perf_counter() - began
         rates.append(tokens_per_step / seconds)
         # Rank 0's communication: wall seconds with a collective in flight (issued), seconds waited (exposed).
@@ -95,8 +103,15 @@ def run(config: TrainConfig) -> dict:
             if progress is not None:
                 progress.set_postfix(loss=f"{mean_loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
                 progress.update(1)
-        if config.save_every and (step + 1) % config.save_every == 0 and step + 1 < config.steps:
+        signum = stop.agreed(grid.device) if step + 1 < config.steps else None   # the last step ends the run anyway
+        if signum or (config.save_every and (step + 1) % config.save_every == 0 and step + 1 < config.steps):
             checkpoint.save(out, step + 1, grid, model, optimizer, _meta(config), config.keep)
+        if signum:   # a scheduler's preemption or Ctrl-C: this step is saved, the next run resumes here
+            if progress is not None:
+                progress.close()
+            if metrics is not None:
+                metrics.close()
+            return {"stopped": {"signal": signal.Signals(signum).name, "step": step + 1, "run": str(out)}}
     if progress is not None:
         progress.close()
     checkpoint.save(out, config.steps, grid, model, optimizer, _meta(config), config.keep)
@@ -134,18 +149,36 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-FAULT_ENV = "PAR4D_KILL_AT"
-"""Fault injection (tests, ``par4d bench faults``): ``RANK:STEP`` kills that rank with SIGKILL
-after that step, on the job's first attempt only."""
+FAULT_ENV = "PAR4D_FAULTS"
+"""Fault injection (tests, ``par4d bench faults``): a comma list of ``RANK:STEP`` or
+``RANK:STEP:TERM``, its i-th entry acting on the job's attempt i (0: the first; the
+elastic agent counts restarts). ``RANK:STEP`` kills that rank with SIGKILL after that
+step; ``:TERM`` has it send SIGTERM to its launcher instead (a scheduler's preemption)
+and wait until the launcher passes the signal on, so the run stops after that step."""
 
 
-def _injected_fault(rank: int, step: int, restart: int) -> None:
-    spec = os.environ.get(FAULT_ENV)
-    if not spec or restart:
+def parse_faults(spec: str) -> list[tuple[int, int, str]]:
+    """``[(rank, step, "KILL" or "TERM")]`` of a :data:`FAULT_ENV` value."""
+    faults = []
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        fields = item.split(":")
+        kind = fields[2].upper() if len(fields) == 3 else "KILL"
+        if len(fields) not in (2, 3) or not all(f.isdigit() for f in fields[:2]) or kind not in ("KILL", "TERM"):
+            raise ValueError(f"{FAULT_ENV}={spec!r}: give a comma list of RANK:STEP or RANK:STEP:TERM")
+        faults.append((int(fields[0]), int(fields[1]), kind))
+    return faults
+
+
+def _injected_fault(rank: int, step: int, attempt: int, stop: StopRequest) -> None:
+    faults = parse_faults(os.environ.get(FAULT_ENV, ""))
+    if attempt >= len(faults) or faults[attempt][:2] != (rank, step):
         return
-    target_rank, target_step = (int(v) for v in spec.split(":"))
-    if (rank, step) == (target_rank, target_step):
+    if faults[attempt][2] == "KILL":
         os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getppid(), signal.SIGTERM)      # the launcher, which signals every rank
+    deadline = time.monotonic() + 30
+    while stop.signum is None and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _broadcast(value):
@@ -219,10 +252,43 @@ def _plot(out: Path) -> None:
     plt.close(fig)
 
 
-def worker(config: TrainConfig) -> dict:
-    """Entry point of each launched rank (picklable for torchrun's elastic agent)."""
+def worker(config: TrainConfig, exit_on_stop: bool = False) -> dict:
+    """Entry point of each rank (picklable for torchrun's elastic agent). An error is
+    written, with its traceback, to the run folder's ``logs/rank-<r>.log`` and raised.
+
+    ``exit_on_stop``: under par4d's launcher, a rank a signal stopped exits (status 128 + the
+    signal's number) once its checkpoint is written: the agent stops reading return values
+    when it is signalled, and a rank returning one would wait for it until killed."""
     try:
-        return run(config)
+        with StopRequest() as stop:
+            summary = run(config, stop)
+    except Exception:
+        _log_failure(config)
+        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    if exit_on_stop and "stopped" in summary:
+        os._exit(128 + signal.Signals[summary["stopped"]["signal"]])
+    return summary
+
+
+def failure_log(out: Path, rank: int) -> Path:
+    return Path(out) / "logs" / f"rank-{rank}.log"
+
+
+def _log_failure(config: TrainConfig) -> None:
+    import traceback
+
+    env = distributed_env()
+    if config.out is None:   # under torchrun/srun without --out: rank 0 had not named the run yet
+        return
+    rank = env.rank if env else 0
+    path = failure_log(Path(config.out), rank)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as log:
+            log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} rank {rank}, attempt {restart_count()}:\n")
+            log.write(traceback.format_exc() + "\n")
+    except OSError:   # the log is a courtesy: the error itself still reaches the launcher
+        pass
