@@ -356,3 +356,13 @@ def test_calibrate_never_overwrites_a_profile(tmp_path, capsys, monkeypatch):
     assert profile.read_text() == "mine\n" and calls == []
     assert main(["calibrate", "--out", str(profile), "--force"]) == 0
     assert profile.read_text() == "measured\n" and calls == [profile]
+
+
+def test_plan_validate_never_overwrites_its_plot(tmp_path, capsys):
+    from par4d.cli import main
+
+    plot = tmp_path / "ranking.png"
+    plot.write_bytes(b"a figure the user keeps")
+    assert main(["plan", "validate", "--nproc", "2", "--plot", str(plot)]) == 2
+    assert f"--plot {plot} already exists; pass --force to overwrite it" in capsys.readouterr().err
+    assert plot.read_bytes() == b"a figure the user keeps"

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from par4d.bench.faults import RESTART, plan_faults
 from par4d.cli import main
 from par4d.plan.choose import default_grid
 
@@ -205,7 +206,7 @@ def test_a_killed_rank_and_a_preempted_run_end_as_an_uninterrupted_one(tmp_path)
     straight, killed, stopped = tmp_path / "straight", tmp_path / "killed", tmp_path / "stopped"
     _train(*common, "--out", str(straight))
     result = _train(*common, "--out", str(killed), "--max-restarts", "1", env_extra={"PAR4D_FAULTS": "1:12"})
-    assert "restart 1: resuming" in result.stdout, result.stdout[-2000:]
+    assert RESTART.findall(result.stdout) == [("1", "10")], result.stdout[-2000:]   # what bench faults reads
     assert json.loads((killed / "summary.json").read_text())["start_step"] == 10
     assert _losses(killed) == _losses(straight)
     want = _final_tensors(straight)
@@ -274,3 +275,12 @@ def test_an_error_inside_a_rank_is_one_line_and_a_nan_loss_stops_the_run(tmp_pat
                      f"--grad-clip; a resume takes both) (traceback in {log})"]
     assert "Traceback (most recent call last)" in log.read_text() and "FloatingPointError" in log.read_text()
     assert len(_losses(run)) == 1
+
+
+def test_bench_faults_plans_one_kill_per_attempt_each_further_on():
+    kills = plan_faults(5, 60, 4, seed=3)
+    steps = [step for _, step in kills]
+    assert len(kills) == 5 and steps == sorted(set(steps)) and all(1 <= s < 60 for s in steps)
+    assert all(0 <= rank < 4 for rank, _ in kills) and kills == plan_faults(5, 60, 4, seed=3)
+    with pytest.raises(ValueError, match="--faults must be between 1 and --steps - 1 = 9, got 10"):
+        plan_faults(10, 10, 4, seed=0)

@@ -56,6 +56,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     overlap.add_argument("--seq-len", type=int, default=128)
     overlap.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
     _output(overlap, plot=True)
+    faults = sub.add_parser("faults", help="soak: kill random ranks at random steps under --max-restarts; "
+                                           "restarts survived, steps recomputed, final model bit for bit?")
+    faults.add_argument("--nproc", type=int, default=DEFAULT_NPROC)
+    faults.add_argument("--grid", default=None, help="axis sizes (default: par4d train's for --nproc)")
+    faults.add_argument("--steps", type=int, default=60)
+    faults.add_argument("--save-every", type=int, default=5)
+    faults.add_argument("--faults", type=int, default=4, help="ranks killed, one per attempt")
+    faults.add_argument("--seed", type=int, default=0, help="picks the ranks and steps killed")
+    faults.add_argument("--n-layer", type=int, default=2)
+    faults.add_argument("--n-embd", type=int, default=64)
+    faults.add_argument("--n-head", type=int, default=4)
+    faults.add_argument("--seq-len", type=int, default=64)
+    faults.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
+    _output(faults)
     gemm = sub.add_parser("gemm", help="gain of GEMM tuning per matmul shape and pass")
     gemm.add_argument("--json", action="store_true", help="one JSON object per row")
 
@@ -69,6 +83,10 @@ def run(args: argparse.Namespace) -> int:
         from par4d.bench.gemm import run_bench_gemm
 
         return run_bench_gemm(args)
+    if args.bench == "faults":
+        from par4d.bench.faults import run_bench_faults
+
+        return run_bench_faults(args)
     if args.bench == "overlap":
         from par4d.bench.overlap import run_bench_overlap
 

@@ -8,6 +8,7 @@ import json
 from collections import Counter
 from dataclasses import replace
 
+from par4d.cli.files import check_new_file
 from par4d.plan.machines import BUILTIN, load_machine
 from par4d.plan.model import VARIANTS, rank_configurations
 from par4d.plan.workload import GPT_MODELS, gpt_spec
@@ -26,7 +27,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--passes", type=int, default=1,
                    help="validate: measure every grid this many times, round robin; also reports how well "
                         "the passes agree with each other")
-    p.add_argument("--plot", default=None, help="validate: write the ranking plot (PNG) here")
+    p.add_argument("--plot", default=None,
+                   help="validate: write the ranking plot (PNG) here (an existing file is refused unless --force)")
+    p.add_argument("--force", action="store_true", help="validate: overwrite an existing --plot file")
     p.add_argument("--nodes", type=int, default=None,
                    help="validate on an emulated cluster of this many nodes, --nproc ranks each (needs root)")
     p.add_argument("--link", default="1gbit", help="emulated inter-node link rate (with --nodes)")
@@ -127,6 +130,8 @@ def _validate(args: argparse.Namespace) -> int:
         cluster = ClusterSpec(args.nodes, args.nproc, args.link)
     elif args.nproc < 2:
         raise ValueError(f"--nproc must be >= 2 for validate, got {args.nproc}")
+    if args.plot:
+        check_new_file(args.plot, "--plot", args.force)
     if args.passes < 1:
         raise ValueError(f"--passes must be >= 1, got {args.passes}")
     if args.iters < 1:

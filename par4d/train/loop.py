@@ -46,11 +46,10 @@ def run(config: TrainConfig, stop: StopRequest) -> dict:
     out = Path(config.out)
     on_rank0(lambda: out.mkdir(parents=True, exist_ok=True))
     restart = restart_count()
-    if restart and not config.resume and checkpoint.has_checkpoint(out):
-        # Restarted by the elastic agent after a rank died: go on from the newest intact checkpoint.
+    if restart and checkpoint.has_checkpoint(out):
+        # Restarted by the elastic agent after a rank died: go on from the newest intact checkpoint
+        # (not the one a --resume started from: this attempt may have saved newer ones).
         config = replace(config, resume=True, checkpoint=None)
-        on_rank0(lambda: print(f"par4d train: restart {restart}: resuming {out} from its newest intact "
-                               f"checkpoint", flush=True))
 
     model_config = config.model_config()
     model = build_gpt(model_config, grid, config.recompute_every())
@@ -61,6 +60,9 @@ def run(config: TrainConfig, stop: StopRequest) -> dict:
     batches = Batches(as_tokens(corpus), config.seq_len, config.batch_size, config.seed)
     resumed = checkpoint.load(out, grid, model, optimizer, config.checkpoint) if config.resume else None
     start_step = resumed["step"] if resumed else 0
+    if restart:
+        where = f"from step {start_step}, its newest intact checkpoint" if resumed else "from the start (no checkpoint)"
+        on_rank0(lambda: print(f"par4d train: restart {restart}: resuming {out} {where}", flush=True))
     resumed_from = None if resumed is None else {"step": resumed["step"], "grid": resumed["grid"]}
     # The machine's peak, best measured before the ranks exist (par4d's launcher does);
     # under torchrun/srun rank 0 measures on every core while the others wait.
