@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -284,3 +285,47 @@ def test_bench_faults_plans_one_kill_per_attempt_each_further_on():
     assert all(0 <= rank < 4 for rank, _ in kills) and kills == plan_faults(5, 60, 4, seed=3)
     with pytest.raises(ValueError, match="--faults must be between 1 and --steps - 1 = 9, got 10"):
         plan_faults(10, 10, 4, seed=0)
+
+
+def test_an_error_on_one_rank_tears_the_job_down(tmp_path):
+    """Rank 2 of 4 raises after step 3 while the others wait for it in a collective: nobody
+    hangs (the subprocess timeout is the hang detector), the user reads one line naming
+    rank 2, and its traceback is in the run's log. Under --max-restarts the run goes on."""
+    run = tmp_path / "run"
+    common = ["--nproc", "4", "--grid", "x=2,z=2", *SMALL, "--steps", "6", "--save-every", "2"]
+    result = _train(*common, "--out", str(run), env_extra={"PAR4D_FAULTS": "2:3:RAISE"}, status=1, timeout=120)
+    assert result.stderr.strip().splitlines() == [
+        f"par4d train: error: rank 2 failed: RuntimeError: fault injected by PAR4D_FAULTS after step 3 "
+        f"(traceback in {run / 'logs' / 'rank-2.log'})"]
+    assert "RuntimeError: fault injected" in (run / "logs" / "rank-2.log").read_text()
+    retried = tmp_path / "retried"
+    result = _train(*common, "--out", str(retried), "--max-restarts", "1", env_extra={"PAR4D_FAULTS": "2:3:RAISE"})
+    assert RESTART.findall(result.stdout) == [("1", "2")]
+    assert len(_losses(retried)) == 6
+
+
+def test_a_run_exported_to_transformers_starts_another_run_on_another_grid(tmp_path):
+    """3 steps on x=2 (2 ranks), `par4d export` to a Hugging Face folder, then a new run on
+    z=2,data=2 (4 ranks) with `--init-from hf`: its first loss (before its first update) is the
+    loss transformers computes for the exported model on that run's first batch."""
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    from par4d.train.data import Batches, as_tokens, read_corpus
+
+    first, exported, second = tmp_path / "first", tmp_path / "hf", tmp_path / "second"
+    _train("--nproc", "2", "--grid", "x=2", *SMALL, "--steps", "3", "--out", str(first))
+    assert main(["export", "--run", str(first), "--to", "hf", str(exported)]) == 0
+    result = _train("--grid", "z=2,data=2", "--init-from", "hf", str(exported), "--batch-size", "8", "--steps", "2",
+                    "--seed", "5", "--no-progress", "--out", str(second))   # shape from config.json, other batches
+    assert re.search(rf"started from +{re.escape(str(exported))}\n", result.stdout)
+    summary = json.loads((second / "summary.json").read_text())
+    assert (summary["config"]["n_embd"], summary["config"]["seq_len"]) == (32, 16)
+
+    model = GPT2LMHeadModel.from_pretrained(exported).eval()
+    inputs, targets = Batches(as_tokens(read_corpus(None, 16)), 16, 8, seed=5).train_batch(0)
+    with torch.no_grad():
+        logits = model(inputs).logits
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), targets.reshape(-1)).item()
+    assert _losses(second)[0] == pytest.approx(want, abs=1e-5)
+    assert main(["train", "--resume", str(second), "--init-from", "hf", str(exported), "--steps", "3"]) == 2

@@ -3,6 +3,7 @@ this one builds the top-level parser from them, dispatches, and turns a ``ValueE
 exit status 2.
 
     par4d train [--nproc N] [--grid x=2,z=2] [--steps N] [--out DIR | --resume DIR] ...
+    par4d export --run DIR --to hf OUT [--force]
     par4d plan --model gpt-20b --gpus 32 [--machine perlmutter] [--top 10] [--json]
     par4d bench grid [--nproc N] [--json]
 
@@ -18,12 +19,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from par4d.cli import bench, calibrate, cluster, phantom, plan, train
+from par4d.cli import bench, calibrate, cluster, export, phantom, plan, train
 from par4d.cluster import ClusterUnavailable
 from par4d.launch import Interrupted, RankFailed
 
 # In the order `par4d --help` lists them; each module's name is its command's.
-COMMANDS = (train, plan, calibrate, cluster, phantom, bench)
+COMMANDS = (train, export, plan, calibrate, cluster, phantom, bench)
 
 
 def _parser() -> argparse.ArgumentParser:

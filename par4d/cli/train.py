@@ -41,6 +41,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="run directory (default: a new folder under runs/)")
     p.add_argument("--resume", metavar="DIR", default=None,
                    help="continue the run in DIR from its checkpoint, on its grid or another one (--grid)")
+    p.add_argument("--init-from", nargs=2, metavar=("hf", "DIR"), default=None,
+                   help="start from the weights of a Hugging Face GPT-2 folder (as par4d export writes it); "
+                        "the model's shape defaults to its config.json's, each rank reads only its shards")
     p.add_argument("--data", default=None,
                    help="a UTF-8 text file (default: Python's bundled docs); a resumed run checks it is the same")
     model = p.add_argument_group("model and batch (a resumed run keeps its own: a different value is refused)")
@@ -184,6 +187,10 @@ def _config(args: argparse.Namespace, world: int, inside: bool):
     if config.batch_size % (sizes["data"] * sizes["z"]):
         raise ValueError(f"--batch-size {config.batch_size} is not divisible by data * z = "
                          f"{sizes['data']} * {sizes['z']} = {sizes['data'] * sizes['z']}")
+    if config.init_from and not config.resume:
+        from par4d.train.hf import check_hf
+
+        check_hf(Path(config.init_from), config.model_config())    # names the file and every number that differs
     corpus = read_corpus(config.data, config.seq_len, config.data_sha256)   # a resume checks it is the same text
     return replace(config, data=None if corpus.source == BUNDLED else corpus.source, data_sha256=corpus.sha256)
 
@@ -207,6 +214,11 @@ def _new_config(args: argparse.Namespace, world: int, inside: bool):
     from par4d.train.loop import new_run_dir
 
     chosen = {name: getattr(args, name) for name in FIXED + HONOURED if getattr(args, name) is not None}
+    init_from = _init_from(args.init_from)
+    if init_from is not None:   # the model's shape is the saved model's unless a flag says otherwise
+        from par4d.train.hf import gpt_dims
+
+        chosen = dict(gpt_dims(init_from), **chosen)
     dims = {name: chosen.get(name, _default(name)) for name in FIXED}
     grid, peak = _grid(args, world, inside, dims)
     # Launched here: name the new run now. Under torchrun/srun rank 0 names it later.
@@ -218,7 +230,18 @@ def _new_config(args: argparse.Namespace, world: int, inside: bool):
                          f"or choose another --out (nothing is overwritten)")
     steps = _default("steps") if args.steps is None else args.steps
     return TrainConfig(grid=grid, out=None if out is None else str(out), steps=steps, data=args.data,
-                       progress=not args.no_progress, peak_flops=peak, **chosen)
+                       progress=not args.no_progress, peak_flops=peak, init_from=init_from, **chosen)
+
+
+def _init_from(given: list[str] | None) -> str | None:
+    if given is None:
+        return None
+    kind, folder = given
+    if kind != "hf":
+        raise ValueError(f"--init-from {kind} {folder}: the format must be hf (a Hugging Face GPT-2 folder)")
+    if not Path(folder).is_dir():
+        raise ValueError(f"--init-from hf {folder}: no such folder")
+    return str(Path(folder).resolve())
 
 
 def _resumed_config(args: argparse.Namespace, world: int, inside: bool):
@@ -231,6 +254,8 @@ def _resumed_config(args: argparse.Namespace, world: int, inside: bool):
         raise ValueError(f"--resume {run_dir}: no such folder")
     if not (run_dir / FOLDER).is_dir():
         raise ValueError(f"--resume {run_dir} is not a par4d run folder (it has no {FOLDER}/ folder)")
+    if args.init_from is not None:
+        raise ValueError(f"--resume {run_dir} starts from the run's checkpoint; --init-from applies to a new run only")
     folder, meta = check_resumable(run_dir, report=_say)    # the newest intact checkpoint
     saved = meta["train_config"]
     for name in FIXED:
@@ -301,6 +326,7 @@ def _print_summary(summary: dict) -> None:
         ("loss", f"{summary['initial_loss']:.3f} -> {summary['final_loss']:.3f} (train), "
                  f"{summary['val_loss']:.3f} (validation)"),
         ("run directory", summary["config"]["out"]),
+        *([("started from", summary["config"]["init_from"])] if summary["config"].get("init_from") else []),
     ]
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{width}}  {v}" for k, v in rows), flush=True)

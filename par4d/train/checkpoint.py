@@ -31,6 +31,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -281,16 +282,39 @@ def _overlap(saved: Box, wanted: Box) -> tuple[tuple[slice, ...], tuple[slice, .
     return tuple(src), tuple(dst)
 
 
+Reader = Callable[[tuple[slice, ...]], torch.Tensor]
+"""``read(slices)``: part of a source piece, cut by one slice per dim of the piece (none for a scalar)."""
+
+
+def slice_reader(reader, key: str) -> Reader:
+    """A :data:`Reader` of tensor ``key`` of an open ``safe_open`` file that reads only the slices asked for."""
+    return lambda src: reader.get_slice(key)[src] if src else reader.get_tensor(key)
+
+
+def fill(local: torch.Tensor, wanted: Box, source: Box, read: Reader) -> None:
+    """Copy into ``local`` the part of its box ``wanted`` that the source piece's box ``source``
+    covers, if the two meet; ``read`` gives that part of the piece. ``local`` is a rank's shard (its
+    boxes from :func:`par4d.layout.boxes`) or a whole tensor; the source is a saved piece or a whole
+    tensor of another file (``par4d.train.hf``): the one place that moves values between boxes."""
+    where = _overlap(source, wanted)
+    if where is not None:
+        src, dst = where
+        local[dst] = read(src).to(local.device, local.dtype).reshape(local[dst].shape)
+
+
 @torch.no_grad()
 def load(run_dir: Path, grid: Grid, model: nn.Module, optimizer: torch.optim.Optimizer,
          folder: Path | None = None) -> dict:
-    """Collective: load a checkpoint of ``run_dir`` (``folder``, or else the newest intact one)
-    into this grid's shards, whatever grid saved it; returns its meta. Each rank reads only
-    the slices of the saved pieces that overlap its own shards (and checks those files)."""
+    """Load a checkpoint of ``run_dir`` (``folder``, or else the newest intact one) into this
+    grid's shards, whatever grid saved it; returns its meta. Each rank reads only the slices of
+    the saved pieces that overlap its own shards, and checks the SHA-256 of the files it reads
+    (and of the index and meta), not of the others: the launcher verified the whole folder."""
     _check_optimizer(optimizer)
     folder = choose(run_dir) if folder is None else Path(folder)
-    meta = read_meta(folder)
     files = {f["file"]: f for f in json.loads((folder / "manifest.json").read_text())["files"]}
+    for name in ("index.json", "meta.json"):
+        _check_sum(folder / name, files[name])
+    meta = read_meta(folder)
     index = json.loads((folder / "index.json").read_text())
     if index.get("format") != FORMAT:
         raise ValueError(f"{folder / 'index.json'}: format {index.get('format')!r}, this par4d reads {FORMAT!r}")
@@ -302,6 +326,13 @@ def load(run_dir: Path, grid: Grid, model: nn.Module, optimizer: torch.optim.Opt
                                           "exp_avg_sq": torch.zeros_like(param)}
     readers: dict[str, object] = {}
     with contextlib.ExitStack() as opened:
+
+        def reader_of(name: str):   # opened, and checked against the manifest, on first use
+            if name not in readers:
+                _check_sum(folder / name, files[name])
+                readers[name] = opened.enter_context(safe_open(str(folder / name), "pt"))
+            return readers[name]
+
         for key, tensor, placement, full in _tensors(grid, model, optimizer):
             record = tensors.get(key)
             if record is None:
@@ -309,19 +340,12 @@ def load(run_dir: Path, grid: Grid, model: nn.Module, optimizer: torch.optim.Opt
             if tuple(record["shape"]) != tuple(full):
                 raise ValueError(f"checkpoint {folder}: {key} has full shape {tuple(record['shape'])}, this model "
                                  f"{tuple(full)} (phantom layers' shapes depend on the grid's x)")
+            for piece in record["pieces"]:
+                if piece["file"] not in files:
+                    raise ValueError(f"checkpoint {folder}: {piece['file']} is not in manifest.json")
             for wanted in boxes(placement, full, _coords(grid), grid.sizes):
                 for piece in record["pieces"]:
-                    if piece["file"] not in files:
-                        raise ValueError(f"checkpoint {folder}: {piece['file']} is not in manifest.json")
-                    reader = readers.get(piece["file"])
-                    if reader is None:
-                        _check_sum(folder / piece["file"], files[piece["file"]])
-                        reader = opened.enter_context(safe_open(str(folder / piece["file"]), "pt"))
-                        readers[piece["file"]] = reader
                     for saved in map(Box.from_list, piece["boxes"]):
-                        where = _overlap(saved, wanted)
-                        if where is not None:
-                            src, dst = where
-                            part = reader.get_slice(key)[src] if src else reader.get_tensor(key)
-                            tensor[dst] = part.to(tensor.device, tensor.dtype).reshape(tensor[dst].shape)
+                        if _overlap(saved, wanted) is not None:
+                            fill(tensor, wanted, saved, slice_reader(reader_of(piece["file"]), key))
     return meta

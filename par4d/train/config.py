@@ -41,6 +41,7 @@ class TrainConfig:
     recompute: str = "none"          # --recompute: none, auto, or every N blocks
     keep: int = 2                    # --keep: checkpoints kept
     checkpoint: str | None = None    # on --resume: the checkpoint folder chosen (verified) before the ranks start
+    init_from: str | None = None     # --init-from hf DIR: a GPT-2 model folder (absolute) the run's weights start from
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len"):

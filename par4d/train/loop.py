@@ -22,6 +22,7 @@ from par4d.perf import cpu_cores, measure_matmul_peak, threads_per_rank
 from par4d.train import checkpoint
 from par4d.train.config import TrainConfig
 from par4d.train.data import Batches, as_tokens, read_corpus
+from par4d.train.hf import load_hf
 from par4d.train.model import build_gpt
 from par4d.train.rank0 import on_rank0
 from par4d.train.step import train_step
@@ -48,11 +49,16 @@ def run(config: TrainConfig, stop: StopRequest) -> dict:
     restart = restart_count()
     if restart and checkpoint.has_checkpoint(out):
         # Restarted by the elastic agent after a rank died: go on from the newest intact checkpoint
-        # (not the one a --resume started from: this attempt may have saved newer ones).
-        config = replace(config, resume=True, checkpoint=None)
+        # (not the one a --resume started from: this attempt may have saved newer ones). Rank 0
+        # verifies every file; each rank then checks only the files it reads.
+        chosen = on_rank0(lambda: str(checkpoint.choose(out, report=lambda line: print(
+            f"par4d train: {line}", flush=True))))
+        config = replace(config, resume=True, checkpoint=_broadcast(chosen))
 
     model_config = config.model_config()
     model = build_gpt(model_config, grid, config.recompute_every())
+    if config.init_from and not config.resume:   # a Hugging Face model's weights; each rank reads its shards
+        load_hf(Path(config.init_from), grid, model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
                                   betas=(0.9, 0.95))
     corpus = read_corpus(config.data, config.seq_len, config.data_sha256)
@@ -152,21 +158,25 @@ def restart_count() -> int:
 
 
 FAULT_ENV = "PAR4D_FAULTS"
-"""Fault injection (tests, ``par4d bench faults``): a comma list of ``RANK:STEP`` or
-``RANK:STEP:TERM``, its i-th entry acting on the job's attempt i (0: the first; the
-elastic agent counts restarts). ``RANK:STEP`` kills that rank with SIGKILL after that
-step; ``:TERM`` has it send SIGTERM to its launcher instead (a scheduler's preemption)
-and wait until the launcher passes the signal on, so the run stops after that step."""
+"""Fault injection (tests, ``par4d bench faults``): a comma list of ``RANK:STEP[:KIND]``,
+its i-th entry acting on the job's attempt i (0: the first; the elastic agent counts
+restarts), after that step. KIND ``KILL`` (the default): the rank kills itself with
+SIGKILL. ``RAISE``: it raises an error (its peers are left waiting in a collective).
+``TERM``: it sends SIGTERM to its launcher (a scheduler's preemption) and waits until
+the launcher passes the signal on, so the run stops after that step."""
+
+FAULT_KINDS = ("KILL", "RAISE", "TERM")
 
 
 def parse_faults(spec: str) -> list[tuple[int, int, str]]:
-    """``[(rank, step, "KILL" or "TERM")]`` of a :data:`FAULT_ENV` value."""
+    """``[(rank, step, kind)]`` of a :data:`FAULT_ENV` value."""
     faults = []
     for item in filter(None, (part.strip() for part in spec.split(","))):
         fields = item.split(":")
         kind = fields[2].upper() if len(fields) == 3 else "KILL"
-        if len(fields) not in (2, 3) or not all(f.isdigit() for f in fields[:2]) or kind not in ("KILL", "TERM"):
-            raise ValueError(f"{FAULT_ENV}={spec!r}: give a comma list of RANK:STEP or RANK:STEP:TERM")
+        if len(fields) not in (2, 3) or not all(f.isdigit() for f in fields[:2]) or kind not in FAULT_KINDS:
+            raise ValueError(f"{FAULT_ENV}={spec!r}: give a comma list of RANK:STEP[:KIND], KIND one of "
+                             f"{', '.join(FAULT_KINDS)}")
         faults.append((int(fields[0]), int(fields[1]), kind))
     return faults
 
@@ -177,6 +187,8 @@ def _injected_fault(rank: int, step: int, attempt: int, stop: StopRequest) -> No
         return
     if faults[attempt][2] == "KILL":
         os.kill(os.getpid(), signal.SIGKILL)
+    if faults[attempt][2] == "RAISE":
+        raise RuntimeError(f"fault injected by {FAULT_ENV} after step {step}")
     os.kill(os.getppid(), signal.SIGTERM)      # the launcher, which signals every rank
     deadline = time.monotonic() + 30
     while stop.signum is None and time.monotonic() < deadline:

@@ -1,0 +1,345 @@
+"""Hugging Face GPT-2 weights: a par4d run's checkpoint out as a ``transformers`` model, and such a
+model in as the start of a par4d run, at any grid.
+
+A folder has ``config.json`` (``model_type: gpt2``, ``GPT2LMHeadModel``) and one ``model.safetensors``
+with ``transformers``' keys. par4d's dense GPT is GPT-2 but for three settings that the config spells
+out: exact GELU (``activation_function: gelu``, GPT-2's own is the tanh approximation), an untied head
+(``tie_word_embeddings: false``) and no dropout. The parameters map one to one (:func:`hf_key`); GPT-2's
+``Conv1D`` keeps its weight as (in, out), the transpose of par4d's (out, in) ``Linear`` weight, so
+those are transposed on the way out and read transposed on the way in. Attention needs no mapping:
+``c_attn`` splits its output into q, k, v in that order as par4d's ``qkv`` does, and both scale by
+``1/sqrt(head_dim)`` under a causal mask. A phantom MLP (``--mlp phantom``) is not a GPT-2 MLP and is
+refused both ways.
+
+Export (:func:`export_hf`) runs in one process: it assembles every full tensor from the checkpoint's
+pieces, since it writes one file. Loading (:func:`load_hf`) runs on every rank, each reading only the
+slices of the file that overlap its own shards, through the same box machinery as
+:func:`par4d.train.checkpoint.load`; :func:`check_hf` validates a folder against a model's config
+before any rank starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from par4d.grid import AXES, Grid
+from par4d.layout import Box, Placement, boxes
+from par4d.models.config import GPTConfig
+from par4d.train import checkpoint
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+# Module names of a par4d block (as ReferenceGPT names them) -> GPT-2's; the four Linears are Conv1D there.
+_BLOCK = {"ln1": "ln_1", "attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj", "ln2": "ln_2",
+          "mlp.fc": "mlp.c_fc", "mlp.proj": "mlp.c_proj"}
+_CONV1D = ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")
+_TOP = {"wte": "transformer.wte", "wpe": "transformer.wpe", "ln_f": "transformer.ln_f", "head": "lm_head"}
+# Buffers older transformers saved with GPT-2 (the causal mask): no weights, so a file may carry them.
+_BUFFERS = (".attn.bias", ".attn.masked_bias")
+
+# GPT2Config's defaults for the keys checked here, where a config.json leaves one out.
+_HF_DEFAULTS = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None,
+                "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "scale_attn_weights": True,
+                "scale_attn_by_inverse_layer_idx": False, "add_cross_attention": False, "tie_word_embeddings": True}
+LAYER_NORM_EPS = 1e-5   # par4d.nn.LayerNorm's and nn.LayerNorm's default, which both twins use
+
+
+def hf_key(name: str) -> tuple[str, bool]:
+    """(``transformers``' key, whether its tensor is the transpose of par4d's) of par4d parameter
+    ``name``, e.g. ``blocks.0.attn.qkv.weight`` -> (``transformer.h.0.attn.c_attn.weight``, True)."""
+    module, _, leaf = name.rpartition(".")
+    if module in _TOP:
+        return f"{_TOP[module]}.{leaf}", False
+    parts = module.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blocks" and parts[1].isdigit() and parts[2] in _BLOCK:
+        return f"transformer.h.{parts[1]}.{_BLOCK[parts[2]]}.{leaf}", parts[2] in _CONV1D and leaf == "weight"
+    raise ValueError(f"par4d parameter {name!r} has no GPT-2 counterpart")
+
+
+def _check_dense(config: GPTConfig, what: str) -> None:
+    if config.mlp != "dense":
+        raise ValueError(f"{what} has mlp={config.mlp!r}: its MLP (phantom layers) is not a GPT-2 MLP, so it has no "
+                         f"Hugging Face GPT-2 form; only dense-MLP runs (--mlp dense) are exported or loaded")
+
+
+def param_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Full shape of every parameter of the dense GPT of ``config``, by par4d name. Built on the meta
+    device: names and shapes come from the model itself, without memory for its weights."""
+    from par4d.models import ReferenceGPT
+
+    _check_dense(config, "the model")
+    with torch.device("meta"):
+        twin = ReferenceGPT(config, init=False)
+    return {name: tuple(param.shape) for name, param in twin.named_parameters()}
+
+
+def hf_config(config: GPTConfig, dtype: torch.dtype) -> dict:
+    """The ``config.json`` of ``config``'s GPT: GPT2LMHeadModel with exact GELU, an untied head, no dropout, and
+    no special tokens (bytes are the vocabulary; GPT-2's default ids 50256 would lie outside it)."""
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+            "vocab_size": config.vocab_size, "n_positions": config.block_size, "n_embd": config.n_embd,
+            "n_layer": config.n_layer, "n_head": config.n_head, "n_inner": 4 * config.n_embd,
+            "activation_function": "gelu", "layer_norm_epsilon": LAYER_NORM_EPS,
+            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "summary_first_dropout": 0.0,
+            "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+            "add_cross_attention": False, "tie_word_embeddings": False,
+            "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+            # transformers 5 reads "dtype"; "torch_dtype" is the same for readers before it.
+            "dtype": _dtype_name(dtype), "torch_dtype": _dtype_name(dtype)}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# -- checking a folder ---------------------------------------------------------------
+
+def _read_config(folder: Path) -> dict:
+    path = folder / CONFIG_FILE
+    if not path.is_file():
+        raise ValueError(f"{path} is missing: {folder} is not a Hugging Face model folder")
+    try:
+        config = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} holds a JSON {type(config).__name__}, not an object")
+    return config
+
+
+def gpt_dims(folder: Path) -> dict[str, int]:
+    """The shape of par4d's GPT that ``folder``'s GPT-2 model has, in ``par4d train``'s terms
+    (``n_layer``, ``n_embd``, ``n_head``, ``seq_len``): what a run started from it defaults to."""
+    config = _read_config(Path(folder))
+    get = lambda key: config.get(key, _HF_DEFAULTS[key])   # noqa: E731
+    return {"n_layer": get("n_layer"), "n_embd": get("n_embd"), "n_head": get("n_head"), "seq_len": get("n_positions")}
+
+
+def _config_problems(config: dict, model: GPTConfig) -> list[str]:
+    """What in a GPT-2 ``config.json`` differs from the par4d model of ``model``: shapes first, then the
+    settings that change what the weights compute."""
+    def get(key):
+        return config.get(key, _HF_DEFAULTS[key])
+
+    wanted = {"vocab_size": (model.vocab_size, "vocab_size"), "n_embd": (model.n_embd, "n_embd"),
+              "n_layer": (model.n_layer, "n_layer"), "n_head": (model.n_head, "n_head"),
+              "n_positions": (model.block_size, "block_size (--seq-len)")}
+    problems = [f"{key}={get(key)} but the par4d model has {label} {value}"
+                for key, (value, label) in wanted.items() if get(key) != value]
+    if get("n_inner") not in (None, 4 * model.n_embd):
+        problems.append(f"n_inner={get('n_inner')} but par4d's MLP has 4 * n_embd = {4 * model.n_embd}")
+    settings = {"activation_function": ("gelu", "par4d's GELU is exact"),
+                "tie_word_embeddings": (False, "par4d's head is not tied to wte"),
+                "layer_norm_epsilon": (LAYER_NORM_EPS, "par4d's LayerNorm eps"),
+                "scale_attn_weights": (True, "par4d scales attention by 1/sqrt(head_dim)"),
+                "scale_attn_by_inverse_layer_idx": (False, "par4d does not scale attention by layer"),
+                "add_cross_attention": (False, "par4d's GPT has no cross-attention")}
+    problems += [f"{key}={json.dumps(get(key))} but {why} ({json.dumps(value)})"
+                 for key, (value, why) in settings.items() if get(key) != value]
+    return problems
+
+
+def expected_tensors(config: GPTConfig) -> dict[str, tuple[str, bool, tuple[int, ...]]]:
+    """Per ``transformers`` key: (par4d name, transposed, shape in the file) of ``config``'s GPT."""
+    out = {}
+    for name, shape in param_shapes(config).items():
+        key, transposed = hf_key(name)
+        out[key] = (name, transposed, shape[::-1] if transposed else shape)
+    return out
+
+
+def _some(keys: list[str], shown: int = 4) -> str:
+    return ", ".join(keys[:shown]) + (f" (and {len(keys) - shown} more)" if len(keys) > shown else "")
+
+
+def _check_weights(path: Path, config: GPTConfig) -> None:
+    """Every tensor ``config``'s GPT needs is in ``path`` with its shape, and nothing else (the header only)."""
+    if not path.is_file():
+        raise ValueError(f"{path} is missing (a sharded model.safetensors.index.json is not read: "
+                         f"save the model as one file)")
+    expected = expected_tensors(config)
+    try:
+        with safe_open(str(path), "pt") as f:
+            found = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+            dtypes = {key: f.get_slice(key).get_dtype() for key in f.keys()}
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"{path} is not a readable safetensors file ({error})") from None
+    missing = [key for key in expected if key not in found]
+    if missing:
+        raise ValueError(f"{path} has no {_some(missing)}")
+    extra = sorted(key for key in found if key not in expected and not key.endswith(_BUFFERS))
+    if extra:
+        raise ValueError(f"{path} has tensors par4d's GPT lacks: {_some(extra)}")
+    for key, (_, _, shape) in expected.items():
+        if found[key] != shape:
+            raise ValueError(f"{path}: {key} has shape {found[key]}, the par4d model needs {shape}")
+        if not dtypes[key].startswith(("F", "BF")):
+            raise ValueError(f"{path}: {key} has dtype {dtypes[key]}, not a floating-point type")
+
+
+def check_hf(folder: Path, model_config: GPTConfig) -> dict:
+    """Check that ``folder`` holds a GPT-2 model that par4d's GPT of ``model_config`` can start from;
+    returns its ``config.json``. Reads the config and the weights' header only, needs no
+    ``torch.distributed``: call it before any rank starts. Raises ``ValueError`` naming the file and
+    the numbers that differ (all of them for the config)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ValueError(f"{folder} is not a folder (a Hugging Face model folder has {CONFIG_FILE} and {WEIGHTS_FILE})")
+    _check_dense(model_config, "the par4d model")
+    config = _read_config(folder)
+    if config.get("model_type") != "gpt2":
+        raise ValueError(f"{folder / CONFIG_FILE}: model_type is {config.get('model_type')!r}, par4d reads 'gpt2'")
+    problems = _config_problems(config, model_config)
+    if problems:
+        raise ValueError(f"{folder / CONFIG_FILE} does not match the par4d model: {'; '.join(problems)}")
+    _check_weights(folder / WEIGHTS_FILE, model_config)
+    return config
+
+
+# -- loading at any grid --------------------------------------------------------------
+
+def _whole(shape: tuple[int, ...]) -> Box:
+    """The box of a whole tensor of ``shape`` (a placement with no splits: one box)."""
+    return boxes(Placement((), ()), shape, {}, {})[0]
+
+
+def _transposed_reader(reader, key: str) -> checkpoint.Reader:
+    """Reads a Conv1D weight (in, out) by par4d's (out, in) slices: the transposed slices, transposed."""
+    return lambda src: reader.get_slice(key)[src[::-1]].T
+
+
+@torch.no_grad()
+def load_hf(folder: Path, grid: Grid, model: nn.Module) -> dict:
+    """Fill ``model`` (par4d's GPT on ``grid``, ``model.config`` its :class:`GPTConfig`) with the weights of
+    the GPT-2 model in ``folder``; returns its ``config.json``. Checks the folder first (:func:`check_hf`).
+
+    Not collective: each rank reads only the slices of ``model.safetensors`` that overlap its own shards,
+    whatever the grid. The optimizer's state is not touched (a run started from these weights begins
+    with a fresh one)."""
+    folder = Path(folder)
+    config = check_hf(folder, model.config)
+    shapes = param_shapes(model.config)
+    coords = {a: grid.coord(a) for a in AXES}
+    with safe_open(str(folder / WEIGHTS_FILE), "pt") as f:
+        for name, record in checkpoint.placements(grid, model).items():
+            placement, full = Placement.from_dict(record), tuple(record["shape"])
+            if full != shapes.get(name):
+                raise ValueError(f"par4d parameter {name} has full shape {full} on this grid, its config gives "
+                                 f"{shapes.get(name)}")
+            key, transposed = hf_key(name)
+            read = _transposed_reader(f, key) if transposed else checkpoint.slice_reader(f, key)
+            param = model.get_parameter(name)
+            for wanted in boxes(placement, full, coords, grid.sizes):
+                checkpoint.fill(param.data, wanted, _whole(full), read)
+    return config
+
+
+# -- export ---------------------------------------------------------------------------
+
+def _check_out(out: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--to hf {out} is a file; give a folder")
+    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if entries and not force:
+        raise ValueError(f"--to hf {out} is not empty ({len(entries)} entries, e.g. {entries[0]}); pass --force to "
+                         f"overwrite its {CONFIG_FILE} and {WEIGHTS_FILE}, or choose a new or empty folder")
+
+
+def find_checkpoint(source: Path, report: Callable[[str], None] | None = None) -> Path:
+    """The checkpoint ``source`` names, verified: a run folder's newest intact one (each one skipped is
+    reported), or ``source`` itself when it is a ``checkpoints/step-N`` folder."""
+    if source.resolve().parent.name == checkpoint.FOLDER and source.name.startswith("step-"):
+        checkpoint.verify(source)
+        return source
+    if not source.is_dir():
+        raise ValueError(f"--run {source} does not exist or is not a folder")
+    if not (source / checkpoint.FOLDER).is_dir():
+        raise ValueError(f"--run {source} is not a par4d run: it has no {checkpoint.FOLDER}/ folder (give a run "
+                         f"folder, or one of its {checkpoint.FOLDER}/step-N folders)")
+    try:
+        return checkpoint.choose(source, report)
+    except ValueError as error:   # choose speaks of --resume, the flag of its other caller
+        raise ValueError(f"--run {source}: {str(error).removeprefix(f'--resume {source}: ')}") from None
+
+
+def _model_config(folder: Path, meta: dict) -> GPTConfig:
+    record = meta.get("model_config")
+    if not isinstance(record, dict):
+        raise ValueError(f"{folder / 'meta.json'} has no model_config: not a checkpoint of par4d train")
+    try:
+        return GPTConfig(**record)
+    except TypeError as error:
+        raise ValueError(f"{folder / 'meta.json'}: model_config is not a GPTConfig ({error})") from None
+
+
+def _full_tensors(folder: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """Every model parameter of the checkpoint in ``folder`` as a full tensor, from its pieces."""
+    index = json.loads((folder / "index.json").read_text())
+    if index.get("format") != checkpoint.FORMAT:
+        raise ValueError(f"{folder / 'index.json'}: format {index.get('format')!r}, this par4d reads "
+                         f"{checkpoint.FORMAT!r}")
+    out = {}
+    with contextlib.ExitStack() as opened:
+        readers: dict[str, object] = {}
+        for name, shape in shapes.items():
+            record = index["tensors"].get(f"model/{name}")
+            if record is None:
+                raise ValueError(f"checkpoint {folder} has no model/{name}")
+            if tuple(record["shape"]) != shape:
+                raise ValueError(f"checkpoint {folder}: {name} has shape {tuple(record['shape'])}, its "
+                                 f"model_config gives {shape}")
+            full = torch.empty(shape, dtype=getattr(torch, record["dtype"]))
+            for piece in record["pieces"]:
+                if piece["file"] not in readers:
+                    readers[piece["file"]] = opened.enter_context(safe_open(str(folder / piece["file"]), "pt"))
+                read = checkpoint.slice_reader(readers[piece["file"]], f"model/{name}")
+                for saved in map(Box.from_list, piece["boxes"]):
+                    checkpoint.fill(full, _whole(shape), saved, read)
+            out[name] = full
+    return out
+
+
+def _write(path: Path, write: Callable[[Path], None]) -> None:
+    """Write ``path`` whole or not at all: a temporary file beside it, then a rename."""
+    temporary = path.with_name(path.name + ".tmp")
+    write(temporary)
+    os.replace(temporary, path)
+
+
+@torch.no_grad()
+def export_hf(source: Path, out: Path, force: bool = False,
+              report: Callable[[str], None] | None = None) -> tuple[Path, dict]:
+    """Write the model of a par4d checkpoint as a ``transformers`` GPT2LMHeadModel folder ``out``
+    (``config.json`` and ``model.safetensors``); returns (the checkpoint exported, its meta).
+
+    ``source``: a run folder (its newest intact checkpoint; each one skipped is ``report``-ed) or one of its
+    ``checkpoints/step-N`` folders. One process, no ``torch.distributed``. Refused, before anything is
+    written: ``out`` not empty without ``force`` (which replaces those two files and leaves the others),
+    a folder that is not a par4d run, a damaged checkpoint, a phantom-MLP run."""
+    source, out = Path(source), Path(out)
+    _check_out(out, force)
+    folder = find_checkpoint(source, report)
+    meta = checkpoint.read_meta(folder)
+    config = _model_config(folder, meta)
+    _check_dense(config, f"run {source} (checkpoint {folder.name})")
+    full = _full_tensors(folder, param_shapes(config))
+    tensors = {}
+    for name, tensor in full.items():
+        key, transposed = hf_key(name)
+        tensors[key] = (tensor.T if transposed else tensor).contiguous()
+    out.mkdir(parents=True, exist_ok=True)
+    metadata = {"format": "pt", "par4d_step": str(meta.get("step"))}   # "format": what transformers checks
+    _write(out / WEIGHTS_FILE, lambda path: save_file(tensors, str(path), metadata=metadata))
+    text = json.dumps(hf_config(config, full["wte.weight"].dtype), indent=2) + "\n"
+    _write(out / CONFIG_FILE, lambda path: path.write_text(text))
+    return folder, meta
