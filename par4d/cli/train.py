@@ -27,7 +27,11 @@ HONOURED = ("lr", "grad_clip", "save_every", "keep", "overlap", "recompute")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("train", help="train the GPT on text (the main job)")
+    p = subparsers.add_parser(
+        "train", help="train the GPT on text (the main job)",
+        epilog="SIGTERM (a scheduler's preemption) or Ctrl-C: every rank saves the step it is on and the run exits "
+               "with 128 + the signal's number; --resume goes on from there. Exit status 1: a rank failed (its "
+               "traceback is in the run's logs/); 2: bad input, found before any rank started.")
     p.add_argument("--nproc", type=int, default=None,
                    help=f"local ranks to start (default: as many as --grid names, or the resumed run's grid, "
                         f"else {DEFAULT_NPROC}); under torchrun/srun the job's")
