@@ -1,6 +1,7 @@
-"""``par4d bench grid|peers|overlap|gemm``: the GPT on every valid grid against PyTorch DDP and FSDP2, par4d
-against DDP, FSDP2, HSDP and FSDP2+TP on two workloads (locally or on an emulated cluster), each overlap's gain
-(Fig. 3's rows), and the gain of GEMM tuning per matmul shape; the benchmarks themselves live in ``par4d.bench``."""
+"""``par4d bench grid|peers|overlap|checkpoint|gemm``: the GPT on every valid grid against PyTorch DDP and FSDP2,
+par4d against DDP, FSDP2, HSDP and FSDP2+TP on two workloads (locally or on an emulated cluster), each overlap's
+gain (Fig. 3's rows), a resharding checkpoint load against torch.distributed.checkpoint, and the gain of GEMM tuning
+per matmul shape; the benchmarks themselves live in ``par4d.bench``."""
 
 from __future__ import annotations
 
@@ -70,6 +71,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     faults.add_argument("--seq-len", type=int, default=64)
     faults.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
     _output(faults)
+    ckpt = sub.add_parser("checkpoint", help="one resharding checkpoint load (and its save): par4d grid A -> B "
+                                             "vs torch.distributed.checkpoint FSDP2 -> HSDP")
+    ckpt.add_argument("--nproc", type=int, default=DEFAULT_NPROC, help="ranks (even: HSDP's (2, nproc/2) mesh)")
+    ckpt.add_argument("--from", dest="grid_from", default="x=2,z=2", help="par4d's grid at the save")
+    ckpt.add_argument("--to", dest="grid_to", default="z=2,data=2", help="par4d's grid at the load")
+    ckpt.add_argument("--n-layer", type=int, default=4)
+    ckpt.add_argument("--n-embd", type=int, default=128)
+    ckpt.add_argument("--n-head", type=int, default=4)
+    ckpt.add_argument("--repeats", type=int, default=3, help="save + load rounds per framework (median reported)")
+    ckpt.add_argument("--workdir", default=None,
+                      help="put the checkpoints in a temporary folder under this one (default: the system's "
+                           "temporary folder); removed afterwards")
+    _output(ckpt)
     gemm = sub.add_parser("gemm", help="gain of GEMM tuning per matmul shape and pass")
     gemm.add_argument("--json", action="store_true", help="one JSON object per row")
 
@@ -91,6 +105,10 @@ def run(args: argparse.Namespace) -> int:
         from par4d.bench.overlap import run_bench_overlap
 
         return run_bench_overlap(args)
+    if args.bench == "checkpoint":
+        from par4d.bench.checkpoint import run_bench_checkpoint
+
+        return run_bench_checkpoint(args)
     if args.bench == "peers":
         from par4d.bench.peers import run_bench_peers
 
