@@ -169,8 +169,8 @@ def boxes(placement: Placement, full_shape: tuple[int, ...], coords: dict[str, i
         mine = block(chunks.shape[1], sizes[s.axis], coords[s.axis])
         dims[s.dim] = (full_dim, chunks[:, mine].reshape(-1))
     runs: dict[int, list[tuple[int, int, int]]] = {}   # full dim -> (local start, full start, length)
-    for full_dim, index in dims:
-        starts = [0] + [i for i in range(1, len(index)) if index[i] != index[i - 1] + 1]
+    for full_dim, index in dims:   # runs of consecutive indices: where the next is not the last + 1
+        starts = [0] + ((index[1:] != index[:-1] + 1).nonzero().flatten() + 1).tolist()
         ends = starts[1:] + [len(index)]
         runs[full_dim] = [(a, int(index[a]), b - a) for a, b in zip(starts, ends)]
     out = []

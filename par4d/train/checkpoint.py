@@ -103,6 +103,15 @@ def _fsync_write(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
+def _fsync(path: Path) -> None:
+    """Flush a written file, or a folder's entries, to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -148,6 +157,7 @@ def save(run_dir: Path, step: int, grid: Grid, model: nn.Module, optimizer: torc
     digest = None
     if owned:
         save_file(owned, str(target / file))
+        _fsync(target / file)    # on disk before the manifest says it is complete and older checkpoints go
         digest = {"file": file, "bytes": (target / file).stat().st_size, "sha256": _sha256(target / file)}
     every = _gather((records, digest))
     layout = placements(grid, model)
@@ -165,8 +175,10 @@ def save(run_dir: Path, step: int, grid: Grid, model: nn.Module, optimizer: torc
         for name in ("index.json", "meta.json"):
             files.append({"file": name, "bytes": (target / name).stat().st_size, "sha256": _sha256(target / name)})
         _fsync_write(target / "manifest.json", json.dumps({"format": FORMAT, "files": files}, indent=1))
+        _fsync(target)           # the folder's entries too
         _fsync_write(folder / "latest.tmp", target.name)
         os.replace(folder / "latest.tmp", folder / "latest")
+        _fsync(folder)           # the new pointer is durable before older checkpoints are deleted
         for old in sorted(folder.glob("step-*"), reverse=True)[keep:]:
             shutil.rmtree(old)
 
@@ -220,13 +232,16 @@ def verify(checkpoint_dir: Path) -> dict[str, dict]:
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as error:
         raise ValueError(f"{manifest_path} is unreadable ({error})") from None
     for name, record in files.items():
-        path = checkpoint_dir / name
-        size = path.stat().st_size if path.is_file() else None
-        if size != record["bytes"]:
-            raise ValueError(f"checkpoint file {path} is missing or has the wrong size "
-                             f"({size} bytes, manifest.json says {record['bytes']})")
-        _check_sum(path, record)
+        _check_size(checkpoint_dir / name, record)
+        _check_sum(checkpoint_dir / name, record)
     return files
+
+
+def _check_size(path: Path, record: dict) -> None:
+    size = path.stat().st_size if path.is_file() else None
+    if size != record["bytes"]:
+        raise ValueError(f"checkpoint file {path} is missing or has the wrong size "
+                         f"({size} bytes, manifest.json says {record['bytes']})")
 
 
 def _check_sum(path: Path, record: dict) -> None:
@@ -304,16 +319,23 @@ def fill(local: torch.Tensor, wanted: Box, source: Box, read: Reader) -> None:
 
 @torch.no_grad()
 def load(run_dir: Path, grid: Grid, model: nn.Module, optimizer: torch.optim.Optimizer,
-         folder: Path | None = None) -> dict:
+         folder: Path | None = None, verified: bool = False) -> dict:
     """Load a checkpoint of ``run_dir`` (``folder``, or else the newest intact one) into this
     grid's shards, whatever grid saved it; returns its meta. Each rank reads only the slices of
-    the saved pieces that overlap its own shards, and checks the SHA-256 of the files it reads
-    (and of the index and meta), not of the others: the launcher verified the whole folder."""
+    the saved pieces that overlap its own shards.
+
+    Each rank checks the SHA-256 of the index, the meta and every file it reads from, unless
+    ``verified``: ``folder`` was chosen by :func:`choose` (which checked every file) in this
+    job, as ``par4d train`` does once before its ranks start; then the sizes are checked only,
+    and N ranks do not hash the same files N times over."""
     _check_optimizer(optimizer)
-    folder = choose(run_dir) if folder is None else Path(folder)
+    if folder is None:
+        folder, verified = choose(run_dir), True
+    folder = Path(folder)
+    check = _check_size if verified else _check_sum
     files = {f["file"]: f for f in json.loads((folder / "manifest.json").read_text())["files"]}
     for name in ("index.json", "meta.json"):
-        _check_sum(folder / name, files[name])
+        check(folder / name, files[name])
     meta = read_meta(folder)
     index = json.loads((folder / "index.json").read_text())
     if index.get("format") != FORMAT:
@@ -329,7 +351,7 @@ def load(run_dir: Path, grid: Grid, model: nn.Module, optimizer: torch.optim.Opt
 
         def reader_of(name: str):   # opened, and checked against the manifest, on first use
             if name not in readers:
-                _check_sum(folder / name, files[name])
+                check(folder / name, files[name])
                 readers[name] = opened.enter_context(safe_open(str(folder / name), "pt"))
             return readers[name]
 

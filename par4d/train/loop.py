@@ -64,7 +64,9 @@ def run(config: TrainConfig, stop: StopRequest) -> dict:
     corpus = read_corpus(config.data, config.seq_len, config.data_sha256)
     source = corpus.source
     batches = Batches(as_tokens(corpus), config.seq_len, config.batch_size, config.seed)
-    resumed = checkpoint.load(out, grid, model, optimizer, config.checkpoint) if config.resume else None
+    # config.checkpoint was verified whole before the ranks started (or by rank 0 on a restart)
+    resumed = (checkpoint.load(out, grid, model, optimizer, config.checkpoint, verified=config.checkpoint is not None)
+               if config.resume else None)
     start_step = resumed["step"] if resumed else 0
     if restart:
         where = f"from step {start_step}, its newest intact checkpoint" if resumed else "from the start (no checkpoint)"
