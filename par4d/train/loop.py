@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -284,6 +285,10 @@ def worker(config: TrainConfig, exit_on_stop: bool = False) -> dict:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        # The grid (a reference cycle) still holds its groups, whose gloo threads hold finished work
+        # with Python callbacks: freed now, not at interpreter exit, where a thread taking the GIL
+        # aborts the process (seen once under torchrun: SIGABRT after a complete run).
+        gc.collect()
     if exit_on_stop and "stopped" in summary:
         os._exit(128 + signal.Signals[summary["stopped"]["signal"]])
     return summary
