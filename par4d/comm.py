@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from par4d.grid import coords_of, rank_of
 from par4d.ledger import Entry, Ledger
 
 if TYPE_CHECKING:
@@ -47,6 +48,10 @@ class Handle:
 
     def _completed(self, _future) -> None:
         self._done_at = time.perf_counter()
+
+    def done(self) -> bool:
+        """Whether it completed (never blocks): for code that acts on whichever message comes first."""
+        return self._work is None or self._work.is_completed()
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
@@ -123,3 +128,29 @@ def all_gather_dim(grid: Grid, shard: torch.Tensor, axis: str, dim: int) -> torc
         return shard
     moved = shard.movedim(dim, 0)
     return all_gather(grid, moved, axis).movedim(0, dim)
+
+
+def neighbour(grid: Grid, axis: str, offset: int) -> int:
+    """Global rank of the rank ``offset`` steps along ``axis`` (same coordinates on the others)."""
+    coords = coords_of(grid.rank, grid.sizes)
+    coords[axis] += offset
+    if not 0 <= coords[axis] < grid.size(axis):
+        raise ValueError(f"rank {grid.rank} has no neighbour {offset:+d} along {axis} (size {grid.size(axis)})")
+    return rank_of(coords, grid.sizes)
+
+
+def send(grid: Grid, tensor: torch.Tensor, axis: str, offset: int, tag: int = 0) -> Handle:
+    """Send ``tensor`` to the neighbour ``offset`` along ``axis`` (non-blocking; keep the
+    handle, and the tensor, until it is waited). Point-to-point entries (``send``, ``recv``)
+    carry the message's bytes on each side."""
+    tensor = tensor.contiguous()
+    peer = neighbour(grid, axis, offset)
+    return _issue(grid, "send", (axis,), tensor, lambda a: dist.isend(tensor, dst=peer, tag=tag), True, tensor)
+
+
+def recv(grid: Grid, buffer: torch.Tensor, axis: str, offset: int | None, tag: int = 0) -> Handle:
+    """Receive into ``buffer`` from the neighbour ``offset`` along ``axis`` (non-blocking), or
+    with ``offset=None`` from whichever rank sends first with this ``tag`` (gloo only: NCCL has
+    no receive from any source)."""
+    peer = None if offset is None else neighbour(grid, axis, offset)
+    return _issue(grid, "recv", (axis,), buffer, lambda a: dist.irecv(buffer, src=peer, tag=tag), True, buffer)

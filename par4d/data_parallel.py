@@ -233,7 +233,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, grid: Grid) -> torch.Tens
 
     Call after :func:`sync_gradients`. Each shard counts once: a gradient replicated over
     tensor axes (x, y, z) it is not sharded on is divided by that replication, and the
-    sum of squares is all-reduced over (x, y, z); data replicas are identical.
+    sum of squares is all-reduced over (x, y, z), then over the pipeline's stages; data replicas
+    are identical.
     """
     total = torch.zeros(1, dtype=torch.float64, device=grid.device)
     grads = []
@@ -246,6 +247,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, grid: Grid) -> torch.Tens
         total += torch.linalg.vector_norm(param.grad).double().square() / copies
         grads.append(param.grad)
     comm.all_reduce(grid, total, "x", "y", "z")
+    comm.all_reduce(grid, total, "pipe")        # each stage holds its own layers
     norm = total.sqrt().float()
     clip = (max_norm / (norm + 1e-6)).clamp(max=1.0)   # a tensor: no host sync to decide whether to clip
     for grad in grads:

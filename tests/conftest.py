@@ -36,3 +36,8 @@ def pool16() -> RankPool:
 @pytest.fixture
 def pool3() -> RankPool:
     return pool(3)
+
+
+@pytest.fixture
+def pool2() -> RankPool:
+    return pool(2)

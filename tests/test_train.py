@@ -329,3 +329,23 @@ def test_a_run_exported_to_transformers_starts_another_run_on_another_grid(tmp_p
     want = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), targets.reshape(-1)).item()
     assert _losses(second)[0] == pytest.approx(want, abs=1e-5)
     assert main(["train", "--resume", str(second), "--init-from", "hf", str(exported), "--steps", "3"]) == 2
+
+
+def test_the_pipeline_trains_as_one_rank_and_resumes_across_pipe(tmp_path):
+    """`--grid pipe=2,x=2 --microbatches 4` for 4 steps, resumed on pipe=4 to 6: the losses of a
+    one-rank run to fp32 rounding. A stage that raises ends the job with one line, no hang."""
+    common = ["--n-layer", "4", "--n-embd", "32", "--n-head", "2", "--batch-size", "8", "--seq-len", "16",
+              "--no-progress"]
+    alone, piped = tmp_path / "alone", tmp_path / "piped"
+    _train("--nproc", "1", *common, "--steps", "6", "--out", str(alone))
+    _train("--grid", "pipe=2,x=2", "--microbatches", "4", *common, "--steps", "4", "--out", str(piped))
+    result = _train("--resume", str(piped), "--grid", "pipe=4", "--steps", "6")
+    assert "saved on grid x=2 y=1 z=1 data=1 pipe=2: the grid changed" in result.stdout
+    assert _losses(piped) == pytest.approx(_losses(alone), rel=1e-5)
+    assert json.loads((piped / "summary.json").read_text())["grid"]["pipe"] == 4
+
+    failed = tmp_path / "failed"
+    result = _train("--grid", "pipe=2", *common, "--steps", "6", "--out", str(failed),
+                    env_extra={"PAR4D_FAULTS": "1:2:RAISE"}, status=1, timeout=120)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("par4d train: error: rank 1 failed: RuntimeError: fault"), lines

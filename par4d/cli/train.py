@@ -23,7 +23,7 @@ def _help(name: str, text: str = "") -> str:
 
 # A resumed run keeps these (they decide the model and its batches); it takes HONOURED ones when given.
 FIXED = ("batch_size", "seq_len", "n_layer", "n_embd", "n_head", "mlp", "phantom_k", "seed")
-HONOURED = ("lr", "grad_clip", "save_every", "keep", "overlap", "recompute")
+HONOURED = ("lr", "grad_clip", "save_every", "keep", "overlap", "recompute", "microbatches")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -71,6 +71,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     steps.add_argument("--recompute", default=None, metavar="none|auto|N",
                        help=_help("recompute", "recompute activations in backward every N blocks; auto: the divisor "
                                                "of the block count closest to its square root"))
+    steps.add_argument("--microbatches", type=int, default=None,
+                       help="with pipe > 1: microbatches per step, run by the message-driven pipeline "
+                            "(default: pipe; at most the sequences per rank, batch / (data * z))")
     steps.add_argument("--save-every", type=int, default=None,
                        help=_help("save_every", "also checkpoint every N steps (0: only at the end)"))
     steps.add_argument("--keep", type=int, default=None,
@@ -187,10 +190,16 @@ def _config(args: argparse.Namespace, world: int, inside: bool):
 
     config = _resumed_config(args, world, inside) if args.resume else _new_config(args, world, inside)
     sizes = validate_sizes(config.grid, world)
-    build_gpt(config.model_config(), Grid.virtual(sizes), config.recompute_every())   # every rank's shape errors
+    last_stage = world - world // sizes["pipe"]        # the first rank of the last pipeline stage (head, loss)
+    for rank in sorted({0, last_stage}):               # every rank's shape errors
+        build_gpt(config.model_config(), Grid.virtual(sizes, rank), config.recompute_every())
     if config.batch_size % (sizes["data"] * sizes["z"]):
         raise ValueError(f"--batch-size {config.batch_size} is not divisible by data * z = "
                          f"{sizes['data']} * {sizes['z']} = {sizes['data'] * sizes['z']}")
+    per_rank = config.batch_size // (sizes["data"] * sizes["z"])
+    if sizes["pipe"] > 1 and not (config.microbatches or sizes["pipe"]) <= per_rank:
+        raise ValueError(f"--microbatches {config.microbatches or sizes['pipe']} exceeds the {per_rank} sequences "
+                         f"per rank (--batch-size {config.batch_size} / (data * z))")
     if config.init_from and not config.resume:
         from par4d.train.hf import check_hf
 
@@ -282,6 +291,8 @@ def _resumed_config(args: argparse.Namespace, world: int, inside: bool):
         if value != saved[name]:
             _say(f"{_flag(name)} {value} replaces the run's {saved[name]} from step {meta['step']}")
     grid, peak = _grid(args, world, inside, saved) if args.grid else (saved["grid"], None)
+    if grid.get("pipe", 1) == 1 and "microbatches" not in honoured:
+        honoured["microbatches"] = None     # the saved run's count was for its pipeline; this grid has none
     return TrainConfig(**dict(saved, **honoured, steps=steps, out=str(run_dir), resume=True, grid=grid,
                               progress=not args.no_progress, peak_flops=peak, checkpoint=str(folder)))
 

@@ -123,6 +123,33 @@ class GPTConfig:
         blocks = 2 * (self._matmul_weights() - head)
         return self._passes(recompute) * blocks + self.attention_flops_per_token(recompute) + 3 * 2 * head
 
+    def stage_blocks(self, stages: int) -> list[range]:
+        """The blocks of each of ``stages`` pipeline stages: contiguous runs, at least one block
+        each, that minimise the largest stage's training FLOPs per token, where the first stage
+        also embeds and the last also runs ``ln_f``, the head and the loss (the head's FLOPs count
+        there: for a small model it is worth blocks). Ties go to the earliest boundary."""
+        if not 1 <= stages <= self.n_layer:
+            raise ValueError(f"pipe={stages}: each stage needs at least one of the n_layer={self.n_layer} blocks")
+        head = 3 * 2 * self.n_embd * self.vocab_size
+        block = (self.flops_per_token() - head) / self.n_layer
+        # best[k][n]: the least possible largest-stage cost of the first n blocks in k stages
+        inf = float("inf")
+        best = [[inf] * (self.n_layer + 1) for _ in range(stages + 1)]
+        cut = [[0] * (self.n_layer + 1) for _ in range(stages + 1)]
+        best[0][0] = 0.0
+        for k in range(1, stages + 1):
+            for n in range(k, self.n_layer + 1):
+                for m in range(k - 1, n):   # the last of these k stages holds blocks m .. n-1
+                    cost = (n - m) * block + (head if k == stages and n == self.n_layer else 0)
+                    worst = max(best[k - 1][m], cost)
+                    if worst < best[k][n]:
+                        best[k][n], cut[k][n] = worst, m
+        bounds, n = [], self.n_layer
+        for k in range(stages, 0, -1):
+            bounds.append(range(cut[k][n], n))
+            n = cut[k][n]
+        return bounds[::-1]
+
     def grid_problem(self, sizes: dict[str, int]) -> str | None:
         """Why par4d's GPT cannot be built on grid ``sizes`` (axes x, y, z), or None.
 

@@ -79,22 +79,32 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig, *, grid: Grid, mlp: MLPFactory | None = None,
                  overlap: Overlap | None = None, recompute: int = 0):
         super().__init__()
-        if grid.size("pipe") > 1:
-            raise ValueError(f"GPT runs on the data x 3D tensor grid; pipe={grid.size('pipe')} is not supported yet")
         if mlp is None:
             if config.mlp != "dense":
                 raise ValueError(f"GPTConfig.mlp={config.mlp!r} needs its MLP factory: pass "
                                  f"mlp=par4d.phantom.PhantomMLP, or build with par4d.train.model.build_gpt")
             mlp = DenseMLP
-        if recompute < 0 or (recompute and config.n_layer % recompute):
-            raise ValueError(f"recompute={recompute}: give 0 (none) or a divisor of n_layer={config.n_layer}")
+        stages = config.stage_blocks(grid.size("pipe"))
+        for blocks in stages:
+            if recompute < 0 or (recompute and len(blocks) % recompute):
+                counts = ", ".join(str(len(b)) for b in stages)
+                raise ValueError(f"recompute={recompute}: give 0 (none) or a divisor of every pipeline stage's block "
+                                 f"count ({counts} of n_layer={config.n_layer})")
         self.config, self.grid, self.recompute = config, grid, recompute
+        # This rank's pipeline stage: its blocks, the embeddings on the first, ln_f and the head on the last.
+        stage = grid.coord("pipe")
+        self.block_range = stages[stage]
+        self.first, self.last = stage == 0, stage == len(stages) - 1
         # Layers skip their own initialization: the GPT loads init_tensor values below.
-        self.wte = Embedding(config.vocab_size, config.n_embd, grid=grid, name="wte", initialize=False)
-        self.wpe = Embedding(config.block_size, config.n_embd, grid=grid, name="wpe", initialize=False)
-        self.blocks = nn.ModuleList(_Block(config, grid, f"blocks.{i}", mlp) for i in range(config.n_layer))
-        self.ln_f = LayerNorm(config.n_embd, grid=grid, name="ln_f")
-        self.head = Linear(config.n_embd, config.vocab_size, bias=False, grid=grid, name="head", initialize=False)
+        if self.first:
+            self.wte = Embedding(config.vocab_size, config.n_embd, grid=grid, name="wte", initialize=False)
+            self.wpe = Embedding(config.block_size, config.n_embd, grid=grid, name="wpe", initialize=False)
+        # Keyed by the global block index, so parameter names are the twin's on every stage.
+        self.blocks = nn.ModuleDict({str(i): _Block(config, grid, f"blocks.{i}", mlp) for i in self.block_range})
+        if self.last:
+            self.ln_f = LayerNorm(config.n_embd, grid=grid, name="ln_f")
+            self.head = Linear(config.n_embd, config.vocab_size, bias=False, grid=grid, name="head",
+                               initialize=False)
         set_overlap(self, overlap if overlap is not None else grid.overlap)
         if grid.device.type != "meta":
             self.load_reference_state({name: init_tensor(config, name, shape) for name, shape in self.full_shapes()})
@@ -109,12 +119,25 @@ class GPT(nn.Module):
         return shapes
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        seq = idx.shape[1]
-        if seq > self.config.block_size:
-            raise ValueError(f"sequence length {seq} exceeds block_size={self.config.block_size}")
-        h = self.wte(idx) + self.wpe(torch.arange(seq, device=idx.device))   # (B, T, D/G_y)
-        h = run_blocks(self.blocks, h, self.recompute, self.par4d_runtime)
-        logits = self.head(self.ln_f(h))                                      # (B, T, V/G_x)
+        if not (self.first and self.last):
+            raise ValueError(f"this GPT is pipeline stage {self.grid.coord('pipe')} of {self.grid.size('pipe')}: "
+                             f"train it with par4d.train.step.train_step (the pipeline runs its stages)")
+        return self.stage_forward(idx, targets)
+
+    def stage_forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """This stage's part of the forward: token ids in on the first stage, else the residual
+        stream from the stage before; the residual stream out, or on the last stage the logits
+        shard (B, T, V / G_x) or, with ``targets``, the mean cross-entropy over its tokens."""
+        h = inputs
+        if self.first:
+            seq = inputs.shape[1]
+            if seq > self.config.block_size:
+                raise ValueError(f"sequence length {seq} exceeds block_size={self.config.block_size}")
+            h = self.wte(inputs) + self.wpe(torch.arange(seq, device=inputs.device))   # (B, T, D/G_y)
+        h = run_blocks(list(self.blocks.values()), h, self.recompute, self.par4d_runtime)
+        if not self.last:
+            return h
+        logits = self.head(self.ln_f(h))                                              # (B, T, V/G_x)
         if targets is None:
             return logits
         return vocab_parallel_cross_entropy(logits, targets, grid=self.grid, axis="x")

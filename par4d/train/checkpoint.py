@@ -70,8 +70,9 @@ def _coords(grid: Grid) -> dict[str, int]:
 
 
 def _owns(grid: Grid, placement: Placement) -> bool:
-    """Whether this rank writes its piece: it is coordinate 0 of every axis the piece is copied over."""
-    return all(grid.coord(a) == 0 for a in AXES if a not in placement.sharded)
+    """Whether this rank writes its piece: it is coordinate 0 of every axis the piece is copied
+    over (pipe is not one: a parameter lives on one pipeline stage only)."""
+    return all(grid.coord(a) == 0 for a in AXES if a not in placement.sharded and a != "pipe")
 
 
 def _tensors(grid: Grid, model: nn.Module, optimizer: torch.optim.Optimizer):
@@ -160,7 +161,7 @@ def save(run_dir: Path, step: int, grid: Grid, model: nn.Module, optimizer: torc
         _fsync(target / file)    # on disk before the manifest says it is complete and older checkpoints go
         digest = {"file": file, "bytes": (target / file).stat().st_size, "sha256": _sha256(target / file)}
     every = _gather((records, digest))
-    layout = placements(grid, model)
+    layout = {name: record for stage in _gather(placements(grid, model)) for name, record in stage.items()}
 
     def commit():
         index: dict[str, dict] = {}

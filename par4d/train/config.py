@@ -41,12 +41,17 @@ class TrainConfig:
     recompute: str = "none"          # --recompute: none, auto, or every N blocks
     keep: int = 2                    # --keep: checkpoints kept
     checkpoint: str | None = None    # on --resume: the checkpoint folder chosen (verified) before the ranks start
+    microbatches: int | None = None  # --microbatches: per step and rank, on a grid with pipe > 1 (None: pipe)
     init_from: str | None = None     # --init-from hf DIR: a GPT-2 model folder (absolute) the run's weights start from
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        pipe = self.grid.get("pipe", 1)
+        if self.microbatches is not None and not (pipe > 1 and self.microbatches >= 1):
+            raise ValueError(f"--microbatches {self.microbatches}: give a count >= 1, on a grid with pipe > 1 "
+                             f"(this grid has pipe={pipe})")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"--lr must be a finite number > 0, got {self.lr}")
         if self.save_every < 0:

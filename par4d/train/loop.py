@@ -20,6 +20,7 @@ from par4d.layout import shard_batch
 from par4d.ledger import in_flight_seconds
 from par4d.models import GPT
 from par4d.perf import cpu_cores, measure_matmul_peak, threads_per_rank
+from par4d.pipeline import evaluate_pipeline
 from par4d.train import checkpoint
 from par4d.train.config import TrainConfig
 from par4d.train.data import Batches, as_tokens, read_corpus
@@ -93,7 +94,8 @@ def run(config: TrainConfig, stop: StopRequest) -> dict:
         inputs, targets = batches.train_batch(step)
         x, y = shard_batch(grid, inputs).to(grid.device), shard_batch(grid, targets).to(grid.device)
         with ledger.capture() as entries:
-            loss = train_step(model, optimizer, grid, model, x, y, grad_clip=config.grad_clip)
+            loss = train_step(model, optimizer, grid, model, x, y, grad_clip=config.grad_clip,
+                              microbatches=config.microbatches)
             mean_loss = global_mean(loss, grid).item()
         if not math.isfinite(mean_loss):   # the same value on every rank: all stop here, none waits
             raise FloatingPointError(
@@ -218,7 +220,8 @@ def _evaluate(model: GPT, grid, batches: Batches, count: int) -> float:
     total = 0.0
     for index in range(count):
         inputs, targets = batches.val_batch(index)
-        loss = model(shard_batch(grid, inputs).to(grid.device), shard_batch(grid, targets).to(grid.device))
+        x, y = shard_batch(grid, inputs).to(grid.device), shard_batch(grid, targets).to(grid.device)
+        loss = evaluate_pipeline(model, grid, x, y) if grid.size("pipe") > 1 else model(x, y)
         total += global_mean(loss, grid).item()
     return total / max(1, count)
 

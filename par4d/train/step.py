@@ -13,19 +13,27 @@ import torch.nn as nn
 
 from par4d.data_parallel import clip_grad_norm_, gradient_sync
 from par4d.grid import Grid
+from par4d.pipeline import run_pipeline
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, grid: Grid,
-               loss: Callable[..., torch.Tensor], *inputs: torch.Tensor, grad_clip: float = 0.0) -> torch.Tensor:
+               loss: Callable[..., torch.Tensor], *inputs: torch.Tensor, grad_clip: float = 0.0,
+               microbatches: int | None = None) -> torch.Tensor:
     """One optimizer step of ``model`` on ``grid``; returns this rank's loss (detached).
 
     ``loss(*inputs)`` runs the forward pass and returns the mean loss of this rank's
     samples (for par4d's GPT, ``loss`` is the model itself: ``model(idx, targets)``).
+    On a grid with ``pipe > 1`` the model is one pipeline stage (par4d's GPT) and
+    ``inputs`` are ``(idx, targets)``: the message-driven pipeline runs forward and
+    backward over ``microbatches`` microbatches (default: ``pipe``).
     """
     sync = gradient_sync(model, grid)
-    value = loss(*inputs)               # forward: Algorithm 1's all-gathers over z, all-reduces over the in-axes
-    sync.arm()                          # this backward is the step's only one: buckets may start as they fill
-    value.backward()                    # backward: input-gradient all-reduces, weight-gradient reduce-scatters
+    if grid.size("pipe") > 1:           # forward and backward, microbatch by microbatch, stage by stage
+        value, _ = run_pipeline(model, grid, *inputs, microbatches or grid.size("pipe"))
+    else:
+        value = loss(*inputs)           # forward: Algorithm 1's all-gathers over z, all-reduces over the in-axes
+        sync.arm()                      # this backward is the step's only one: buckets may start as they fill
+        value.backward()                # backward: input-gradient all-reduces, weight-gradient reduce-scatters
     sync.finish()                       # after backward: sums what is still partial over data (and z)
     if grad_clip > 0:                   # after the sync: the norm is that of the global batch's gradient
         clip_grad_norm_(model, grad_clip, grid)
