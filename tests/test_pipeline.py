@@ -92,3 +92,22 @@ def test_pipeline_4_ranks(pool4, sizes, recompute):
                          ids=["pipe2-z2-data2", "pipe2-z2-data2-recompute", "pipe2-x2-y2", "pipe4-x2-recompute"])
 def test_pipeline_8_ranks(pool8, sizes, recompute):
     _stages_cover_the_twin(pool8.run(_pipeline_matches_twin, sizes, 8, 4, recompute))
+
+
+def test_stages_balance_the_model_s_flops():
+    demo = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_embd=128, n_head=4)
+    assert demo.stage_blocks(2) == [range(0, 2), range(2, 4)]
+    assert demo.stage_blocks(4) == [range(i, i + 1) for i in range(4)]
+    gpt2 = GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_embd=768, n_head=12)
+    assert [len(r) for r in gpt2.stage_blocks(4)] == [3, 4, 4, 1]     # the head is worth 3 blocks
+    with pytest.raises(ValueError, match="pipe=5: each stage needs at least one of the n_layer=4 blocks"):
+        demo.stage_blocks(5)
+
+
+def test_recompute_auto_fits_every_stage():
+    from par4d.train.config import TrainConfig
+
+    # 8 blocks on 2 stages of 4: the divisor of 4 closest to sqrt(8) is 2.
+    assert TrainConfig(grid={"pipe": 2}, out=None, n_layer=8, recompute="auto").recompute_every() == 2
+    with pytest.raises(ValueError, match="the pipeline stages' blocks .multiples of 1. do not split"):
+        TrainConfig(grid={"pipe": 4}, out=None, n_layer=4, n_embd=32, n_head=2, recompute="2")

@@ -73,7 +73,12 @@ class TrainConfig:
         return Overlap.parse(self.overlap)
 
     def recompute_every(self) -> int:
-        return parse_recompute(self.recompute, self.n_layer)
+        pipe = self.grid.get("pipe", 1)
+        if pipe == 1:
+            return parse_recompute(self.recompute, self.n_layer)
+        # A segment never spans two stages: N must divide every stage's block count.
+        per_stage = math.gcd(*(len(blocks) for blocks in self.model_config().stage_blocks(pipe)))
+        return parse_recompute(self.recompute, per_stage, self.n_layer)
 
     def model_config(self) -> GPTConfig:
         return GPTConfig(vocab_size=VOCAB_BYTES, block_size=self.seq_len, n_layer=self.n_layer,
