@@ -142,13 +142,25 @@ def launch_local(nproc: int, entrypoint: Callable, args: Sequence, run_id: str =
             return elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as error:
         rank, failure = error.get_first_failure()
-        message = failure.message
-        cause = message.get("message", "") if isinstance(message, dict) else str(message)
-        if failure.exitcode < 0:
-            cause = f"killed by {failure.signal_name()}" + (" (out of memory?)" if -failure.exitcode == 9 else "")
-        raise RankFailed(rank, cause.strip() or f"exit status {failure.exitcode}") from None
+        raise RankFailed(rank, _cause(failure)) from None
     except SignalException as error:
         raise Interrupted(error.sigval) from None
+
+
+def _cause(failure) -> str:
+    """One line for a failed rank: its exception, the signal that killed it, or its exit status."""
+    code = failure.exitcode
+    if code < 0:
+        return f"killed by {failure.signal_name()}" + (" (out of memory?)" if -code == signal.SIGKILL else "")
+    message = failure.error_file_data.get("message") if failure.error_file_data else None
+    if isinstance(message, dict) and message.get("message"):
+        return message["message"].strip()
+    if isinstance(message, str) and message.strip():
+        return message.strip()
+    # No error file: the rank exited on its own (os._exit), e.g. after a signal it was sent directly.
+    if code > 128 and code - 128 in signal.Signals._value2member_map_:
+        return f"exit status {code} ({signal.Signals(code - 128).name})"
+    return f"exit status {code}"
 
 
 @contextlib.contextmanager

@@ -49,17 +49,26 @@ class _Inbox:
     """The messages a stage expects in one step: ``forward`` activations from the stage before,
     ``backward`` gradients from the stage after, taken in the order they arrive.
 
-    Which came first: on gloo one header receive from any source is kept posted (a gloo
-    receive cannot be polled: it completes only inside ``wait``); NCCL has no receive from
-    any source, but its receives can be polled, so one header receive per neighbour is."""
+    The ranks of one stage that share collectives (its x, y, z group) must take them in one
+    order, or their layers' all-reduces and gathers would pair different microbatches. So one
+    of them, the leader (coordinate 0 of x, y, z), takes whichever message arrives first and
+    broadcasts its kind; the others then receive a message of that kind from their own
+    neighbour (each neighbour stage sends in its own agreed order, so it is the same one).
+
+    Which came first, on the leader: on gloo one header receive from any source is kept
+    posted (a gloo receive cannot be polled: it completes only inside ``wait``); NCCL has no
+    receive from any source, but its receives can be polled, so one per neighbour is."""
 
     def __init__(self, grid: Grid, forward: int, backward: int):
         self.grid, self.due = grid, {FORWARD: forward, BACKWARD: backward}
+        self.shared = grid.size("x", "y", "z") > 1
+        self.leader = all(grid.coord(a) == 0 for a in ("x", "y", "z"))
         self.any_source = grid.device.type == "cpu"
         self.headers = {kind: torch.empty(HEADER, dtype=torch.int64, device=grid.device) for kind in self.due}
         self.pending: dict[int, comm.Handle] = {}
-        for kind in ((HEADER_TAG,) if self.any_source else (FORWARD, BACKWARD)):
-            self._post(kind)
+        if self.leader:
+            for kind in ((HEADER_TAG,) if self.any_source else (FORWARD, BACKWARD)):
+                self._post(kind)
 
     def _post(self, kind: int) -> None:
         if self.any_source:
@@ -81,15 +90,28 @@ class _Inbox:
                     return key, self.headers[key]
             time.sleep(POLL_S)
 
+    def _kind(self) -> tuple[int, torch.Tensor | None]:
+        """(the kind of the next message, its header if this rank took it already)."""
+        key, header = self._arrived() if self.leader else (None, None)
+        if not self.shared:
+            return int(header[0]), header
+        kind = torch.tensor([0 if header is None else int(header[0])], dtype=torch.int64, device=self.grid.device)
+        comm.broadcast(self.grid, kind, "x", "y", "z")
+        return int(kind[0]), header
+
     def take(self) -> tuple[int, int, torch.Tensor]:
-        """(kind, microbatch, tensor) of the next message to arrive (waits for it)."""
-        key, header = self._arrived()
-        kind, microbatch, dtype, ndim = header[:4].tolist()
+        """(kind, microbatch, tensor) of the next message (waits for it)."""
+        kind, header = self._kind()
+        if header is None:      # not the leader: this rank's own message of that kind
+            header = self.headers[kind]
+            comm.recv(self.grid, header, "pipe", _SOURCE[kind], HEADER_TAG).wait()
+        _, microbatch, dtype, ndim = header[:4].tolist()
         shape = header[4:4 + ndim].tolist()
         buffer = torch.empty(shape, dtype=DTYPES[dtype], device=self.grid.device)
         comm.recv(self.grid, buffer, "pipe", _SOURCE[kind], kind).wait()
         self.due[kind] -= 1
-        self._post(key)
+        if self.leader:
+            self._post(HEADER_TAG if self.any_source else kind)
         return kind, microbatch, buffer
 
 

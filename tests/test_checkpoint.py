@@ -224,3 +224,45 @@ def test_a_damaged_checkpoint_is_detected_and_the_previous_one_used(pool4, tmp_p
     (previous / "index.json").write_bytes(b"{}")
     with pytest.raises(ValueError, match="no intact checkpoint"):
         checkpoint.choose(run)
+
+
+def _retention(folder: str) -> list[str]:
+    """keep=1 with a leftover folder of a later step (an interrupted save of another timeline),
+    then the latest step saved again (a restart after the final save)."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    grid = cases.grid(x=2)
+    model = GPT(CONFIG, grid=grid)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _step(model, grid, opt, 0)
+    run = Path(folder)
+    checkpoint.save(run, 10, grid, model, opt, {}, keep=1)
+    if grid.rank == 0:
+        (run / "checkpoints" / "step-00000020").mkdir()
+    dist.barrier()
+    kept = checkpoint.save(run, 12, grid, model, opt, {}, keep=1)
+    before = {f.name: f.stat().st_mtime_ns for f in kept.iterdir()}
+    _step(model, grid, opt, 1)                   # other weights: a rewrite would change the files
+    assert checkpoint.save(run, 12, grid, model, opt, {}, keep=1) == kept
+    assert {f.name: f.stat().st_mtime_ns for f in kept.iterdir()} == before
+    assert checkpoint.choose(run) == kept
+    return sorted(f.name for f in (run / "checkpoints").iterdir())
+
+
+def test_keep_never_deletes_the_new_checkpoint_nor_rewrites_the_latest(pool2, tmp_path):
+    listing = pool2.run(_retention, str(tmp_path))[0]
+    assert listing == ["abandoned-step-00000020", "latest", "step-00000012"]
+
+
+def test_a_restart_whose_first_save_was_cut_short_starts_over(tmp_path, capsys):
+    from par4d.cli.train import _stopped
+    from par4d.train.loop import _newest_intact
+
+    (tmp_path / "checkpoints" / "step-00000005").mkdir(parents=True)   # killed while saving step 5
+    assert checkpoint.has_checkpoint(tmp_path) and _newest_intact(tmp_path) is None
+    said = capsys.readouterr().out
+    assert "no intact checkpoint" in said and "starting over" in said
+    assert _stopped(15, tmp_path) == 143
+    assert "stopped by SIGTERM before a checkpoint was complete" in capsys.readouterr().out

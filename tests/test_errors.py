@@ -115,3 +115,19 @@ def _load_wrong_shape():
 def test_loading_a_full_state_of_the_wrong_shape(pool4):
     for message in pool4.errors(_load_wrong_shape, timeout=30):
         assert "'wte.weight' has shape (64, 16), the model expects (32, 16)" in message
+
+
+def test_a_rank_that_exits_on_its_own_is_named_with_its_status():
+    """A rank with no error file (it exited after a signal sent to it alone) is reported by its
+    exit status, not by torch's "To enable traceback" placeholder."""
+    from types import SimpleNamespace
+
+    from par4d.launch import _cause
+
+    def failure(code, data=None):
+        return SimpleNamespace(exitcode=code, error_file_data=data or {}, signal_name=lambda: "SIGKILL")
+
+    assert _cause(failure(143)) == "exit status 143 (SIGTERM)"
+    assert _cause(failure(3)) == "exit status 3"
+    assert _cause(failure(-9)) == "killed by SIGKILL (out of memory?)"
+    assert _cause(failure(1, {"message": {"message": "ValueError: bad", "extraInfo": {}}})) == "ValueError: bad"

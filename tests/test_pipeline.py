@@ -55,10 +55,17 @@ def _pipeline_matches_twin(sizes: dict, batch: int, microbatches: int, recompute
         if name in mine:
             torch.testing.assert_close(after[name], param.detach(), rtol=1e-5, atol=1e-5,
                                        msg=lambda m, n=name: f"{sizes} after {STEPS} AdamW steps, {n}: {m}")
-    return {"stage": grid.coord("pipe"), "params": sorted(mine), "order": orders[0], "sent": sent}
+    return {"stage": grid.coord("pipe"), "data": grid.coord("data"), "params": sorted(mine), "order": orders[0],
+            "orders": orders, "sent": sent}
 
 
 def _stages_cover_the_twin(results: list[dict]) -> None:
+    # The ranks of a stage that share collectives (x, y, z) took their messages in one order:
+    # otherwise their layers' collectives would pair different microbatches.
+    orders: dict[tuple, list] = {}
+    for r in results:
+        orders.setdefault((r["stage"], r["data"]), []).append(r["orders"])
+    assert all(all(o == group[0] for o in group) for group in orders.values())
     names = {name for name, _ in build_reference(CONFIG, init=False).named_parameters()}
     by_stage: dict[int, set] = {}
     for r in results:

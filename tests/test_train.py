@@ -131,17 +131,30 @@ def test_settings_are_checked_before_any_process_starts(tmp_path, capsys, flag, 
     assert message in capsys.readouterr().err
 
 
-def test_joins_a_torchrun_job(tmp_path):
-    """Under torchrun, `par4d train` joins the job instead of launching its own ranks."""
-    run = tmp_path / "torchrun"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run(
+def _torchrun(*args: str, faults: str = "", restarts: int = 0) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PAR4D_FAULTS=faults)
+    return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "par4d.cli", "train", "--grid", "x=2", *SMALL, "--steps", "3", "--out", str(run)],
+         "--max-restarts", str(restarts), "-m", "par4d.cli", "train", "--grid", "x=2", *SMALL, *args],
         capture_output=True, text=True, timeout=240, env=env)
+
+
+def test_joins_a_torchrun_job_and_survives_its_restarts(tmp_path):
+    """Under torchrun, `par4d train` joins the job instead of launching its own ranks. Rank 1
+    killed after step 3 (checkpoints every 2): torchrun restarts both, which go on in their
+    own --out from step 2. A rank that raises says so in one line of its own."""
+    run = tmp_path / "torchrun"
+    result = _torchrun("--steps", "5", "--save-every", "2", "--out", str(run), faults="1:3", restarts=1)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert len(_losses(run)) == 3
+    assert RESTART.findall(result.stdout) == [("1", "2")], result.stdout[-2000:]
+    assert len(_losses(run)) == 5
     assert json.loads((run / "summary.json").read_text())["grid"]["x"] == 2
+
+    raised = tmp_path / "raised"
+    result = _torchrun("--steps", "3", "--out", str(raised), faults="0:1:RAISE")
+    assert result.returncode != 0
+    assert (f"par4d train: error: rank 0 failed: RuntimeError: fault injected by PAR4D_FAULTS after step 1 "
+            f"(traceback in {raised / 'logs' / 'rank-0.log'})") in result.stderr.splitlines()
 
 
 def test_bench_grid_rows_and_exact_bytes(tmp_path):

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from par4d.bench.common import emit
-from par4d.train.loop import FAULT_ENV
+from par4d.train.faults import FAULT_ENV
 
 RESTART = re.compile(r"restart (\d+): resuming .* from (?:step (\d+)|the start)")
 

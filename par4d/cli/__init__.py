@@ -49,3 +49,6 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as error:
         print(f"par4d {args.command}: {error}", file=sys.stderr)
         return 128 + error.signum
+    except KeyboardInterrupt:   # Ctrl-C before any rank started (checks, hashing, measuring the peak)
+        print(f"par4d {args.command}: interrupted", file=sys.stderr)
+        return 130

@@ -4,7 +4,6 @@ launching local ranks or joining a torchrun/srun job, and printing the run's sum
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -87,7 +86,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from par4d.launch import Interrupted, RankFailed, distributed_env, launch_local
-    from par4d.train.loop import FAULT_ENV, parse_faults, worker
+    from par4d.train.faults import Faults
+    from par4d.train.loop import worker
 
     world, inside = _world(args)
     if args.max_restarts < 0:
@@ -96,9 +96,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--max-restarts restarts par4d's own local ranks; under torchrun or srun give the "
                          "launcher's own restart option (torchrun --max-restarts N) together with --out")
     config = _config(args, world, inside)
-    parse_faults(os.environ.get(FAULT_ENV, ""))     # a malformed test hook fails here, not in every rank
-    if inside:
-        return _finish(worker(config), quiet=distributed_env().rank != 0)
+    Faults.from_env()     # a malformed test hook fails here, not in every rank
+    if inside:   # the rank itself: its error is one line here too (torchrun adds its own report)
+        rank = distributed_env().rank
+        try:
+            summary = worker(config)
+        except Exception as error:
+            raise RankFailed(rank, _with_log(f"{type(error).__name__}: {error}", rank, config.out)) from None
+        return _finish(summary, quiet=rank != 0)
     from par4d.perf import cpu_cores, measure_matmul_peak
 
     if config.peak_flops is None:   # measured here, before the ranks exist, so nothing competes for the cores
@@ -106,17 +111,17 @@ def run(args: argparse.Namespace) -> int:
     try:
         results = launch_local(world, worker, (config, True), run_id="par4d-train", max_restarts=args.max_restarts)
     except RankFailed as error:
-        raise RankFailed(error.rank, _with_log(error, Path(config.out))) from None
+        raise RankFailed(error.rank, _with_log(error.cause, error.rank, config.out)) from None
     except Interrupted as error:   # this process got the signal; the ranks saved their step before exiting
         return _stopped(error.signum, Path(config.out))
     return _finish(results[0])
 
 
-def _with_log(error, out: Path) -> str:
+def _with_log(cause: str, rank: int, out: str | None) -> str:
     from par4d.train.loop import failure_log
 
-    log = failure_log(out, error.rank)
-    return f"{error.cause} (traceback in {log})" if log.is_file() else error.cause
+    log = failure_log(Path(out), rank) if out else None
+    return f"{cause} (traceback in {log})" if log is not None and log.is_file() else cause
 
 
 def _finish(summary: dict, quiet: bool = False) -> int:
@@ -135,14 +140,14 @@ def _finish(summary: dict, quiet: bool = False) -> int:
 def _stopped(signum: int, out: Path) -> int:
     import signal
 
-    from par4d.train.checkpoint import has_checkpoint, latest, read_meta
+    from par4d.train.checkpoint import latest, read_meta
 
     name = signal.Signals(signum).name
-    if has_checkpoint(out):
+    try:   # the pointer moves only once a checkpoint is complete (a resume verifies it)
         step = read_meta(latest(out))["step"]
         _say(f"stopped by {name}: step {step} is saved; continue with: par4d train --resume {out}")
-    else:
-        _say(f"stopped by {name} before a checkpoint was written; nothing to resume in {out}")
+    except (ValueError, OSError):
+        _say(f"stopped by {name} before a checkpoint was complete; nothing to resume in {out}")
     return 128 + signum
 
 
@@ -238,12 +243,21 @@ def _new_config(args: argparse.Namespace, world: int, inside: bool):
     out = Path(args.out) if args.out else (None if distributed_env() else new_run_dir(grid))
     if out is not None and out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; give a folder for the run (nothing is overwritten)")
-    if out is not None and out.exists() and any(out.iterdir()):
+    if out is not None and out.exists() and any(out.iterdir()) and not _restarted_in(out, inside):
         raise ValueError(f"--out {out} already holds files; pass --resume {out} to continue that run, "
                          f"or choose another --out (nothing is overwritten)")
     steps = _default("steps") if args.steps is None else args.steps
     return TrainConfig(grid=grid, out=None if out is None else str(out), steps=steps, data=args.data,
                        progress=not args.no_progress, peak_flops=peak, init_from=init_from, **chosen)
+
+
+def _restarted_in(out: Path, inside: bool) -> bool:
+    """Whether torchrun (or srun's requeue) restarted this job in its own run folder: the ranks
+    go on there from the newest intact checkpoint (par4d.train.loop)."""
+    from par4d.train.checkpoint import FOLDER
+    from par4d.train.loop import restart_count
+
+    return inside and restart_count() > 0 and ((out / FOLDER).is_dir() or (out / "metrics.jsonl").is_file())
 
 
 def _init_from(given: list[str] | None) -> str | None:

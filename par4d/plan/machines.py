@@ -57,7 +57,7 @@ class Machine:
         lines = ["[machine]"]
         for key, value in asdict(self).items():
             # json's string escapes are TOML's basic-string escapes: a name with quotes still loads
-            lines.append(f"{key} = {json.dumps(value) if isinstance(value, str) else repr(value)}")
+            lines.append(f"{key} = {json.dumps(value, ensure_ascii=False) if isinstance(value, str) else repr(value)}")
         return "\n".join(lines) + "\n"
 
 

@@ -129,14 +129,22 @@ def _gather(value):
 
 def save(run_dir: Path, step: int, grid: Grid, model: nn.Module, optimizer: torch.optim.Optimizer,
          meta: dict, keep: int = 2) -> Path:
-    """Collective: save model and optimizer shards of ``step``; returns its folder. The
-    newest ``keep`` complete checkpoints stay (a corrupt latest one falls back to the one
-    before it), older ones are deleted once this one is complete."""
+    """Collective: save model and optimizer shards of ``step``; returns its folder.
+
+    Once it is complete: this and the ``keep - 1`` newest checkpoints of earlier steps stay (a
+    corrupt latest one falls back to the one before it), older ones are deleted; folders of
+    later steps (an interrupted save, or a timeline a resume left behind: none of them was
+    intact when it resumed) are moved aside as ``abandoned-step-<N>``, never deleted. The
+    complete checkpoint ``latest`` names is never rewritten: saving its step again (a
+    restart after the final save) returns it as it is."""
     if keep < 1:
         raise ValueError(f"--keep must be >= 1, got {keep}")
     _check_optimizer(optimizer)
     folder = run_dir / FOLDER
     target = folder / f"step-{step:08d}"
+    if _is_latest(run_dir, target):
+        dist.barrier()
+        return target
 
     def prepare():
         folder.mkdir(parents=True, exist_ok=True)
@@ -180,12 +188,23 @@ def save(run_dir: Path, step: int, grid: Grid, model: nn.Module, optimizer: torc
         _fsync_write(folder / "latest.tmp", target.name)
         os.replace(folder / "latest.tmp", folder / "latest")
         _fsync(folder)           # the new pointer is durable before older checkpoints are deleted
-        for old in sorted(folder.glob("step-*"), reverse=True)[keep:]:
+        for later in sorted(f for f in folder.glob("step-*") if f.name > target.name):
+            later.rename(folder / f"abandoned-{later.name}")
+        earlier = sorted((f for f in folder.glob("step-*") if f.name < target.name), reverse=True)
+        for old in earlier[keep - 1:]:
             shutil.rmtree(old)
 
     on_rank0(commit)
     dist.barrier()     # no rank returns (and perhaps loads) before the checkpoint is complete
     return target
+
+
+def _is_latest(run_dir: Path, target: Path) -> bool:
+    """Whether ``target`` is the complete checkpoint the ``latest`` pointer names."""
+    try:
+        return latest(run_dir) == target and (target / "manifest.json").is_file()
+    except ValueError:
+        return False
 
 
 def latest(run_dir: Path) -> Path:

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -24,6 +25,7 @@ from par4d.pipeline import evaluate_pipeline
 from par4d.train import checkpoint
 from par4d.train.config import TrainConfig
 from par4d.train.data import Batches, as_tokens, read_corpus
+from par4d.train.faults import Faults
 from par4d.train.hf import load_hf
 from par4d.train.model import build_gpt
 from par4d.train.rank0 import on_rank0
@@ -53,9 +55,8 @@ def run(config: TrainConfig, stop: StopRequest) -> dict:
         # Restarted by the elastic agent after a rank died: go on from the newest intact checkpoint
         # (not the one a --resume started from: this attempt may have saved newer ones). Rank 0
         # verifies every file; each rank then checks only the files it reads.
-        chosen = on_rank0(lambda: str(checkpoint.choose(out, report=lambda line: print(
-            f"par4d train: {line}", flush=True))))
-        config = replace(config, resume=True, checkpoint=_broadcast(chosen))
+        chosen = _broadcast(on_rank0(lambda: _newest_intact(out)))
+        config = replace(config, resume=chosen is not None, checkpoint=chosen)
 
     model_config = config.model_config()
     model = build_gpt(model_config, grid, config.recompute_every())
@@ -85,6 +86,7 @@ def run(config: TrainConfig, stop: StopRequest) -> dict:
     tokens_per_step = config.batch_size * config.seq_len
     rates, steps_comm = [], []
     ledger = grid.ledger
+    faults = Faults.from_env()
     for step in range(start_step, config.steps):
         began = time.perf_counter()
         bytes_before = ledger.total_bytes()
@@ -101,7 +103,7 @@ def run(config: TrainConfig, stop: StopRequest) -> dict:
             raise FloatingPointError(
                 f"the loss is {mean_loss} at step {step + 1} (learning rate {lr:.3g}): the run stops here without "
                 f"recording it (try a lower --lr, or --grad-clip; a resume takes both)")
-        _injected_fault(grid.rank, step + 1, restart, stop)
+        faults.after_step(grid.rank, step + 1, restart, stop)
         seconds = time.perf_counter() - began
         rates.append(tokens_per_step / seconds)
         # Rank 0's communication: wall seconds with a collective in flight (issued), seconds waited (exposed).
@@ -127,7 +129,7 @@ def run(config: TrainConfig, stop: StopRequest) -> dict:
             return {"stopped": {"signal": signal.Signals(signum).name, "step": step + 1, "run": str(out)}}
     if progress is not None:
         progress.close()
-    checkpoint.save(out, config.steps, grid, model, optimizer, _meta(config), config.keep)
+    checkpoint.save(out, config.steps, grid, model, optimizer, _meta(config), config.keep)   # kept if saved already
     val_loss = _evaluate(model, grid, batches, config.eval_batches)
 
     def finish() -> dict:
@@ -157,47 +159,22 @@ def run(config: TrainConfig, stop: StopRequest) -> dict:
     return on_rank0(finish) or {}
 
 
+def _newest_intact(out: Path) -> str | None:
+    """The checkpoint a restart resumes from; None when none is intact (the first save was
+    interrupted): the run starts over."""
+    def say(line: str) -> None:
+        print(f"par4d train: {line}", flush=True)
+
+    try:
+        return str(checkpoint.choose(out, report=say))
+    except ValueError as error:
+        say(f"{error}; starting over")
+        return None
+
+
 def restart_count() -> int:
     """How many times the elastic agent (par4d's launcher, torchrun) restarted this job."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-FAULT_ENV = "PAR4D_FAULTS"
-"""Fault injection (tests, ``par4d bench faults``): a comma list of ``RANK:STEP[:KIND]``,
-its i-th entry acting on the job's attempt i (0: the first; the elastic agent counts
-restarts), after that step. KIND ``KILL`` (the default): the rank kills itself with
-SIGKILL. ``RAISE``: it raises an error (its peers are left waiting in a collective).
-``TERM``: it sends SIGTERM to its launcher (a scheduler's preemption) and waits until
-the launcher passes the signal on, so the run stops after that step."""
-
-FAULT_KINDS = ("KILL", "RAISE", "TERM")
-
-
-def parse_faults(spec: str) -> list[tuple[int, int, str]]:
-    """``[(rank, step, kind)]`` of a :data:`FAULT_ENV` value."""
-    faults = []
-    for item in filter(None, (part.strip() for part in spec.split(","))):
-        fields = item.split(":")
-        kind = fields[2].upper() if len(fields) == 3 else "KILL"
-        if len(fields) not in (2, 3) or not all(f.isdigit() for f in fields[:2]) or kind not in FAULT_KINDS:
-            raise ValueError(f"{FAULT_ENV}={spec!r}: give a comma list of RANK:STEP[:KIND], KIND one of "
-                             f"{', '.join(FAULT_KINDS)}")
-        faults.append((int(fields[0]), int(fields[1]), kind))
-    return faults
-
-
-def _injected_fault(rank: int, step: int, attempt: int, stop: StopRequest) -> None:
-    faults = parse_faults(os.environ.get(FAULT_ENV, ""))
-    if attempt >= len(faults) or faults[attempt][:2] != (rank, step):
-        return
-    if faults[attempt][2] == "KILL":
-        os.kill(os.getpid(), signal.SIGKILL)
-    if faults[attempt][2] == "RAISE":
-        raise RuntimeError(f"fault injected by {FAULT_ENV} after step {step}")
-    os.kill(os.getppid(), signal.SIGTERM)      # the launcher, which signals every rank
-    deadline = time.monotonic() + 30
-    while stop.signum is None and time.monotonic() < deadline:
-        time.sleep(0.01)
 
 
 def _broadcast(value):
@@ -244,10 +221,10 @@ def _open_metrics(path: Path, start_step: int):
     """Open metrics.jsonl for appending after ``start_step``: records of steps past the
     checkpoint (written before an interruption) are dropped, since they are re-run."""
     kept = [r for r in _read_metrics(path) if r["step"] <= start_step] if path.exists() and start_step else []
-    handle = path.open("w")
-    for record in kept:
-        handle.write(json.dumps(record) + "\n")
-    return handle
+    partial = path.with_suffix(".jsonl.tmp")    # replaced whole: a kill here leaves the old history
+    partial.write_text("".join(json.dumps(record) + "\n" for record in kept))
+    os.replace(partial, path)
+    return path.open("a")
 
 
 def _meta(config: TrainConfig) -> dict:
@@ -276,9 +253,10 @@ def worker(config: TrainConfig, exit_on_stop: bool = False) -> dict:
     """Entry point of each rank (picklable for torchrun's elastic agent). An error is
     written, with its traceback, to the run folder's ``logs/rank-<r>.log`` and raised.
 
-    ``exit_on_stop``: under par4d's launcher, a rank a signal stopped exits (status 128 + the
-    signal's number) once its checkpoint is written: the agent stops reading return values
-    when it is signalled, and a rank returning one would wait for it until killed."""
+    ``exit_on_stop``: under par4d's launcher, a rank that got a signal exits (status 128 + the
+    signal's number) once its checkpoint is written, also when the signal came during the last
+    step (the run then ended and saved as usual): the agent stops reading return values when it
+    is signalled, and a rank returning one would wait for it until killed."""
     try:
         with StopRequest() as stop:
             summary = run(config, stop)
@@ -292,8 +270,9 @@ def worker(config: TrainConfig, exit_on_stop: bool = False) -> dict:
         # with Python callbacks: freed now, not at interpreter exit, where a thread taking the GIL
         # aborts the process (seen once under torchrun: SIGABRT after a complete run).
         gc.collect()
-    if exit_on_stop and "stopped" in summary:
-        os._exit(128 + signal.Signals[summary["stopped"]["signal"]])
+    if exit_on_stop and stop.signum:
+        sys.stdout.flush()
+        os._exit(128 + stop.signum)
     return summary
 
 
