@@ -141,3 +141,12 @@ def _clipped_like_torch(sizes: dict) -> float:
 def test_gradient_clipping_matches_torch(pool4, sizes):
     norms = pool4.run(_clipped_like_torch, sizes)
     assert max(norms) == min(norms)   # every rank computed the same global norm
+
+
+def test_eq3_is_the_model_s_own_count_with_recomputation():
+    """The async-pipeline paper's Eq 3 (Narayanan's 96 b s l h^2 (1 + s/6h + V/16lh)) equals
+    par4d's FLOP count per token with recomputation times the batch's tokens, exactly."""
+    for config in (GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_embd=128, n_head=4),
+                   GPTConfig(vocab_size=50257, block_size=2048, n_layer=44, n_embd=6144, n_head=48)):
+        assert config.narayanan_flops(16) == pytest.approx(16 * config.block_size *
+                                                            config.flops_per_token(recompute=True), rel=1e-12)

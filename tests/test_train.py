@@ -54,7 +54,8 @@ def test_resume_continues_the_exact_trajectory_and_overlap_changes_no_bit(tmp_pa
     assert summary["final_loss"] < summary["initial_loss"]
     assert summary["overlap"] == "none" and summary["comm_exposed_s_per_step"] > 0
     assert all(r["comm_exposed_s"] >= 0 and r["comm_issued_s"] >= 0 for r in rows)
-    for field in ("parameters", "tokens/s", "model FLOP/s", "% of peak", "loss", "communication"):
+    for field in ("parameters", "tokens/s", "model FLOP/s", "Eq 3", "300 B tokens", "% of peak", "loss",
+                  "communication"):
         assert field in result.stdout, field
 
 

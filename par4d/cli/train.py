@@ -347,7 +347,9 @@ def _print_summary(summary: dict) -> None:
         ("parameters", f"{summary['params']:,}"),
         ("steps", f"{summary['start_step']} -> {summary['steps']}" + _resumed(summary)),
         ("tokens/s", f"{summary['tokens_per_s']:,.0f}"),
-        ("model FLOP/s", f"{summary['model_flops_per_s'] / 1e9:.2f} GFLOP/s"),
+        ("model FLOP/s", f"{summary['model_flops_per_s'] / 1e9:.2f} GFLOP/s (par4d's count; the paper's Eq 3: "
+                         f"{summary['eq3_flops_per_s'] / 1e9:.2f} GFLOP/s)"),
+        ("300 B tokens", f"{summary['eq2_days_to_300b_tokens']:,.0f} days at this rate (the paper's Eq 2)"),
         ("matmul peak", f"{summary['matmul_peak_flops_per_s'] / 1e9:.1f} GFLOP/s fp32 (measured at start-up)"),
         ("% of peak", f"{summary['percent_of_peak']:.1f}%"),
         ("overlap", f"{summary['overlap']}, recompute {_every(summary['recompute_every'])}"),

@@ -123,6 +123,13 @@ class GPTConfig:
         blocks = 2 * (self._matmul_weights() - head)
         return self._passes(recompute) * blocks + self.attention_flops_per_token(recompute) + 3 * 2 * head
 
+    def narayanan_flops(self, batch: int) -> float:
+        """The async-pipeline paper's Eq 3 numerator (Narayanan et al.'s count, activation
+        recomputation included): ``96 b s l h^2 (1 + s/(6h) + V/(16 l h))`` FLOPs for one batch
+        of ``batch`` sequences of ``block_size`` tokens; divide by the seconds per batch."""
+        b, s, l, h, v = batch, self.block_size, self.n_layer, self.n_embd, self.vocab_size
+        return 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+
     def stage_blocks(self, stages: int) -> list[range]:
         """The blocks of each of ``stages`` pipeline stages: contiguous runs, at least one block
         each, that minimise the largest stage's training FLOPs per token, where the first stage

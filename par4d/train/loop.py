@@ -146,6 +146,9 @@ def run(config: TrainConfig, stop: StopRequest) -> dict:
             "grid_changed": resumed_from is not None and resumed_from["grid"] != grid.sizes,
             "tokens_per_s": tokens_per_s,
             "model_flops_per_s": flops, "matmul_peak_flops_per_s": peak,
+            # The async-pipeline paper's Eq 3 (Narayanan's count) and Eq 2 (time to train on 300 B tokens).
+            "eq3_flops_per_s": model_config.narayanan_flops(config.batch_size) / step_s if step_s else 0.0,
+            "eq2_days_to_300b_tokens": 3e11 / tokens_per_step * step_s / 86400,
             "percent_of_peak": 100 * flops / peak if peak else 0.0,
             "overlap": config.overlap_settings().describe(), "recompute_every": config.recompute_every(),
             "s_per_step": step_s, "comm_issued_s_per_step": issued, "comm_exposed_s_per_step": exposed,
