@@ -94,6 +94,7 @@ class GradientSync:
         self.groups = {axes: [_Bucket(b) for b in _buckets(ps, bucket_bytes)] for axes, ps in sorted(grouped.items())}
         self._armed = False
         self.trained = tuple((id(p), p.requires_grad) for p in model.parameters())   # what the buckets hold
+        self.reduce_dtype: torch.dtype | None = getattr(model, "par4d_reduce_dtype", None)
         self.early_launches = 0              # buckets launched from hooks, during backward
         self._hooks: list = []
         self._where: dict[int, tuple[tuple[str, ...], int]] = {}
@@ -163,6 +164,8 @@ class GradientSync:
             bucket.flat = torch.empty(0)     # nothing to sum (no gradients at all): done
             return
         bucket.flat = _flatten_dense_tensors(bucket.grads)
+        if self.reduce_dtype is not None:   # mixed precision may sum half gradients in fp32 (par4d.precision)
+            bucket.flat = bucket.flat.to(self.reduce_dtype)
         bucket.handle = comm.all_reduce(self.grid, bucket.flat, *axes, async_op=True)
 
     @torch.no_grad()
@@ -200,8 +203,10 @@ def gradient_sync(model: nn.Module, grid: Grid) -> GradientSync:
     deferred = runtime.deferred if runtime is not None else None
     # Which parameters train is part of the buckets: unfreezing one, or replacing one, rebuilds them.
     trained = tuple((id(p), p.requires_grad) for p in model.parameters())
-    wanted = (grid, settings.bucket_bytes, settings.data_parallel, deferred, trained)
-    if sync is None or (sync.grid, sync.bucket_bytes, sync.overlap, sync.deferred, sync.trained) != wanted:
+    wanted = (grid, settings.bucket_bytes, settings.data_parallel, deferred, trained,
+              getattr(model, "par4d_reduce_dtype", None))
+    if sync is None or (sync.grid, sync.bucket_bytes, sync.overlap, sync.deferred, sync.trained,
+                        sync.reduce_dtype) != wanted:
         if sync is not None:       # the settings changed (set_overlap): rebuild the buckets and hooks
             sync.close()
         sync = GradientSync(model, grid, settings.bucket_bytes, settings.data_parallel, deferred)

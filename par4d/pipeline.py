@@ -129,14 +129,15 @@ def _send(grid: Grid, tensor: torch.Tensor, kind: int, microbatch: int) -> list[
 
 
 def run_pipeline(model: nn.Module, grid: Grid, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int,
-                 limit: int | None = None) -> tuple[torch.Tensor, PipelineStats]:
+                 limit: int | None = None, loss_scale: float = 1.0) -> tuple[torch.Tensor, PipelineStats]:
     """Forward and backward of this rank's batch shard through the pipeline; gradients
     accumulate in ``.grad`` (not yet summed over data and z). Returns the shard's mean loss
     (on every stage: the last stage's, shared over pipe) and what this rank did.
 
     ``model`` has ``stage_forward(inputs, targets=None)``, ``first`` and ``last``
     (par4d's GPT). ``inputs`` are used on the first stage, ``targets`` on the last; every
-    stage must pass the same ``microbatches``."""
+    stage must pass the same ``microbatches``. ``loss_scale`` multiplies what backward starts
+    from (mixed precision's fp16 scale); the loss returned is not scaled."""
     stages = grid.size("pipe")
     limit = stages if limit is None else limit
     rows = inputs.shape[0]
@@ -163,7 +164,7 @@ def run_pipeline(model: nn.Module, grid: Grid, inputs: torch.Tensor, targets: to
             loss = model.stage_forward(stage_in, chunks_out[micro])
             loss_sum.add_(loss.detach() * weights[micro])
             stats.order.append(f"B{micro}")
-            (loss * weights[micro]).backward()
+            (loss * (weights[micro] * loss_scale)).backward()
             finished += 1
             sends.extend(_send(grid, stage_in.grad, BACKWARD, micro))
             return

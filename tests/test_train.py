@@ -363,3 +363,18 @@ def test_the_pipeline_trains_as_one_rank_and_resumes_across_pipe(tmp_path):
                     env_extra={"PAR4D_FAULTS": "1:2:RAISE"}, status=1, timeout=120)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("par4d train: error: rank 1 failed: RuntimeError: fault"), lines
+
+
+def test_mixed_precision_run_resumes_in_another_precision(tmp_path):
+    """fp16 on pipe=2,x=2 for 4 steps (metrics carry the loss scale and skipped steps), resumed in
+    fp32 to 6 from the fp32 masters its checkpoint holds; its losses follow an fp32 run to 1e-2."""
+    common = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--batch-size", "8", "--seq-len", "16",
+              "--no-progress"]
+    half, full = tmp_path / "half", tmp_path / "full"
+    _train("--nproc", "1", *common, "--steps", "6", "--out", str(full))
+    _train("--grid", "pipe=2,x=2", "--precision", "fp16", *common, "--steps", "4", "--out", str(half))
+    rows = [json.loads(line) for line in (half / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["loss_scale"], r["skipped_steps"]) for r in rows] == [(2.0 ** 16, 0)] * 4
+    result = _train("--resume", str(half), "--precision", "fp32", "--steps", "6")
+    assert "--precision fp32 replaces the run's fp16 from step 4" in result.stdout
+    assert _losses(half) == pytest.approx(_losses(full), rel=1e-2)

@@ -22,7 +22,8 @@ def _help(name: str, text: str = "") -> str:
 
 # A resumed run keeps these (they decide the model and its batches); it takes HONOURED ones when given.
 FIXED = ("batch_size", "seq_len", "n_layer", "n_embd", "n_head", "mlp", "phantom_k", "seed")
-HONOURED = ("lr", "grad_clip", "save_every", "keep", "overlap", "recompute", "microbatches")
+HONOURED = ("lr", "grad_clip", "save_every", "keep", "overlap", "recompute", "microbatches", "precision",
+            "grad_reduce")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -70,6 +71,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     steps.add_argument("--recompute", default=None, metavar="none|auto|N",
                        help=_help("recompute", "recompute activations in backward every N blocks; auto: the divisor "
                                                "of the block count closest to its square root"))
+    steps.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
+                       help=_help("precision", "compute dtype; bf16 and fp16 keep fp32 master weights (what "
+                                               "checkpoints hold), fp16 with a dynamic loss scale"))
+    steps.add_argument("--grad-reduce", choices=["fp32", "compute"], default=None,
+                       help=_help("grad_reduce", "sum gradients over data x z in fp32 or in the compute dtype"))
     steps.add_argument("--microbatches", type=int, default=None,
                        help="with pipe > 1: microbatches per step, run by the message-driven pipeline "
                             "(default: pipe; at most the sequences per rank, batch / (data * z))")

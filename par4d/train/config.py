@@ -41,6 +41,8 @@ class TrainConfig:
     recompute: str = "none"          # --recompute: none, auto, or every N blocks
     keep: int = 2                    # --keep: checkpoints kept
     checkpoint: str | None = None    # on --resume: the checkpoint folder chosen (verified) before the ranks start
+    precision: str = "fp32"          # --precision: fp32, bf16 or fp16 compute (fp32 master weights)
+    grad_reduce: str = "fp32"        # --grad-reduce: sum gradients over data x z in fp32 or in the compute dtype
     microbatches: int | None = None  # --microbatches: per step and rank, on a grid with pipe > 1 (None: pipe)
     init_from: str | None = None     # --init-from hf DIR: a GPT-2 model folder (absolute) the run's weights start from
 
@@ -48,6 +50,10 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.precision not in ("fp32", "bf16", "fp16"):
+            raise ValueError(f"--precision {self.precision!r}: give fp32, bf16 or fp16")
+        if self.grad_reduce not in ("fp32", "compute"):
+            raise ValueError(f"--grad-reduce {self.grad_reduce!r}: give fp32 or compute")
         pipe = self.grid.get("pipe", 1)
         if self.microbatches is not None and not (pipe > 1 and self.microbatches >= 1):
             raise ValueError(f"--microbatches {self.microbatches}: give a count >= 1, on a grid with pipe > 1 "

@@ -22,6 +22,7 @@ from par4d.ledger import in_flight_seconds
 from par4d.models import GPT
 from par4d.perf import cpu_cores, measure_matmul_peak, threads_per_rank
 from par4d.pipeline import evaluate_pipeline
+from par4d.precision import MixedPrecision, parse_precision
 from par4d.train import checkpoint
 from par4d.train.config import TrainConfig
 from par4d.train.data import Batches, as_tokens, read_corpus
@@ -62,14 +63,23 @@ def run(config: TrainConfig, stop: StopRequest) -> dict:
     model = build_gpt(model_config, grid, config.recompute_every())
     if config.init_from and not config.resume:   # a Hugging Face model's weights; each rank reads its shards
         load_hf(Path(config.init_from), grid, model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
-                                  betas=(0.9, 0.95))
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
+
+    # Mixed precision: the model computes in bf16/fp16, fp32 masters (what checkpoints hold) and
+    # their AdamW beside it; `state` is what is saved and stepped either way.
+    precision = (MixedPrecision(model, grid, parse_precision(config.precision), adamw, config.grad_reduce == "fp32")
+                 if config.precision != "fp32" else None)
+    state = precision.masters if precision is not None else model
+    optimizer = precision.optimizer if precision is not None else adamw(model.parameters())
     corpus = read_corpus(config.data, config.seq_len, config.data_sha256)
     source = corpus.source
     batches = Batches(as_tokens(corpus), config.seq_len, config.batch_size, config.seed)
     # config.checkpoint was verified whole before the ranks started (or by rank 0 on a restart)
-    resumed = (checkpoint.load(out, grid, model, optimizer, config.checkpoint, verified=config.checkpoint is not None)
+    resumed = (checkpoint.load(out, grid, state, optimizer, config.checkpoint, verified=config.checkpoint is not None)
                if config.resume else None)
+    if resumed and precision is not None:
+        precision.load_masters()
     start_step = resumed["step"] if resumed else 0
     if restart:
         where = f"from step {start_step}, its newest intact checkpoint" if resumed else "from the start (no checkpoint)"
@@ -97,7 +107,7 @@ def run(config: TrainConfig, stop: StopRequest) -> dict:
         x, y = shard_batch(grid, inputs).to(grid.device), shard_batch(grid, targets).to(grid.device)
         with ledger.capture() as entries:
             loss = train_step(model, optimizer, grid, model, x, y, grad_clip=config.grad_clip,
-                              microbatches=config.microbatches)
+                              microbatches=config.microbatches, precision=precision)
             mean_loss = global_mean(loss, grid).item()
         if not math.isfinite(mean_loss):   # the same value on every rank: all stop here, none waits
             raise FloatingPointError(
@@ -113,6 +123,8 @@ def run(config: TrainConfig, stop: StopRequest) -> dict:
             record = {"step": step + 1, "loss": mean_loss, "tokens_per_s": tokens_per_step / seconds,
                       "s_per_step": seconds, "lr": lr, "comm_bytes": ledger.total_bytes() - bytes_before,
                       "comm_issued_s": comm[0], "comm_exposed_s": comm[1]}
+            if precision is not None:    # fp16's loss scale, and the steps it skipped for inf/NaN gradients
+                record.update(loss_scale=precision.scale, skipped_steps=precision.skipped)
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
             if progress is not None:
@@ -120,7 +132,7 @@ def run(config: TrainConfig, stop: StopRequest) -> dict:
                 progress.update(1)
         signum = stop.agreed(grid.device) if step + 1 < config.steps else None   # the last step ends the run anyway
         if signum or (config.save_every and (step + 1) % config.save_every == 0 and step + 1 < config.steps):
-            checkpoint.save(out, step + 1, grid, model, optimizer, _meta(config), config.keep)
+            checkpoint.save(out, step + 1, grid, state, optimizer, _meta(config), config.keep)
         if signum:   # a scheduler's preemption or Ctrl-C: this step is saved, the next run resumes here
             if progress is not None:
                 progress.close()
@@ -129,7 +141,7 @@ def run(config: TrainConfig, stop: StopRequest) -> dict:
             return {"stopped": {"signal": signal.Signals(signum).name, "step": step + 1, "run": str(out)}}
     if progress is not None:
         progress.close()
-    checkpoint.save(out, config.steps, grid, model, optimizer, _meta(config), config.keep)   # kept if saved already
+    checkpoint.save(out, config.steps, grid, state, optimizer, _meta(config), config.keep)   # kept if saved already
     val_loss = _evaluate(model, grid, batches, config.eval_batches)
 
     def finish() -> dict:

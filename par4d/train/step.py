@@ -14,11 +14,12 @@ import torch.nn as nn
 from par4d.data_parallel import clip_grad_norm_, gradient_sync
 from par4d.grid import Grid
 from par4d.pipeline import run_pipeline
+from par4d.precision import MixedPrecision
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, grid: Grid,
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, grid: Grid,
                loss: Callable[..., torch.Tensor], *inputs: torch.Tensor, grad_clip: float = 0.0,
-               microbatches: int | None = None) -> torch.Tensor:
+               microbatches: int | None = None, precision: MixedPrecision | None = None) -> torch.Tensor:
     """One optimizer step of ``model`` on ``grid``; returns this rank's loss (detached).
 
     ``loss(*inputs)`` runs the forward pass and returns the mean loss of this rank's
@@ -26,15 +27,21 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, grid: Grid,
     On a grid with ``pipe > 1`` the model is one pipeline stage (par4d's GPT) and
     ``inputs`` are ``(idx, targets)``: the message-driven pipeline runs forward and
     backward over ``microbatches`` microbatches (default: ``pipe``).
+    ``precision``: mixed precision (its fp32 masters and their optimizer replace ``optimizer``,
+    its loss scale multiplies the loss before backward; a step it skips changes nothing).
     """
     sync = gradient_sync(model, grid)
+    scale = precision.scale if precision is not None else 1.0
     if grid.size("pipe") > 1:           # forward and backward, microbatch by microbatch, stage by stage
-        value, _ = run_pipeline(model, grid, *inputs, microbatches or grid.size("pipe"))
+        value, _ = run_pipeline(model, grid, *inputs, microbatches or grid.size("pipe"), loss_scale=scale)
     else:
         value = loss(*inputs)           # forward: Algorithm 1's all-gathers over z, all-reduces over the in-axes
         sync.arm()                      # this backward is the step's only one: buckets may start as they fill
-        value.backward()                # backward: input-gradient all-reduces, weight-gradient reduce-scatters
+        (value * scale if scale != 1.0 else value).backward()   # input-gradient all-reduces, weight reduce-scatters
     sync.finish()                       # after backward: sums what is still partial over data (and z)
+    if precision is not None:           # unscale into the fp32 masters, clip and step them, round back
+        precision.step(grad_clip)
+        return value.detach()
     if grad_clip > 0:                   # after the sync: the norm is that of the global batch's gradient
         clip_grad_norm_(model, grad_clip, grid)
     optimizer.step()

@@ -1,0 +1,119 @@
+"""Mixed precision (the async-pipeline paper's Section V-B): the model's parameters and
+gradients in a compute dtype (bf16 or fp16), fp32 master weights and their optimizer state
+beside them, and for fp16 a dynamic loss scale.
+
+A step: the loss is multiplied by the scale before backward, so small fp16 gradients do
+not flush to zero; the gradients are summed over data x z (in fp32 or in the compute
+dtype: ``reduce_dtype``); then :meth:`MixedPrecision.step` unscales them into the fp32
+masters, and, if any is inf or NaN on any rank, skips the step and halves the scale
+(fp16); else it clips and steps the masters and writes them back, rounded, into the
+model. After ``growth_interval`` good steps in a row the scale doubles. bf16 has fp32's
+range: its scale stays 1 and a non-finite gradient is an error, as in fp32.
+
+Checkpoints hold the masters (:attr:`MixedPrecision.masters` looks like a model to
+:mod:`par4d.train.checkpoint`: the same names and placements), so a run saved in one
+precision resumes in any other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from par4d.data_parallel import clip_grad_norm_
+from par4d.grid import Grid
+from par4d.layout import place, placement_of
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+INITIAL_SCALE = 2.0 ** 16     # fp16's scale at the start (halved on every overflow)
+GROWTH_INTERVAL = 2000        # good steps in a row before the scale doubles
+
+
+def parse_precision(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"--precision {name!r}: give one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+class Masters:
+    """The fp32 master copy of a model's parameters, named and placed as the model's
+    (``named_parameters`` is all that checkpoints and clipping ask of a model)."""
+
+    def __init__(self, model: nn.Module):
+        self._named: list[tuple[str, nn.Parameter]] = []
+        for name, param in model.named_parameters():
+            master = nn.Parameter(param.detach().float().clone(), requires_grad=param.requires_grad)
+            self._named.append((name, place(master, placement_of(param))))
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return iter(self._named)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return (p for _, p in self._named)
+
+
+class MixedPrecision:
+    """Master weights, optimizer and loss scale of ``model``: the masters are copied from it as
+    it is (fp32), then the model is cast to the compute ``dtype`` in place.
+
+    ``make_optimizer(params)`` builds the optimizer over the fp32 masters (AdamW here)."""
+
+    def __init__(self, model: nn.Module, grid: Grid, dtype: torch.dtype,
+                 make_optimizer: Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer],
+                 reduce_in_fp32: bool = True):
+        """``reduce_in_fp32``: sum gradients over data x z in fp32 (else in the compute dtype:
+        half the bytes, and fp16's sum may overflow: the loss scale then drops)."""
+        if dtype not in DTYPES.values():
+            raise ValueError(f"mixed precision computes in {', '.join(DTYPES)}, not {dtype}")
+        self.model, self.grid, self.dtype = model, grid, dtype
+        model.par4d_reduce_dtype = torch.float32 if reduce_in_fp32 and dtype != torch.float32 else None
+        self.masters = Masters(model)
+        model.to(dtype)
+        self.optimizer = make_optimizer(self.masters.parameters())
+        self.scale = INITIAL_SCALE if dtype == torch.float16 else 1.0
+        self.good_steps = 0
+        self.skipped = 0              # steps skipped for an inf or NaN gradient (fp16)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call ``backward`` on."""
+        return loss * self.scale if self.scale != 1.0 else loss
+
+    @torch.no_grad()
+    def step(self, grad_clip: float = 0.0) -> bool:
+        """After the gradient sync: unscale into the masters, step them, write them back
+        rounded into the model; returns False for a step skipped (fp16 overflow)."""
+        pairs = [(p, m) for p, m in zip(self.model.parameters(), self.masters.parameters()) if p.grad is not None]
+        found = torch.zeros(1, device=self.grid.device)
+        for param, master in pairs:
+            master.grad = param.grad.float().div_(self.scale)
+            found += (~torch.isfinite(master.grad)).any()
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)      # every rank skips alike
+        if found.item():
+            if self.dtype != torch.float16:
+                raise FloatingPointError("a gradient is inf or NaN (no loss scale to lower in "
+                                         f"{str(self.dtype).removeprefix('torch.')})")
+            self.skipped += 1
+            self.scale /= 2
+            self.good_steps = 0
+        else:
+            if grad_clip > 0:
+                clip_grad_norm_(self.masters, grad_clip, self.grid)
+            self.optimizer.step()
+            for param, master in pairs:
+                param.copy_(master)
+            self.good_steps += 1
+            if self.dtype == torch.float16 and self.good_steps % GROWTH_INTERVAL == 0:
+                self.scale *= 2
+        self.optimizer.zero_grad(set_to_none=True)
+        for param, _ in pairs:
+            param.grad = None
+        return not found.item()
+
+    @torch.no_grad()
+    def load_masters(self) -> None:
+        """The model's parameters from the masters (after a checkpoint filled them)."""
+        for param, master in zip(self.model.parameters(), self.masters.parameters()):
+            param.copy_(master)

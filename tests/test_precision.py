@@ -1,0 +1,110 @@
+"""Mixed precision: bf16 and fp16 compute with fp32 masters against fp32 training, the fp16
+loss scale (a forced overflow is skipped and the scale halves), exact reduce bytes, and
+checkpoints of the masters."""
+
+import pytest
+import torch
+
+from par4d.layout import shard_batch
+from par4d.models import GPTConfig
+from par4d.precision import INITIAL_SCALE, MixedPrecision
+from par4d.train import checkpoint
+from par4d.train.model import build_gpt
+from par4d.train.step import train_step
+from tests import cases
+
+CONFIG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16, seed=5)
+BATCH, STEPS = 8, 3
+# bf16 keeps 8 bits of mantissa (relative rounding 2^-9 = 0.2%), fp16 11 bits: after 3 AdamW
+# steps the losses stay within these of fp32's, where a wrong gradient moves them by far more.
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 3e-3}
+# Weights: 3 steps of lr 1e-2 move each by up to 3e-2; AdamW turns round-off in near-zero
+# gradients into up to a step's worth, so masters agree with fp32's to a third of that.
+WEIGHT_TOLERANCE = 1e-2
+
+
+def _batches():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(STEPS):
+        tokens = torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.block_size + 1), generator=gen)
+        yield tokens[:, :-1], tokens[:, 1:]
+
+
+def _train(grid, dtype, folder=None):
+    model = build_gpt(CONFIG, grid)
+    make = lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=1e-4)   # noqa: E731
+    precision = None
+    if dtype != torch.float32:
+        precision = MixedPrecision(model, grid, dtype, make)
+    optimizer = make(model.parameters()) if precision is None else None
+    losses = []
+    for inputs, targets in _batches():
+        x, y = shard_batch(grid, inputs), shard_batch(grid, targets)
+        losses.append(train_step(model, optimizer, grid, model, x, y, grad_clip=1.0, precision=precision).item())
+    return model, precision, losses
+
+
+def _close_to_fp32(sizes: dict, dtype_name: str, folder: str) -> dict:
+    """Measures only (no assert: a rank failing alone would leave the others in a collective)."""
+    from pathlib import Path
+
+    grid = cases.grid(**sizes)
+    dtype = getattr(torch, dtype_name)
+    reference, _, want = _train(grid, torch.float32)
+    model, precision, got = _train(grid, dtype)
+    # The masters are what a checkpoint holds: an fp32 model loads them exactly.
+    run = Path(folder) / dtype_name
+    checkpoint.save(run, STEPS, grid, precision.masters, precision.optimizer, {})
+    fresh = build_gpt(CONFIG, grid)
+    checkpoint.load(run, grid, fresh, torch.optim.AdamW(fresh.parameters()))
+    return {
+        "dtypes": ({p.dtype for p in model.parameters()}, {m.dtype for m in precision.masters.parameters()}),
+        "loss_error": max(abs(a - b) / abs(b) for a, b in zip(got, want)),
+        "weight_error": max((m - p).abs().max().item()
+                            for m, p in zip(precision.masters.parameters(), reference.parameters())),
+        "reloaded": all(torch.equal(m, p) for m, p in zip(precision.masters.parameters(), fresh.parameters())),
+        "scale": precision.scale, "skipped": precision.skipped,
+    }
+
+
+@pytest.mark.parametrize("sizes", [dict(x=2, z=2), dict(pipe=2, z=2)], ids=["x2-z2", "pipe2-z2"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_mixed_precision_follows_fp32(pool4, tmp_path, sizes, dtype):
+    results = pool4.run(_close_to_fp32, sizes, dtype, str(tmp_path))
+    tolerance = TOLERANCE[getattr(torch, dtype)]
+    for r in results:
+        assert r["dtypes"] == ({getattr(torch, dtype)}, {torch.float32})
+        assert r["loss_error"] <= tolerance, r
+        assert r["weight_error"] <= WEIGHT_TOLERANCE, r
+        assert r["reloaded"]
+        assert (r["scale"], r["skipped"]) == (INITIAL_SCALE if dtype == "float16" else 1.0, 0)
+
+
+def _forced_overflow(reduce_in_fp32: bool) -> dict:
+    grid = cases.grid(z=2, data=2)
+    model = build_gpt(CONFIG, grid)
+    precision = MixedPrecision(model, grid, torch.float16, lambda p: torch.optim.AdamW(p, lr=1e-2),
+                               reduce_in_fp32=reduce_in_fp32)
+    before = [p.detach().clone() for p in model.parameters()]
+    inputs, targets = next(_batches())
+    x, y = shard_batch(grid, inputs), shard_batch(grid, targets)
+    precision.scale = 2.0 ** 40          # past fp16's range: the scaled gradients overflow
+    with grid.ledger.capture() as entries:
+        train_step(model, None, grid, model, x, y, precision=precision)
+    skipped = (precision.skipped, precision.scale, all(torch.equal(a, b) for a, b in zip(before, model.parameters())))
+    reduce = [e for e in entries if e.kind == "all_reduce" and e.axes == ("z", "data")]
+    precision.scale = 1024.0
+    train_step(model, None, grid, model, x, y, precision=precision)
+    moved = not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    return {"skipped": skipped, "moved": moved, "bytes_per_element": {e.bytes // e.elements for e in reduce}}
+
+
+@pytest.mark.parametrize("reduce_in_fp32, width", [(True, 4), (False, 2)])
+def test_fp16_overflow_is_skipped_and_the_scale_halves(pool4, reduce_in_fp32, width):
+    """A step whose scaled gradients overflow changes no parameter and halves the scale; the
+    next, with a sane scale, steps. Gradients are summed over z x data in fp32 or in fp16: the
+    ledger's bytes per element say which."""
+    for result in pool4.run(_forced_overflow, reduce_in_fp32):
+        assert result["skipped"] == (1, 2.0 ** 39, True)
+        assert result["moved"]
+        assert result["bytes_per_element"] == {width}
