@@ -232,29 +232,38 @@ def global_mean(value: torch.Tensor, grid: Grid) -> torch.Tensor:
 
 
 @torch.no_grad()
-def clip_grad_norm_(model: nn.Module, max_norm: float, grid: Grid) -> torch.Tensor:
-    """Scale all gradients so their global 2-norm is at most ``max_norm``; returns the
-    norm before clipping (as ``torch.nn.utils.clip_grad_norm_`` on the single-device model).
-
-    Call after :func:`sync_gradients`. Each shard counts once: a gradient replicated over
-    tensor axes (x, y, z) it is not sharded on is divided by that replication, and the
-    sum of squares is all-reduced over (x, y, z), then over the pipeline's stages; data replicas
-    are identical.
-    """
+def grad_norm(model: nn.Module, grid: Grid) -> torch.Tensor:
+    """The global 2-norm of the model's gradients (float64, shape (1,)), each shard counted
+    once: a gradient replicated over tensor axes (x, y, z) it is not sharded on is divided by
+    that replication, the sum of squares all-reduced over (x, y, z), then over the pipeline's
+    stages; data replicas are identical. Half gradients are summed in fp32 (no overflow)."""
     total = torch.zeros(1, dtype=torch.float64, device=grid.device)
-    grads = []
     for name, param in model.named_parameters():
         placement = _placement(name, param)
         if param.grad is None:
             continue
         copies = grid.size(*[a for a in TENSOR_AXES if a not in placement.sharded])
-        # The shard's norm in its own dtype (no float64 copy of the gradient), summed in float64.
-        total += torch.linalg.vector_norm(param.grad).double().square() / copies
-        grads.append(param.grad)
+        # The shard's norm without a float64 copy of the gradient, summed in float64.
+        total += torch.linalg.vector_norm(param.grad, dtype=torch.float32).double().square() / copies
     comm.all_reduce(grid, total, "x", "y", "z")
     comm.all_reduce(grid, total, "pipe")        # each stage holds its own layers
-    norm = total.sqrt().float()
-    clip = (max_norm / (norm + 1e-6)).clamp(max=1.0)   # a tensor: no host sync to decide whether to clip
-    for grad in grads:
-        grad.mul_(clip)
-    return norm[0]
+    return total.sqrt()
+
+
+def clip_factor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What to multiply every gradient by so the norm is at most ``max_norm`` (a tensor: no
+    host sync to decide whether to clip)."""
+    return (max_norm / (norm.float() + 1e-6)).clamp(max=1.0)
+
+
+@torch.no_grad()
+def clip_grad_norm_(model: nn.Module, max_norm: float, grid: Grid) -> torch.Tensor:
+    """Scale all gradients so their global 2-norm (:func:`grad_norm`) is at most ``max_norm``;
+    returns the norm before clipping (as ``torch.nn.utils.clip_grad_norm_`` on the
+    single-device model). Call after :func:`sync_gradients`."""
+    norm = grad_norm(model, grid)
+    clip = clip_factor(norm, max_norm)
+    for param in model.parameters():
+        if param.grad is not None:
+            param.grad.mul_(clip)
+    return norm.float()[0]

@@ -23,9 +23,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from par4d.data_parallel import clip_grad_norm_
+from par4d.data_parallel import clip_factor, clip_grad_norm_, grad_norm
 from par4d.grid import Grid
 from par4d.layout import place, placement_of
+from par4d.offload import OffloadedAdamW
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 INITIAL_SCALE = 2.0 ** 16     # fp16's scale at the start (halved on every overflow)
@@ -42,10 +43,11 @@ class Masters:
     """The fp32 master copy of a model's parameters, named and placed as the model's
     (``named_parameters`` is all that checkpoints and clipping ask of a model)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, device: torch.device | None = None):
         self._named: list[tuple[str, nn.Parameter]] = []
         for name, param in model.named_parameters():
-            master = nn.Parameter(param.detach().float().clone(), requires_grad=param.requires_grad)
+            master = nn.Parameter(param.detach().to(device or param.device, torch.float32, copy=True),
+                                  requires_grad=param.requires_grad)
             self._named.append((name, place(master, placement_of(param))))
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
@@ -63,16 +65,23 @@ class MixedPrecision:
 
     def __init__(self, model: nn.Module, grid: Grid, dtype: torch.dtype,
                  make_optimizer: Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer],
-                 reduce_in_fp32: bool = True):
+                 reduce_in_fp32: bool = True, offload_bsize: int | None = None):
         """``reduce_in_fp32``: sum gradients over data x z in fp32 (else in the compute dtype:
-        half the bytes, and fp16's sum may overflow: the loss scale then drops)."""
+        half the bytes, and fp16's sum may overflow: the loss scale then drops).
+        ``offload_bsize``: keep the masters and the optimizer's state in CPU memory and step
+        them through the device that many elements at a time (:mod:`par4d.offload`)."""
         if dtype not in DTYPES.values():
             raise ValueError(f"mixed precision computes in {', '.join(DTYPES)}, not {dtype}")
         self.model, self.grid, self.dtype = model, grid, dtype
         model.par4d_reduce_dtype = torch.float32 if reduce_in_fp32 and dtype != torch.float32 else None
-        self.masters = Masters(model)
+        self.masters = Masters(model, torch.device("cpu") if offload_bsize else None)
         model.to(dtype)
         self.optimizer = make_optimizer(self.masters.parameters())
+        self.offloaded = offload_bsize is not None
+        if self.offloaded:   # the same hyper-parameters, stepped in buckets from CPU memory
+            group = self.optimizer.param_groups[0]
+            self.optimizer = OffloadedAdamW(self.masters.parameters(), grid.device, offload_bsize,
+                                            **{k: group[k] for k in ("lr", "betas", "eps", "weight_decay")})
         self.scale = INITIAL_SCALE if dtype == torch.float16 else 1.0
         self.good_steps = 0
         self.skipped = 0              # steps skipped for an inf or NaN gradient (fp16)
@@ -88,8 +97,9 @@ class MixedPrecision:
         pairs = [(p, m) for p, m in zip(self.model.parameters(), self.masters.parameters()) if p.grad is not None]
         found = torch.zeros(1, device=self.grid.device)
         for param, master in pairs:
-            master.grad = param.grad.float().div_(self.scale)
-            found += (~torch.isfinite(master.grad)).any()
+            if not self.offloaded:          # offloaded, the fp32 gradient exists a bucket at a time
+                master.grad = param.grad.float().div_(self.scale)
+            found += (~torch.isfinite(param.grad)).any()
         dist.all_reduce(found, op=dist.ReduceOp.MAX)      # every rank skips alike
         if found.item():
             if self.dtype != torch.float16:
@@ -98,19 +108,37 @@ class MixedPrecision:
             self.skipped += 1
             self.scale /= 2
             self.good_steps = 0
+        elif self.offloaded:
+            clip = clip_factor(grad_norm(self.model, self.grid) / self.scale, grad_clip) if grad_clip > 0 else None
+            self.optimizer.step_from(pairs, self.scale, clip)
+            self._good_step()
         else:
             if grad_clip > 0:
                 clip_grad_norm_(self.masters, grad_clip, self.grid)
             self.optimizer.step()
             for param, master in pairs:
                 param.copy_(master)
-            self.good_steps += 1
-            if self.dtype == torch.float16 and self.good_steps % GROWTH_INTERVAL == 0:
-                self.scale *= 2
+            self._good_step()
         self.optimizer.zero_grad(set_to_none=True)
         for param, _ in pairs:
             param.grad = None
         return not found.item()
+
+    def _good_step(self) -> None:
+        self.good_steps += 1
+        if self.dtype == torch.float16 and self.good_steps % GROWTH_INTERVAL == 0:
+            self.scale *= 2
+
+    def device_bytes(self) -> int:
+        """Bytes the parameters and optimizer hold on the device: the model's parameters and
+        gradients, and, offloaded, the streaming buffers (``4 phi + 16 bsize`` in half
+        precision); not offloaded, also the masters, their state and fp32 gradients."""
+        held = [p for p in self.model.parameters()] + [p.grad for p in self.model.parameters() if p.grad is not None]
+        if self.offloaded:
+            return sum(t.numel() * t.element_size() for t in held) + self.optimizer.buffer_bytes()
+        state = [t for s in self.optimizer.state.values() for t in s.values() if t.dim()]
+        masters = list(self.masters.parameters()) + [m.grad for m in self.masters.parameters() if m.grad is not None]
+        return sum(t.numel() * t.element_size() for t in held + masters + state)
 
     @torch.no_grad()
     def load_masters(self) -> None:

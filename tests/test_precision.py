@@ -108,3 +108,56 @@ def test_fp16_overflow_is_skipped_and_the_scale_halves(pool4, reduce_in_fp32, wi
         assert result["skipped"] == (1, 2.0 ** 39, True)
         assert result["moved"]
         assert result["bytes_per_element"] == {width}
+
+
+def _offloaded(sizes: dict, bsize: int, folder: str) -> dict:
+    """bf16 with the optimizer offloaded (buckets of ``bsize`` elements, which split every
+    tensor unevenly) against bf16 without: the same masters to fp32 rounding after 3 clipped
+    AdamW steps; the device holds 4 phi + 16 bsize bytes; its checkpoint loads into fp32."""
+    from pathlib import Path
+
+    from par4d.data_parallel import sync_gradients
+    from par4d.pipeline import run_pipeline
+
+    grid = cases.grid(**sizes)
+    make = lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=1e-4)   # noqa: E731
+    plain_model, offload_model = build_gpt(CONFIG, grid), build_gpt(CONFIG, grid)
+    plain = MixedPrecision(plain_model, grid, torch.bfloat16, make)
+    offloaded = MixedPrecision(offload_model, grid, torch.bfloat16, make, offload_bsize=bsize)
+    phi = sum(p.numel() for p in offload_model.parameters())
+    held = []
+    for inputs, targets in _batches():
+        x, y = shard_batch(grid, inputs), shard_batch(grid, targets)
+        train_step(plain_model, None, grid, plain_model, x, y, grad_clip=0.5, precision=plain)
+        if grid.size("pipe") > 1:                      # train_step's parts, to count the device's bytes
+            run_pipeline(offload_model, grid, x, y, 2)
+        else:
+            offload_model(x, y).backward()
+        sync_gradients(offload_model, grid)
+        held.append(offloaded.device_bytes())
+        offloaded.step(grad_clip=0.5)
+    run = Path(folder) / "offloaded"
+    checkpoint.save(run, STEPS, grid, offloaded.masters, offloaded.optimizer, {})
+    fresh = build_gpt(CONFIG, grid)
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    checkpoint.load(run, grid, fresh, fresh_opt)
+    pairs = list(zip(plain.masters.parameters(), offloaded.masters.parameters()))
+    return {
+        "phi": phi, "held": held, "buffers": offloaded.optimizer.buffer_bytes(),
+        "masters_error": max(((a - b).abs() / b.abs().clamp(min=1e-3)).max().item() for a, b in pairs),
+        "state_error": max((plain.optimizer.state[a]["exp_avg_sq"] - offloaded.optimizer.state[b]["exp_avg_sq"])
+                           .abs().max().item() for a, b in pairs),
+        "on_cpu": all(m.device.type == "cpu" for m in offloaded.masters.parameters()),
+        "reloaded": all(torch.equal(m, p) for m, p in zip(offloaded.masters.parameters(), fresh.parameters())),
+        "steps": {int(s["step"]) for s in offloaded.optimizer.state.values()},
+    }
+
+
+@pytest.mark.parametrize("sizes", [dict(x=2, z=2), dict(pipe=2, data=2)], ids=["x2-z2", "pipe2-data2"])
+def test_offloaded_optimizer(pool4, tmp_path, sizes):
+    bsize = 37
+    for r in pool4.run(_offloaded, sizes, bsize, str(tmp_path)):
+        assert r["buffers"] == 16 * bsize
+        assert r["held"] == [4 * r["phi"] + 16 * bsize] * STEPS     # half weights and gradients + buffers
+        assert r["masters_error"] <= 1e-6 and r["state_error"] <= 1e-9, r
+        assert r["on_cpu"] and r["reloaded"] and r["steps"] == {STEPS}

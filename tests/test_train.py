@@ -126,6 +126,7 @@ def test_data_is_checked_before_any_process_starts(tmp_path, capsys, content, me
     ("--lr", "inf", "--lr must be a finite number > 0, got inf"),
     ("--grad-clip", "nan", "--grad-clip must be a finite number >= 0 (0 disables), got nan"),
     ("--save-every", "-1", "--save-every must be >= 0 (0: only at the end), got -1"),
+    ("--offload-optimizer", "64", "--offload-optimizer 64: needs --precision bf16 or fp16 (got fp32)"),
 ])
 def test_settings_are_checked_before_any_process_starts(tmp_path, capsys, flag, value, message):
     assert main(["train", flag, value, *SMALL, "--out", str(tmp_path / "run")]) == 2
@@ -366,13 +367,15 @@ def test_the_pipeline_trains_as_one_rank_and_resumes_across_pipe(tmp_path):
 
 
 def test_mixed_precision_run_resumes_in_another_precision(tmp_path):
-    """fp16 on pipe=2,x=2 for 4 steps (metrics carry the loss scale and skipped steps), resumed in
+    """fp16 with the optimizer offloaded on pipe=2,x=2 for 4 steps (metrics carry the loss scale
+    and skipped steps), resumed in
     fp32 to 6 from the fp32 masters its checkpoint holds; its losses follow an fp32 run to 1e-2."""
     common = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--batch-size", "8", "--seq-len", "16",
               "--no-progress"]
     half, full = tmp_path / "half", tmp_path / "full"
     _train("--nproc", "1", *common, "--steps", "6", "--out", str(full))
-    _train("--grid", "pipe=2,x=2", "--precision", "fp16", *common, "--steps", "4", "--out", str(half))
+    _train("--grid", "pipe=2,x=2", "--precision", "fp16", "--offload-optimizer", "100", *common, "--steps", "4",
+           "--out", str(half))
     rows = [json.loads(line) for line in (half / "metrics.jsonl").read_text().splitlines()]
     assert [(r["loss_scale"], r["skipped_steps"]) for r in rows] == [(2.0 ** 16, 0)] * 4
     result = _train("--resume", str(half), "--precision", "fp32", "--steps", "6")

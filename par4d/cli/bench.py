@@ -1,7 +1,8 @@
-"""``par4d bench grid|peers|overlap|checkpoint|gemm``: the GPT on every valid grid against PyTorch DDP and FSDP2,
-par4d against DDP, FSDP2, HSDP and FSDP2+TP on two workloads (locally or on an emulated cluster), each overlap's
-gain (Fig. 3's rows), a resharding checkpoint load against torch.distributed.checkpoint, and the gain of GEMM tuning
-per matmul shape; the benchmarks themselves live in ``par4d.bench``."""
+"""``par4d bench grid|peers|overlap|pipeline|checkpoint|gemm``: the GPT on every valid grid against PyTorch DDP and
+FSDP2, par4d against DDP, FSDP2, HSDP and FSDP2+TP on two workloads (locally or on an emulated cluster), each
+overlap's gain (Fig. 3's rows), par4d's message-driven pipeline against torch.distributed.pipelining's schedules on
+the same stages, a resharding checkpoint load against torch.distributed.checkpoint, and the gain of GEMM tuning per
+matmul shape; the benchmarks themselves live in ``par4d.bench``."""
 
 from __future__ import annotations
 
@@ -19,15 +20,15 @@ def _ranks(p: argparse.ArgumentParser) -> None:
     p.add_argument("--link", default="1gbit", help="inter-node link rate per node with --nodes (tc tbf)")
 
 
-def _output(p: argparse.ArgumentParser, plot: bool = False) -> None:
+def _output(p: argparse.ArgumentParser, plot: bool = False,
+            plot_help: str = "also draw the rows as stacked bars (PNG) here") -> None:
     """Where rows go: stdout, --out (and --plot); an existing file is refused before anything runs."""
     p.add_argument("--json", action="store_true", help="one JSON object per row on stdout")
     p.add_argument("--out", default=None,
                    help="also write the rows as JSON lines to this file (an existing file is refused unless --force)")
     if plot:
         p.add_argument("--plot", default=None,
-                       help="also draw the rows as stacked bars (PNG) here (an existing file is refused unless "
-                            "--force)")
+                       help=f"{plot_help} (an existing file is refused unless --force)")
     p.add_argument("--force", action="store_true",
                    help="overwrite an existing --out file" + (" and --plot file" if plot else ""))
 
@@ -57,6 +58,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     overlap.add_argument("--seq-len", type=int, default=128)
     overlap.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
     _output(overlap, plot=True)
+    pipe = sub.add_parser("pipeline", help="par4d's message-driven pipeline vs torch.distributed.pipelining "
+                                           "(GPipe, 1F1B) on the same stages, every rank on pipe")
+    _ranks(pipe)
+    pipe.add_argument("--iters", type=int, default=3, help="timed iterations per row and round (after 1 warm-up)")
+    pipe.add_argument("--rounds", type=int, default=3, help="interleaved rounds over all rows")
+    pipe.add_argument("--n-layer", type=int, default=8)
+    pipe.add_argument("--n-embd", type=int, default=256)
+    pipe.add_argument("--n-head", type=int, default=4)
+    pipe.add_argument("--seq-len", type=int, default=128)
+    pipe.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
+    pipe.add_argument("--microbatches", type=int, default=8, help="microbatches per step (at least the stages; "
+                                                                  "must divide --batch-size)")
+    pipe.add_argument("--slow-stage", type=int, default=None,
+                      help="make this stage sleep --slow-ms in every microbatch's forward (both frameworks)")
+    pipe.add_argument("--slow-ms", type=float, default=0.0, help="the slow stage's sleep per forward, in ms")
+    _output(pipe, plot=True, plot_help="also draw one iteration's timeline per stage, par4d and the fastest torch "
+                                       "schedule (PNG), here")
     faults = sub.add_parser("faults", help="soak: kill random ranks at random steps under --max-restarts; "
                                            "restarts survived, steps recomputed, final model bit for bit?")
     faults.add_argument("--nproc", type=int, default=DEFAULT_NPROC)
@@ -105,6 +123,10 @@ def run(args: argparse.Namespace) -> int:
         from par4d.bench.overlap import run_bench_overlap
 
         return run_bench_overlap(args)
+    if args.bench == "pipeline":
+        from par4d.bench.pipeline import run_bench_pipeline
+
+        return run_bench_pipeline(args)
     if args.bench == "checkpoint":
         from par4d.bench.checkpoint import run_bench_checkpoint
 

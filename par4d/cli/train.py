@@ -23,7 +23,7 @@ def _help(name: str, text: str = "") -> str:
 # A resumed run keeps these (they decide the model and its batches); it takes HONOURED ones when given.
 FIXED = ("batch_size", "seq_len", "n_layer", "n_embd", "n_head", "mlp", "phantom_k", "seed")
 HONOURED = ("lr", "grad_clip", "save_every", "keep", "overlap", "recompute", "microbatches", "precision",
-            "grad_reduce")
+            "grad_reduce", "offload_bsize")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -76,6 +76,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                                "checkpoints hold), fp16 with a dynamic loss scale"))
     steps.add_argument("--grad-reduce", choices=["fp32", "compute"], default=None,
                        help=_help("grad_reduce", "sum gradients over data x z in fp32 or in the compute dtype"))
+    steps.add_argument("--offload-optimizer", dest="offload_bsize", nargs="?", type=int, const=1 << 22,
+                       default=None, metavar="BSIZE",
+                       help="keep fp32 master weights and AdamW state in CPU memory and step them through the "
+                            "device BSIZE elements at a time (default 4194304; needs --precision bf16 or fp16)")
     steps.add_argument("--microbatches", type=int, default=None,
                        help="with pipe > 1: microbatches per step, run by the message-driven pipeline "
                             "(default: pipe; at most the sequences per rank, batch / (data * z))")
@@ -313,6 +317,8 @@ def _resumed_config(args: argparse.Namespace, world: int, inside: bool):
     grid, peak = _grid(args, world, inside, saved) if args.grid else (saved["grid"], None)
     if grid.get("pipe", 1) == 1 and "microbatches" not in honoured:
         honoured["microbatches"] = None     # the saved run's count was for its pipeline; this grid has none
+    if honoured.get("precision") == "fp32" and "offload_bsize" not in honoured:
+        honoured["offload_bsize"] = None    # an fp32 run keeps no separate masters to offload
     return TrainConfig(**dict(saved, **honoured, steps=steps, out=str(run_dir), resume=True, grid=grid,
                               progress=not args.no_progress, peak_flops=peak, checkpoint=str(folder)))
 

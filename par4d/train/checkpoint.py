@@ -93,7 +93,7 @@ def _tensors(grid: Grid, model: nn.Module, optimizer: torch.optim.Optimizer):
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    if type(optimizer) is not torch.optim.AdamW or any(g.get("amsgrad") for g in optimizer.param_groups):
+    if not isinstance(optimizer, torch.optim.AdamW) or any(g.get("amsgrad") for g in optimizer.param_groups):
         raise ValueError(f"checkpoints hold AdamW state (without amsgrad); got {type(optimizer).__name__}")
 
 

@@ -42,6 +42,7 @@ class TrainConfig:
     keep: int = 2                    # --keep: checkpoints kept
     checkpoint: str | None = None    # on --resume: the checkpoint folder chosen (verified) before the ranks start
     precision: str = "fp32"          # --precision: fp32, bf16 or fp16 compute (fp32 master weights)
+    offload_bsize: int | None = None # --offload-optimizer: masters and AdamW state in CPU memory, stepped in buckets
     grad_reduce: str = "fp32"        # --grad-reduce: sum gradients over data x z in fp32 or in the compute dtype
     microbatches: int | None = None  # --microbatches: per step and rank, on a grid with pipe > 1 (None: pipe)
     init_from: str | None = None     # --init-from hf DIR: a GPT-2 model folder (absolute) the run's weights start from
@@ -52,6 +53,9 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"--precision {self.precision!r}: give fp32, bf16 or fp16")
+        if self.offload_bsize is not None and (self.precision == "fp32" or self.offload_bsize < 1):
+            raise ValueError(f"--offload-optimizer {self.offload_bsize}: needs --precision bf16 or fp16 (got "
+                             f"{self.precision}) and a bucket of >= 1 element")
         if self.grad_reduce not in ("fp32", "compute"):
             raise ValueError(f"--grad-reduce {self.grad_reduce!r}: give fp32 or compute")
         pipe = self.grid.get("pipe", 1)

@@ -68,8 +68,8 @@ def run(config: TrainConfig, stop: StopRequest) -> dict:
 
     # Mixed precision: the model computes in bf16/fp16, fp32 masters (what checkpoints hold) and
     # their AdamW beside it; `state` is what is saved and stepped either way.
-    precision = (MixedPrecision(model, grid, parse_precision(config.precision), adamw, config.grad_reduce == "fp32")
-                 if config.precision != "fp32" else None)
+    precision = (MixedPrecision(model, grid, parse_precision(config.precision), adamw, config.grad_reduce == "fp32",
+                                config.offload_bsize) if config.precision != "fp32" else None)
     state = precision.masters if precision is not None else model
     optimizer = precision.optimizer if precision is not None else adamw(model.parameters())
     corpus = read_corpus(config.data, config.seq_len, config.data_sha256)

@@ -1,0 +1,563 @@
+"""``par4d bench pipeline``: par4d's message-driven pipeline against torch.distributed.pipelining.
+
+One job of ``world`` ranks, every rank on the pipe axis (grid ``pipe=world``): the same GPT,
+split at the same stage boundaries (``GPTConfig.stage_blocks(world)``), one stage per rank.
+Rows, all on the same ranks, timed in interleaved rounds (each round runs every row: one
+untimed warm-up step, then ``iters`` timed steps), so drift of the machine spreads over all
+rows alike:
+
+* ``par4d``: what :func:`par4d.train.step.train_step` does on a pipe grid, written out so the
+  pipeline's stats come back: :func:`par4d.pipeline.run_pipeline` (no fixed schedule: a stage
+  runs whatever message arrives first, at most ``pipe`` microbatches in flight), the gradient
+  sync (nothing to sum on a pipe-only grid) and an AdamW step, on par4d's GPT
+  (:func:`par4d.train.model.build_gpt`).
+* ``torch GPipe`` and ``torch 1F1B``: par4d's plain-PyTorch twin (:func:`build_reference`) cut
+  at the same boundaries (``wte``/``wpe`` on stage 0, ``blocks[i]`` of the stage's range,
+  ``ln_f``/``head`` on the last stage, cross-entropy as the schedule's ``loss_fn``), wrapped in
+  ``torch.distributed.pipelining.PipelineStage`` and run by ``ScheduleGPipe`` and
+  ``Schedule1F1B`` with the same microbatches, global batch and AdamW.
+  ``ScheduleInterleaved1F1B`` (and the other multi-stage schedules) does not apply: it
+  interleaves *several* stages per rank (virtual stages), and here each rank holds exactly
+  one stage, the same one as par4d's rank; with one stage per rank it is 1F1B.
+
+Loss and correctness guard. torch's ``loss_fn`` is applied per microbatch (here the
+microbatch's mean cross-entropy) and, with ``scale_grads=True`` (the default), the gradients
+are divided by the number of microbatches: with equal microbatches (the batch must divide by
+``--microbatches``) that is the gradient of the mean loss over the batch, and the mean of the
+per-microbatch losses is the batch's mean loss, which is what par4d's pipeline returns. Before
+any timing, every row runs two steps from the same initial weights on the same batch; the worker
+raises unless each torch row's loss agrees with par4d's to 1e-5 relative at both (the second
+loss is after one AdamW step: it checks the gradients too). Rows carry both losses.
+
+Measured per row (per rank, every timed iteration):
+
+* ``s_per_iter``: median over iterations of the slowest rank's seconds from a barrier to the
+  end of its optimizer step.
+* ``bubble_fraction``: per stage ``1 - compute / wall``, where ``wall`` is the seconds from the
+  barrier to the end of the pipeline call (``run_pipeline`` / ``schedule.step``; the optimizer
+  step is outside) and ``compute`` is the sum of the stage's timed forward and backward calls:
+  every call of the stage module's forward (par4d: ``model.stage_forward``, loss included on
+  the last stage; torch: the stage module's ``forward`` and, on the last stage, the
+  ``loss_fn`` call) and every call of ``torch.autograd.backward`` (both frameworks' backward
+  goes through it: ``Tensor.backward`` in par4d, ``stage_backward`` in torch), each timed with
+  ``time.perf_counter``. Everything else on the stage (waiting for messages, sending, the
+  frameworks' bookkeeping) counts as bubble. Median over iterations per stage
+  (``bubble_by_stage``), then the largest over stages.
+* ``peak_activation_bytes``: per stage, the most microbatches held at once (a microbatch is
+  held from the start of its forward to the end of its backward, from the timed calls; most
+  over the timed iterations: ``max_in_flight_by_stage``) times the stage's bytes saved for
+  backward per microbatch, measured once (in the first guard step) with
+  ``torch.autograd.graph.saved_tensors_hooks``: the storage bytes of every tensor saved for
+  backward during a microbatch's forward, each storage once, parameters' storages left out
+  (``activation_bytes_by_stage``); the largest product over stages. It counts what autograd
+  keeps, not the allocator's peak (no CUDA on this machine): temporaries freed during the
+  forward are not in it, and neither are the messages in flight.
+* ``ratio_to_best_torch``: the row's s/iter over the fastest torch row's.
+
+The second workload, ``--slow-stage K --slow-ms T``: stage K sleeps T ms at the start of every
+microbatch's forward, in both frameworks alike (inside the timed forward: it counts as compute).
+A fixed schedule waits for the slow stage in its fixed order; the message-driven one runs
+whatever is ready. Emulated nodes (``--nodes``, one rank per node) put a slow link between
+every pair of stages instead (or as well).
+
+``--plot F.png``: the timeline of one iteration (the one of median wall time among the timed
+ones), per stage, which microbatch's forward and backward ran when: par4d and the fastest
+torch schedule, one panel each, on one time axis. Each rank's times are from its own return
+from the barrier, so ranks' origins differ by the barrier's skew (well under a millisecond
+on one machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from par4d.bench.common import emit, launch, where
+from par4d.data_parallel import gradient_sync
+from par4d.grid import Grid
+from par4d.launch import init
+from par4d.models import GPT, GPTConfig
+from par4d.perf import threads_per_rank
+from par4d.pipeline import run_pipeline
+from par4d.train.model import build_gpt, build_reference
+
+SCHEDULES = (("torch GPipe", "ScheduleGPipe"), ("torch 1F1B", "Schedule1F1B"))
+"""The torch rows: (name, schedule class in torch.distributed.pipelining)."""
+ROWS = ("par4d",) + tuple(name for name, _ in SCHEDULES)
+LOSS_RTOL = 1e-5
+LR = 1e-3
+
+
+@dataclass(frozen=True)
+class PipelineBench:
+    world: int
+    config: GPTConfig
+    batch: int              # global batch, in sequences (every stage sees all of it: no data axis)
+    microbatches: int
+    iters: int
+    rounds: int
+    ranks_here: int         # ranks sharing this machine's cores
+    slow_stage: int | None = None
+    slow_ms: float = 0.0
+    seed: int = 0           # of the batch's tokens
+
+
+class _Clock:
+    """(kind, microbatch, start, end) of this rank's timed forward and backward calls.
+
+    ``timed(fn)`` wraps a forward callable (sleeping ``sleep_s`` first: the slow stage); every
+    ``torch.autograd.backward`` is timed while :meth:`installed`. ``micro`` is the microbatch
+    being worked on where the caller knows it (torch's stage methods set it); with
+    ``count_forwards`` each forward call gets the next number instead (par4d's forwards, the
+    numbers replaced after the step from the pipeline's own record of its order)."""
+
+    def __init__(self):
+        self.events: list[list] = []
+        self.on = False
+        self.micro: int | None = None
+        self.count_forwards = False
+        self.forwards = 0
+        self._depth = 0
+
+    def begin(self, count_forwards: bool) -> None:
+        self.events, self.on, self.micro, self.count_forwards, self.forwards = [], True, None, count_forwards, 0
+
+    def end(self) -> list[list]:
+        self.on = False
+        return self.events
+
+    def timed(self, fn: Callable, sleep_s: float = 0.0) -> Callable:
+        def call(*args, **kwargs):
+            if self.count_forwards:
+                self.micro, self.forwards = self.forwards, self.forwards + 1
+            began = time.perf_counter()
+            if sleep_s:
+                time.sleep(sleep_s)
+            out = fn(*args, **kwargs)
+            if self.on:
+                self.events.append(["F", self.micro, began, time.perf_counter()])
+            return out
+        return call
+
+    @contextmanager
+    def installed(self):
+        original = torch.autograd.backward
+
+        def backward(*args, **kwargs):
+            self._depth += 1
+            began = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                if self.on and self._depth == 0:
+                    self.events.append(["B", self.micro, began, time.perf_counter()])
+
+        torch.autograd.backward = backward
+        try:
+            yield self
+        finally:
+            torch.autograd.backward = original
+
+
+@contextmanager
+def _saved_bytes(clock: _Clock, params: nn.Module):
+    """Bytes saved for backward per microbatch (``clock.micro``) while inside: each storage
+    counted once per microbatch, parameters' storages left out."""
+    skip = {p.untyped_storage().data_ptr() for p in params.parameters()}
+    per_micro: dict = {}
+    seen: dict = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        mine = seen.setdefault(clock.micro, set())
+        if ptr not in skip and ptr not in mine:
+            mine.add(ptr)
+            per_micro[clock.micro] = per_micro.get(clock.micro, 0) + storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield per_micro
+
+
+class TwinStage(nn.Module):
+    """One pipeline stage of par4d's plain-PyTorch twin: ``wte``/``wpe`` on the first, the
+    twin's ``blocks[i]`` of ``blocks``, ``ln_f`` and ``head`` on the last (logits out: the loss is
+    the schedule's ``loss_fn``)."""
+
+    def __init__(self, twin: nn.Module, blocks: range, first: bool, last: bool):
+        super().__init__()
+        self.first, self.last = first, last
+        if first:
+            self.wte, self.wpe = twin.wte, twin.wpe
+        self.blocks = nn.ModuleList(twin.blocks[i] for i in blocks)
+        if last:
+            self.ln_f, self.head = twin.ln_f, twin.head
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            h = self.wte(h) + self.wpe(torch.arange(h.shape[1], device=h.device))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.ln_f(h)) if self.last else h
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The microbatch's mean cross-entropy (the twin's loss)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class _Row:
+    """One row's model, optimizer and step on this rank; ``step`` returns (loss, pipeline seconds,
+    step seconds) from its start (the loss: the batch's mean, on the last stage, else None for torch)."""
+
+    name: str
+    framework: str
+    stage: int
+    module: nn.Module
+
+    def step(self, clock: _Clock, x: torch.Tensor, y: torch.Tensor, began: float):
+        raise NotImplementedError
+
+
+class _Par4dRow(_Row):
+    def __init__(self, bench: PipelineBench, grid: Grid, clock: _Clock):
+        self.name, self.framework, self.grid, self.bench = "par4d", "par4d", grid, bench
+        self.module = model = build_gpt(bench.config, grid)
+        self.stage = grid.coord("pipe")
+        sleep = bench.slow_ms / 1e3 if self.stage == bench.slow_stage else 0.0
+        model.stage_forward = clock.timed(model.stage_forward, sleep)     # instance attribute: run_pipeline's call
+        self.opt = torch.optim.AdamW(model.parameters(), lr=LR)
+
+    def step(self, clock: _Clock, x: torch.Tensor, y: torch.Tensor, began: float):
+        clock.begin(count_forwards=True)
+        sync = gradient_sync(self.module, self.grid)          # as train_step on a pipe grid
+        loss, stats = run_pipeline(self.module, self.grid, x, y, self.bench.microbatches)
+        piped = time.perf_counter() - began
+        sync.finish()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        events = clock.end()
+        if [e[0] for e in events] != [o[0] for o in stats.order]:
+            raise RuntimeError(f"par4d stage {self.stage}: timed calls {[e[0] for e in events]} do not match "
+                               f"the pipeline's order {stats.order}")
+        for event, done in zip(events, stats.order):
+            event[1] = int(done[1:])
+        return float(loss), piped, events
+
+
+class _TorchRow(_Row):
+    def __init__(self, name: str, schedule: str, bench: PipelineBench, clock: _Clock):
+        from torch.distributed import pipelining
+
+        self.name, self.framework, self.bench = name, "torch", bench
+        self.stage, stages = dist.get_rank(), bench.world         # stage i on rank i: torch's default placement
+        blocks = bench.config.stage_blocks(stages)[self.stage]
+        first, self.last = self.stage == 0, self.stage == stages - 1
+        self.module = TwinStage(build_reference(bench.config), blocks, first, self.last)
+        sleep = bench.slow_ms / 1e3 if self.stage == bench.slow_stage else 0.0
+        self.module.forward = clock.timed(self.module.forward, sleep)
+        self.pipe_stage = pipelining.PipelineStage(self.module, self.stage, stages, torch.device("cpu"))
+        for method in ("forward_one_chunk", "backward_one_chunk"):   # tell the clock which microbatch runs
+            setattr(self.pipe_stage, method, self._telling(clock, getattr(self.pipe_stage, method)))
+        self.schedule = getattr(pipelining, schedule)(self.pipe_stage, bench.microbatches,
+                                                      loss_fn=clock.timed(cross_entropy), scale_grads=True)
+        self.opt = torch.optim.AdamW(self.module.parameters(), lr=LR)
+        self.first = first
+
+    @staticmethod
+    def _telling(clock: _Clock, method: Callable) -> Callable:
+        def call(chunk_id, *args, **kwargs):
+            clock.micro = chunk_id
+            return method(chunk_id, *args, **kwargs)
+        return call
+
+    def step(self, clock: _Clock, x: torch.Tensor, y: torch.Tensor, began: float):
+        clock.begin(count_forwards=False)
+        losses: list[torch.Tensor] = []
+        if self.first:
+            self.schedule.step(x, return_outputs=False)
+        elif self.last:
+            self.schedule.step(target=y, losses=losses, return_outputs=False)
+        else:
+            self.schedule.step(return_outputs=False)
+        piped = time.perf_counter() - began
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        events = clock.end()
+        return (float(torch.stack(losses).detach().mean()) if self.last else None), piped, events
+
+
+def _broadcast_loss(row: _Row, loss: float | None) -> float:
+    """The row's loss on every rank (torch has it on the last stage only)."""
+    if row.framework == "par4d":
+        return loss
+    t = torch.tensor([0.0 if loss is None else loss], dtype=torch.float64)
+    dist.broadcast(t, src=dist.get_world_size() - 1)
+    return t.item()
+
+
+def _guard(rows: list[_Row], clock: _Clock, x: torch.Tensor, y: torch.Tensor) -> tuple[dict, dict]:
+    """Two steps of every row from the same initial weights; raises unless every torch row's losses
+    agree with par4d's to LOSS_RTOL. Returns {row: [loss, loss]} and {row: saved bytes per microbatch}
+    (this stage's, the most of any microbatch, measured in the first step)."""
+    losses, saved = {}, {}
+    for row in rows:
+        losses[row.name] = []
+        for step in range(2):
+            dist.barrier()
+            if step == 0:
+                with _saved_bytes(clock, row.module) as per_micro:
+                    loss, _, _ = row.step(clock, x, y, time.perf_counter())
+                saved[row.name] = max(per_micro.values(), default=0)
+            else:
+                loss, _, _ = row.step(clock, x, y, time.perf_counter())
+            losses[row.name].append(_broadcast_loss(row, loss))
+    ours = losses["par4d"]
+    for name, theirs in losses.items():
+        for step, (a, b) in enumerate(zip(ours, theirs)):
+            if abs(a - b) > LOSS_RTOL * abs(a):
+                raise AssertionError(f"{name}'s loss at guard step {step} is {b!r}, par4d's {a!r}: not the same "
+                                     f"function (relative difference {abs(a - b) / abs(a):.2e} > {LOSS_RTOL:g})")
+    return losses, saved
+
+
+def _held_at_once(events: list[list]) -> int:
+    """The most microbatches held at once: each from the start of its first forward call to the
+    end of its backward."""
+    start: dict[int, float] = {}
+    end: dict[int, float] = {}
+    for kind, micro, s, e in events:
+        if kind == "F":
+            start[micro] = min(start.get(micro, s), s)
+        else:
+            end[micro] = max(end.get(micro, e), e)
+    points = sorted([(t, 1) for t in start.values()] + [(t, -1) for t in end.values()], key=lambda p: (p[0], p[1]))
+    held = most = 0
+    for _, change in points:
+        held += change
+        most = max(most, held)
+    return most
+
+
+def _bubble(events: list[list], piped: float) -> float:
+    compute = sum(e - s for _, _, s, e in events)
+    return min(1.0, max(0.0, 1.0 - compute / piped))
+
+
+def _merged(events: list[list]) -> list[tuple]:
+    """Consecutive calls of one (kind, microbatch) as one bar (the last stage's forward and loss)."""
+    out: list[list] = []
+    for kind, micro, s, e in events:
+        if out and out[-1][0] == kind and out[-1][1] == micro:
+            out[-1][3] = e
+        else:
+            out.append([kind, micro, s, e])
+    return [tuple(e) for e in out]
+
+
+def pipeline_worker(bench: PipelineBench) -> dict | None:
+    """Every row on this job's ranks; rank 0 returns {"rows": [...], "timelines": {row: [(stage, kind,
+    microbatch, start, end), ...]}} (others None). Leaves the job joined."""
+    torch.set_num_threads(threads_per_rank(bench.ranks_here))
+    grid = init(pipe=bench.world)
+    clock = _Clock()
+    gen = torch.Generator().manual_seed(bench.seed)
+    tokens = torch.randint(0, bench.config.vocab_size, (bench.batch, bench.config.block_size + 1), generator=gen)
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    with clock.installed():
+        rows: list[_Row] = [_Par4dRow(bench, grid, clock)]
+        rows += [_TorchRow(name, schedule, bench, clock) for name, schedule in SCHEDULES]
+        losses, saved = _guard(rows, clock, x, y)
+        runs = {row.name: [] for row in rows}       # (step seconds, pipeline seconds, events) per timed iteration
+        for _ in range(bench.rounds):
+            for row in rows:
+                dist.barrier()
+                row.step(clock, x, y, time.perf_counter())        # warm-up
+                for _ in range(bench.iters):
+                    dist.barrier()
+                    began = time.perf_counter()
+                    _, piped, events = row.step(clock, x, y, began)
+                    wall = time.perf_counter() - began
+                    runs[row.name].append((wall, piped, [[k, m, s - began, e - began] for k, m, s, e in events]))
+    result = _results(bench, grid, rows, runs, losses, saved)
+    grid.close()
+    return result
+
+
+def _results(bench: PipelineBench, grid: Grid, rows: list[_Row], runs: dict, losses: dict, saved: dict) -> dict | None:
+    mine, picked = {}, {}
+    for row in rows:
+        walls = torch.tensor([r[0] for r in runs[row.name]], dtype=torch.float64)
+        dist.all_reduce(walls, op=dist.ReduceOp.MAX)               # an iteration lasts as long as its slowest rank
+        median = statistics.median(walls.tolist())
+        index = min(range(len(walls)), key=lambda i: abs(walls[i].item() - median))
+        mine[row.name] = {"stage": row.stage, "s_per_iter": median,
+                          "bubble": statistics.median(_bubble(r[2], r[1]) for r in runs[row.name]),
+                          "held": max(_held_at_once(r[2]) for r in runs[row.name]),
+                          "saved": saved[row.name],
+                          "timeline": [(row.stage, *e) for e in _merged(runs[row.name][index][2])]}
+        picked[row.name] = index
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if dist.get_rank() != 0:
+        return None
+    out, timelines = [], {}
+    blocks = [f"{b.start}-{b.stop - 1}" for b in bench.config.stage_blocks(bench.world)]
+    for row in rows:
+        per_stage = sorted((r[row.name] for r in every), key=lambda r: r["stage"])
+        held = [r["held"] for r in per_stage]
+        saved_by = [r["saved"] for r in per_stage]
+        bubbles = [r["bubble"] for r in per_stage]
+        out.append({"framework": row.framework, "name": row.name, "grid": grid.describe(), "stages": bench.world,
+                    "stage_blocks": blocks, "microbatches": bench.microbatches,
+                    "s_per_iter": per_stage[0]["s_per_iter"], "iters": len(runs[row.name]),
+                    "bubble_fraction": max(bubbles), "bubble_by_stage": bubbles,
+                    "peak_activation_bytes": max(h * s for h, s in zip(held, saved_by)),
+                    "max_in_flight_by_stage": held, "activation_bytes_by_stage": saved_by,
+                    "loss_first_step": losses[row.name][0], "loss_second_step": losses[row.name][1],
+                    "loss_rel_diff_to_par4d": max(abs(a - b) / abs(a) for a, b in zip(losses["par4d"],
+                                                                                      losses[row.name])),
+                    "slow_stage": bench.slow_stage, "slow_ms": bench.slow_ms if bench.slow_stage is not None else 0.0})
+        timelines[row.name] = sorted((e for r in per_stage for e in r["timeline"]), key=lambda e: (e[0], e[3]))
+    best = min(r["s_per_iter"] for r in out if r["framework"] == "torch")
+    for r in out:
+        r["ratio_to_best_torch"] = r["s_per_iter"] / best
+    return {"rows": out, "timelines": timelines}
+
+
+def launched_worker(bench: PipelineBench) -> dict | None:
+    result = pipeline_worker(bench)
+    dist.destroy_process_group()
+    return result
+
+
+def settings(args: argparse.Namespace) -> PipelineBench:
+    """The benchmark's settings from the command line; every check that can fail, before any rank starts."""
+    if args.iters < 1 or args.rounds < 1:
+        raise ValueError(f"--iters and --rounds must be >= 1 (got {args.iters}, {args.rounds})")
+    if args.nproc < 1 or (args.nodes is not None and args.nodes < 1):
+        raise ValueError(f"--nproc and --nodes must be >= 1 (got {args.nproc}, {args.nodes})")
+    world = args.nproc * (args.nodes or 1)
+    if world < 2:
+        raise ValueError(f"bench pipeline needs at least 2 ranks (pipe >= 2); got {world}")
+    config = GPTConfig(vocab_size=256, block_size=args.seq_len, n_layer=args.n_layer, n_embd=args.n_embd,
+                       n_head=args.n_head)
+    config.stage_blocks(world)                           # at least one block per stage
+    GPT(config, grid=Grid.virtual({"pipe": world}))      # shape errors before any rank starts
+    m = args.microbatches
+    if not world <= m <= args.batch_size:
+        raise ValueError(f"--microbatches {m}: give {world} (the stages: torch's 1F1B needs at least one "
+                         f"microbatch per stage) to --batch-size {args.batch_size}")
+    if args.batch_size % m:
+        raise ValueError(f"--batch-size {args.batch_size} is not divisible by --microbatches {m} (torch's "
+                         f"schedules average per-microbatch mean losses: equal microbatches make that the "
+                         f"batch's mean)")
+    slow_stage, slow_ms = getattr(args, "slow_stage", None), getattr(args, "slow_ms", 0.0) or 0.0
+    if slow_stage is not None and not 0 <= slow_stage < world:
+        raise ValueError(f"--slow-stage {slow_stage}: give a stage 0 to {world - 1}")
+    if (slow_stage is None) != (slow_ms <= 0):
+        raise ValueError("--slow-stage and --slow-ms go together (a stage, and its sleep in ms > 0 per forward)")
+    return PipelineBench(world, config, args.batch_size, m, args.iters, args.rounds, world, slow_stage, slow_ms)
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| row | s/iter (median) | x best torch | bubble (worst stage) | bubble by stage | held at once "
+             "by stage | peak activations MB |",
+             "| --- | ---: | ---: | ---: | --- | --- | ---: |"]
+    for r in rows:
+        bubbles = " ".join(f"{b:.2f}" for b in r["bubble_by_stage"])
+        held = " ".join(str(h) for h in r["max_in_flight_by_stage"])
+        lines.append(f"| {r['name']} | {r['s_per_iter']:.3f} | {r['ratio_to_best_torch']:.2f}x | "
+                     f"{r['bubble_fraction']:.2f} | {bubbles} | {held} | {r['peak_activation_bytes'] / 1e6:.1f} |")
+    return "\n".join(lines)
+
+
+def best_torch(rows: list[dict]) -> dict:
+    return min((r for r in rows if r["framework"] == "torch"), key=lambda r: r["s_per_iter"])
+
+
+def plot(timelines: dict[str, list[tuple]], rows: list[dict], path: str, title: str = "") -> None:
+    """One iteration's timeline per stage: par4d's and the fastest torch schedule's, one panel each,
+    forwards light and backwards dark, each bar labelled with its microbatch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = ["par4d", best_torch(rows)["name"]]
+    stages = rows[0]["stages"]
+    fig, axes = plt.subplots(len(names), 1, figsize=(11, 1.0 + 0.55 * stages * len(names)), sharex=True,
+                             squeeze=False)
+    colors = {"F": "#9ecae1", "B": "#dd8452"}
+    for ax, name in zip(axes[:, 0], names):
+        events = timelines[name]
+        span = max((e[4] for e in events), default=1.0)
+        for stage, kind, micro, start, end in events:
+            ax.broken_barh([(start * 1e3, (end - start) * 1e3)], (stage - 0.4, 0.8), facecolors=colors[kind],
+                           edgecolors="black", linewidth=0.3)
+            if end - start > 0.012 * span:
+                ax.text((start + end) / 2 * 1e3, stage, str(micro), ha="center", va="center", fontsize=7)
+        row = next(r for r in rows if r["name"] == name)
+        ax.set_title(f"{name}: {row['s_per_iter']:.3f} s/iter (median), bubble {row['bubble_fraction']:.2f} "
+                     f"(worst stage)", fontsize=9)
+        ax.set_yticks(range(stages), [f"stage {s}" for s in range(stages)], fontsize=8)
+        ax.set_ylim(stages - 0.5, -0.5)
+    axes[-1, 0].set_xlabel("ms from the step's start (each rank's own return from a barrier)")
+    handles = [matplotlib.patches.Patch(color=c, label="forward" if k == "F" else "backward")
+               for k, c in colors.items()]
+    axes[0, 0].legend(handles=handles, fontsize=8, loc="upper right")
+    if title:
+        fig.suptitle("\n".join(textwrap.wrap(title, 140)), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_bench_pipeline(args: argparse.Namespace) -> int:
+    bench = settings(args)
+    if args.nodes is not None:
+        from par4d.cluster import ClusterSpec, ClusterUnavailable, unavailable_reason
+
+        ClusterSpec(args.nodes, args.nproc, args.link)     # checks --link before any rank starts
+        reason = unavailable_reason()
+        if reason:
+            raise ClusterUnavailable(reason)
+    result = launch(launched_worker, (bench,), args.nproc, args.nodes, args.link, "par4d-bench-pipeline")
+    rows, ranks = result["rows"], where(args.nproc, args.nodes, args.link)
+    config = bench.config
+    slow = (f"stage {bench.slow_stage} sleeps {bench.slow_ms:g} ms per forward" if bench.slow_stage is not None
+            else "no slow stage")
+    for row in rows:
+        row.update(workload=f"GPT {config.n_layer}x{config.n_embd}, batch {bench.batch}x{config.block_size}",
+                   where=ranks)
+    header = (f"GPT {config.n_layer} blocks x {config.n_embd} wide ({config.num_params():,} params), global batch "
+              f"{bench.batch} x {config.block_size} tokens in {bench.microbatches} microbatches, pipe={bench.world} "
+              f"(blocks {', '.join(rows[0]['stage_blocks'])}), {ranks}, {slow}; median of {args.iters} x "
+              f"{args.rounds} rounds")
+    if args.plot:
+        plot(result["timelines"], rows, args.plot, header)
+    if not emit(rows, args.out, args.json):
+        print(header)
+        print(markdown(rows))
+        print(f"losses agree: par4d {rows[0]['loss_first_step']:.6f} then {rows[0]['loss_second_step']:.6f}; "
+              f"largest relative difference of a torch row "
+              f"{max(r['loss_rel_diff_to_par4d'] for r in rows):.1e}")
+    sys.stdout.flush()
+    return 0
+
+
+__all__ = ["ROWS", "SCHEDULES", "PipelineBench", "TwinStage", "best_torch", "markdown", "pipeline_worker", "plot",
+           "run_bench_pipeline", "settings"]
