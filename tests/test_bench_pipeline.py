@@ -11,7 +11,8 @@ from par4d.cli import main
 
 FIELDS = ("framework", "name", "s_per_iter", "bubble_fraction", "bubble_by_stage", "peak_activation_bytes",
           "max_in_flight_by_stage", "activation_bytes_by_stage", "ratio_to_best_torch", "loss_first_step",
-          "loss_second_step", "loss_rel_diff_to_par4d", "stage_blocks", "microbatches", "slow_stage", "slow_ms")
+          "loss_second_step", "loss_rel_diff_to_par4d", "stage_blocks", "microbatches", "slow_stage", "slow_ms",
+          "handoff_ms")
 
 
 def _args(**changes) -> argparse.Namespace:
@@ -30,7 +31,7 @@ def test_rows_losses_bubbles_and_timeline(pool4, tmp_path):
         assert all(field in row for field in FIELDS), row
         assert row["s_per_iter"] > 0 and row["peak_activation_bytes"] > 0
         assert row["loss_rel_diff_to_par4d"] <= 1e-5 and row["loss_second_step"] < row["loss_first_step"]
-        assert 0.0 <= row["bubble_fraction"] <= 1.0
+        assert 0.0 <= row["bubble_fraction"] <= 1.0 and row["handoff_ms"] >= 0
         assert all(0.0 <= b <= 1.0 for b in row["bubble_by_stage"]) and len(row["bubble_by_stage"]) == 4
         assert row["stage_blocks"] == ["0-0", "1-1", "2-2", "3-3"] and row["slow_stage"] == 1
         # one forward and one backward bar per microbatch on every stage

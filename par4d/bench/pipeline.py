@@ -20,6 +20,13 @@ rows alike:
   interleaves *several* stages per rank (virtual stages), and here each rank holds exactly
   one stage, the same one as par4d's rank; with one stage per rank it is 1F1B.
 
+On a pipe-only grid every other axis has size 1, so par4d's layers run PyTorch's own fused
+kernels (``F.linear``, ``F.layer_norm``: nothing to gather or sum) and both frameworks do the
+same arithmetic per stage (the losses agree to the last bit in practice); what differs is the
+pipeline around it: the order of work, the messages and their bookkeeping. Every rank gets
+``cores // world`` torch threads (at least one): emulated nodes share this machine's cores, as
+in ``bench peers``.
+
 Loss and correctness guard. torch's ``loss_fn`` is applied per microbatch (here the
 microbatch's mean cross-entropy) and, with ``scale_grads=True`` (the default), the gradients
 are divided by the number of microbatches: with equal microbatches (the batch must divide by
@@ -53,6 +60,11 @@ Measured per row (per rank, every timed iteration):
   keeps, not the allocator's peak (no CUDA on this machine): temporaries freed during the
   forward are not in it, and neither are the messages in flight.
 * ``ratio_to_best_torch``: the row's s/iter over the fastest torch row's.
+* ``handoff_ms``: median milliseconds from the end of the call that produced a message
+  (forward m on stage s, backward m on stage s+1) to the start of the call that used it on the
+  receiving stage, over the messages the receiver sat idle for: what passing a microbatch on
+  costs on the critical path (sending, receiving, waking the receiver), from the timed calls
+  on one clock (below).
 
 The second workload, ``--slow-stage K --slow-ms T``: stage K sleeps T ms at the start of every
 microbatch's forward, in both frameworks alike (inside the timed forward: it counts as compute).
@@ -62,9 +74,10 @@ every pair of stages instead (or as well).
 
 ``--plot F.png``: the timeline of one iteration (the one of median wall time among the timed
 ones), per stage, which microbatch's forward and backward ran when: par4d and the fastest
-torch schedule, one panel each, on one time axis. Each rank's times are from its own return
-from the barrier, so ranks' origins differ by the barrier's skew (well under a millisecond
-on one machine).
+torch schedule, one panel each, on one time axis. Times are ``time.perf_counter``'s, which on
+Linux is the machine's ``CLOCK_MONOTONIC``: one clock for every rank, since local ranks and
+emulated nodes all run on this machine (ranks on separate machines would need their clocks
+aligned first); the origin is the first rank's return from the barrier.
 """
 
 from __future__ import annotations
@@ -220,8 +233,9 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 class _Row:
-    """One row's model, optimizer and step on this rank; ``step`` returns (loss, pipeline seconds,
-    step seconds) from its start (the loss: the batch's mean, on the last stage, else None for torch)."""
+    """One row's model, optimizer and step on this rank; ``step(clock, x, y, began)`` returns (the
+    batch's mean loss: on every stage for par4d, on the last for torch and None elsewhere, seconds
+    from ``began`` to the end of the pipeline call, the step's timed calls)."""
 
     name: str
     framework: str
@@ -381,7 +395,7 @@ def pipeline_worker(bench: PipelineBench) -> dict | None:
         rows: list[_Row] = [_Par4dRow(bench, grid, clock)]
         rows += [_TorchRow(name, schedule, bench, clock) for name, schedule in SCHEDULES]
         losses, saved = _guard(rows, clock, x, y)
-        runs = {row.name: [] for row in rows}       # (step seconds, pipeline seconds, events) per timed iteration
+        runs = {row.name: [] for row in rows}       # (step s, pipeline s, events from began, began) per timed iteration
         for _ in range(bench.rounds):
             for row in rows:
                 dist.barrier()
@@ -391,10 +405,42 @@ def pipeline_worker(bench: PipelineBench) -> dict | None:
                     began = time.perf_counter()
                     _, piped, events = row.step(clock, x, y, began)
                     wall = time.perf_counter() - began
-                    runs[row.name].append((wall, piped, [[k, m, s - began, e - began] for k, m, s, e in events]))
+                    runs[row.name].append((wall, piped, [[k, m, s - began, e - began] for k, m, s, e in events],
+                                           began))
     result = _results(bench, grid, rows, runs, losses, saved)
     grid.close()
     return result
+
+
+def _one_clock(per_stage: list[dict], i: int) -> list[tuple]:
+    """Timed iteration ``i`` of every stage as (stage, kind, microbatch, start, end), on one clock
+    (see the module docstring) from the first rank's return from the barrier."""
+    origin = min(r["iterations"][i][0] for r in per_stage)
+    events = []
+    for r in per_stage:
+        began, calls = r["iterations"][i]
+        events += [(r["stage"], kind, micro, start + began - origin, end + began - origin)
+                   for kind, micro, start, end in calls]
+    return sorted(events, key=lambda e: (e[0], e[3]))
+
+
+def _handoff_ms(iterations: list[list[tuple]], stages: int) -> float | None:
+    """Median milliseconds from the end of a stage's call that produced a message (forward m on
+    stage s, backward m on stage s+1) to the start of the call on the receiving stage that used it,
+    over the messages the receiver was idle for (nothing of its own ran in between): what handing a
+    microbatch on costs on the critical path (send, receive, the receiver's wake-up)."""
+    gaps = []
+    for events in iterations:
+        calls = {(stage, kind, micro): (start, end) for stage, kind, micro, start, end in events}
+        ends = {stage: sorted(end for s, _, _, _, end in events if s == stage) for stage in range(stages)}
+        for (stage, kind, micro), (start, _) in calls.items():
+            source = (stage - 1, "F", micro) if kind == "F" else (stage + 1, "B", micro)
+            if source not in calls:          # the first stage's forwards, the last stage's backwards
+                continue
+            sent = calls[source][1]
+            if not any(sent < end < start for end in ends[stage]):
+                gaps.append(start - sent)
+    return 1e3 * statistics.median(gaps) if gaps else None
 
 
 def _results(bench: PipelineBench, grid: Grid, rows: list[_Row], runs: dict, losses: dict, saved: dict) -> dict | None:
@@ -408,7 +454,7 @@ def _results(bench: PipelineBench, grid: Grid, rows: list[_Row], runs: dict, los
                           "bubble": statistics.median(_bubble(r[2], r[1]) for r in runs[row.name]),
                           "held": max(_held_at_once(r[2]) for r in runs[row.name]),
                           "saved": saved[row.name],
-                          "timeline": [(row.stage, *e) for e in _merged(runs[row.name][index][2])]}
+                          "iterations": [(r[3], _merged(r[2])) for r in runs[row.name]]}
         picked[row.name] = index
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
@@ -431,7 +477,9 @@ def _results(bench: PipelineBench, grid: Grid, rows: list[_Row], runs: dict, los
                     "loss_rel_diff_to_par4d": max(abs(a - b) / abs(a) for a, b in zip(losses["par4d"],
                                                                                       losses[row.name])),
                     "slow_stage": bench.slow_stage, "slow_ms": bench.slow_ms if bench.slow_stage is not None else 0.0})
-        timelines[row.name] = sorted((e for r in per_stage for e in r["timeline"]), key=lambda e: (e[0], e[3]))
+        iterations = [_one_clock(per_stage, i) for i in range(len(runs[row.name]))]
+        timelines[row.name] = iterations[picked[row.name]]
+        out[-1]["handoff_ms"] = _handoff_ms(iterations, bench.world)
     best = min(r["s_per_iter"] for r in out if r["framework"] == "torch")
     for r in out:
         r["ratio_to_best_torch"] = r["s_per_iter"] / best
@@ -475,13 +523,14 @@ def settings(args: argparse.Namespace) -> PipelineBench:
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| row | s/iter (median) | x best torch | bubble (worst stage) | bubble by stage | held at once "
-             "by stage | peak activations MB |",
-             "| --- | ---: | ---: | ---: | --- | --- | ---: |"]
+             "by stage | peak activations MB | hand-off ms |",
+             "| --- | ---: | ---: | ---: | --- | --- | ---: | ---: |"]
     for r in rows:
         bubbles = " ".join(f"{b:.2f}" for b in r["bubble_by_stage"])
         held = " ".join(str(h) for h in r["max_in_flight_by_stage"])
         lines.append(f"| {r['name']} | {r['s_per_iter']:.3f} | {r['ratio_to_best_torch']:.2f}x | "
-                     f"{r['bubble_fraction']:.2f} | {bubbles} | {held} | {r['peak_activation_bytes'] / 1e6:.1f} |")
+                     f"{r['bubble_fraction']:.2f} | {bubbles} | {held} | {r['peak_activation_bytes'] / 1e6:.1f} | "
+                     f"{'' if r['handoff_ms'] is None else format(r['handoff_ms'], '.2f')} |")
     return "\n".join(lines)
 
 
@@ -515,13 +564,13 @@ def plot(timelines: dict[str, list[tuple]], rows: list[dict], path: str, title: 
                      f"(worst stage)", fontsize=9)
         ax.set_yticks(range(stages), [f"stage {s}" for s in range(stages)], fontsize=8)
         ax.set_ylim(stages - 0.5, -0.5)
-    axes[-1, 0].set_xlabel("ms from the step's start (each rank's own return from a barrier)")
+    axes[-1, 0].set_xlabel("ms from the step's start (the first rank's return from a barrier; one clock for all)")
     handles = [matplotlib.patches.Patch(color=c, label="forward" if k == "F" else "backward")
                for k, c in colors.items()]
-    axes[0, 0].legend(handles=handles, fontsize=8, loc="upper right")
+    fig.legend(handles=handles, fontsize=8, loc="lower right", ncol=2)     # below the panels: no bar hidden
     if title:
         fig.suptitle("\n".join(textwrap.wrap(title, 140)), fontsize=8)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
