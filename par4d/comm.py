@@ -40,6 +40,7 @@ class Handle:
     def __init__(self, work: dist.Work | None, ledger: Ledger, entry: Entry | None, result: torch.Tensor):
         self._work, self._ledger, self._entry, self.result = work, ledger, entry, result
         self._done_at: float | None = None
+        self._blocked = False
         if work is not None:
             try:
                 work.get_future().add_done_callback(self._completed)
@@ -53,10 +54,19 @@ class Handle:
         """Whether it completed (never blocks): for code that acts on whichever message comes first."""
         return self._work is None or self._work.is_completed()
 
+    def block(self) -> None:
+        """Wait for completion without booking it (for a thread that watches arrivals; the
+        owner still calls :meth:`wait`, which then returns at once: a gloo receive's ``wait``
+        must run once, a second would wait for another message)."""
+        if self._work is not None and not self._blocked:
+            self._work.wait()
+            self._blocked, self._done_at = True, time.perf_counter()
+
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             start = time.perf_counter()
-            self._work.wait()
+            if not self._blocked:
+                self._work.wait()
             end = time.perf_counter()
             done = self._done_at if self._done_at is not None else end
             self._ledger.waited(self._entry, end - start, max(0.0, min(done, end) - self._entry.issued_at))

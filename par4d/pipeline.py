@@ -7,12 +7,21 @@ before and after it, and sends them its own shard of the residual stream (every 
 takes and returns the same layout, so shards line up).
 
 A step cuts this rank's batch shard into ``M`` microbatches. No schedule is fixed: a
-stage runs whatever arrives first, an activation from the stage before (forward) or a
-gradient from the stage after (backward); the last stage runs a microbatch's backward
-right after its forward; the first stage starts a new microbatch whenever one finishes
-its backward, keeping at most ``limit`` in flight (default ``pipe``: the paper's bound on
-activation memory, Lemma 5.1). Sends never block. A message is a header (microbatch,
-dtype, shape: shapes may change between batches) and then the tensor.
+stage runs whatever has arrived, an activation from the stage before (forward) or a
+gradient from the stage after (backward), a backward first when both have (it frees a
+microbatch's activations and, on the first stage, lets the next one in); the last stage
+runs a microbatch's backward right after its forward; the first stage starts a new
+microbatch whenever one finishes its backward, keeping at most ``limit`` in flight
+(default ``pipe``: the paper's bound on activation memory, Lemma 5.1), and stage s holds at
+most ``limit - s`` (no more can usefully wait for it: the depth of 1F1B's warm-up, so its
+memory). Sends never block.
+
+A message is the tensor alone, one point-to-point transfer: its shape is known to both
+ends (the model's ``stream_shape`` of the microbatch's rows, so shapes may change between
+batches), and messages of one kind leave a stage in microbatch order (forwards in the
+order the first stage starts them, backwards in the order the last stage ends them), so
+the n-th message of a kind is microbatch n. Receives are posted ``limit`` microbatches
+ahead, so a message lands in its buffer as soon as it is sent.
 
 The loss is the whole shard's: microbatch m's mean loss is weighted by its share of the
 rows before its backward, so gradients accumulate to those of one pass over the shard.
@@ -20,7 +29,9 @@ rows before its backward, so gradients accumulate to those of one pass over the 
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -29,10 +40,12 @@ import torch.nn as nn
 from par4d import comm
 from par4d.grid import Grid
 
-HEADER = 9                    # int64s: kind, microbatch, dtype index, ndim, up to 5 dims
-DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-HEADER_TAG, FORWARD, BACKWARD = 1, 2, 3   # message tags: every header, then a payload tagged with its kind
-POLL_S = 1e-4                 # between looks at two pending receives (NCCL)
+FORWARD, BACKWARD = 2, 3      # message tags: activations go forward, their gradients back
+_SOURCE = {FORWARD: -1, BACKWARD: +1}   # activations come from the stage before, gradients from the one after
+POLL_S = 1e-4                 # between looks at pending receives (NCCL, whose receives can be polled)
+WAIT_S = 1.0                  # longest sleep of the leader between checks for a watcher's error
+
+StreamShape = Callable[[int], tuple[tuple[int, ...], torch.dtype]]   # rows -> the message's shape and dtype
 
 
 @dataclass
@@ -46,86 +59,120 @@ class PipelineStats:
 
 
 class _Inbox:
-    """The messages a stage expects in one step: ``forward`` activations from the stage before,
-    ``backward`` gradients from the stage after, taken in the order they arrive.
+    """The messages a stage expects in one step, per kind (``FORWARD`` activations from the
+    stage before, ``BACKWARD`` gradients from the stage after), each kind in microbatch order.
 
-    The ranks of one stage that share collectives (its x, y, z group) must take them in one
-    order, or their layers' all-reduces and gathers would pair different microbatches. So one
-    of them, the leader (coordinate 0 of x, y, z), takes whichever message arrives first and
-    broadcasts its kind; the others then receive a message of that kind from their own
-    neighbour (each neighbour stage sends in its own agreed order, so it is the same one).
+    The ranks of one stage that share collectives (its x, y, z group) must take the kinds in
+    one order, or their layers' all-reduces and gathers would pair different microbatches. So
+    one of them, the leader (coordinate 0 of x, y, z), looks at what has arrived and
+    broadcasts the kind it takes; the others then wait for their own message of that kind.
 
-    Which came first, on the leader: on gloo one header receive from any source is kept
-    posted (a gloo receive cannot be polled: it completes only inside ``wait``); NCCL has no
-    receive from any source, but its receives can be polled, so one per neighbour is."""
+    What has arrived, on the leader: NCCL's receives can be polled; a gloo receive completes
+    only inside ``wait``, so on gloo one watcher thread per kind waits on that kind's receives
+    in order (``Work.wait`` releases the GIL) and notes each arrival."""
 
-    def __init__(self, grid: Grid, forward: int, backward: int):
-        self.grid, self.due = grid, {FORWARD: forward, BACKWARD: backward}
+    def __init__(self, grid: Grid, rows: list[int], stream: StreamShape, kinds: tuple[int, ...], window: int):
+        self.grid, self.rows, self.stream, self.window = grid, rows, stream, window
         self.shared = grid.size("x", "y", "z") > 1
         self.leader = all(grid.coord(a) == 0 for a in ("x", "y", "z"))
-        self.any_source = grid.device.type == "cpu"
-        self.headers = {kind: torch.empty(HEADER, dtype=torch.int64, device=grid.device) for kind in self.due}
-        self.pending: dict[int, comm.Handle] = {}
-        if self.leader:
-            for kind in ((HEADER_TAG,) if self.any_source else (FORWARD, BACKWARD)):
-                self._post(kind)
+        self.watched = self.leader and grid.device.type == "cpu"
+        self.posted: dict[int, dict[int, tuple[comm.Handle, torch.Tensor]]] = {k: {} for k in kinds}
+        self.next = {k: 0 for k in kinds}             # the next microbatch to take, per kind
+        self.arrived = {k: 0 for k in kinds}          # microbatches arrived (watched), per kind
+        self.failed: BaseException | None = None
+        self.changed = threading.Condition()
+        self.queues: dict[int, list] = {k: [] for k in kinds}
+        for kind in kinds:
+            for micro in range(min(window, len(rows))):
+                self._post(kind, micro)
+        self.watchers = [threading.Thread(target=self._watch, args=(k,), daemon=True, name=f"par4d-inbox-{k}")
+                         for k in kinds] if self.watched else []
+        for watcher in self.watchers:
+            watcher.start()
 
-    def _post(self, kind: int) -> None:
-        if self.any_source:
-            if sum(self.due.values()):
-                self.pending[kind] = comm.recv(self.grid, self.headers[FORWARD], "pipe", None, HEADER_TAG)
-        elif self.due[kind]:
-            self.pending[kind] = comm.recv(self.grid, self.headers[kind], "pipe", _SOURCE[kind], HEADER_TAG)
+    def _post(self, kind: int, micro: int) -> None:
+        shape, dtype = self.stream(self.rows[micro])
+        buffer = torch.empty(shape, dtype=dtype, device=self.grid.device)
+        handle = comm.recv(self.grid, buffer, "pipe", _SOURCE[kind], kind)
+        self.posted[kind][micro] = handle, buffer
+        if self.watched:
+            with self.changed:
+                self.queues[kind].append(handle)
+                self.changed.notify_all()
 
-    def _arrived(self) -> tuple[int, torch.Tensor]:
-        """(the pending key, the header) of the message that arrived first."""
-        if len(self.pending) == 1:
-            key = next(iter(self.pending))
-            self.pending.pop(key).wait()
-            return key, self.headers[FORWARD if self.any_source else key]
+    def _watch(self, kind: int) -> None:
+        """A watcher thread: wait on this kind's receives in order, note each arrival."""
+        try:
+            for _ in range(len(self.rows)):
+                with self.changed:
+                    while not self.queues[kind]:
+                        self.changed.wait()
+                    handle = self.queues[kind].pop(0)
+                handle.block()
+                with self.changed:
+                    self.arrived[kind] += 1
+                    self.changed.notify_all()
+        except BaseException as error:   # a failed receive: the leader raises it
+            with self.changed:
+                self.failed = error
+                self.changed.notify_all()
+
+    def _ready(self, kind: int) -> bool:
+        micro = self.next[kind]
+        if micro >= len(self.rows):
+            return False
+        if self.watched:
+            return self.arrived[kind] > micro
+        return self.posted[kind][micro][0].done()
+
+    def _choose(self, forward: bool) -> int:
+        """The leader's pick: a backward that has arrived, else a forward (if ``forward``: the
+        stage may start one), else the first to arrive."""
+        kinds = sorted(self.next, reverse=True)       # BACKWARD before FORWARD
+        pending = [k for k in kinds if self.next[k] < len(self.rows) and (forward or k != FORWARD)]
+        if not pending:
+            raise RuntimeError("pipeline: a stage waits for a message when none is due")
+        if len(pending) == 1 and not self.watched:
+            return pending[0]                         # only one can come: its wait blocks in take
         while True:
-            for key, handle in self.pending.items():
-                if handle.done():
-                    self.pending.pop(key).wait()
-                    return key, self.headers[key]
+            with self.changed:
+                if self.failed is not None:
+                    raise self.failed
+                for kind in pending:
+                    if self._ready(kind):
+                        return kind
+                if self.watched:
+                    self.changed.wait(WAIT_S)
+                    continue
             time.sleep(POLL_S)
 
-    def _kind(self) -> tuple[int, torch.Tensor | None]:
-        """(the kind of the next message, its header if this rank took it already)."""
-        key, header = self._arrived() if self.leader else (None, None)
-        if not self.shared:
-            return int(header[0]), header
-        kind = torch.tensor([0 if header is None else int(header[0])], dtype=torch.int64, device=self.grid.device)
-        comm.broadcast(self.grid, kind, "x", "y", "z")
-        return int(kind[0]), header
+    def take(self, forward: bool = True) -> tuple[int, int, torch.Tensor]:
+        """(kind, microbatch, tensor) of the next message (waits for it); a backward only,
+        unless ``forward``."""
+        kind = self._choose(forward) if self.leader else 0
+        if self.shared:
+            agreed = torch.tensor([kind], dtype=torch.int64, device=self.grid.device)
+            comm.broadcast(self.grid, agreed, "x", "y", "z")
+            kind = int(agreed[0])
+        micro = self.next[kind]
+        handle, buffer = self.posted[kind].pop(micro)
+        handle.wait()
+        self.next[kind] += 1
+        if micro + self.window < len(self.rows):
+            self._post(kind, micro + self.window)
+        return kind, micro, buffer
 
-    def take(self) -> tuple[int, int, torch.Tensor]:
-        """(kind, microbatch, tensor) of the next message (waits for it)."""
-        kind, header = self._kind()
-        if header is None:      # not the leader: this rank's own message of that kind
-            header = self.headers[kind]
-            comm.recv(self.grid, header, "pipe", _SOURCE[kind], HEADER_TAG).wait()
-        _, microbatch, dtype, ndim = header[:4].tolist()
-        shape = header[4:4 + ndim].tolist()
-        buffer = torch.empty(shape, dtype=DTYPES[dtype], device=self.grid.device)
-        comm.recv(self.grid, buffer, "pipe", _SOURCE[kind], kind).wait()
-        self.due[kind] -= 1
-        if self.leader:
-            self._post(HEADER_TAG if self.any_source else kind)
-        return kind, microbatch, buffer
+    def close(self) -> None:
+        for watcher in self.watchers:
+            watcher.join()
 
 
-_SOURCE = {FORWARD: -1, BACKWARD: +1}   # activations come from the stage before, gradients from the one after
-
-
-def _send(grid: Grid, tensor: torch.Tensor, kind: int, microbatch: int) -> list[comm.Handle]:
-    if tensor.dim() > HEADER - 4:
-        raise ValueError(f"pipeline messages have at most {HEADER - 4} dims, got shape {tuple(tensor.shape)}")
-    header = torch.zeros(HEADER, dtype=torch.int64, device=grid.device)
-    header[:4] = torch.tensor([kind, microbatch, DTYPES.index(tensor.dtype), tensor.dim()])
-    header[4:4 + tensor.dim()] = torch.tensor(tensor.shape)
-    to = -_SOURCE[kind]
-    return [comm.send(grid, header, "pipe", to, HEADER_TAG), comm.send(grid, tensor, "pipe", to, kind)]
+def _send(grid: Grid, tensor: torch.Tensor, kind: int, micro: int, expected: tuple) -> comm.Handle:
+    if (tuple(tensor.shape), tensor.dtype) != expected:
+        raise ValueError(f"pipeline stage {grid.coord('pipe')} would send microbatch {micro} as "
+                         f"{tuple(tensor.shape)} {tensor.dtype}, but the next stage expects {expected[0]} "
+                         f"{expected[1]} (the model's stream_shape)")
+    return comm.send(grid, tensor, "pipe", -_SOURCE[kind], kind)
 
 
 def run_pipeline(model: nn.Module, grid: Grid, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int,
@@ -134,10 +181,11 @@ def run_pipeline(model: nn.Module, grid: Grid, inputs: torch.Tensor, targets: to
     accumulate in ``.grad`` (not yet summed over data and z). Returns the shard's mean loss
     (on every stage: the last stage's, shared over pipe) and what this rank did.
 
-    ``model`` has ``stage_forward(inputs, targets=None)``, ``first`` and ``last``
-    (par4d's GPT). ``inputs`` are used on the first stage, ``targets`` on the last; every
-    stage must pass the same ``microbatches``. ``loss_scale`` multiplies what backward starts
-    from (mixed precision's fp16 scale); the loss returned is not scaled."""
+    ``model`` has ``stage_forward(inputs, targets=None)``, ``stream_shape(rows, seq)``,
+    ``first`` and ``last`` (par4d's GPT). Every stage gets the same ``inputs`` shape (token
+    ids: used on the first stage, their shape on all), ``targets`` are used on the last;
+    every stage must pass the same ``microbatches``. ``loss_scale`` multiplies what backward
+    starts from (mixed precision's fp16 scale); the loss returned is not scaled."""
     stages = grid.size("pipe")
     limit = stages if limit is None else limit
     rows = inputs.shape[0]
@@ -148,9 +196,16 @@ def run_pipeline(model: nn.Module, grid: Grid, inputs: torch.Tensor, targets: to
         raise ValueError(f"pipeline limit {limit}: at least one microbatch must be in flight")
     chunks_in = torch.tensor_split(inputs, microbatches)
     chunks_out = torch.tensor_split(targets, microbatches)
-    weights = [len(chunk) / rows for chunk in chunks_in]
+    sizes = [len(chunk) for chunk in chunks_in]
+    weights = [size / rows for size in sizes]
+    seq = inputs.shape[1]
+    # Stage s holds at most limit - s microbatches: as many as can still come back to it
+    # while the first stage holds limit (1F1B's warm-up depth), so a gradient that arrives
+    # soon is not queued behind forwards whose gradients come late.
+    cap = max(1, limit - grid.coord("pipe"))
     stats = PipelineStats(microbatches)
-    inbox = _Inbox(grid, forward=0 if model.first else microbatches, backward=0 if model.last else microbatches)
+    kinds = (() if model.first else (FORWARD,)) + (() if model.last else (BACKWARD,))
+    inbox = _Inbox(grid, sizes, lambda r: model.stream_shape(r, seq), kinds, limit)
     saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
     sends: list[comm.Handle] = []
     loss_sum = torch.zeros(1, device=grid.device)
@@ -166,11 +221,11 @@ def run_pipeline(model: nn.Module, grid: Grid, inputs: torch.Tensor, targets: to
             stats.order.append(f"B{micro}")
             (loss * (weights[micro] * loss_scale)).backward()
             finished += 1
-            sends.extend(_send(grid, stage_in.grad, BACKWARD, micro))
+            sends.append(_send(grid, stage_in.grad, BACKWARD, micro, model.stream_shape(sizes[micro], seq)))
             return
         saved[micro] = (None if model.first else stage_in, model.stage_forward(stage_in))
         stats.max_in_flight = max(stats.max_in_flight, len(saved))
-        sends.extend(_send(grid, saved[micro][1].detach(), FORWARD, micro))
+        sends.append(_send(grid, saved[micro][1].detach(), FORWARD, micro, model.stream_shape(sizes[micro], seq)))
 
     def start_next() -> None:
         nonlocal started
@@ -187,22 +242,20 @@ def run_pipeline(model: nn.Module, grid: Grid, inputs: torch.Tensor, targets: to
         if model.first:
             start_next()
         else:
-            sends.extend(_send(grid, stage_in.grad, BACKWARD, micro))
+            sends.append(_send(grid, stage_in.grad, BACKWARD, micro, model.stream_shape(sizes[micro], seq)))
 
     if model.first:
         for _ in range(min(limit, microbatches)):
             start_next()
     while finished < microbatches:
-        kind, micro, tensor = inbox.take()
+        kind, micro, tensor = inbox.take(forward=len(saved) < cap)
         if kind == FORWARD:
             forward(micro, tensor)
         else:
             backward(micro, tensor)
-        for handle in [s for s in sends if s.done()]:   # book the finished ones as it goes
-            handle.wait()
-            sends.remove(handle)
     for handle in sends:
         handle.wait()
+    inbox.close()
     comm.all_reduce(grid, loss_sum, "pipe")          # only the last stage had a loss
     return loss_sum[0], stats
 
@@ -211,15 +264,14 @@ def run_pipeline(model: nn.Module, grid: Grid, inputs: torch.Tensor, targets: to
 def evaluate_pipeline(model: nn.Module, grid: Grid, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The mean loss of this rank's shard, forward only, stage after stage (no microbatches:
     nothing is kept for a backward); on every stage."""
-    if model.first:
-        h = model.stage_forward(inputs)
-    else:
-        _, _, h = _Inbox(grid, forward=1, backward=0).take()
+    shape, dtype = model.stream_shape(*inputs.shape[:2])
+    h = inputs if model.first else comm.recv(grid, torch.empty(shape, dtype=dtype, device=grid.device), "pipe",
+                                             -1, FORWARD).wait()
+    out = model.stage_forward(h, targets if model.last else None)
     loss = torch.zeros(1, device=grid.device)
     if model.last:
-        loss += model.stage_forward(h, targets)
+        loss += out
     else:
-        for handle in _send(grid, h, FORWARD, 0):
-            handle.wait()
+        _send(grid, out, FORWARD, 0, (shape, dtype)).wait()
     comm.all_reduce(grid, loss, "pipe")
     return loss[0]

@@ -12,12 +12,12 @@ from par4d.cli import main
 FIELDS = ("framework", "name", "s_per_iter", "bubble_fraction", "bubble_by_stage", "peak_activation_bytes",
           "max_in_flight_by_stage", "activation_bytes_by_stage", "ratio_to_best_torch", "loss_first_step",
           "loss_second_step", "loss_rel_diff_to_par4d", "stage_blocks", "microbatches", "slow_stage", "slow_ms",
-          "handoff_ms")
+          "jitter_ms", "handoff_ms")
 
 
 def _args(**changes) -> argparse.Namespace:
     base = dict(nproc=4, nodes=None, link="1gbit", iters=1, rounds=1, n_layer=4, n_embd=16, n_head=2, seq_len=8,
-                batch_size=8, microbatches=4, slow_stage=1, slow_ms=1.0)
+                batch_size=8, microbatches=4, slow_stage=1, slow_ms=1.0, jitter_ms=2.0)
     return argparse.Namespace(**{**base, **changes})
 
 
@@ -43,7 +43,7 @@ def test_rows_losses_bubbles_and_timeline(pool4, tmp_path):
     par4d, gpipe, one_f_one_b = rows
     assert gpipe["max_in_flight_by_stage"] == [4, 4, 4, 4]                     # fill, then drain
     assert one_f_one_b["max_in_flight_by_stage"] == [4, 3, 2, 1]               # stages - stage
-    assert max(par4d["max_in_flight_by_stage"]) <= 4 and par4d["max_in_flight_by_stage"][-1] == 1
+    assert all(1 <= held <= 4 - stage for stage, held in enumerate(par4d["max_in_flight_by_stage"]))
     best = min(r["s_per_iter"] for r in rows[1:])
     assert par4d["ratio_to_best_torch"] == pytest.approx(par4d["s_per_iter"] / best)
     assert markdown(rows).count("\n") == len(rows) + 1
@@ -60,11 +60,25 @@ def test_rows_losses_bubbles_and_timeline(pool4, tmp_path):
     (dict(slow_stage=4), "--slow-stage 4: give a stage 0 to 3"),
     (dict(slow_ms=0.0), "--slow-stage and --slow-ms go together"),
     (dict(iters=0), "--iters and --rounds must be >= 1 (got 0, 1)"),
+    (dict(jitter_ms=-1.0), "--jitter-ms -1.0: give a sleep of at least 0 ms"),
 ])
 def test_bad_input_is_refused_before_any_rank_starts(changes, message):
     with pytest.raises(ValueError) as error:
         settings(_args(**changes))
     assert message in str(error.value)
+
+
+def test_every_row_meets_the_same_delays():
+    """The n-th forward on a stage sleeps the same for every row: the slow stage's fixed sleep
+    plus the n-th jitter draw, in [0, jitter_ms)."""
+    bench = settings(_args(slow_stage=1, slow_ms=5.0, jitter_ms=2.0))
+    draws = {stage: [bench.delay(stage) for _ in range(2)] for stage in range(4)}
+    for stage, (one, other) in draws.items():
+        first = [one() for _ in range(20)]
+        assert first == [other() for _ in range(20)] and len(set(first)) == 20
+        low = 5e-3 if stage == 1 else 0.0
+        assert all(low <= s < low + 2e-3 for s in first)
+    assert settings(_args(slow_stage=None, slow_ms=0.0, jitter_ms=0.0)).delay(1) is None
 
 
 def test_cli_never_overwrites_the_out_file(tmp_path, capsys, monkeypatch):

@@ -68,6 +68,9 @@ Measured per row (per rank, every timed iteration):
 
 The second workload, ``--slow-stage K --slow-ms T``: stage K sleeps T ms at the start of every
 microbatch's forward, in both frameworks alike (inside the timed forward: it counts as compute).
+The third, ``--jitter-ms J``: every stage's forward sleeps a pseudo-random draw in [0, J) ms,
+the same n-th draw on a stage for every row (stage times that vary microbatch by microbatch, as
+with uneven sequences or a shared link).
 A fixed schedule waits for the slow stage in its fixed order; the message-driven one runs
 whatever is ready. Emulated nodes (``--nodes``, one rank per node) put a slow link between
 every pair of stages instead (or as well).
@@ -83,6 +86,8 @@ aligned first); the origin is the first rank's return from the barrier.
 from __future__ import annotations
 
 import argparse
+import itertools
+import random
 import statistics
 import sys
 import textwrap
@@ -123,13 +128,28 @@ class PipelineBench:
     ranks_here: int         # ranks sharing this machine's cores
     slow_stage: int | None = None
     slow_ms: float = 0.0
+    jitter_ms: float = 0.0  # every forward also sleeps a draw in [0, jitter_ms)
     seed: int = 0           # of the batch's tokens
+
+    def delay(self, stage: int) -> Callable[[], float] | None:
+        """Seconds to sleep before each forward call on ``stage``, call after call (None: never).
+        Draw n is the same for every row (seeded by stage and n; every row makes the same
+        calls in the same order), so the rows meet the same delays."""
+        if not self.jitter_ms and stage != self.slow_stage:
+            return None
+        fixed = self.slow_ms / 1e3 if stage == self.slow_stage else 0.0
+        calls = itertools.count()
+
+        def seconds() -> float:
+            return fixed + random.Random(f"{self.seed}-{stage}-{next(calls)}").random() * self.jitter_ms / 1e3
+        return seconds
 
 
 class _Clock:
     """(kind, microbatch, start, end) of this rank's timed forward and backward calls.
 
-    ``timed(fn)`` wraps a forward callable (sleeping ``sleep_s`` first: the slow stage); every
+    ``timed(fn)`` wraps a forward callable (sleeping ``delay()`` seconds first: the slow stage,
+    jitter); every
     ``torch.autograd.backward`` is timed while :meth:`installed`. ``micro`` is the microbatch
     being worked on where the caller knows it (torch's stage methods set it); with
     ``count_forwards`` each forward call gets the next number instead (par4d's forwards, the
@@ -150,13 +170,13 @@ class _Clock:
         self.on = False
         return self.events
 
-    def timed(self, fn: Callable, sleep_s: float = 0.0) -> Callable:
+    def timed(self, fn: Callable, delay: Callable[[], float] | None = None) -> Callable:
         def call(*args, **kwargs):
             if self.count_forwards:
                 self.micro, self.forwards = self.forwards, self.forwards + 1
             began = time.perf_counter()
-            if sleep_s:
-                time.sleep(sleep_s)
+            if delay is not None:
+                time.sleep(delay())
             out = fn(*args, **kwargs)
             if self.on:
                 self.events.append(["F", self.micro, began, time.perf_counter()])
@@ -251,8 +271,7 @@ class _Par4dRow(_Row):
         self.name, self.framework, self.grid, self.bench = "par4d", "par4d", grid, bench
         self.module = model = build_gpt(bench.config, grid)
         self.stage = grid.coord("pipe")
-        sleep = bench.slow_ms / 1e3 if self.stage == bench.slow_stage else 0.0
-        model.stage_forward = clock.timed(model.stage_forward, sleep)     # instance attribute: run_pipeline's call
+        model.stage_forward = clock.timed(model.stage_forward, bench.delay(self.stage))     # instance attribute: run_pipeline's call
         self.opt = torch.optim.AdamW(model.parameters(), lr=LR)
 
     def step(self, clock: _Clock, x: torch.Tensor, y: torch.Tensor, began: float):
@@ -281,8 +300,7 @@ class _TorchRow(_Row):
         blocks = bench.config.stage_blocks(stages)[self.stage]
         first, self.last = self.stage == 0, self.stage == stages - 1
         self.module = TwinStage(build_reference(bench.config), blocks, first, self.last)
-        sleep = bench.slow_ms / 1e3 if self.stage == bench.slow_stage else 0.0
-        self.module.forward = clock.timed(self.module.forward, sleep)
+        self.module.forward = clock.timed(self.module.forward, bench.delay(self.stage))
         self.pipe_stage = pipelining.PipelineStage(self.module, self.stage, stages, torch.device("cpu"))
         for method in ("forward_one_chunk", "backward_one_chunk"):   # tell the clock which microbatch runs
             setattr(self.pipe_stage, method, self._telling(clock, getattr(self.pipe_stage, method)))
@@ -476,7 +494,8 @@ def _results(bench: PipelineBench, grid: Grid, rows: list[_Row], runs: dict, los
                     "loss_first_step": losses[row.name][0], "loss_second_step": losses[row.name][1],
                     "loss_rel_diff_to_par4d": max(abs(a - b) / abs(a) for a, b in zip(losses["par4d"],
                                                                                       losses[row.name])),
-                    "slow_stage": bench.slow_stage, "slow_ms": bench.slow_ms if bench.slow_stage is not None else 0.0})
+                    "slow_stage": bench.slow_stage, "slow_ms": bench.slow_ms if bench.slow_stage is not None else 0.0,
+                    "jitter_ms": bench.jitter_ms})
         iterations = [_one_clock(per_stage, i) for i in range(len(runs[row.name]))]
         timelines[row.name] = iterations[picked[row.name]]
         out[-1]["handoff_ms"] = _handoff_ms(iterations, bench.world)
@@ -518,7 +537,11 @@ def settings(args: argparse.Namespace) -> PipelineBench:
         raise ValueError(f"--slow-stage {slow_stage}: give a stage 0 to {world - 1}")
     if (slow_stage is None) != (slow_ms <= 0):
         raise ValueError("--slow-stage and --slow-ms go together (a stage, and its sleep in ms > 0 per forward)")
-    return PipelineBench(world, config, args.batch_size, m, args.iters, args.rounds, world, slow_stage, slow_ms)
+    jitter_ms = getattr(args, "jitter_ms", 0.0) or 0.0
+    if jitter_ms < 0:
+        raise ValueError(f"--jitter-ms {jitter_ms}: give a sleep of at least 0 ms")
+    return PipelineBench(world, config, args.batch_size, m, args.iters, args.rounds, world, slow_stage, slow_ms,
+                         jitter_ms)
 
 
 def markdown(rows: list[dict]) -> str:
@@ -589,6 +612,8 @@ def run_bench_pipeline(args: argparse.Namespace) -> int:
     config = bench.config
     slow = (f"stage {bench.slow_stage} sleeps {bench.slow_ms:g} ms per forward" if bench.slow_stage is not None
             else "no slow stage")
+    if bench.jitter_ms:
+        slow += f", every forward sleeps a draw in [0, {bench.jitter_ms:g}) ms"
     for row in rows:
         row.update(workload=f"GPT {config.n_layer}x{config.n_embd}, batch {bench.batch}x{config.block_size}",
                    where=ranks)

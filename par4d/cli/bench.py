@@ -73,6 +73,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     pipe.add_argument("--slow-stage", type=int, default=None,
                       help="make this stage sleep --slow-ms in every microbatch's forward (both frameworks)")
     pipe.add_argument("--slow-ms", type=float, default=0.0, help="the slow stage's sleep per forward, in ms")
+    pipe.add_argument("--jitter-ms", type=float, default=0.0,
+                      help="make every stage sleep a pseudo-random draw in [0, J) ms in every forward (both "
+                           "frameworks, the same draws)")
     _output(pipe, plot=True, plot_help="also draw one iteration's timeline per stage, par4d and the fastest torch "
                                        "schedule (PNG), here")
     faults = sub.add_parser("faults", help="soak: kill random ranks at random steps under --max-restarts; "

@@ -142,6 +142,12 @@ class GPT(nn.Module):
             return logits
         return vocab_parallel_cross_entropy(logits, targets, grid=self.grid, axis="x")
 
+    def stream_shape(self, rows: int, seq: int) -> tuple[tuple[int, ...], torch.dtype]:
+        """The residual stream between pipeline stages for ``rows`` sequences of ``seq``
+        tokens: its shape (rows, seq, D / G_y: the embeddings' layout, which every block
+        keeps) and dtype (the parameters')."""
+        return (rows, seq, self.config.n_embd // self.grid.size("y")), next(self.parameters()).dtype
+
     def load_reference_state(self, state: dict[str, torch.Tensor]) -> None:
         """Load full tensors, e.g. ``ReferenceGPT(config).state_dict()``."""
         load_full_state_dict(self, state)
