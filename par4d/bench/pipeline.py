@@ -271,7 +271,8 @@ class _Par4dRow(_Row):
         self.name, self.framework, self.grid, self.bench = "par4d", "par4d", grid, bench
         self.module = model = build_gpt(bench.config, grid)
         self.stage = grid.coord("pipe")
-        model.stage_forward = clock.timed(model.stage_forward, bench.delay(self.stage))     # instance attribute: run_pipeline's call
+        # an instance attribute: what run_pipeline calls
+        model.stage_forward = clock.timed(model.stage_forward, bench.delay(self.stage))
         self.opt = torch.optim.AdamW(model.parameters(), lr=LR)
 
     def step(self, clock: _Clock, x: torch.Tensor, y: torch.Tensor, began: float):
