@@ -12,6 +12,7 @@ loss over the global batch.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -171,11 +172,28 @@ class GradientSync:
     @torch.no_grad()
     def finish(self) -> None:
         """Launch what is left (in order), wait for every bucket, write the mean gradients."""
+        for _ in self.completed():
+            pass
+
+    @torch.no_grad()
+    def completed(self) -> Iterator[list[nn.Parameter]]:
+        """:meth:`finish` a bucket at a time: launch what is left (in order), then yield each
+        bucket's parameters (those with a gradient) once their mean gradients are written,
+        first those with nothing to sum. Later buckets stay in flight while the caller works
+        on a yielded one (the offloaded optimizer steps it: the async-pipeline paper's Section
+        V-C). Every bucket is waited in the same order as in :meth:`finish`: the same bits."""
         self._armed = False
         for axes, buckets in self.groups.items():
             for bucket in buckets:
                 if bucket.handle is None and bucket.flat is None:
                     self._launch(axes, bucket)
+        if self.scale != 1.0:                # nothing to sum: no flatten and copy back, only the scale
+            for param in self.scaled_only:
+                if param.grad is not None:
+                    param.grad.mul_(self.scale)
+        done = [p for p in self.scaled_only if p.grad is not None]
+        if done:
+            yield done
         for buckets in self.groups.values():
             for bucket in buckets:
                 if bucket.handle is not None:
@@ -183,12 +201,11 @@ class GradientSync:
                     bucket.flat.mul_(self.scale)
                     for grad, synced in zip(bucket.grads, _unflatten_dense_tensors(bucket.flat, bucket.grads)):
                         grad.copy_(synced)
+                done = [p for p in bucket.params if p.grad is not None]
                 bucket.ready.clear()
                 bucket.flat, bucket.grads, bucket.handle = None, [], None
-        if self.scale != 1.0:                # nothing to sum: no flatten and copy back, only the scale
-            for param in self.scaled_only:
-                if param.grad is not None:
-                    param.grad.mul_(self.scale)
+                if done:
+                    yield done
 
 
 def gradient_sync(model: nn.Module, grid: Grid) -> GradientSync:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from par4d.data_parallel import clip_factor, clip_grad_norm_, grad_norm
+from par4d.data_parallel import GradientSync, clip_factor, clip_grad_norm_, grad_norm
 from par4d.grid import Grid
 from par4d.layout import place, placement_of
 from par4d.offload import OffloadedAdamW
@@ -75,7 +75,8 @@ class MixedPrecision:
         self.model, self.grid, self.dtype = model, grid, dtype
         model.par4d_reduce_dtype = torch.float32 if reduce_in_fp32 and dtype != torch.float32 else None
         self.masters = Masters(model, torch.device("cpu") if offload_bsize else None)
-        model.to(dtype)
+        model.to(dtype)               # in place: the same parameter objects
+        self._master_of = {id(p): m for p, m in zip(model.parameters(), self.masters.parameters())}
         self.optimizer = make_optimizer(self.masters.parameters())
         self.offloaded = offload_bsize is not None
         if self.offloaded:   # the same hyper-parameters, stepped in buckets from CPU memory
@@ -90,21 +91,51 @@ class MixedPrecision:
         """The loss to call ``backward`` on."""
         return loss * self.scale if self.scale != 1.0 else loss
 
+    def overlaps_all_reduce(self, grad_clip: float) -> bool:
+        """Whether :meth:`step` steps each all-reduce bucket while later ones are in flight
+        (Section V-C): offloaded, with no quantity of the whole gradient to wait for first. The
+        clipping norm (``grad_clip > 0``) and fp16's decision to skip a step (any inf or NaN,
+        on any rank) need every bucket before the first is stepped."""
+        return self.offloaded and grad_clip == 0 and self.dtype != torch.float16
+
+    def describe(self, grad_clip: float) -> str:
+        """The optimizer in a line, for the run's summary."""
+        name = str(self.dtype).removeprefix("torch.")
+        if not self.offloaded:
+            return f"AdamW on fp32 masters beside the {name} model"
+        when = ("each all-reduce bucket as it returns, the rest in flight (Section V-C)"
+                if self.overlaps_all_reduce(grad_clip) else
+                "after the whole all-reduce (" + ("gradient clipping needs the global norm"
+                                                  if grad_clip > 0 else "fp16 skips a step on any inf/NaN") + ")")
+        return f"AdamW offloaded to CPU memory in buckets of {self.optimizer.bsize:,} elements, stepping {when}"
+
     @torch.no_grad()
-    def step(self, grad_clip: float = 0.0) -> bool:
-        """After the gradient sync: unscale into the masters, step them, write them back
-        rounded into the model; returns False for a step skipped (fp16 overflow)."""
-        pairs = [(p, m) for p, m in zip(self.model.parameters(), self.masters.parameters()) if p.grad is not None]
+    def step(self, sync: GradientSync, grad_clip: float = 0.0) -> bool:
+        """Finish the gradient ``sync``, unscale into the masters, step them, write them back
+        rounded into the model; returns False for a step skipped (fp16 overflow).
+
+        Where :meth:`overlaps_all_reduce`, each bucket is stepped as its all-reduce returns
+        (elementwise AdamW: the same bits as after the whole sync); a bf16 inf/NaN is then
+        found after the step, and raises as before (nothing is saved after an error)."""
+        if self.overlaps_all_reduce(grad_clip):
+            found = torch.zeros(1, device=self.grid.device)
+            for params in sync.completed():
+                pairs = self._pairs(params)
+                for param, _ in pairs:
+                    found += (~torch.isfinite(param.grad)).any()
+                self.optimizer.step_from(pairs, self.scale)
+            self._check(found)
+            self._good_step()
+            self._clear(self._pairs(self.model.parameters()))
+            return True
+        sync.finish()
+        pairs = self._pairs(self.model.parameters())
         found = torch.zeros(1, device=self.grid.device)
         for param, master in pairs:
             if not self.offloaded:          # offloaded, the fp32 gradient exists a bucket at a time
                 master.grad = param.grad.float().div_(self.scale)
             found += (~torch.isfinite(param.grad)).any()
-        dist.all_reduce(found, op=dist.ReduceOp.MAX)      # every rank skips alike
-        if found.item():
-            if self.dtype != torch.float16:
-                raise FloatingPointError("a gradient is inf or NaN (no loss scale to lower in "
-                                         f"{str(self.dtype).removeprefix('torch.')})")
+        if self._check(found):
             self.skipped += 1
             self.scale /= 2
             self.good_steps = 0
@@ -119,10 +150,25 @@ class MixedPrecision:
             for param, master in pairs:
                 param.copy_(master)
             self._good_step()
+        self._clear(pairs)
+        return not found.item()
+
+    def _pairs(self, params) -> list[tuple[nn.Parameter, nn.Parameter]]:
+        """(parameter, its master) for each of ``params`` with a gradient."""
+        return [(p, self._master_of[id(p)]) for p in params if p.grad is not None]
+
+    def _check(self, found: torch.Tensor) -> bool:
+        """Whether any rank found an inf or NaN gradient (fp16: skip the step; else an error)."""
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)      # every rank skips alike
+        if found.item() and self.dtype != torch.float16:
+            raise FloatingPointError("a gradient is inf or NaN (no loss scale to lower in "
+                                     f"{str(self.dtype).removeprefix('torch.')})")
+        return bool(found.item())
+
+    def _clear(self, pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         for param, _ in pairs:
             param.grad = None
-        return not found.item()
 
     def _good_step(self) -> None:
         self.good_steps += 1

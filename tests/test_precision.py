@@ -116,7 +116,7 @@ def _offloaded(sizes: dict, bsize: int, folder: str) -> dict:
     AdamW steps; the device holds 4 phi + 16 bsize bytes; its checkpoint loads into fp32."""
     from pathlib import Path
 
-    from par4d.data_parallel import sync_gradients
+    from par4d.data_parallel import gradient_sync
     from par4d.pipeline import run_pipeline
 
     grid = cases.grid(**sizes)
@@ -133,9 +133,8 @@ def _offloaded(sizes: dict, bsize: int, folder: str) -> dict:
             run_pipeline(offload_model, grid, x, y, 2)
         else:
             offload_model(x, y).backward()
-        sync_gradients(offload_model, grid)
         held.append(offloaded.device_bytes())
-        offloaded.step(grad_clip=0.5)
+        offloaded.step(gradient_sync(offload_model, grid), grad_clip=0.5)
     run = Path(folder) / "offloaded"
     checkpoint.save(run, STEPS, grid, offloaded.masters, offloaded.optimizer, {})
     fresh = build_gpt(CONFIG, grid)
@@ -161,3 +160,57 @@ def test_offloaded_optimizer(pool4, tmp_path, sizes):
         assert r["held"] == [4 * r["phi"] + 16 * bsize] * STEPS     # half weights and gradients + buffers
         assert r["masters_error"] <= 1e-6 and r["state_error"] <= 1e-9, r
         assert r["on_cpu"] and r["reloaded"] and r["steps"] == {STEPS}
+
+
+def _overlapped_step(sizes: dict) -> dict:
+    """bf16, offloaded, no clipping: each all-reduce bucket is stepped while the later ones are
+    in flight (Section V-C), and the masters and moments are bit for bit those of stepping after
+    the whole all-reduce."""
+    from par4d.data_parallel import gradient_sync
+    from par4d.nn import set_overlap
+    from par4d.overlap import Overlap
+
+    grid = cases.grid(**sizes)
+    make = lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=1e-4)   # noqa: E731
+    runs = {}
+    for overlapped in (True, False):
+        model = set_overlap(build_gpt(CONFIG, grid), Overlap(bucket_mb=0.002))   # 2 kB buckets: many of them
+        precision = MixedPrecision(model, grid, torch.bfloat16, make, offload_bsize=53)
+        if not overlapped:
+            precision.overlaps_all_reduce = lambda grad_clip: False              # the step after the whole sync
+        in_flight = []
+        step_from = precision.optimizer.step_from
+
+        def recorded(pairs, *args, model=model, in_flight=in_flight, step_from=step_from):
+            in_flight.append(sum(b.handle is not None for bs in gradient_sync(model, grid).groups.values()
+                                 for b in bs))
+            return step_from(pairs, *args)
+        precision.optimizer.step_from = recorded
+        for inputs, targets in _batches():
+            train_step(model, None, grid, model, shard_batch(grid, inputs), shard_batch(grid, targets),
+                       grad_clip=0.0, precision=precision)
+        sync = gradient_sync(model, grid)
+        runs[overlapped] = (precision, in_flight, sum(len(bs) for bs in sync.groups.values()), bool(sync.scaled_only))
+    (mine, in_flight, buckets, unsummed), (theirs, after, _, _) = runs[True], runs[False]
+    pairs = list(zip(mine.masters.parameters(), theirs.masters.parameters()))
+    return {
+        "equal": all(torch.equal(a, b) for a, b in pairs) and all(
+            torch.equal(mine.optimizer.state[a][k], theirs.optimizer.state[b][k])
+            for a, b in pairs for k in ("exp_avg", "exp_avg_sq")),
+        "in_flight": in_flight, "after": after, "buckets": buckets, "unsummed": unsummed,
+        "describe": mine.describe(0.0), "clipped": mine.describe(1.0),
+    }
+
+
+def test_offloaded_step_overlaps_the_all_reduce(pool4):
+    for r in pool4.run(_overlapped_step, dict(z=2, data=2)):
+        assert r["equal"]
+        buckets = r["buckets"]
+        # Each step: while bucket i is stepped, buckets i+1.. are still in flight (parameters with
+        # nothing to sum, where there are any, go first, with every bucket in flight); after the
+        # whole sync, none is.
+        assert buckets >= 4
+        assert r["in_flight"] == list(range(buckets - (not r["unsummed"]), -1, -1)) * STEPS
+        assert r["after"] == [0] * STEPS
+        assert "stepping each all-reduce bucket as it returns" in r["describe"]
+        assert "after the whole all-reduce (gradient clipping needs the global norm)" in r["clipped"]

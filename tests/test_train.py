@@ -374,8 +374,10 @@ def test_mixed_precision_run_resumes_in_another_precision(tmp_path):
               "--no-progress"]
     half, full = tmp_path / "half", tmp_path / "full"
     _train("--nproc", "1", *common, "--steps", "6", "--out", str(full))
-    _train("--grid", "pipe=2,x=2", "--precision", "fp16", "--offload-optimizer", "100", *common, "--steps", "4",
-           "--out", str(half))
+    result = _train("--grid", "pipe=2,x=2", "--precision", "fp16", "--offload-optimizer", "100", *common,
+                    "--steps", "4", "--out", str(half))
+    assert ("AdamW offloaded to CPU memory in buckets of 100 elements, stepping after the whole all-reduce "
+            "(gradient clipping needs the global norm)") in result.stdout
     rows = [json.loads(line) for line in (half / "metrics.jsonl").read_text().splitlines()]
     assert [(r["loss_scale"], r["skipped_steps"]) for r in rows] == [(2.0 ** 16, 0)] * 4
     result = _train("--resume", str(half), "--precision", "fp32", "--steps", "6")

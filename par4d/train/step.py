@@ -38,10 +38,10 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, grid: 
         value = loss(*inputs)           # forward: Algorithm 1's all-gathers over z, all-reduces over the in-axes
         sync.arm()                      # this backward is the step's only one: buckets may start as they fill
         (value * scale if scale != 1.0 else value).backward()   # input-gradient all-reduces, weight reduce-scatters
-    sync.finish()                       # after backward: sums what is still partial over data (and z)
-    if precision is not None:           # unscale into the fp32 masters, clip and step them, round back
-        precision.step(grad_clip)
+    if precision is not None:           # finish the sync; unscale into the fp32 masters, clip and step them,
+        precision.step(sync, grad_clip)  # round back (offloaded: bucket by bucket as the all-reduce returns them)
         return value.detach()
+    sync.finish()                       # after backward: sums what is still partial over data (and z)
     if grad_clip > 0:                   # after the sync: the norm is that of the global batch's gradient
         clip_grad_norm_(model, grad_clip, grid)
     optimizer.step()
