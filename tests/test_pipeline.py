@@ -15,7 +15,8 @@ CONFIG = GPTConfig(vocab_size=36, block_size=8, n_layer=4, n_head=4, n_embd=24, 
 STEPS = 3
 
 
-def _pipeline_matches_twin(sizes: dict, batch: int, microbatches: int, recompute: int = 0) -> dict:
+def _pipeline_matches_twin(sizes: dict, batch: int, microbatches: int, recompute: int = 0,
+                           limit: int | None = None) -> dict:
     grid = cases.grid(**sizes)
     twin = build_reference(CONFIG)
     model = build_gpt(CONFIG, grid, recompute)
@@ -33,7 +34,7 @@ def _pipeline_matches_twin(sizes: dict, batch: int, microbatches: int, recompute
         ref_loss.backward()
         with grid.ledger.capture() as entries:
             loss, stats = run_pipeline(model, grid, shard_batch(grid, inputs), shard_batch(grid, targets),
-                                       min(microbatches, rows // grid.size("z", "data")))
+                                       min(microbatches, rows // grid.size("z", "data")), limit)
         sent.append(sum(e.bytes for e in entries if e.kind == "send"))
         sync_gradients(model, grid)
         orders.append(stats.order)
@@ -87,6 +88,15 @@ def test_pipe_2(pool2):
     # or its gradient back (stage 1), rows x T x D fp32, and nothing else (no header).
     for steps_rows in results[0]["sent"], results[1]["sent"]:
         assert steps_rows == [6 * 8 * 24 * 4] * 2 + [5 * 8 * 24 * 4]
+
+
+def test_pipeline_limit_1_runs_one_microbatch_at_a_time(pool2):
+    """--pipeline-limit 1: the first stage starts a microbatch only when the one before came
+    back; the gradients are the same."""
+    results = pool2.run(_pipeline_matches_twin, dict(pipe=2), 6, 4, 0, 1)
+    _stages_cover_the_twin(results)
+    assert [r["order"] for r in results] == [["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"]] * 2
+    assert results[0]["held"] == 1
 
 
 @pytest.mark.parametrize("sizes, recompute", [(dict(pipe=4), 0), (dict(pipe=2, x=2), 1), (dict(pipe=2, z=2), 0),

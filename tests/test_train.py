@@ -127,6 +127,8 @@ def test_data_is_checked_before_any_process_starts(tmp_path, capsys, content, me
     ("--grad-clip", "nan", "--grad-clip must be a finite number >= 0 (0 disables), got nan"),
     ("--save-every", "-1", "--save-every must be >= 0 (0: only at the end), got -1"),
     ("--offload-optimizer", "64", "--offload-optimizer 64: needs --precision bf16 or fp16 (got fp32)"),
+    ("--pipeline-limit", "2", "--pipeline-limit 2: give a count >= 1 of microbatches in flight, on a grid with "
+                              "pipe > 1 (this grid has pipe=1)"),
 ])
 def test_settings_are_checked_before_any_process_starts(tmp_path, capsys, flag, value, message):
     assert main(["train", flag, value, *SMALL, "--out", str(tmp_path / "run")]) == 2
@@ -347,13 +349,14 @@ def test_a_run_exported_to_transformers_starts_another_run_on_another_grid(tmp_p
 
 
 def test_the_pipeline_trains_as_one_rank_and_resumes_across_pipe(tmp_path):
-    """`--grid pipe=2,x=2 --microbatches 4` for 4 steps, resumed on pipe=4 to 6: the losses of a
+    """`--grid pipe=2,x=2 --microbatches 4 --pipeline-limit 1` for 4 steps, resumed on pipe=4 to 6: the losses of a
     one-rank run to fp32 rounding. A stage that raises ends the job with one line, no hang."""
     common = ["--n-layer", "4", "--n-embd", "32", "--n-head", "2", "--batch-size", "8", "--seq-len", "16",
               "--no-progress"]
     alone, piped = tmp_path / "alone", tmp_path / "piped"
     _train("--nproc", "1", *common, "--steps", "6", "--out", str(alone))
-    _train("--grid", "pipe=2,x=2", "--microbatches", "4", *common, "--steps", "4", "--out", str(piped))
+    _train("--grid", "pipe=2,x=2", "--microbatches", "4", "--pipeline-limit", "1", *common, "--steps", "4",
+           "--out", str(piped))
     result = _train("--resume", str(piped), "--grid", "pipe=4", "--steps", "6")
     assert "saved on grid x=2 y=1 z=1 data=1 pipe=2: the grid changed" in result.stdout
     assert _losses(piped) == pytest.approx(_losses(alone), rel=1e-5)

@@ -22,8 +22,8 @@ def _help(name: str, text: str = "") -> str:
 
 # A resumed run keeps these (they decide the model and its batches); it takes HONOURED ones when given.
 FIXED = ("batch_size", "seq_len", "n_layer", "n_embd", "n_head", "mlp", "phantom_k", "seed")
-HONOURED = ("lr", "grad_clip", "save_every", "keep", "overlap", "recompute", "microbatches", "precision",
-            "grad_reduce", "offload_bsize")
+HONOURED = ("lr", "grad_clip", "save_every", "keep", "overlap", "recompute", "microbatches", "pipeline_limit",
+            "precision", "grad_reduce", "offload_bsize")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -83,6 +83,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     steps.add_argument("--microbatches", type=int, default=None,
                        help="with pipe > 1: microbatches per step, run by the message-driven pipeline "
                             "(default: pipe; at most the sequences per rank, batch / (data * z))")
+    steps.add_argument("--pipeline-limit", type=int, default=None,
+                       help="with pipe > 1: microbatches the first stage keeps in flight, which bounds every "
+                            "stage's activations (stage s holds at most limit - s; default: pipe)")
     steps.add_argument("--save-every", type=int, default=None,
                        help=_help("save_every", "also checkpoint every N steps (0: only at the end)"))
     steps.add_argument("--keep", type=int, default=None,
@@ -317,6 +320,8 @@ def _resumed_config(args: argparse.Namespace, world: int, inside: bool):
     grid, peak = _grid(args, world, inside, saved) if args.grid else (saved["grid"], None)
     if grid.get("pipe", 1) == 1 and "microbatches" not in honoured:
         honoured["microbatches"] = None     # the saved run's count was for its pipeline; this grid has none
+    if grid.get("pipe", 1) == 1 and "pipeline_limit" not in honoured:
+        honoured["pipeline_limit"] = None
     if honoured.get("precision") == "fp32" and "offload_bsize" not in honoured:
         honoured["offload_bsize"] = None    # an fp32 run keeps no separate masters to offload
     return TrainConfig(**dict(saved, **honoured, steps=steps, out=str(run_dir), resume=True, grid=grid,

@@ -45,6 +45,7 @@ class TrainConfig:
     offload_bsize: int | None = None # --offload-optimizer: masters and AdamW state in CPU memory, stepped in buckets
     grad_reduce: str = "fp32"        # --grad-reduce: sum gradients over data x z in fp32 or in the compute dtype
     microbatches: int | None = None  # --microbatches: per step and rank, on a grid with pipe > 1 (None: pipe)
+    pipeline_limit: int | None = None  # --pipeline-limit: microbatches the first stage keeps in flight (None: pipe)
     init_from: str | None = None     # --init-from hf DIR: a GPT-2 model folder (absolute) the run's weights start from
 
     def __post_init__(self) -> None:
@@ -62,6 +63,9 @@ class TrainConfig:
         if self.microbatches is not None and not (pipe > 1 and self.microbatches >= 1):
             raise ValueError(f"--microbatches {self.microbatches}: give a count >= 1, on a grid with pipe > 1 "
                              f"(this grid has pipe={pipe})")
+        if self.pipeline_limit is not None and not (pipe > 1 and self.pipeline_limit >= 1):
+            raise ValueError(f"--pipeline-limit {self.pipeline_limit}: give a count >= 1 of microbatches in "
+                             f"flight, on a grid with pipe > 1 (this grid has pipe={pipe})")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"--lr must be a finite number > 0, got {self.lr}")
         if self.save_every < 0:

@@ -107,7 +107,8 @@ def run(config: TrainConfig, stop: StopRequest) -> dict:
         x, y = shard_batch(grid, inputs).to(grid.device), shard_batch(grid, targets).to(grid.device)
         with ledger.capture() as entries:
             loss = train_step(model, optimizer, grid, model, x, y, grad_clip=config.grad_clip,
-                              microbatches=config.microbatches, precision=precision)
+                              microbatches=config.microbatches, pipeline_limit=config.pipeline_limit,
+                              precision=precision)
             mean_loss = global_mean(loss, grid).item()
         if not math.isfinite(mean_loss):   # the same value on every rank: all stop here, none waits
             raise FloatingPointError(

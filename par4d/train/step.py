@@ -19,21 +19,24 @@ from par4d.precision import MixedPrecision
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, grid: Grid,
                loss: Callable[..., torch.Tensor], *inputs: torch.Tensor, grad_clip: float = 0.0,
-               microbatches: int | None = None, precision: MixedPrecision | None = None) -> torch.Tensor:
+               microbatches: int | None = None, pipeline_limit: int | None = None,
+               precision: MixedPrecision | None = None) -> torch.Tensor:
     """One optimizer step of ``model`` on ``grid``; returns this rank's loss (detached).
 
     ``loss(*inputs)`` runs the forward pass and returns the mean loss of this rank's
     samples (for par4d's GPT, ``loss`` is the model itself: ``model(idx, targets)``).
     On a grid with ``pipe > 1`` the model is one pipeline stage (par4d's GPT) and
     ``inputs`` are ``(idx, targets)``: the message-driven pipeline runs forward and
-    backward over ``microbatches`` microbatches (default: ``pipe``).
+    backward over ``microbatches`` microbatches (default: ``pipe``), at most ``pipeline_limit``
+    in flight (default: ``pipe``).
     ``precision``: mixed precision (its fp32 masters and their optimizer replace ``optimizer``,
     its loss scale multiplies the loss before backward; a step it skips changes nothing).
     """
     sync = gradient_sync(model, grid)
     scale = precision.scale if precision is not None else 1.0
     if grid.size("pipe") > 1:           # forward and backward, microbatch by microbatch, stage by stage
-        value, _ = run_pipeline(model, grid, *inputs, microbatches or grid.size("pipe"), loss_scale=scale)
+        value, _ = run_pipeline(model, grid, *inputs, microbatches or grid.size("pipe"), pipeline_limit,
+                                loss_scale=scale)
     else:
         value = loss(*inputs)           # forward: Algorithm 1's all-gathers over z, all-reduces over the in-axes
         sync.arm()                      # this backward is the step's only one: buckets may start as they fill
