@@ -91,22 +91,24 @@ class MixedPrecision:
         """The loss to call ``backward`` on."""
         return loss * self.scale if self.scale != 1.0 else loss
 
-    def overlaps_all_reduce(self, grad_clip: float) -> bool:
+    def overlaps_all_reduce(self, grad_clip: float, overlap: bool = True) -> bool:
         """Whether :meth:`step` steps each all-reduce bucket while later ones are in flight
-        (Section V-C): offloaded, with no quantity of the whole gradient to wait for first. The
-        clipping norm (``grad_clip > 0``) and fp16's decision to skip a step (any inf or NaN,
-        on any rank) need every bucket before the first is stepped."""
-        return self.offloaded and grad_clip == 0 and self.dtype != torch.float16
+        (Section V-C): offloaded, the data-parallel overlap on (``overlap``: the sync's ``dp``
+        switch), and no quantity of the whole gradient to wait for first. The clipping norm
+        (``grad_clip > 0``) and fp16's decision to skip a step (any inf or NaN, on any rank)
+        need every bucket before the first is stepped."""
+        return self.offloaded and overlap and grad_clip == 0 and self.dtype != torch.float16
 
-    def describe(self, grad_clip: float) -> str:
-        """The optimizer in a line, for the run's summary."""
+    def describe(self, grad_clip: float, overlap: bool = True) -> str:
+        """The optimizer in a line, for the run's summary (``overlap``: the ``dp`` switch)."""
         name = str(self.dtype).removeprefix("torch.")
         if not self.offloaded:
             return f"AdamW on fp32 masters beside the {name} model"
+        why = ("gradient clipping needs the global norm" if grad_clip > 0 else
+               "fp16 skips a step on any inf/NaN" if self.dtype == torch.float16 else
+               "the data-parallel overlap is off")
         when = ("each all-reduce bucket as it returns, the rest in flight (Section V-C)"
-                if self.overlaps_all_reduce(grad_clip) else
-                "after the whole all-reduce (" + ("gradient clipping needs the global norm"
-                                                  if grad_clip > 0 else "fp16 skips a step on any inf/NaN") + ")")
+                if self.overlaps_all_reduce(grad_clip, overlap) else f"after the whole all-reduce ({why})")
         return f"AdamW offloaded to CPU memory in buckets of {self.optimizer.bsize:,} elements, stepping {when}"
 
     @torch.no_grad()
@@ -117,7 +119,7 @@ class MixedPrecision:
         Where :meth:`overlaps_all_reduce`, each bucket is stepped as its all-reduce returns
         (elementwise AdamW: the same bits as after the whole sync); a bf16 inf/NaN is then
         found after the step, and raises as before (nothing is saved after an error)."""
-        if self.overlaps_all_reduce(grad_clip):
+        if self.overlaps_all_reduce(grad_clip, sync.overlap):
             found = torch.zeros(1, device=self.grid.device)
             for params in sync.completed():
                 pairs = self._pairs(params)

@@ -174,10 +174,9 @@ def _overlapped_step(sizes: dict) -> dict:
     make = lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=1e-4)   # noqa: E731
     runs = {}
     for overlapped in (True, False):
-        model = set_overlap(build_gpt(CONFIG, grid), Overlap(bucket_mb=0.002))   # 2 kB buckets: many of them
+        # 2 kB buckets: many of them; without the dp switch the step waits for the whole sync
+        model = set_overlap(build_gpt(CONFIG, grid), Overlap(bucket_mb=0.002, data_parallel=overlapped))
         precision = MixedPrecision(model, grid, torch.bfloat16, make, offload_bsize=53)
-        if not overlapped:
-            precision.overlaps_all_reduce = lambda grad_clip: False              # the step after the whole sync
         in_flight = []
         step_from = precision.optimizer.step_from
 
@@ -198,7 +197,7 @@ def _overlapped_step(sizes: dict) -> dict:
             torch.equal(mine.optimizer.state[a][k], theirs.optimizer.state[b][k])
             for a, b in pairs for k in ("exp_avg", "exp_avg_sq")),
         "in_flight": in_flight, "after": after, "buckets": buckets, "unsummed": unsummed,
-        "describe": mine.describe(0.0), "clipped": mine.describe(1.0),
+        "describe": mine.describe(0.0), "clipped": mine.describe(1.0), "off": theirs.describe(0.0, False),
     }
 
 
@@ -214,3 +213,4 @@ def test_offloaded_step_overlaps_the_all_reduce(pool4):
         assert r["after"] == [0] * STEPS
         assert "stepping each all-reduce bucket as it returns" in r["describe"]
         assert "after the whole all-reduce (gradient clipping needs the global norm)" in r["clipped"]
+        assert "after the whole all-reduce (the data-parallel overlap is off)" in r["off"]

@@ -1,7 +1,8 @@
-"""``par4d bench grid|peers|overlap|pipeline|checkpoint|gemm``: the GPT on every valid grid against PyTorch DDP and
-FSDP2, par4d against DDP, FSDP2, HSDP and FSDP2+TP on two workloads (locally or on an emulated cluster), each
-overlap's gain (Fig. 3's rows), par4d's message-driven pipeline against torch.distributed.pipelining's schedules on
-the same stages, a resharding checkpoint load against torch.distributed.checkpoint, and the gain of GEMM tuning per
+"""``par4d bench grid|peers|overlap|pipeline|offload|checkpoint|gemm``: the GPT on every valid grid against
+PyTorch DDP and FSDP2, par4d against DDP, FSDP2, HSDP and FSDP2+TP on two workloads (locally or on an emulated
+cluster), each overlap's gain (Fig. 3's rows), par4d's message-driven pipeline against
+torch.distributed.pipelining's schedules on the same stages, the offloaded optimizer against FSDP2's CPU offload,
+a resharding checkpoint load against torch.distributed.checkpoint, and the gain of GEMM tuning per
 matmul shape; the benchmarks themselves live in ``par4d.bench``."""
 
 from __future__ import annotations
@@ -78,6 +79,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                            "frameworks, the same draws)")
     _output(pipe, plot=True, plot_help="also draw one iteration's timeline per stage, par4d and the fastest torch "
                                        "schedule (PNG), here")
+    off = sub.add_parser("offload", help="the optimizer offloaded to CPU memory: par4d (Section V-C's step per "
+                                         "all-reduce bucket, and without it) vs FSDP2 CPUOffloadPolicy, every rank "
+                                         "on data")
+    _ranks(off)
+    off.add_argument("--iters", type=int, default=3, help="timed iterations per row and round (after 1 warm-up)")
+    off.add_argument("--rounds", type=int, default=3, help="interleaved rounds over all rows")
+    off.add_argument("--bsize", type=int, default=1 << 20, help="elements per offloaded bucket")
+    off.add_argument("--n-layer", type=int, default=4)
+    off.add_argument("--n-embd", type=int, default=256)
+    off.add_argument("--n-head", type=int, default=4)
+    off.add_argument("--seq-len", type=int, default=128)
+    off.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
+    _output(off)
     faults = sub.add_parser("faults", help="soak: kill random ranks at random steps under --max-restarts; "
                                            "restarts survived, steps recomputed, final model bit for bit?")
     faults.add_argument("--nproc", type=int, default=DEFAULT_NPROC)
@@ -130,6 +144,10 @@ def run(args: argparse.Namespace) -> int:
         from par4d.bench.pipeline import run_bench_pipeline
 
         return run_bench_pipeline(args)
+    if args.bench == "offload":
+        from par4d.bench.offload import run_bench_offload
+
+        return run_bench_offload(args)
     if args.bench == "checkpoint":
         from par4d.bench.checkpoint import run_bench_checkpoint
 

@@ -164,7 +164,8 @@ def run(config: TrainConfig, stop: StopRequest) -> dict:
             "eq2_days_to_300b_tokens": 3e11 / tokens_per_step * step_s / 86400,
             "percent_of_peak": 100 * flops / peak if peak else 0.0,
             "overlap": config.overlap_settings().describe(), "recompute_every": config.recompute_every(),
-            "optimizer": precision.describe(config.grad_clip) if precision is not None else "AdamW (fp32)",
+            "optimizer": (precision.describe(config.grad_clip, config.overlap_settings().data_parallel)
+                          if precision is not None else "AdamW (fp32)"),
             "s_per_step": step_s, "comm_issued_s_per_step": issued, "comm_exposed_s_per_step": exposed,
             "initial_loss": history[0]["loss"], "final_loss": history[-1]["loss"],
             "val_loss": val_loss, "data": source, "config": asdict(config),
