@@ -360,6 +360,9 @@ def test_the_pipeline_trains_as_one_rank_and_resumes_across_pipe(tmp_path):
     result = _train("--resume", str(piped), "--grid", "pipe=4", "--steps", "6")
     assert "saved on grid x=2 y=1 z=1 data=1 pipe=2: the grid changed" in result.stdout
     assert _losses(piped) == pytest.approx(_losses(alone), rel=1e-5)
+    # Rank 0 is the first stage: it sends each step's activations forward, 8 x 16 x 32 fp32 values.
+    rows = [json.loads(line) for line in (piped / "metrics.jsonl").read_text().splitlines()]
+    assert [r["p2p_sent_bytes"] for r in rows] == [8 * 16 * 32 * 4] * 6
     assert json.loads((piped / "summary.json").read_text())["grid"]["pipe"] == 4
 
     failed = tmp_path / "failed"

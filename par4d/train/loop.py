@@ -124,6 +124,8 @@ def run(config: TrainConfig, stop: StopRequest) -> dict:
             record = {"step": step + 1, "loss": mean_loss, "tokens_per_s": tokens_per_step / seconds,
                       "s_per_step": seconds, "lr": lr, "comm_bytes": ledger.total_bytes() - bytes_before,
                       "comm_issued_s": comm[0], "comm_exposed_s": comm[1]}
+            if grid.size("pipe") > 1:    # rank 0's point-to-point bytes sent to its pipeline neighbours
+                record["p2p_sent_bytes"] = sum(e.bytes for e in entries if e.kind == "send")
             if precision is not None:    # fp16's loss scale, and the steps it skipped for inf/NaN gradients
                 record.update(loss_scale=precision.scale, skipped_steps=precision.skipped)
             metrics.write(json.dumps(record) + "\n")
