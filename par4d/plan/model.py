@@ -12,18 +12,23 @@ Three variants rank configurations:
   ``t_iter = t_compute + t_comm`` for the synchronous path, and with overlap
   settings ``t_iter = t_compute + t_exposed``: each overlapped collective hidden
   behind the compute it overlaps with (:func:`exposed_comm`).
+
+A grid with ``pipe`` = P > 1 is a pipeline of P stages (par4d/pipeline.py): each term
+is the average stage's (1/P of the model), with M microbatches per step, the fill and
+drain bubble and the stages' point-to-point hand-offs (:func:`predict`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from par4d.overlap import Overlap
 from par4d.plan.machines import Machine
 from par4d.plan.workload import GPTSpec, Layer, ModuleWorkload
 
 AXES4 = ("x", "y", "z", "data")
+AXES5 = (*AXES4, "pipe")         # pipe outermost, as par4d.grid lays ranks out
 VARIANTS = ("agnostic", "aware", "full")
 
 
@@ -47,14 +52,15 @@ def ring_time(kind: str, ranks: int, message_bytes: float, beta: float, latency:
 
 
 def bandwidths(sizes: dict[str, int], machine: Machine, aware: bool) -> dict[str, float]:
-    """β per axis. Placement-aware (Eq 10), hierarchy x, y, z, data (innermost first):
-    a group inside a node gets β_intra (also requiring that groups tile the nodes); one
-    that crosses nodes gets β_inter divided by
+    """β per axis: x, y, z, data, and pipe where ``sizes`` names it. Placement-aware (Eq 10),
+    hierarchy x, y, z, data, pipe (innermost first): a group inside a node gets β_intra (also
+    requiring that groups tile the nodes); one that crosses nodes gets β_inter divided by
     the number of rings sharing the node's links, min(G_node, prod of inner sizes)."""
+    axes = AXES5 if "pipe" in sizes else AXES4
     if not aware:
-        return {a: machine.beta_inter for a in AXES4}
+        return {a: machine.beta_inter for a in axes}
     out, inner = {}, 1
-    for axis in AXES4:
+    for axis in axes:
         span = inner * sizes[axis]
         # Inside a node: the group's ranks fit in one node and groups tile the nodes
         # (x=3 on 4-device nodes has a group that straddles two nodes).
@@ -167,14 +173,17 @@ class Prediction:
     t_iter: float = 0.0
     mem_bytes: float = 0.0
     percent_of_peak: float = 0.0
+    microbatches: int = 1            # per step (pipe > 1), else 1
+    t_p2p: float = 0.0               # the pipeline's fill and drain hand-offs (in t_comm and t_comm_axes["pipe"])
 
     def ranking_time(self, variant: str) -> float:
         """What ``variant`` ranks by: iteration time (full), else communication time (as the paper)."""
         return self.t_iter if variant == "full" else self.t_comm
 
     def row(self) -> dict:
-        return {**self.sizes, "fits": self.fits, "excluded": self.excluded, "t_comm": self.t_comm,
-                **{f"t_comm_{a}": self.t_comm_axes.get(a, 0.0) for a in AXES4},
+        return {**self.sizes, "pipe": self.sizes.get("pipe", 1), "microbatches": self.microbatches,
+                "fits": self.fits, "excluded": self.excluded, "t_comm": self.t_comm,
+                **{f"t_comm_{a}": self.t_comm_axes.get(a, 0.0) for a in AXES4}, "t_p2p": self.t_p2p,
                 "t_compute": self.t_compute, "t_exposed": self.t_exposed, "t_iter": self.t_iter,
                 "mem_bytes": self.mem_bytes,
                 "percent_of_peak": self.percent_of_peak}
@@ -202,32 +211,60 @@ def factorizations(world: int) -> list[dict[str, int]]:
 
 def predict(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Machine, variant: str = "full",
             checkpointing: bool = False, compute_seconds: float | None = None,
-            overlap: Overlap | None = None) -> Prediction:
+            overlap: Overlap | None = None, microbatches: int | None = None) -> Prediction:
     """Time and memory of one iteration of ``spec`` on grid ``sizes``. The full model
     takes its compute time from ``compute_seconds`` when given (profiled on this
-    machine, plan/profile.py), else from FLOPs over peak x efficiency; with ``overlap``
-    it counts only the communication left exposed (:func:`exposed_comm`)."""
+    machine, plan/profile.py; with a pipeline, one stage's compute per step), else from
+    FLOPs over peak x efficiency; with ``overlap`` it counts only the communication left
+    exposed (:func:`exposed_comm`).
+
+    ``sizes["pipe"]`` = P > 1 (par4d's GPT only) runs ``microbatches`` = M per step
+    (default P) through P stages, each taken as the average one (1/P of the model's
+    layers, FLOPs and parameters): its compute times the bubble (M + P - 1) / M; its layers'
+    weight collectives (over z) once per microbatch, their activation collectives on each
+    microbatch's rows; the data-parallel sync of its parameters once per step; 2 (P - 1)
+    hand-offs of one microbatch's residual stream shard (fill and drain: ``t_p2p``); the
+    activations of min(P, M) microbatches (the first stage's). Without a pipe key, or with
+    P = 1, the prediction is the 4D one."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown model variant {variant!r}; valid: {', '.join(VARIANTS)}")
     if compute_seconds is not None and variant != "full":
         raise ValueError(f"compute_seconds is for the 'full' model; the '{variant}' model has no compute time")
-    pred = Prediction(dict(sizes))
+    pipe = sizes.get("pipe", 1)
+    micro = pipe if microbatches is None else microbatches
+    if pipe < 1 or micro < 1 or (pipe == 1 and micro != 1):
+        raise ValueError(f"pipe={pipe}, microbatches={micro}: both must be >= 1, and a step is cut into "
+                         f"microbatches only on a pipeline (pipe > 1)")
+    if pipe > 1 and not isinstance(spec, GPTSpec):
+        raise ValueError(f"pipe={pipe}: the pipeline is modelled for par4d's GPT (a GPTSpec) only, whose "
+                         f"stages hand on its residual stream; {spec.name!r} is a recorded module")
+    pred = Prediction(dict(sizes), microbatches=micro)
     reason = spec.check(sizes)
+    if reason is None and pipe > 1 and pipe > spec.n_layer:          # as GPTConfig.stage_blocks
+        reason = f"pipe={pipe}: each stage needs at least one of the n_layer={spec.n_layer} blocks"
     if reason:
         pred.fits, pred.excluded = False, reason
         return pred
+    if pipe > 1:
+        shard = spec.global_batch // (sizes["z"] * sizes["data"])      # sequences per data x z shard
+        if micro > shard:
+            raise ValueError(f"microbatches={micro}: a data x z shard has {shard} sequences (global batch "
+                             f"{spec.global_batch} over z*data={sizes['z'] * sizes['data']}); give 1 to {shard}")
     beta = bandwidths(sizes, machine, aware=variant != "agnostic")
     latency = machine.latency if variant == "full" else 0.0
     b = machine.bytes_per_element
     full = variant == "full"
-    axes = {a: 0.0 for a in AXES4}
+    axes = {a: 0.0 for a in beta}                                       # pipe only where sizes names it
     roles = {r: 0.0 for r in ROLES}
     gathers = 0
     for layer in spec.layers():
-        for (axis, role), t in layer_terms(layer, sizes, beta, b, latency, machine if full else None, not full).items():
+        piece = layer if micro == 1 else replace(layer, m=layer.m / micro)   # the layer on one microbatch's rows
+        for (axis, role), t in layer_terms(piece, sizes, beta, b, latency, machine if full else None, not full).items():
+            # The stage's 1/P of the layers; the data sync once per step, the rest once per microbatch.
+            t *= (1 if role == "sync" else micro) / pipe
             axes[axis] += t
             roles[role] += t
-        gathers += layer.count if sizes["z"] > 1 else 0
+        gathers += layer.count * micro / pipe if sizes["z"] > 1 else 0
     grad_bytes = 0.0
     if full:
         scale = {"all_reduce": 1.0, "all_gather": machine.all_gather_scale,
@@ -236,26 +273,43 @@ def predict(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Mach
         extras = spec.extra_collectives(sizes) + [   # par4d's data sync: one bucketed all-reduce
             ("all_reduce", ("data",), weights / (sizes["x"] * sizes["y"] * sizes["z"]), 1)]
         for kind, axis_group, elements, count in extras:
+            role = _extra_role(kind, axis_group)
+            if role == "sync":
+                elements /= pipe                    # the stage's own parameters, once per step
+            else:
+                count *= micro / pipe               # the stage's share, once per microbatch
+                if axis_group != ("z",):            # over z alone: the embeddings' weights; else activations
+                    elements /= micro
             ranks = 1
             for axis in axis_group:
                 ranks *= sizes[axis]
             slowest = min(beta[a] for a in axis_group) * scale[kind]
             t = ring_time(kind, ranks, elements * b, slowest, latency) * count
             axes[axis_group[-1]] += t
-            roles[_extra_role(kind, axis_group)] += t
+            roles[role] += t
             if "data" in axis_group and kind == "all_reduce" and ranks > 1:
                 grad_bytes += elements * b
+    if pipe > 1:
+        # Fill and drain: P - 1 hand-offs of one microbatch's stream shard (rows, seq, n_embd / G_y) each way.
+        stream = shard / micro * spec.seq_len * spec.hidden / sizes["y"] * b
+        pred.t_p2p = 2 * (pipe - 1) * (latency + stream / beta["pipe"])
+        axes["pipe"] = pred.t_p2p
     pred.t_comm_axes = axes
     pred.t_comm = sum(axes.values())
-    world = sizes["x"] * sizes["y"] * sizes["z"] * sizes["data"]
+    world = sizes["x"] * sizes["y"] * sizes["z"] * sizes["data"] * pipe
     flops = spec.flops_per_iteration(checkpointing)
+    t_stage = 0.0                                                       # one stage's compute per step
     if variant == "full":
         matmul, attention = spec.flops_split(checkpointing)
         per_device = matmul / world + attention * sizes["y"] / world    # attention is replicated over y
-        pred.t_compute = per_device / (machine.peak_flops * machine.efficiency)
+        t_stage = per_device / (machine.peak_flops * machine.efficiency)
         if compute_seconds is not None:
-            pred.t_compute = compute_seconds
-        pred.mem_bytes = spec.memory_per_device(sizes, b, checkpointing)
+            t_stage = compute_seconds
+        pred.t_compute = t_stage * (micro + pipe - 1) / micro           # the pipeline's fill and drain
+        # 1/P of every term, at the batch the first stage holds at once (min(P, M) microbatches):
+        # memory_per_device is linear in the batch.
+        held = spec if pipe == 1 else spec.with_batch(spec.global_batch * min(pipe, micro) / micro)
+        pred.mem_bytes = held.memory_per_device(sizes, b, checkpointing) / pipe
         if pred.mem_bytes > machine.memory_bytes:
             pred.fits = False
             pred.excluded = (f"needs {pred.mem_bytes / 1e9:.1f} GB per device, "
@@ -263,7 +317,8 @@ def predict(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Mach
     pred.t_iter = pred.t_compute + pred.t_comm
     if full and overlap is not None:
         buckets = math.ceil(grad_bytes / overlap.bucket_bytes) + (1 if grad_bytes > 2**20 else 0)
-        pred.t_exposed = exposed_comm(roles, pred.t_compute, overlap, gathers, buckets, checkpointing)
+        # The stage's collectives hide behind its own compute, not behind the bubble; the hand-offs never hide.
+        pred.t_exposed = exposed_comm(roles, t_stage, overlap, gathers, buckets, checkpointing) + pred.t_p2p
         pred.t_iter = pred.t_compute + pred.t_exposed
     if pred.t_iter > 0:
         pred.percent_of_peak = 100 * flops / (pred.t_iter * world * machine.peak_flops)
