@@ -1,0 +1,120 @@
+"""Algorithm 1 of the 4D paper for a 2-D convolution: in-channels play k, out-channels n.
+
+A convolution is a matmul per output pixel whose k is the in-channels times the kernel's
+taps, so the paper's layout carries over: rank g(i, j, l) of a *normal* layer holds the
+input's channel block j (over y) of its samples (over z and data) and Ŵ_{j,i}, the
+(C_out/G_x x C_in/G_y x kh x kw) block of the weight, of which it stores only its 1/G_z
+shard of the out-channels. Forward all-gathers Ŵ over z, convolves its channel block and
+all-reduces the partial sums over the in-axis; backward all-reduces the input gradient
+over the out-axis and reduce-scatters the weight gradient over z. A *transposed* layer
+swaps x and y, so a normal layer's output is a transposed layer's input, as for
+:class:`par4d.nn.Linear`. Activations are ``(B, C / G_in, H, W)``: channels are dim 1.
+
+Every collective here is waited for where it is issued (the overlaps of
+:mod:`par4d.nn.runtime` act on ``Linear`` only).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.grad import conv2d_input, conv2d_weight
+
+from par4d import comm
+from par4d.grid import Grid
+from par4d.layout import Placement, Split, place
+from par4d.nn.base import ShardedModule
+
+
+class _Algorithm1Conv(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, inp, w_shard, bias, layer: Conv2d):
+        grid = layer.grid
+        w = comm.all_gather(grid, w_shard, "z")                   # (C_out/G_out, C_in/G_in, kh, kw)
+        out = F.conv2d(inp, w, None, layer.stride, layer.padding).contiguous()   # partial over the in-axis
+        comm.all_reduce(grid, out, layer.in_axis)
+        if bias is not None:
+            out += bias.view(1, -1, 1, 1)                         # after the sum: counted once
+        ctx.save_for_backward(inp, w)
+        ctx.layer, ctx.has_bias = layer, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        inp, w = ctx.saved_tensors
+        layer = ctx.layer
+        grid = layer.grid
+        grad_out = grad_out.contiguous()
+        grad_in = grad_w_shard = None
+        if ctx.needs_input_grad[0]:
+            grad_in = conv2d_input(inp.shape, w, grad_out, layer.stride, layer.padding).contiguous()
+            comm.all_reduce(grid, grad_in, layer.out_axis)       # partial over the out-axis
+        if ctx.needs_input_grad[1]:
+            grad_w = conv2d_weight(inp, w.shape, grad_out, layer.stride, layer.padding)   # partial over z
+            grad_w_shard = comm.reduce_scatter(grid, grad_w, "z")
+        grad_b = grad_out.sum((0, 2, 3)) if ctx.has_bias else None  # partial over z and data
+        return grad_in, grad_w_shard, grad_b, None
+
+
+class Conv2d(ShardedModule):
+    """``nn.Conv2d`` (groups=1, zero padding, no dilation) with its weight split by Algorithm 1.
+
+    Input ``(B, in_channels / G_in, H, W)``, samples split over data and z; output
+    ``(B, out_channels / G_out, H', W')``, where (G_in, G_out) = (y, x) for a normal layer
+    and (x, y) for ``transposed=True``. Initialization draws the full weight and bias from
+    ``seed`` alone, as ``nn.Conv2d``'s (uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in =
+    in_channels x kh x kw), so the assembled layer is the same on every grid.
+
+    Placement (:mod:`par4d.layout`): the weight's out-channels (dim 0) over the out-axis, then
+    each block's over z (Ŵ); its in-channels (dim 1) over the in-axis; the bias over the
+    out-axis."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int | tuple[int, int], stride: int = 1,
+                 padding: int = 0, bias: bool = True, transposed: bool = False, *, grid: Grid, seed: int = 0,
+                 name: str = "Conv2d", initialize: bool = True):
+        super().__init__()
+        kh, kw = (kernel_size, kernel_size) if isinstance(kernel_size, int) else kernel_size
+        self.in_axis, self.out_axis = ("x", "y") if transposed else ("y", "x")
+        g_in, g_out, g_z = grid.size(self.in_axis), grid.size(self.out_axis), grid.size("z")
+        where = (f"{name}(in_channels={in_channels}, out_channels={out_channels}, kernel_size={(kh, kw)}, "
+                 f"transposed={transposed})")
+        if min(in_channels, out_channels, kh, kw, stride) < 1 or padding < 0:
+            raise ValueError(f"{where}: channels, kernel and stride must be >= 1 and padding >= 0 "
+                             f"(stride={stride}, padding={padding})")
+        if in_channels % g_in:
+            raise ValueError(f"{where}: in_channels={in_channels} is not divisible by {self.in_axis}={g_in}")
+        if out_channels % (g_out * g_z):
+            raise ValueError(f"{where}: out_channels={out_channels} is not divisible by {self.out_axis} * z = "
+                             f"{g_out} * {g_z} = {g_out * g_z}")
+        self.grid, self.transposed = grid, transposed
+        self.in_channels, self.out_channels, self.kernel_size = in_channels, out_channels, (kh, kw)
+        self.stride, self.padding = stride, padding
+        out_split = Split(0, self.out_axis)
+        self.weight = place(nn.Parameter(torch.empty(out_channels // (g_out * g_z), in_channels // g_in, kh, kw,
+                                                     device=grid.device)),
+                            Placement((out_split, Split(1, self.in_axis), Split(0, "z")), grad_sum=("data",)))
+        self.bias = None
+        if bias:
+            self.bias = place(nn.Parameter(torch.empty(out_channels // g_out, device=grid.device)),
+                              Placement((out_split,), grad_sum=("z", "data")))
+        if grid.device.type == "meta" or not initialize:
+            return
+        generator = torch.Generator().manual_seed(seed)
+        bound = 1 / math.sqrt(in_channels * kh * kw)
+        state = {"weight": torch.empty(out_channels, in_channels, kh, kw).uniform_(-bound, bound, generator=generator)}
+        if bias:
+            state["bias"] = torch.empty(out_channels).uniform_(-bound, bound, generator=generator)
+        self.load_full_state(state)
+
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        if self.grid.size(self.in_axis, self.out_axis, "z") == 1:
+            return F.conv2d(inp, self.weight, self.bias, self.stride, self.padding)   # nothing to gather or sum
+        return _Algorithm1Conv.apply(inp, self.weight, self.bias, self)
+
+    def extra_repr(self) -> str:
+        return (f"in_channels={self.in_channels}, out_channels={self.out_channels}, kernel_size={self.kernel_size}, "
+                f"stride={self.stride}, padding={self.padding}, transposed={self.transposed}, "
+                f"bias={self.bias is not None}, shard={tuple(self.weight.shape)}")
