@@ -1,8 +1,11 @@
 """``par4d.parallelize(model, grid)``: Algorithm 1 for a model nobody here wrote.
 
-Every ``nn.Linear`` becomes a :class:`par4d.nn.Linear` holding its shard of the same
-weight and bias, under the same name; every other parameter stays whole on every rank
-(replicated: its gradient is summed over the batch's axes, z and data). Samples are split
+Every ``nn.Linear`` (and Hugging Face's ``Conv1D``, GPT-2's: a linear layer whose weight
+is stored (in, out)) becomes a :class:`par4d.nn.Linear` holding its shard of the same
+weight and bias, under the same name and in the same orientation; every other parameter
+stays whole on every rank (replicated: its gradient is summed over the batch's axes, z
+and data), and so does a layer whose weight is tied to another parameter (the plan says
+so). Samples are split
 over z and data as for par4d's own GPT (``layout.shard_batch``).
 
 Activations between layers this module does not recognise are whole (every feature on
@@ -10,13 +13,13 @@ every rank of x and y), which is correct for any model: a lone layer cuts its in
 features for its in-axis (free) and all-gathers its output's over its out-axis
 (``SplitFeatures`` / ``GatherFeatures``). Where it recognises a feed-forward pair, a
 normal layer then a transposed one with only elementwise work between (an
-``nn.Sequential`` of Linear, activations, Linear; the gated MLPs of Llama-like models:
-``down(act(gate(x)) * up(x))``), the activations stay sharded between the two, as in the
-4D paper's transposed alternation: no collective at that boundary.
+``nn.Sequential`` of Linear, activations, Linear; GPT-2's MLP; the gated MLPs of
+Llama-like models: ``down(act(gate(x)) * up(x))``), the activations stay sharded between
+the two, as in the 4D paper's transposed alternation: no collective at that boundary.
 
-Not yet (docs/architecture.md): attention's projections are lone layers (their heads
-are not split); Hugging Face GPT-2's ``Conv1D``, ``nn.Conv2d`` and ``nn.Embedding`` stay
-replicated; models on the meta device; the planner's communication per step in the plan.
+Not yet (docs/architecture.md): attention's projections are lone layers (their heads are
+not split); ``nn.Conv2d`` and ``nn.Embedding`` stay replicated; models on the meta device;
+the planner's communication per step in the plan.
 """
 
 from __future__ import annotations
@@ -26,17 +29,19 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from par4d.grid import Grid
-from par4d.layout import Placement, place, placement_of
+from par4d.layout import Placement, Split, place, placement_of
 from par4d.nn.base import ShardedModule
 from par4d.nn.collectives import GatherFeatures, SplitFeatures
-from par4d.nn.linear import Linear
+from par4d.nn.linear import Linear, _Algorithm1
 
 TREATMENTS = ("normal", "transposed", "replicated")
 ELEMENTWISE = (nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Identity, nn.Dropout, nn.LeakyReLU)
-# Gated feed-forward blocks by class name: (the layers whose outputs meet elementwise, the layer after).
-GATED = {name: (("gate_proj", "up_proj"), "down_proj") for name in ("LlamaMLP", "MistralMLP", "Qwen2MLP")}
+# Feed-forward blocks by class name: (the layers whose outputs meet elementwise, the layer after).
+PAIRED = {name: (("gate_proj", "up_proj"), "down_proj") for name in ("LlamaMLP", "MistralMLP", "Qwen2MLP")}
+PAIRED["GPT2MLP"] = (("c_fc",), "c_proj")
 REPLICATED = Placement((), grad_sum=("z", "data"))
 
 
@@ -50,18 +55,43 @@ class Treatment:
     shard: tuple[int, ...] | None = None
 
 
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def _sizes(module: nn.Module) -> tuple[int, int]:
+    """(in_features, out_features) of an nn.Linear or a Conv1D (weight (in, out))."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    return module.weight.shape[0], module.weight.shape[1]
+
+
 class AutoLinear(Linear):
-    """A par4d Linear standing where an ``nn.Linear`` was: it takes whole features unless
-    ``sharded_in`` (the transposed half of a pair) and gives whole features unless
-    ``sharded_out`` (the normal half)."""
+    """A par4d Linear standing where an ``nn.Linear`` or a ``Conv1D`` was: it takes whole
+    features unless ``sharded_in`` (the transposed half of a pair) and gives whole features
+    unless ``sharded_out`` (the normal half). ``stored_in_out``: the weight is kept as the
+    Conv1D's (in, out), cut as the transpose of a Linear's (Algorithm 1 gets its transpose,
+    a view)."""
 
     sharded_in: bool = False
     sharded_out: bool = False
+    stored_in_out: bool = False
+
+    def store_in_out(self) -> None:
+        """Keep the weight (in, out), as a Conv1D does, with the same shards transposed."""
+        local = self.weight.detach().t().contiguous()
+        self.weight = place(nn.Parameter(local), Placement((Split(1, self.out_axis), Split(0, self.in_axis),
+                                                            Split(1, "z")), grad_sum=("data",)))
+        self.stored_in_out = True
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
         if not self.sharded_in:
             inp = SplitFeatures.apply(inp, self.grid, self.in_axis)
-        out = super().forward(inp)
+        weight = self.weight.t() if self.stored_in_out else self.weight     # (out, in) shard either way
+        if self.grid.size(self.in_axis, self.out_axis, "z") == 1:
+            out = F.linear(inp, weight, self.bias)
+        else:
+            out = _Algorithm1.apply(inp, weight, self.bias, self)
         return out if self.sharded_out else GatherFeatures.apply(out, self.grid, self.out_axis)
 
 
@@ -70,8 +100,8 @@ def _pairs(model: nn.Module) -> dict[str, str]:
     out: dict[str, str] = {}
     for prefix, module in model.named_modules():
         at = f"{prefix}." if prefix else ""
-        gated = GATED.get(type(module).__name__)
-        if gated and all(isinstance(getattr(module, n, None), nn.Linear) for n in (*gated[0], gated[1])):
+        gated = PAIRED.get(type(module).__name__)
+        if gated and all(_is_linear(getattr(module, n, nn.Identity())) for n in (*gated[0], gated[1])):
             out.update({f"{at}{n}": "normal" for n in gated[0]} | {f"{at}{gated[1]}": "transposed"})
         if isinstance(module, nn.Sequential):
             children = list(module.named_children())
@@ -106,26 +136,32 @@ def parallelize(model: nn.Module, grid: Grid, *, force: dict[str, str] | None = 
     if bad:
         raise ValueError(f"parallelize: unknown treatment {bad[0]!r}; give one of {', '.join(TREATMENTS)}")
     pairs = _pairs(model)
-    shared: dict[int, str] = {}
+    names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in shared:
-            raise ValueError(f"parallelize: {name} is the same tensor as {shared[id(param)]} (tied weights), "
-                             f"which par4d cannot shard apart yet")
-        shared[id(param)] = name
+        names.setdefault(id(param), []).append(name)
     plan: list[Treatment] = []
     for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear):
+        if not _is_linear(module):
             continue
         kind, why = _forced(name, force), "forced"
-        if kind is None:
+        tied = [n for n in names[id(module.weight)] if n != f"{name}.weight"]
+        if tied and kind not in (None, "replicated"):
+            raise ValueError(f"parallelize: {name} is forced {kind}, but its weight is tied to {tied[0]}, "
+                             f"which par4d cannot shard apart")
+        if tied:
+            kind, why = "replicated", f"its weight is tied to {tied[0]}: kept whole"
+        elif kind is None:
             kind = pairs.get(name, "normal")
             why = (f"the {kind} half of a feed-forward pair: activations stay sharded between them"
                    if name in pairs else "a lone layer: whole features in and out")
         if kind == "replicated":
             plan.append(Treatment(name, kind, why))
             continue
-        layer = AutoLinear(module.in_features, module.out_features, module.bias is not None, kind == "transposed",
+        in_features, out_features = _sizes(module)
+        layer = AutoLinear(in_features, out_features, module.bias is not None, kind == "transposed",
                            grid=grid, name=name, initialize=False)
+        if not isinstance(module, nn.Linear):
+            layer.store_in_out()
         paired = name in pairs and why != "forced"
         layer.sharded_out, layer.sharded_in = paired and kind == "normal", paired and kind == "transposed"
         state = {"weight": module.weight}
@@ -135,6 +171,7 @@ def parallelize(model: nn.Module, grid: Grid, *, force: dict[str, str] | None = 
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer)
         plan.append(Treatment(name, kind, why, tuple(layer.weight.shape)))
+        names[id(layer.weight)] = [f"{name}.weight"]
     for param in model.parameters():
         if placement_of(param) is None:        # whole on every rank: its gradient is summed over z and data
             place(param, REPLICATED)

@@ -45,6 +45,15 @@ def _llama():
     return LlamaForCausalLM(config).float()
 
 
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)   # the head is tied to wte
+    return GPT2LMHeadModel(config).float()
+
+
 def _llama_batch(gen):
     ids = torch.randint(0, 64, (8, 6), generator=gen)
     return ids, ids
@@ -58,7 +67,7 @@ def _run(model, x, y):
 
 def _matches(sizes: dict, which: str) -> dict:
     grid = cases.grid(**sizes)
-    twin = _Plain() if which == "plain" else _llama()
+    twin = {"plain": _Plain, "llama": _llama, "gpt2": _gpt2}[which]()
     model = par4d.parallelize(copy.deepcopy(twin), grid)
     batches = _plain_batch if which == "plain" else _llama_batch
     # eps 1e-4: AdamW would turn fp32 round-off in near-zero gradients into a whole step's difference
@@ -85,7 +94,7 @@ def _matches(sizes: dict, which: str) -> dict:
     worst["far"] += [f"{n} after {STEPS} steps" for n, p in twin.named_parameters()
                      if not torch.allclose(after[n], p, rtol=1e-5, atol=1e-5)]
     worst["plan"] = [(t.name, t.kind) for t in model.par4d_plan]
-    worst["names"] = sorted(after) == sorted(n for n, _ in twin.named_parameters())
+    worst["names"] = sorted(after) == sorted(n for n, _ in twin.named_parameters(remove_duplicate=False))
     return worst
 
 
@@ -109,8 +118,19 @@ def test_llama_4_ranks(pool4, sizes):
     assert len(plan) == 2 * 7 + 1        # q, k, v, o, gate, up, down per layer, and the head
 
 
-def test_llama_8_ranks(pool8):
-    _check(pool8.run(_matches, dict(x=2, y=2, z=2), "llama"))
+@pytest.mark.parametrize("sizes", [dict(x=2, z=2), dict(x=2, y=2)], ids=["x2z2", "x2y2"])
+def test_gpt2_4_ranks(pool4, sizes):
+    """GPT-2's Conv1D layers (weights stored (in, out)); its head is tied to the embeddings,
+    so it stays whole, and the plan says why."""
+    plan = {name: kind for name, kind in _check(pool4.run(_matches, sizes, "gpt2"))["plan"]}
+    assert plan["transformer.h.0.mlp.c_fc"] == "normal" and plan["transformer.h.0.mlp.c_proj"] == "transposed"
+    assert plan["transformer.h.0.attn.c_attn"] == plan["transformer.h.0.attn.c_proj"] == "normal"
+    assert plan["lm_head"] == "replicated"
+
+
+@pytest.mark.parametrize("which", ["llama", "gpt2"])
+def test_8_ranks(pool8, which):
+    _check(pool8.run(_matches, dict(x=2, y=2, z=2), which))
 
 
 def test_bad_input_is_named():
@@ -119,16 +139,23 @@ def test_bad_input_is_named():
         par4d.parallelize(_Head(), grid)
     with pytest.raises(ValueError, match="unknown treatment 'sharded'"):
         par4d.parallelize(_Plain(), grid, force={"head": "sharded"})
-    tied = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    tied[1].weight = tied[0].weight
-    with pytest.raises(ValueError, match="1.weight is the same tensor as 0.weight"):
-        par4d.parallelize(tied, grid)
 
 
 class _Head(nn.Module):
     def __init__(self):
         super().__init__()
         self.head = nn.Linear(12, 6)
+
+
+def test_gpt2_plan_keeps_conv1d_orientation():
+    grid = par4d.Grid.virtual({"x": 2, "y": 1, "z": 2})
+    model = par4d.parallelize(_gpt2(), grid, force={"*.attn.c_attn": "transposed"})
+    fc = model.transformer.h[0].mlp.c_fc                           # Conv1D(3072-like): weight (in=32, out=128)
+    assert fc.stored_in_out and tuple(fc.weight.shape) == (32, 128 // 4)
+    tied = next(t for t in model.par4d_plan if t.name == "lm_head")
+    assert tied.why == "its weight is tied to transformer.wte.weight: kept whole"
+    with pytest.raises(ValueError, match="lm_head is forced normal, but its weight is tied to transformer.wte.weight"):
+        par4d.parallelize(_gpt2(), grid, force={"lm_head": "normal"})
 
 
 def test_force_keeps_a_layer_whole():
