@@ -2,9 +2,10 @@
 
 from importlib import import_module
 
-__all__ = ["GPT", "GPTConfig", "ReferenceGPT"]
+__all__ = ["GPT", "GPTConfig", "ReferenceGPT", "ReferenceUNet", "UNet", "UNetConfig"]
 
-_LAZY = {"GPT": "par4d.models.gpt", "GPTConfig": "par4d.models.config", "ReferenceGPT": "par4d.models.reference"}
+_LAZY = {"GPT": "par4d.models.gpt", "GPTConfig": "par4d.models.config", "ReferenceGPT": "par4d.models.reference",
+         "UNet": "par4d.models.unet", "UNetConfig": "par4d.models.unet", "ReferenceUNet": "par4d.models.unet"}
 
 
 def __getattr__(name: str):
