@@ -1,12 +1,13 @@
 """``par4d.parallelize(model, grid)``: Algorithm 1 for a model nobody here wrote.
 
 Every ``nn.Linear`` (and Hugging Face's ``Conv1D``, GPT-2's: a linear layer whose weight
-is stored (in, out)) becomes a :class:`par4d.nn.Linear` holding its shard of the same
+is stored (in, out)) becomes a :class:`par4d.nn.Linear`, every ``nn.Conv2d`` a
+:class:`par4d.nn.Conv2d` (channels in dim 1 play features), holding its shard of the same
 weight and bias, under the same name and in the same orientation; every other parameter
 stays whole on every rank (replicated: its gradient is summed over the batch's axes, z
 and data), and so does a layer whose weight is tied to another parameter (the plan says
-so). Samples are split
-over z and data as for par4d's own GPT (``layout.shard_batch``).
+so). Samples are split over z and data as for par4d's own GPT (``layout.shard_batch``), so
+a batch norm, whose statistics would be those of a rank's samples, is refused there.
 
 Activations between layers this module does not recognise are whole (every feature on
 every rank of x and y), which is correct for any model: a lone layer cuts its input's
@@ -18,7 +19,8 @@ Llama-like models: ``down(act(gate(x)) * up(x))``), the activations stay sharded
 the two, as in the 4D paper's transposed alternation: no collective at that boundary.
 
 Not yet (docs/architecture.md): attention's projections are lone layers (their heads are
-not split); ``nn.Conv2d`` and ``nn.Embedding`` stay replicated; models on the meta device;
+not split); ``nn.Embedding`` stays replicated (so do norms: batch norm's statistics
+would be those of this rank's samples); models on the meta device;
 the planner's communication per step in the plan.
 """
 
@@ -35,6 +37,7 @@ from par4d.grid import Grid
 from par4d.layout import Placement, Split, place, placement_of
 from par4d.nn.base import ShardedModule
 from par4d.nn.collectives import GatherFeatures, SplitFeatures
+from par4d.nn.conv import Conv2d
 from par4d.nn.linear import Linear, _Algorithm1
 
 TREATMENTS = ("normal", "transposed", "replicated")
@@ -95,6 +98,34 @@ class AutoLinear(Linear):
         return out if self.sharded_out else GatherFeatures.apply(out, self.grid, self.out_axis)
 
 
+class AutoConv2d(Conv2d):
+    """A par4d Conv2d standing where an ``nn.Conv2d`` was; whole channels (dim 1) in and out
+    unless ``sharded_in`` / ``sharded_out``, as :class:`AutoLinear`'s features."""
+
+    sharded_in: bool = False
+    sharded_out: bool = False
+
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        if not self.sharded_in:
+            inp = SplitFeatures.apply(inp.movedim(1, -1), self.grid, self.in_axis).movedim(-1, 1)
+        out = super().forward(inp.contiguous())
+        if self.sharded_out:
+            return out
+        return GatherFeatures.apply(out.movedim(1, -1), self.grid, self.out_axis).movedim(-1, 1)
+
+
+def _conv2d(module: nn.Conv2d, name: str, kind: str, grid: Grid) -> AutoConv2d:
+    """The par4d convolution for ``module``; what it cannot represent raises, naming it."""
+    square = [v[0] for v in (module.stride, module.padding) if isinstance(v, tuple) and len(set(v)) == 1]
+    if (module.groups != 1 or module.dilation != (1, 1) or module.padding_mode != "zeros" or len(square) != 2):
+        raise ValueError(f"parallelize: {name} is nn.Conv2d(groups={module.groups}, dilation={module.dilation}, "
+                         f"padding={module.padding}, stride={module.stride}, padding_mode={module.padding_mode!r}); "
+                         f"par4d's Conv2d takes groups=1, no dilation, zero padding and equal strides and paddings "
+                         f"(force it replicated to keep it whole)")
+    return AutoConv2d(module.in_channels, module.out_channels, module.kernel_size, square[0], square[1],
+                      module.bias is not None, kind == "transposed", grid=grid, name=name, initialize=False)
+
+
 def _pairs(model: nn.Module) -> dict[str, str]:
     """{layer name: normal or transposed} for the feed-forward pairs this module recognises."""
     out: dict[str, str] = {}
@@ -106,12 +137,12 @@ def _pairs(model: nn.Module) -> dict[str, str]:
         if isinstance(module, nn.Sequential):
             children = list(module.named_children())
             for i, (name, child) in enumerate(children):
-                if not isinstance(child, nn.Linear) or f"{at}{name}" in out:
+                if not isinstance(child, (nn.Linear, nn.Conv2d)) or f"{at}{name}" in out:
                     continue
                 j = i + 1
                 while j < len(children) and isinstance(children[j][1], ELEMENTWISE):
                     j += 1
-                if j < len(children) and isinstance(children[j][1], nn.Linear):
+                if j < len(children) and type(children[j][1]) is type(child):     # Linear-Linear, Conv2d-Conv2d
                     out[f"{at}{name}"], out[f"{at}{children[j][0]}"] = "normal", "transposed"
     return out
 
@@ -135,13 +166,19 @@ def parallelize(model: nn.Module, grid: Grid, *, force: dict[str, str] | None = 
     bad = [k for k in force.values() if k not in TREATMENTS]
     if bad:
         raise ValueError(f"parallelize: unknown treatment {bad[0]!r}; give one of {', '.join(TREATMENTS)}")
+    if grid.size("z", "data") > 1:
+        norms = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        if norms:
+            raise ValueError(f"parallelize: {norms[0]} is a batch norm, whose statistics would be those of one "
+                             f"rank's samples (the batch is split over z*data={grid.size('z', 'data')}); par4d "
+                             f"cannot synchronise them yet: use z=data=1, or a norm over features")
     pairs = _pairs(model)
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
     plan: list[Treatment] = []
     for name, module in list(model.named_modules()):
-        if not _is_linear(module):
+        if not (_is_linear(module) or isinstance(module, nn.Conv2d)):
             continue
         kind, why = _forced(name, force), "forced"
         tied = [n for n in names[id(module.weight)] if n != f"{name}.weight"]
@@ -157,11 +194,14 @@ def parallelize(model: nn.Module, grid: Grid, *, force: dict[str, str] | None = 
         if kind == "replicated":
             plan.append(Treatment(name, kind, why))
             continue
-        in_features, out_features = _sizes(module)
-        layer = AutoLinear(in_features, out_features, module.bias is not None, kind == "transposed",
-                           grid=grid, name=name, initialize=False)
-        if not isinstance(module, nn.Linear):
-            layer.store_in_out()
+        if isinstance(module, nn.Conv2d):
+            layer = _conv2d(module, name, kind, grid)
+        else:
+            in_features, out_features = _sizes(module)
+            layer = AutoLinear(in_features, out_features, module.bias is not None, kind == "transposed",
+                               grid=grid, name=name, initialize=False)
+            if not isinstance(module, nn.Linear):
+                layer.store_in_out()
         paired = name in pairs and why != "forced"
         layer.sharded_out, layer.sharded_in = paired and kind == "normal", paired and kind == "transposed"
         state = {"weight": module.weight}

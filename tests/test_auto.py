@@ -32,6 +32,25 @@ class _Plain(nn.Module):
         return nn.functional.cross_entropy(self.head(self.norm(x + self.ff(x))).flatten(0, 1), y.flatten())
 
 
+class _ConvNet(nn.Module):
+    """Convolutions: a pair in a Sequential (the second with stride 2), a lone 1x1, a Linear head."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.features = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, 2, 1))
+        self.mix = nn.Conv2d(8, 4, 1)
+        self.head = nn.Linear(4 * 3 * 3, 8)
+
+    def forward(self, x, y):
+        h = self.mix(torch.tanh(self.features(x)))
+        return nn.functional.cross_entropy(self.head(h.flatten(1)), y)
+
+
+def _conv_batch(gen):
+    return torch.randn(8, 4, 6, 6, generator=gen), torch.randint(0, 8, (8,), generator=gen)
+
+
 def _plain_batch(gen):
     return torch.randn(8, 3, 12, generator=gen), torch.randint(0, 8, (8, 3), generator=gen)
 
@@ -60,16 +79,16 @@ def _llama_batch(gen):
 
 
 def _run(model, x, y):
-    if isinstance(model, _Plain):
+    if isinstance(model, (_Plain, _ConvNet)):
         return model(x, y)
     return model(input_ids=x, labels=y).loss
 
 
 def _matches(sizes: dict, which: str) -> dict:
     grid = cases.grid(**sizes)
-    twin = {"plain": _Plain, "llama": _llama, "gpt2": _gpt2}[which]()
+    twin = {"plain": _Plain, "conv": _ConvNet, "llama": _llama, "gpt2": _gpt2}[which]()
     model = par4d.parallelize(copy.deepcopy(twin), grid)
-    batches = _plain_batch if which == "plain" else _llama_batch
+    batches = {"plain": _plain_batch, "conv": _conv_batch}.get(which, _llama_batch)
     # eps 1e-4: AdamW would turn fp32 round-off in near-zero gradients into a whole step's difference
     opt_twin = torch.optim.AdamW(twin.parameters(), lr=1e-2, eps=1e-4)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
@@ -128,7 +147,13 @@ def test_gpt2_4_ranks(pool4, sizes):
     assert plan["lm_head"] == "replicated"
 
 
-@pytest.mark.parametrize("which", ["llama", "gpt2"])
+@pytest.mark.parametrize("sizes", [dict(x=2, z=2), dict(y=2, data=2)], ids=["x2z2", "y2d2"])
+def test_convolutions_4_ranks(pool4, sizes):
+    plan = _check(pool4.run(_matches, sizes, "conv"))["plan"]
+    assert plan == [("features.0", "normal"), ("features.2", "transposed"), ("mix", "normal"), ("head", "normal")]
+
+
+@pytest.mark.parametrize("which", ["llama", "gpt2", "conv"])
 def test_8_ranks(pool8, which):
     _check(pool8.run(_matches, dict(x=2, y=2, z=2), which))
 
@@ -156,6 +181,20 @@ def test_gpt2_plan_keeps_conv1d_orientation():
     assert tied.why == "its weight is tied to transformer.wte.weight: kept whole"
     with pytest.raises(ValueError, match="lm_head is forced normal, but its weight is tied to transformer.wte.weight"):
         par4d.parallelize(_gpt2(), grid, force={"lm_head": "normal"})
+
+
+def test_what_par4d_cannot_shard_is_refused():
+    grid = par4d.Grid.virtual({"x": 2, "y": 1, "z": 2})
+    with pytest.raises(ValueError, match=r"features.0 is nn.Conv2d\(groups=2.*force it replicated"):
+        par4d.parallelize(_Wrap(nn.Conv2d(4, 8, 3, groups=2)), grid)
+    with pytest.raises(ValueError, match=r"features.1 is a batch norm.*z\*data=2"):
+        par4d.parallelize(_Wrap(nn.Conv2d(4, 8, 3), nn.BatchNorm2d(8)), grid)
+
+
+class _Wrap(nn.Module):
+    def __init__(self, *layers):
+        super().__init__()
+        self.features = nn.Sequential(*layers)
 
 
 def test_force_keeps_a_layer_whole():
