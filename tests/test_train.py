@@ -389,3 +389,30 @@ def test_mixed_precision_run_resumes_in_another_precision(tmp_path):
     result = _train("--resume", str(half), "--precision", "fp32", "--steps", "6")
     assert "--precision fp32 replaces the run's fp16 from step 4" in result.stdout
     assert _losses(half) == pytest.approx(_losses(full), rel=1e-2)
+
+
+def test_hugging_face_models_train_as_one_rank(tmp_path):
+    """`--model hf-gpt2` on x=2,z=2 and `--model hf-llama` on x=2,y=2, resumed on z=2,data=2:
+    the losses of the one-rank runs to fp32 rounding (par4d.parallelize inside the loop;
+    its checkpoint moves between grids like the GPT's)."""
+    common = ["--n-layer", "2", "--n-embd", "32", "--n-head", "4", "--batch-size", "8", "--seq-len", "16",
+              "--no-progress"]
+    runs = {name: tmp_path / name for name in ("gpt2-1", "gpt2-4", "llama-1", "llama-4")}
+    _train("--model", "hf-gpt2", "--nproc", "1", *common, "--steps", "4", "--out", str(runs["gpt2-1"]))
+    result = _train("--model", "hf-gpt2", "--grid", "x=2,z=2", *common, "--steps", "4", "--out", str(runs["gpt2-4"]))
+    assert "hf-gpt2: Hugging Face's, made parallel by par4d.parallelize" in result.stdout
+    assert _losses(runs["gpt2-4"]) == pytest.approx(_losses(runs["gpt2-1"]), rel=1e-5)
+    _train("--model", "hf-llama", "--nproc", "1", *common, "--steps", "6", "--out", str(runs["llama-1"]))
+    _train("--model", "hf-llama", "--grid", "x=2,y=2", *common, "--steps", "4", "--out", str(runs["llama-4"]))
+    _train("--resume", str(runs["llama-4"]), "--grid", "z=2,data=2", "--steps", "6")
+    assert _losses(runs["llama-4"]) == pytest.approx(_losses(runs["llama-1"]), rel=1e-5)
+    with pytest.raises(ValueError, match="trained --model hf-gpt2, a Hugging Face model already"):
+        from par4d.train.hf import export_hf
+
+        export_hf(runs["gpt2-4"], tmp_path / "exported")
+
+
+def test_hugging_face_models_refuse_what_is_for_the_gpt(tmp_path, capsys):
+    assert main(["train", "--model", "hf-llama", "--grid", "pipe=2", "--nproc", "2", *SMALL,
+                 "--out", str(tmp_path / "run")]) == 2
+    assert "--model hf-llama: --grid pipe=2 is for par4d's GPT (--model gpt)" in capsys.readouterr().err

@@ -21,7 +21,7 @@ def _help(name: str, text: str = "") -> str:
 
 
 # A resumed run keeps these (they decide the model and its batches); it takes HONOURED ones when given.
-FIXED = ("batch_size", "seq_len", "n_layer", "n_embd", "n_head", "mlp", "phantom_k", "seed")
+FIXED = ("model", "batch_size", "seq_len", "n_layer", "n_embd", "n_head", "mlp", "phantom_k", "seed")
 HONOURED = ("lr", "grad_clip", "save_every", "keep", "overlap", "recompute", "microbatches", "pipeline_limit",
             "precision", "grad_reduce", "offload_bsize")
 
@@ -51,6 +51,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--data", default=None,
                    help="a UTF-8 text file (default: Python's bundled docs); a resumed run checks it is the same")
     model = p.add_argument_group("model and batch (a resumed run keeps its own: a different value is refused)")
+    model.add_argument("--model", choices=["gpt", "hf-gpt2", "hf-llama"], default=None,
+                       help=_help("model", "par4d's GPT, or Hugging Face's GPT-2 or Llama built from the sizes "
+                                           "below and made parallel by par4d.parallelize"))
     model.add_argument("--batch-size", type=int, default=None, help=_help("batch_size", "global batch, in sequences"))
     model.add_argument("--seq-len", type=int, default=None, help=_help("seq_len"))
     model.add_argument("--n-layer", type=int, default=None, help=_help("n_layer"))
@@ -204,13 +207,13 @@ def _config(args: argparse.Namespace, world: int, inside: bool):
     """The run's ``TrainConfig``; every error a rank would raise on its grid is raised here, before any starts."""
     from par4d.grid import Grid, validate_sizes
     from par4d.train.data import BUNDLED, read_corpus
-    from par4d.train.model import build_gpt
+    from par4d.train.model import build_model
 
     config = _resumed_config(args, world, inside) if args.resume else _new_config(args, world, inside)
     sizes = validate_sizes(config.grid, world)
     last_stage = world - world // sizes["pipe"]        # the first rank of the last pipeline stage (head, loss)
     for rank in sorted({0, last_stage}):               # every rank's shape errors
-        build_gpt(config.model_config(), Grid.virtual(sizes, rank), config.recompute_every())
+        build_model(config, Grid.virtual(sizes, rank))
     if config.batch_size % (sizes["data"] * sizes["z"]):
         raise ValueError(f"--batch-size {config.batch_size} is not divisible by data * z = "
                          f"{sizes['data']} * {sizes['z']} = {sizes['data'] * sizes['z']}")
@@ -233,8 +236,8 @@ def _grid(args: argparse.Namespace, world: int, inside: bool, dims: dict) -> tup
 
     if args.grid != "auto":
         return (parse_grid(args.grid) if args.grid else default_grid(world)), None
-    if dims["mlp"] != "dense":
-        raise ValueError("--grid auto plans the dense GPT only; give --grid for --mlp phantom")
+    if dims["mlp"] != "dense" or dims.get("model", "gpt") != "gpt":
+        raise ValueError("--grid auto plans par4d's dense GPT only; give --grid for --mlp phantom or --model hf-*")
     return planned_grid(world, machine=args.machine, inside=inside, report=_say,
                         **{k: dims[k] for k in ("n_layer", "n_embd", "n_head", "seq_len", "batch_size")})
 
@@ -297,7 +300,7 @@ def _resumed_config(args: argparse.Namespace, world: int, inside: bool):
     if args.init_from is not None:
         raise ValueError(f"--resume {run_dir} starts from the run's checkpoint; --init-from applies to a new run only")
     folder, meta = check_resumable(run_dir, report=_say)    # the newest intact checkpoint
-    saved = meta["train_config"]
+    saved = {"model": "gpt", **meta["train_config"]}       # runs saved before --model trained the GPT
     for name in FIXED:
         given = getattr(args, name)
         if given is not None and given != saved[name]:
@@ -355,12 +358,18 @@ def _communication(summary: dict) -> str:
             f"{hidden:.0f}% hidden, exposed = {share:.0f}% of the step")
 
 
+def _model_line(summary: dict) -> str:
+    model = summary.get("model", "gpt")
+    return "par4d's GPT" if model == "gpt" else f"{model}: Hugging Face's, made parallel by par4d.parallelize"
+
+
 def _print_summary(summary: dict) -> None:
     from par4d.grid import AXES
 
     grid = " ".join(f"{a}={summary['grid'][a]}" for a in AXES)
     rows = [
         ("grid", f"{grid}  ({summary['world_size']} ranks)"),
+        ("model", _model_line(summary)),
         ("parameters", f"{summary['params']:,}"),
         ("steps", f"{summary['start_step']} -> {summary['steps']}" + _resumed(summary)),
         ("tokens/s", f"{summary['tokens_per_s']:,.0f}"),

@@ -9,6 +9,7 @@ from par4d.models.config import GPTConfig
 from par4d.overlap import Overlap, parse_recompute
 
 VOCAB_BYTES = 256   # byte-level tokens
+MODELS = ("gpt", "hf-gpt2", "hf-llama")   # --model: par4d's GPT, or Hugging Face's through par4d.parallelize
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class TrainConfig:
     n_layer: int = 4
     n_embd: int = 128
     n_head: int = 4
+    model: str = "gpt"
     mlp: str = "dense"
     phantom_k: int = 16
     lr: float = 3e-3
@@ -52,6 +54,16 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.model not in MODELS:
+            raise ValueError(f"--model {self.model!r}: give one of {', '.join(MODELS)}")
+        if self.model != "gpt":
+            given = [flag for flag, on in ((f"--grid pipe={self.grid.get('pipe', 1)}", self.grid.get("pipe", 1) > 1),
+                                            (f"--mlp {self.mlp}", self.mlp != "dense"),
+                                            (f"--recompute {self.recompute}", self.recompute != "none"),
+                                            (f"--init-from hf {self.init_from}", self.init_from is not None)) if on]
+            if given:
+                raise ValueError(f"--model {self.model}: {given[0]} is for par4d's GPT (--model gpt); a Hugging Face "
+                                 f"model trains without a pipeline, phantom MLPs, recomputation or --init-from")
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"--precision {self.precision!r}: give fp32, bf16 or fp16")
         if self.offload_bsize is not None and (self.precision == "fp32" or self.offload_bsize < 1):

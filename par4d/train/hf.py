@@ -330,6 +330,10 @@ def export_hf(source: Path, out: Path, force: bool = False,
     _check_out(out, force)
     folder = find_checkpoint(source, report)
     meta = checkpoint.read_meta(folder)
+    trained = meta.get("train_config", {}).get("model", "gpt")
+    if trained != "gpt":
+        raise ValueError(f"run {source} trained --model {trained}, a Hugging Face model already: export is for "
+                         f"par4d's GPT (--model gpt); its checkpoint holds the model's own parameter names")
     config = _model_config(folder, meta)
     _check_dense(config, f"run {source} (checkpoint {folder.name})")
     full = _full_tensors(folder, param_shapes(config))

@@ -19,7 +19,6 @@ from par4d.data_parallel import global_mean
 from par4d.launch import distributed_env, init
 from par4d.layout import shard_batch
 from par4d.ledger import in_flight_seconds
-from par4d.models import GPT
 from par4d.perf import cpu_cores, measure_matmul_peak, threads_per_rank
 from par4d.pipeline import evaluate_pipeline
 from par4d.precision import MixedPrecision, parse_precision
@@ -28,7 +27,7 @@ from par4d.train.config import TrainConfig
 from par4d.train.data import Batches, as_tokens, read_corpus
 from par4d.train.faults import Faults
 from par4d.train.hf import load_hf
-from par4d.train.model import build_gpt
+from par4d.train.model import build_model
 from par4d.train.rank0 import on_rank0
 from par4d.train.step import train_step
 from par4d.train.stop import StopRequest
@@ -60,7 +59,7 @@ def run(config: TrainConfig, stop: StopRequest) -> dict:
         config = replace(config, resume=chosen is not None, checkpoint=chosen)
 
     model_config = config.model_config()
-    model = build_gpt(model_config, grid, config.recompute_every())
+    model = build_model(config, grid)
     if config.init_from and not config.resume:   # a Hugging Face model's weights; each rank reads its shards
         load_hf(Path(config.init_from), grid, model)
     def adamw(params):
@@ -152,11 +151,14 @@ def run(config: TrainConfig, stop: StopRequest) -> dict:
         history = _read_metrics(out / "metrics.jsonl")
         steady = rates[1:] if len(rates) > 1 else rates   # the first step includes one-time warm-up
         tokens_per_s = sum(steady) / len(steady) if steady else 0.0
-        flops = model_config.flops_per_token() * tokens_per_s
+        # par4d's GPT: its config's count; a Hugging Face model: counted when it was built
+        flops_per_token = getattr(model, "flops_per_token", None) or model_config.flops_per_token()
+        flops = flops_per_token * tokens_per_s
         steady_comm = steps_comm[1:] if len(steps_comm) > 1 else steps_comm
         issued, exposed, step_s = (sum(c[i] for c in steady_comm) / max(1, len(steady_comm)) for i in range(3))
         summary = {
-            "grid": grid.sizes, "world_size": grid.world_size, "params": model_config.num_params(),
+            "grid": grid.sizes, "world_size": grid.world_size, "model": config.model,
+            "params": getattr(model, "num_params", None) or model_config.num_params(),
             "steps": config.steps, "start_step": start_step, "resumed_from": resumed_from,
             "grid_changed": resumed_from is not None and resumed_from["grid"] != grid.sizes,
             "tokens_per_s": tokens_per_s,
@@ -213,7 +215,7 @@ def _progress_bar(config: TrainConfig, grid, start_step: int):
 
 
 @torch.no_grad()
-def _evaluate(model: GPT, grid, batches: Batches, count: int) -> float:
+def _evaluate(model: torch.nn.Module, grid, batches: Batches, count: int) -> float:
     total = 0.0
     for index in range(count):
         inputs, targets = batches.val_batch(index)

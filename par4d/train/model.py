@@ -1,4 +1,5 @@
-"""The model a run trains: par4d's GPT with the MLP its config names, and its twin.
+"""The model a run trains: par4d's GPT with the MLP its config names, and its twin; or a
+Hugging Face causal language model through ``par4d.parallelize`` (``--model``).
 
 The one place that maps ``GPTConfig.mlp`` to an MLP factory: models cannot (phantom
 layers are built on top of them), so the training floor, which knows both, does.
@@ -6,9 +7,15 @@ layers are built on top of them), so the training floor, which knows both, does.
 
 from __future__ import annotations
 
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from par4d.auto import parallelize
 from par4d.grid import Grid
 from par4d.models import GPT, GPTConfig, ReferenceGPT
 from par4d.phantom.mlp import PhantomMLP, PhantomMLPTwin
+from par4d.train.config import VOCAB_BYTES, TrainConfig
 
 
 def build_gpt(config: GPTConfig, grid: Grid, recompute: int = 0) -> GPT:
@@ -20,3 +27,57 @@ def build_gpt(config: GPTConfig, grid: Grid, recompute: int = 0) -> GPT:
 def build_reference(config: GPTConfig, init: bool = True) -> ReferenceGPT:
     """The single-device twin of :func:`build_gpt`'s model."""
     return ReferenceGPT(config, init=init, mlp=PhantomMLPTwin if config.mlp == "phantom" else None)
+
+
+class CausalLM(nn.Module):
+    """A Hugging Face causal language model as the training loop calls a model:
+    ``forward(idx, targets)`` is the mean cross-entropy over this rank's tokens (``targets``
+    are already the next tokens), without targets the logits. ``flops_per_token`` and
+    ``num_params`` are the whole model's (counted before it was parallelized)."""
+
+    def __init__(self, lm: nn.Module, flops_per_token: float, num_params: int):
+        super().__init__()
+        self.lm, self.flops_per_token, self.num_params = lm, flops_per_token, num_params
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.lm(input_ids=idx).logits
+        return logits if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def hf_lm(config: TrainConfig) -> nn.Module:
+    """The Hugging Face model ``config.model`` names, at the run's sizes, in fp32, its
+    initial weights drawn from ``config.seed`` (the same on every rank)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(config.seed)          # transformers draws initial weights from torch's generator
+    if config.model == "hf-gpt2":
+        hf = GPT2Config(vocab_size=VOCAB_BYTES, n_positions=config.seq_len, n_embd=config.n_embd,
+                        n_layer=config.n_layer, n_head=config.n_head, resid_pdrop=0.0, embd_pdrop=0.0,
+                        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        return GPT2LMHeadModel(hf).float()
+    hf = LlamaConfig(vocab_size=VOCAB_BYTES, hidden_size=config.n_embd, intermediate_size=4 * config.n_embd,
+                     num_hidden_layers=config.n_layer, num_attention_heads=config.n_head,
+                     num_key_value_heads=config.n_head // 2 if config.n_head % 2 == 0 else config.n_head,
+                     max_position_embeddings=config.seq_len, bos_token_id=0, eos_token_id=0)
+    return LlamaForCausalLM(hf).float()
+
+
+def _linear_weights(model: nn.Module) -> int:
+    return sum(m.weight.numel() for m in model.modules()
+               if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D")
+
+
+def build_model(config: TrainConfig, grid: Grid) -> nn.Module:
+    """The model a run trains on ``grid``: par4d's GPT (``--model gpt``), or the Hugging Face
+    model made parallel by ``par4d.parallelize``. On a virtual grid (meta device) only the
+    shapes are built: what the CLI checks before any rank starts."""
+    if config.model == "gpt":
+        return build_gpt(config.model_config(), grid, config.recompute_every())
+    with torch.device("meta" if grid.device.type == "meta" else "cpu"):
+        lm = hf_lm(config)
+    # Training FLOPs per token: 6 per matmul weight (forward and backward), plus attention's
+    # scores (the GPT's count, the same for both: causal attention over seq_len tokens).
+    attention = config.model_config().attention_flops_per_token(recompute=False)
+    flops = 6 * _linear_weights(lm) + attention
+    params = sum(p.numel() for p in lm.parameters())
+    return CausalLM(parallelize(lm, grid), flops, params)
