@@ -23,6 +23,19 @@ def launch(worker: Callable, args: Sequence, nproc: int, nodes: int | None, link
     return launch_cluster(ClusterSpec(nodes, nproc, link), worker, args)[0]
 
 
+def check_cluster(nproc: int, nodes: int | None, link: str) -> None:
+    """With ``nodes``: raise before any rank starts if the emulated cluster cannot be built
+    (a bad ``link``, no root, no network namespaces)."""
+    if nodes is None:
+        return
+    from par4d.cluster import ClusterSpec, ClusterUnavailable, unavailable_reason
+
+    ClusterSpec(nodes, nproc, link)     # checks the link rate
+    reason = unavailable_reason()
+    if reason:
+        raise ClusterUnavailable(reason)
+
+
 def where(nproc: int, nodes: int | None, link: str) -> str:
     """The ranks a benchmark ran on, in words."""
     return f"{nodes} emulated nodes x {nproc} ranks, {link} links" if nodes else f"{nproc} local ranks"

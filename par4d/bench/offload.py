@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from par4d.bench.common import emit, launch, where
+from par4d.bench.common import check_cluster, emit, launch, where
 from par4d.data_parallel import global_mean, gradient_sync
 from par4d.grid import Grid
 from par4d.launch import distributed_env, init, join
@@ -205,13 +205,7 @@ def markdown(rows: list[dict]) -> str:
 
 def run_bench_offload(args: argparse.Namespace) -> int:
     bench = settings(args)
-    if args.nodes is not None:
-        from par4d.cluster import ClusterSpec, ClusterUnavailable, unavailable_reason
-
-        ClusterSpec(args.nodes, args.nproc, args.link)     # checks --link before any rank starts
-        reason = unavailable_reason()
-        if reason:
-            raise ClusterUnavailable(reason)
+    check_cluster(args.nproc, args.nodes, args.link)
     rows = launch(launched_worker, (bench,), args.nproc, args.nodes, args.link, "par4d-bench-offload")
     config, ranks = bench.config, where(args.nproc, args.nodes, args.link)
     for row in rows:

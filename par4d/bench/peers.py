@@ -42,7 +42,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from par4d.bench.common import emit, launch, sum_over_ranks, where
+from par4d.bench.common import check_cluster, emit, launch, sum_over_ranks, where
 from par4d.bench.grid import _C10dBytes, _row
 from par4d.launch import distributed_env, join
 from par4d.layout import block
@@ -359,13 +359,7 @@ def markdown(rows: list[dict]) -> str:
 
 def run_bench_peers(args: argparse.Namespace) -> int:
     validate(args.nproc, args.nodes, args.iters)
-    if args.nodes is not None:
-        from par4d.cluster import ClusterSpec, ClusterUnavailable, unavailable_reason
-
-        ClusterSpec(args.nodes, args.nproc, args.link)     # checks --link before any rank starts
-        reason = unavailable_reason()
-        if reason:
-            raise ClusterUnavailable(reason)
+    check_cluster(args.nproc, args.nodes, args.link)
     # The peak is measured before the ranks exist, so nothing competes for the cores.
     settings = PeersSettings(args.nproc, args.nodes, args.iters, measure_matmul_peak(threads=cpu_cores()))
     rows = add_ratios(launch(peers_worker, (settings,), args.nproc, args.nodes, args.link, "par4d-bench-peers"))

@@ -101,7 +101,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from par4d.bench.common import emit, launch, where
+from par4d.bench.common import check_cluster, emit, launch, where
 from par4d.data_parallel import gradient_sync
 from par4d.grid import Grid
 from par4d.launch import init
@@ -601,13 +601,7 @@ def plot(timelines: dict[str, list[tuple]], rows: list[dict], path: str, title: 
 
 def run_bench_pipeline(args: argparse.Namespace) -> int:
     bench = settings(args)
-    if args.nodes is not None:
-        from par4d.cluster import ClusterSpec, ClusterUnavailable, unavailable_reason
-
-        ClusterSpec(args.nodes, args.nproc, args.link)     # checks --link before any rank starts
-        reason = unavailable_reason()
-        if reason:
-            raise ClusterUnavailable(reason)
+    check_cluster(args.nproc, args.nodes, args.link)
     result = launch(launched_worker, (bench,), args.nproc, args.nodes, args.link, "par4d-bench-pipeline")
     rows, ranks = result["rows"], where(args.nproc, args.nodes, args.link)
     config = bench.config

@@ -21,6 +21,16 @@ def _ranks(p: argparse.ArgumentParser) -> None:
     p.add_argument("--link", default="1gbit", help="inter-node link rate per node with --nodes (tc tbf)")
 
 
+def _gpt(p: argparse.ArgumentParser, *, n_layer: int, n_embd: int, n_head: int, seq_len: int,
+         batch_size: int = 16) -> None:
+    """The benchmarked GPT's sizes and its global batch, with this benchmark's defaults."""
+    p.add_argument("--n-layer", type=int, default=n_layer)
+    p.add_argument("--n-embd", type=int, default=n_embd)
+    p.add_argument("--n-head", type=int, default=n_head)
+    p.add_argument("--seq-len", type=int, default=seq_len)
+    p.add_argument("--batch-size", type=int, default=batch_size, help="global batch, in sequences")
+
+
 def _output(p: argparse.ArgumentParser, plot: bool = False,
             plot_help: str = "also draw the rows as stacked bars (PNG) here") -> None:
     """Where rows go: stdout, --out (and --plot); an existing file is refused before anything runs."""
@@ -53,22 +63,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                                                  "par4d.Overlap's)")
     overlap.add_argument("--iters", type=int, default=3, help="timed iterations per row and round")
     overlap.add_argument("--rounds", type=int, default=3, help="interleaved rounds over all rows")
-    overlap.add_argument("--n-layer", type=int, default=4)
-    overlap.add_argument("--n-embd", type=int, default=256)
-    overlap.add_argument("--n-head", type=int, default=4)
-    overlap.add_argument("--seq-len", type=int, default=128)
-    overlap.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
+    _gpt(overlap, n_layer=4, n_embd=256, n_head=4, seq_len=128)
     _output(overlap, plot=True)
     pipe = sub.add_parser("pipeline", help="par4d's message-driven pipeline vs torch.distributed.pipelining "
                                            "(GPipe, 1F1B) on the same stages, every rank on pipe")
     _ranks(pipe)
     pipe.add_argument("--iters", type=int, default=3, help="timed iterations per row and round (after 1 warm-up)")
     pipe.add_argument("--rounds", type=int, default=3, help="interleaved rounds over all rows")
-    pipe.add_argument("--n-layer", type=int, default=8)
-    pipe.add_argument("--n-embd", type=int, default=256)
-    pipe.add_argument("--n-head", type=int, default=4)
-    pipe.add_argument("--seq-len", type=int, default=128)
-    pipe.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
+    _gpt(pipe, n_layer=8, n_embd=256, n_head=4, seq_len=128)
     pipe.add_argument("--microbatches", type=int, default=8, help="microbatches per step (at least the stages; "
                                                                   "must divide --batch-size)")
     pipe.add_argument("--slow-stage", type=int, default=None,
@@ -86,11 +88,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     off.add_argument("--iters", type=int, default=3, help="timed iterations per row and round (after 1 warm-up)")
     off.add_argument("--rounds", type=int, default=3, help="interleaved rounds over all rows")
     off.add_argument("--bsize", type=int, default=1 << 20, help="elements per offloaded bucket")
-    off.add_argument("--n-layer", type=int, default=4)
-    off.add_argument("--n-embd", type=int, default=256)
-    off.add_argument("--n-head", type=int, default=4)
-    off.add_argument("--seq-len", type=int, default=128)
-    off.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
+    _gpt(off, n_layer=4, n_embd=256, n_head=4, seq_len=128)
     _output(off)
     faults = sub.add_parser("faults", help="soak: kill random ranks at random steps under --max-restarts; "
                                            "restarts survived, steps recomputed, final model bit for bit?")
@@ -100,11 +98,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     faults.add_argument("--save-every", type=int, default=5)
     faults.add_argument("--faults", type=int, default=4, help="ranks killed, one per attempt")
     faults.add_argument("--seed", type=int, default=0, help="picks the ranks and steps killed")
-    faults.add_argument("--n-layer", type=int, default=2)
-    faults.add_argument("--n-embd", type=int, default=64)
-    faults.add_argument("--n-head", type=int, default=4)
-    faults.add_argument("--seq-len", type=int, default=64)
-    faults.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
+    _gpt(faults, n_layer=2, n_embd=64, n_head=4, seq_len=64)
     _output(faults)
     ckpt = sub.add_parser("checkpoint", help="one resharding checkpoint load (and its save): par4d grid A -> B "
                                              "vs torch.distributed.checkpoint FSDP2 -> HSDP")
