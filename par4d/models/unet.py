@@ -54,12 +54,9 @@ class UNet(nn.Module):
     def __init__(self, config: UNetConfig, *, grid: Grid):
         super().__init__()
         self.config, self.grid = config, grid
-        convs = {name: Conv2d(c_in, c_out, k, padding=k // 2, transposed=t, grid=grid, seed=config.seed + i,
-                              name=f"UNet.{name}")
-                 for i, (name, c_in, c_out, k, t) in enumerate(_sized(config))}
-        self.stem, self.head = convs["stem"], convs["head"]
-        self.down = nn.ModuleList(_Block(convs, f"down.{i}") for i in range(config.levels))
-        self.up = nn.ModuleList(_Block(convs, f"up.{i}") for i in range(config.levels))
+        _assemble(self, {name: Conv2d(c_in, c_out, k, padding=k // 2, transposed=t, grid=grid, seed=config.seed + i,
+                                      name=f"UNet.{name}")
+                         for i, (name, c_in, c_out, k, t) in enumerate(_sized(config))})
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return _unet(self, images)
@@ -81,6 +78,14 @@ class _Block(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return h + self.conv2(F.gelu(self.conv1(F.gelu(h))))
+
+
+def _assemble(model: nn.Module, convs: dict[str, nn.Module]) -> None:
+    """Give ``model`` its convolutions (named as :func:`_sized` names them) as stem, blocks and head."""
+    model.stem, model.head = convs["stem"], convs["head"]
+    levels = model.config.levels
+    model.down = nn.ModuleList(_Block(convs, f"down.{i}") for i in range(levels))
+    model.up = nn.ModuleList(_Block(convs, f"up.{i}") for i in range(levels))
 
 
 def _unet(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
@@ -106,10 +111,7 @@ class ReferenceUNet(nn.Module):
     def __init__(self, config: UNetConfig):
         super().__init__()
         self.config = config
-        convs = {name: nn.Conv2d(c_in, c_out, k, padding=k // 2) for name, c_in, c_out, k, _ in _sized(config)}
-        self.stem, self.head = convs["stem"], convs["head"]
-        self.down = nn.ModuleList(_Block(convs, f"down.{i}") for i in range(config.levels))
-        self.up = nn.ModuleList(_Block(convs, f"up.{i}") for i in range(config.levels))
+        _assemble(self, {name: nn.Conv2d(c_in, c_out, k, padding=k // 2) for name, c_in, c_out, k, _ in _sized(config)})
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return _unet(self, images)
