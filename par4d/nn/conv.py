@@ -23,40 +23,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.grad import conv2d_input, conv2d_weight
 
-from par4d import comm
 from par4d.grid import Grid
 from par4d.layout import Placement, Split, place
 from par4d.nn.base import ShardedModule
-
-
-class _Algorithm1Conv(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, inp, w_shard, bias, layer: Conv2d):
-        grid = layer.grid
-        w = comm.all_gather(grid, w_shard, "z")                   # (C_out/G_out, C_in/G_in, kh, kw)
-        out = F.conv2d(inp, w, None, layer.stride, layer.padding).contiguous()   # partial over the in-axis
-        comm.all_reduce(grid, out, layer.in_axis)
-        if bias is not None:
-            out += bias.view(1, -1, 1, 1)                         # after the sum: counted once
-        ctx.save_for_backward(inp, w)
-        ctx.layer, ctx.has_bias = layer, bias is not None
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        inp, w = ctx.saved_tensors
-        layer = ctx.layer
-        grid = layer.grid
-        grad_out = grad_out.contiguous()
-        grad_in = grad_w_shard = None
-        if ctx.needs_input_grad[0]:
-            grad_in = conv2d_input(inp.shape, w, grad_out, layer.stride, layer.padding).contiguous()
-            comm.all_reduce(grid, grad_in, layer.out_axis)       # partial over the out-axis
-        if ctx.needs_input_grad[1]:
-            grad_w = conv2d_weight(inp, w.shape, grad_out, layer.stride, layer.padding)   # partial over z
-            grad_w_shard = comm.reduce_scatter(grid, grad_w, "z")
-        grad_b = grad_out.sum((0, 2, 3)) if ctx.has_bias else None  # partial over z and data
-        return grad_in, grad_w_shard, grad_b, None
+from par4d.nn.linear import _Algorithm1
 
 
 class Conv2d(ShardedModule):
@@ -71,6 +41,8 @@ class Conv2d(ShardedModule):
     Placement (:mod:`par4d.layout`): the weight's out-channels (dim 0) over the out-axis, then
     each block's over z (Ŵ); its in-channels (dim 1) over the in-axis; the bias over the
     out-axis."""
+
+    runtime = None      # no overlap runtime (par4d.nn.runtime serves Linear only): every collective waited
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int | tuple[int, int], stride: int = 1,
                  padding: int = 0, bias: bool = True, transposed: bool = False, *, grid: Grid, seed: int = 0,
@@ -112,7 +84,23 @@ class Conv2d(ShardedModule):
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
         if self.grid.size(self.in_axis, self.out_axis, "z") == 1:
             return F.conv2d(inp, self.weight, self.bias, self.stride, self.padding)   # nothing to gather or sum
-        return _Algorithm1Conv.apply(inp, self.weight, self.bias, self)
+        return _Algorithm1.apply(inp, self.weight, self.bias, self)
+
+    # Algorithm 1's local arithmetic, a convolution (par4d.nn.linear._Algorithm1 runs the collectives).
+    def local_forward(self, inp: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.conv2d(inp, w, None, self.stride, self.padding).contiguous()   # all-reduced in place
+
+    def local_input_grad(self, grad_out: torch.Tensor, w: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+        return conv2d_input(inp.shape, w, grad_out.contiguous(), self.stride, self.padding).contiguous()
+
+    def local_weight_grad(self, grad_out: torch.Tensor, inp: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return conv2d_weight(inp, w.shape, grad_out.contiguous(), self.stride, self.padding)
+
+    def local_bias_grad(self, grad_out: torch.Tensor) -> torch.Tensor:
+        return grad_out.sum((0, 2, 3))
+
+    def add_bias(self, out: torch.Tensor, bias: torch.Tensor) -> None:
+        out += bias.view(1, -1, 1, 1)
 
     def extra_repr(self) -> str:
         return (f"in_channels={self.in_channels}, out_channels={self.out_channels}, kernel_size={self.kernel_size}, "

@@ -42,17 +42,20 @@ class _Algorithm1(torch.autograd.Function):
     prefetched (OAG) or cached, the backward all-reduce is waited for after the weight
     gradient is computed (OAR), and the reduce-scatter after the whole backward pass
     (ORS). Only waits move: the arithmetic is the same in every case.
+
+    The local arithmetic is the layer's (``local_forward``, ``local_input_grad``,
+    ``local_weight_grad``, ``local_bias_grad``, ``add_bias``): a matmul here, a convolution
+    for :class:`par4d.nn.Conv2d`; the collectives around it are Algorithm 1's either way.
     """
 
     @staticmethod
     def forward(ctx, inp, w_shard, bias, layer: Linear):
         grid, runtime = layer.grid, layer.runtime
         w = runtime.gathers.gather(w_shard) if runtime else comm.all_gather(grid, w_shard, "z")  # (n/G_out, k/G_in)
-        rows = inp.reshape(-1, inp.shape[-1])                # (rows, k/G_in)
-        out = _mm(layer.gemm, rows, w.t(), "forward").reshape(*inp.shape[:-1], w.shape[0])  # partial over in_axis
+        out = layer.local_forward(inp, w)                    # partial over in_axis
         comm.all_reduce(grid, out, layer.in_axis)            # O_{l,i}
         if bias is not None:
-            out += bias                                      # after the sum: bias counted once
+            layer.add_bias(out, bias)                        # after the sum: bias counted once
         ctx.save_for_backward(inp, w)                        # the paper caches I and W
         ctx.layer, ctx.has_bias = layer, bias is not None
         return out
@@ -63,21 +66,20 @@ class _Algorithm1(torch.autograd.Function):
         layer = ctx.layer
         grid, runtime = layer.grid, layer.runtime
         overlap = runtime.overlap if runtime else None
-        rows_out = grad_out.reshape(-1, grad_out.shape[-1])  # (rows, n/G_out)
         grad_in = pending_in = None
         if ctx.needs_input_grad[0]:                          # not for a network's input
-            grad_in = _mm(layer.gemm, rows_out, w, "input-grad").reshape(*grad_out.shape[:-1], w.shape[1])
-            # (..., k/G_in), partial over out_axis; OAR: summed while the weight gradient is computed
+            grad_in = layer.local_input_grad(grad_out, w, inp)
+            # partial over out_axis; OAR: summed while the weight gradient is computed
             pending_in = comm.all_reduce(grid, grad_in, layer.out_axis, async_op=bool(overlap and overlap.all_reduce))
         grad_w_shard = None
         if ctx.needs_input_grad[1]:
-            grad_w = _mm(layer.gemm, rows_out.t(), inp.reshape(-1, inp.shape[-1]), "weight-grad")  # partial over z
+            grad_w = layer.local_weight_grad(grad_out, inp, w)  # partial over z
             if overlap and overlap.reduce_scatter and runtime.deferred.armed and grid.size("z") > 1:
                 # ORS: autograd gets no gradient here; the runtime accumulates it after backward.
                 runtime.deferred.defer(layer.weight, comm.reduce_scatter(grid, grad_w, "z", async_op=True))
             else:
                 grad_w_shard = comm.reduce_scatter(grid, grad_w, "z")
-        grad_b = rows_out.sum(0) if ctx.has_bias else None  # partial over z and data
+        grad_b = layer.local_bias_grad(grad_out) if ctx.has_bias else None  # partial over z and data
         if isinstance(pending_in, comm.Handle):
             pending_in.wait()
         return grad_in, grad_w_shard, grad_b, None
@@ -149,6 +151,25 @@ class Linear(ShardedModule):
         if self.gemm is None and self.grid.size(self.in_axis, self.out_axis, "z") == 1:
             return F.linear(inp, self.weight, self.bias)   # nothing to gather or sum: PyTorch's fused layer
         return _Algorithm1.apply(inp, self.weight, self.bias, self)
+
+    # Algorithm 1's local arithmetic (_Algorithm1 runs the collectives around it).
+    def local_forward(self, inp: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        rows = inp.reshape(-1, inp.shape[-1])                                    # (rows, k/G_in)
+        return _mm(self.gemm, rows, w.t(), "forward").reshape(*inp.shape[:-1], w.shape[0])
+
+    def local_input_grad(self, grad_out: torch.Tensor, w: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+        rows_out = grad_out.reshape(-1, grad_out.shape[-1])                      # (rows, n/G_out)
+        return _mm(self.gemm, rows_out, w, "input-grad").reshape(*grad_out.shape[:-1], w.shape[1])
+
+    def local_weight_grad(self, grad_out: torch.Tensor, inp: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        rows_out = grad_out.reshape(-1, grad_out.shape[-1])
+        return _mm(self.gemm, rows_out.t(), inp.reshape(-1, inp.shape[-1]), "weight-grad")
+
+    def local_bias_grad(self, grad_out: torch.Tensor) -> torch.Tensor:
+        return grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
+
+    def add_bias(self, out: torch.Tensor, bias: torch.Tensor) -> None:
+        out += bias
 
     def full_weight(self, grad: bool = False) -> torch.Tensor:
         """The full ``(out, in)`` weight (or its gradient) on every rank (collective)."""
