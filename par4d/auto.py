@@ -35,7 +35,6 @@ import torch.nn.functional as F
 
 from par4d.grid import Grid
 from par4d.layout import Placement, Split, place, placement_of
-from par4d.nn.base import ShardedModule
 from par4d.nn.collectives import GatherFeatures, SplitFeatures
 from par4d.nn.conv import Conv2d
 from par4d.nn.linear import Linear, _Algorithm1
@@ -220,18 +219,3 @@ def parallelize(model: nn.Module, grid: Grid, *, force: dict[str, str] | None = 
         width = max((len(t.name) for t in plan), default=4)
         print("\n".join(f"{t.name:<{width}}  {t.kind:<10}  shard {t.shard or 'whole'}  {t.why}" for t in plan))
     return model
-
-
-@torch.no_grad()
-def full_state_dict(model: nn.Module, grad: bool = False) -> dict[str, torch.Tensor]:
-    """Every parameter (or gradient) of a parallelized model as a full tensor, on every rank
-    (collective), named as in the original model."""
-    out = {}
-    for prefix, module in model.named_modules():
-        at = f"{prefix}." if prefix else ""
-        for name, param in module.named_parameters(recurse=False):
-            if isinstance(module, ShardedModule):
-                out[at + name] = module.full_tensor(param, grad)
-            else:
-                out[at + name] = (param.grad if grad else param).detach().clone()
-    return out

@@ -158,9 +158,7 @@ def send(grid: Grid, tensor: torch.Tensor, axis: str, offset: int, tag: int = 0)
     return _issue(grid, "send", (axis,), tensor, lambda a: dist.isend(tensor, dst=peer, tag=tag), True, tensor)
 
 
-def recv(grid: Grid, buffer: torch.Tensor, axis: str, offset: int | None, tag: int = 0) -> Handle:
-    """Receive into ``buffer`` from the neighbour ``offset`` along ``axis`` (non-blocking), or
-    with ``offset=None`` from whichever rank sends first with this ``tag`` (gloo only: NCCL has
-    no receive from any source)."""
-    peer = None if offset is None else neighbour(grid, axis, offset)
+def recv(grid: Grid, buffer: torch.Tensor, axis: str, offset: int, tag: int = 0) -> Handle:
+    """Receive into ``buffer`` from the neighbour ``offset`` along ``axis`` (non-blocking)."""
+    peer = neighbour(grid, axis, offset)
     return _issue(grid, "recv", (axis,), buffer, lambda a: dist.irecv(buffer, src=peer, tag=tag), True, buffer)

@@ -47,12 +47,18 @@ class ShardedModule(nn.Module):
 
 
 def full_state_dict(model: nn.Module, grad: bool = False) -> dict[str, torch.Tensor]:
-    """Every parameter of ``model`` (or its gradient) as a full tensor, on every rank."""
+    """Every parameter of ``model`` (or its gradient) as a full tensor, on every rank (a
+    collective), named as ``state_dict`` names them (tied ones under each name); a parameter
+    of a module that is not sharded (replicated, as ``par4d.parallelize`` leaves it) is
+    copied as it is."""
     out = {}
-    for prefix, module in model.named_modules():
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        at = f"{prefix}." if prefix else ""
         if isinstance(module, ShardedModule):
-            for name, tensor in module.full_state(grad).items():
-                out[f"{prefix}.{name}" if prefix else name] = tensor
+            out.update({at + name: tensor for name, tensor in module.full_state(grad).items()})
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            out[at + name] = (param.grad if grad else param).detach().clone()
     return out
 
 
