@@ -6,11 +6,12 @@ The names below are imported on first use, so commands that need no torch (such 
 
 from importlib import import_module
 
-__all__ = ["AXES", "Axis", "Grid", "Overlap", "clip_grad_norm_", "init", "nn", "parallelize", "sync_gradients"]
+__all__ = ["AXES", "Axis", "Grid", "Overlap", "clip_grad_norm_", "init", "load_safetensors", "nn", "parallelize",
+           "sync_gradients"]
 __version__ = "0.1.0"
 
 _LAZY = {"AXES": "par4d.grid", "Axis": "par4d.grid", "Grid": "par4d.grid", "init": "par4d.launch", "nn": "par4d.nn",
-         "Overlap": "par4d.overlap", "parallelize": "par4d.auto",
+         "Overlap": "par4d.overlap", "parallelize": "par4d.auto", "load_safetensors": "par4d.auto",
          "sync_gradients": "par4d.data_parallel", "clip_grad_norm_": "par4d.data_parallel"}
 
 

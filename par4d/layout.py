@@ -15,6 +15,7 @@ features over ``x`` or ``y`` and replicated over the other.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -183,6 +184,40 @@ def boxes(placement: Placement, full_shape: tuple[int, ...], coords: dict[str, i
     return out
 
 
+def overlap(saved: Box, wanted: Box) -> tuple[tuple[slice, ...], tuple[slice, ...]] | None:
+    """(slices of the saved piece, slices of the wanted shard) where the two boxes meet."""
+    src, dst = [], []
+    for (s_start, s_len), s_local, (w_start, w_len), w_local in zip(saved.full, saved.local, wanted.full, wanted.local):
+        lo, hi = max(s_start, w_start), min(s_start + s_len, w_start + w_len)
+        if lo >= hi:
+            return None
+        if s_local is not None:
+            src.append(slice(s_local + lo - s_start, s_local + hi - s_start))
+        if w_local is not None:
+            dst.append(slice(w_local + lo - w_start, w_local + hi - w_start))
+    return tuple(src), tuple(dst)
+
+
+Reader = Callable[[tuple[slice, ...]], torch.Tensor]
+"""``read(slices)``: part of a source piece, cut by one slice per dim of the piece (none for a scalar)."""
+
+
+def slice_reader(reader, key: str) -> Reader:
+    """A :data:`Reader` of tensor ``key`` of an open ``safe_open`` file that reads only the slices asked for."""
+    return lambda src: reader.get_slice(key)[src] if src else reader.get_tensor(key)
+
+
+def fill(local: torch.Tensor, wanted: Box, source: Box, read: Reader) -> None:
+    """Copy into ``local`` the part of its box ``wanted`` that the source piece's box ``source``
+    covers, if the two meet; ``read`` gives that part of the piece. ``local`` is a rank's shard (its
+    boxes from :func:`par4d.layout.boxes`) or a whole tensor; the source is a saved piece or a whole
+    tensor of another file (``par4d.train.hf``): the one place that moves values between boxes."""
+    where = overlap(source, wanted)
+    if where is not None:
+        src, dst = where
+        local[dst] = read(src).to(local.device, local.dtype).reshape(local[dst].shape)
+
+
 def shard_name(grid: Grid, name: str, placement: Placement) -> str:
     """``name@x1.z0``: a name that tells this rank's shard from the others' and is the
     same on ranks that hold the same piece (replicas), e.g. as a checkpoint key."""
@@ -220,5 +255,6 @@ def shard_activation(grid: Grid, tensor: torch.Tensor, axis: str) -> torch.Tenso
     return shard_features(grid, shard_batch(grid, tensor), axis)
 
 
-__all__ = ["Box", "Placement", "Split", "batch_slice", "boxes", "block", "gather_features", "local_range", "place",
-           "placement_of", "shard", "shard_activation", "shard_batch", "shard_features", "shard_name", "unshard"]
+__all__ = ["Box", "Placement", "Reader", "Split", "batch_slice", "boxes", "block", "fill", "gather_features",
+           "local_range", "overlap", "place", "placement_of", "shard", "shard_activation", "shard_batch",
+           "shard_features", "shard_name", "slice_reader", "unshard"]

@@ -96,3 +96,15 @@ def in_flight_seconds(entries: list[Entry]) -> float:
             total += stop - max(start, end)
             end = stop
     return total
+
+
+def ring_terms(kind: str, ranks: int) -> tuple[float, float]:
+    """(ring steps, volume factor) of a ring collective over ``ranks`` (the paper's Eqs 1-3): a rank
+    sends ``factor * m`` for a per-rank message ``m``; time = steps * latency + factor * bytes / β."""
+    if kind == "all_gather":
+        return ranks - 1, ranks - 1
+    if kind == "reduce_scatter":
+        return ranks - 1, (ranks - 1) / ranks
+    if kind == "all_reduce":
+        return 2 * (ranks - 1), 2 * (ranks - 1) / ranks
+    raise ValueError(f"unknown collective {kind!r}")

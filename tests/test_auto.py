@@ -4,6 +4,7 @@ PyTorch model and Hugging Face's LlamaForCausalLM (grouped-query attention, rota
 embeddings), built tiny from code."""
 
 import copy
+from collections import Counter
 
 import pytest
 import torch
@@ -84,10 +85,17 @@ def _run(model, x, y):
     return model(input_ids=x, labels=y).loss
 
 
-def _matches(sizes: dict, which: str) -> dict:
+def _matches(sizes: dict, which: str, force: dict | None = None, weights: str | None = None) -> dict:
+    """``weights``: build the model on the meta device and load it from this safetensors file."""
     grid = cases.grid(**sizes)
-    twin = {"plain": _Plain, "conv": _ConvNet, "llama": _llama, "gpt2": _gpt2}[which]()
-    model = par4d.parallelize(copy.deepcopy(twin), grid)
+    build = {"plain": _Plain, "conv": _ConvNet, "llama": _llama, "gpt2": _gpt2}[which]
+    twin = build()
+    if weights is None:
+        model = par4d.parallelize(copy.deepcopy(twin), grid, force=force)
+    else:
+        with torch.device("meta"):
+            model = par4d.parallelize(build(), grid, force=force)
+        par4d.load_safetensors(model, weights, grid)
     batches = {"plain": _plain_batch, "conv": _conv_batch}.get(which, _llama_batch)
     # eps 1e-4: AdamW would turn fp32 round-off in near-zero gradients into a whole step's difference
     opt_twin = torch.optim.AdamW(twin.parameters(), lr=1e-2, eps=1e-4)
@@ -126,25 +134,40 @@ def _check(results: list[dict]) -> dict:
 @pytest.mark.parametrize("sizes", [dict(x=2, z=2), dict(x=2, y=2), dict(y=2, data=2)], ids=["x2z2", "x2y2", "y2d2"])
 def test_plain_model_4_ranks(pool4, sizes):
     plan = _check(pool4.run(_matches, sizes, "plain"))["plan"]
-    assert plan == [("ff.0", "normal"), ("ff.2", "transposed"), ("head", "normal")]
+    assert plan == [("ff.0", "normal"), ("ff.2", "transposed"), ("head", "normal"), ("norm", "replicated")]
 
 
-@pytest.mark.parametrize("sizes", [dict(x=2, z=2), dict(y=2, data=2)], ids=["x2z2", "y2d2"])
+def test_forcing_one_layer_of_a_block_makes_the_others_lone(pool4):
+    """ff.2 forced whole: ff.0 may not leave its output sharded for it any more."""
+    result = _check(pool4.run(_matches, dict(x=2, y=2), "plain", {"ff.2": "replicated"}))
+    assert result["plan"][:2] == [("ff.0", "normal"), ("ff.2", "replicated")]
+
+
+LLAMA_GRIDS = [dict(x=2, z=2), dict(x=2, y=2), dict(y=2, data=2)]
+
+
+@pytest.mark.parametrize("sizes", LLAMA_GRIDS, ids=["x2z2", "x2y2", "y2d2"])
 def test_llama_4_ranks(pool4, sizes):
+    """Attention's heads split over x (4 query and 2 key/value heads: grouped-query attention),
+    the gated MLP a pair, the embeddings sharded, the norms whole."""
     plan = dict(_check(pool4.run(_matches, sizes, "llama"))["plan"])
-    assert plan["model.layers.0.mlp.gate_proj"] == plan["model.layers.0.mlp.up_proj"] == "normal"
-    assert plan["model.layers.0.mlp.down_proj"] == "transposed" and plan["lm_head"] == "normal"
-    assert len(plan) == 2 * 7 + 1        # q, k, v, o, gate, up, down per layer, and the head
+    layer = "model.layers.0"
+    assert {plan[f"{layer}.self_attn.{n}"] for n in ("q_proj", "k_proj", "v_proj")} == {"normal"}
+    assert plan[f"{layer}.self_attn.o_proj"] == "transposed"
+    assert plan[f"{layer}.mlp.gate_proj"] == plan[f"{layer}.mlp.up_proj"] == "normal"
+    assert plan[f"{layer}.mlp.down_proj"] == "transposed" and plan["lm_head"] == "normal"
+    assert plan["model.embed_tokens"] == "normal" and plan[f"{layer}.input_layernorm"] == "replicated"
 
 
-@pytest.mark.parametrize("sizes", [dict(x=2, z=2), dict(x=2, y=2)], ids=["x2z2", "x2y2"])
+@pytest.mark.parametrize("sizes", LLAMA_GRIDS, ids=["x2z2", "x2y2", "y2d2"])
 def test_gpt2_4_ranks(pool4, sizes):
-    """GPT-2's Conv1D layers (weights stored (in, out)); its head is tied to the embeddings,
-    so it stays whole, and the plan says why."""
+    """GPT-2's Conv1D layers (weights stored (in, out)), its fused q, k, v cut at head
+    boundaries; its head is tied to the token embeddings, so both stay whole (the plan says
+    why), while the position embeddings are sharded."""
     plan = {name: kind for name, kind in _check(pool4.run(_matches, sizes, "gpt2"))["plan"]}
     assert plan["transformer.h.0.mlp.c_fc"] == "normal" and plan["transformer.h.0.mlp.c_proj"] == "transposed"
-    assert plan["transformer.h.0.attn.c_attn"] == plan["transformer.h.0.attn.c_proj"] == "normal"
-    assert plan["lm_head"] == "replicated"
+    assert plan["transformer.h.0.attn.c_attn"] == "normal" and plan["transformer.h.0.attn.c_proj"] == "transposed"
+    assert plan["lm_head"] == plan["transformer.wte"] == "replicated" and plan["transformer.wpe"] == "normal"
 
 
 @pytest.mark.parametrize("sizes", [dict(x=2, z=2), dict(y=2, data=2)], ids=["x2z2", "y2d2"])
@@ -156,6 +179,44 @@ def test_convolutions_4_ranks(pool4, sizes):
 @pytest.mark.parametrize("which", ["llama", "gpt2", "conv"])
 def test_8_ranks(pool8, which):
     _check(pool8.run(_matches, dict(x=2, y=2, z=2), which))
+
+
+def test_a_model_built_on_the_meta_device_loads_shard_by_shard(pool4, tmp_path):
+    """Llama built on the meta device, made parallel, then read from a safetensors file of
+    the unparallelized model's weights (each rank its own slices; the rotary frequencies,
+    which no file holds, computed by the model): it trains as the unparallelized model."""
+    from safetensors.torch import save_model
+
+    path = tmp_path / "model.safetensors"
+    save_model(_llama(), str(path))
+    _check(pool4.run(_matches, dict(x=2, z=2), "llama", None, str(path)))
+
+
+def _counted(sizes: dict, which: str) -> dict:
+    """One training step's collectives, from the ledger and from the plan parallelize made
+    for an example batch: {(kind, axes): per-rank elements}, summed."""
+    grid = cases.grid(**sizes)
+    twin = {"plain": _Plain, "conv": _ConvNet, "llama": _llama, "gpt2": _gpt2}[which]()
+    x, y = {"plain": _plain_batch, "conv": _conv_batch}.get(which, _llama_batch)(torch.Generator().manual_seed(1))
+    example = (x, y) if which in ("plain", "conv") else {"input_ids": x.to("meta"), "labels": y.to("meta")}
+    model = par4d.parallelize(twin, grid, example=example)
+    with grid.ledger.capture() as entries:
+        _run(model, shard_batch(grid, x), shard_batch(grid, y)).backward()
+        sync_gradients(model, grid)
+    measured, planned = Counter(), Counter()
+    for e in entries:
+        measured[(e.kind, e.axes)] += e.elements
+    for kind, axes, elements in [m for t in model.par4d_plan for m in t.messages] + list(model.par4d_sync):
+        planned[(kind, axes)] += elements
+    return {"measured": dict(measured), "planned": dict(planned)}
+
+
+@pytest.mark.parametrize("which", ["llama", "gpt2", "conv"])
+def test_the_plan_counts_every_collective_of_a_step(pool8, which):
+    """The communication the plan expects equals, collective kind by kind and axis by axis,
+    what one training step moved on x=2,y=2,z=2 (where every collective of Algorithm 1 runs)."""
+    for r in pool8.run(_counted, dict(x=2, y=2, z=2), which):
+        assert r["planned"] == r["measured"] and r["measured"], r
 
 
 def test_bad_input_is_named():
@@ -177,6 +238,8 @@ def test_gpt2_plan_keeps_conv1d_orientation():
     model = par4d.parallelize(_gpt2(), grid, force={"*.attn.c_attn": "transposed"})
     fc = model.transformer.h[0].mlp.c_fc                           # Conv1D(3072-like): weight (in=32, out=128)
     assert fc.stored_in_out and tuple(fc.weight.shape) == (32, 128 // 4)
+    proj = next(t for t in model.par4d_plan if t.name == "transformer.h.0.attn.c_proj")
+    assert proj.why == "a lone layer: transformer.h.0.attn.c_attn of its block is transposed"
     tied = next(t for t in model.par4d_plan if t.name == "lm_head")
     assert tied.why == "its weight is tied to transformer.wte.weight: kept whole"
     with pytest.raises(ValueError, match="lm_head is forced normal, but its weight is tied to transformer.wte.weight"):
@@ -187,8 +250,23 @@ def test_what_par4d_cannot_shard_is_refused():
     grid = par4d.Grid.virtual({"x": 2, "y": 1, "z": 2})
     with pytest.raises(ValueError, match=r"features.0 is nn.Conv2d\(groups=2.*force it replicated"):
         par4d.parallelize(_Wrap(nn.Conv2d(4, 8, 3, groups=2)), grid)
-    with pytest.raises(ValueError, match=r"features.1 is a batch norm.*z\*data=2"):
-        par4d.parallelize(_Wrap(nn.Conv2d(4, 8, 3), nn.BatchNorm2d(8)), grid)
+    with pytest.raises(ValueError, match=r"features.1 is a lazy batch norm whose num_features is not known yet"):
+        par4d.parallelize(_Wrap(nn.Conv2d(4, 8, 3), nn.LazyBatchNorm2d()), grid)
+
+
+def test_batch_norms_are_synchronised_where_samples_are_split():
+    """z*data=2: a batch norm becomes par4d's BatchNorm with the same tensors (state_dict keys
+    and values unchanged); with every sample on each rank it stays torch's."""
+    model = _Wrap(nn.Conv2d(4, 8, 3), nn.BatchNorm2d(8))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    par4d.parallelize(model, par4d.Grid.virtual({"x": 2, "y": 1, "z": 2}))
+    assert isinstance(model.features[1], par4d.nn.BatchNorm)
+    assert model.state_dict().keys() == before.keys()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items() if not k.startswith("features.0"))
+    row = model.par4d_plan[-1]
+    assert (row.name, row.kind) == ("features.1", "replicated") and "synchronised over z and data" in row.why
+    kept = par4d.parallelize(_Wrap(nn.Conv2d(4, 8, 3), nn.BatchNorm2d(8)), par4d.Grid.virtual({"x": 2, "y": 2}))
+    assert type(kept.features[1]) is nn.BatchNorm2d and kept.par4d_plan[-1].name == "features.1"
 
 
 class _Wrap(nn.Module):
@@ -201,3 +279,11 @@ def test_force_keeps_a_layer_whole():
     grid = par4d.Grid.virtual({"x": 2, "y": 1, "z": 2})
     model = par4d.parallelize(_Head(), grid, force={"h*": "replicated"})
     assert isinstance(model.head, nn.Linear) and model.par4d_plan[0].kind == "replicated"
+
+
+def test_heads_the_grid_does_not_divide_are_named():
+    """4 query and 2 key/value heads on x=4: attention's layers are lone, and the plan says why."""
+    model = par4d.parallelize(_llama(), par4d.Grid.virtual({"x": 4, "y": 1, "z": 1}))
+    why = {t.name: t.why for t in model.par4d_plan}["model.layers.1.self_attn.k_proj"]
+    assert why == ("attention with 4 query and 2 key/value heads, which x=4 does not divide: "
+                   "a lone layer (whole features in and out)")

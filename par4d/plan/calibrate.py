@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from par4d.comm import KINDS
-from par4d.plan.model import ring_terms
+from par4d.ledger import ring_terms
 
 MESSAGE_BYTES = (4096, 65536, 1 << 20, 4 << 20)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from par4d.ledger import ring_terms
 from par4d.overlap import Overlap
 from par4d.plan.machines import Machine
 from par4d.plan.workload import GPTSpec, Layer, ModuleWorkload
@@ -30,17 +31,6 @@ from par4d.plan.workload import GPTSpec, Layer, ModuleWorkload
 AXES4 = ("x", "y", "z", "data")
 AXES5 = (*AXES4, "pipe")         # pipe outermost, as par4d.grid lays ranks out
 VARIANTS = ("agnostic", "aware", "full")
-
-
-def ring_terms(kind: str, ranks: int) -> tuple[float, float]:
-    """(ring steps, volume factor) of Eqs 1-3: time = steps * latency + factor * bytes / β."""
-    if kind == "all_gather":
-        return ranks - 1, ranks - 1
-    if kind == "reduce_scatter":
-        return ranks - 1, (ranks - 1) / ranks
-    if kind == "all_reduce":
-        return 2 * (ranks - 1), 2 * (ranks - 1) / ranks
-    raise ValueError(f"unknown collective {kind!r}")
 
 
 def ring_time(kind: str, ranks: int, message_bytes: float, beta: float, latency: float = 0.0) -> float:

@@ -31,7 +31,6 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -41,7 +40,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from par4d.grid import AXES, Grid
-from par4d.layout import Box, Placement, boxes, placement_of
+from par4d.layout import Box, Placement, boxes, fill, overlap, placement_of, slice_reader
 from par4d.train.rank0 import on_rank0
 
 FOLDER = "checkpoints"
@@ -303,40 +302,6 @@ def check_resumable(run_dir: Path, steps: int | None = None, report=None) -> tup
     return folder, meta
 
 
-def _overlap(saved: Box, wanted: Box) -> tuple[tuple[slice, ...], tuple[slice, ...]] | None:
-    """(slices of the saved piece, slices of the wanted shard) where the two boxes meet."""
-    src, dst = [], []
-    for (s_start, s_len), s_local, (w_start, w_len), w_local in zip(saved.full, saved.local, wanted.full, wanted.local):
-        lo, hi = max(s_start, w_start), min(s_start + s_len, w_start + w_len)
-        if lo >= hi:
-            return None
-        if s_local is not None:
-            src.append(slice(s_local + lo - s_start, s_local + hi - s_start))
-        if w_local is not None:
-            dst.append(slice(w_local + lo - w_start, w_local + hi - w_start))
-    return tuple(src), tuple(dst)
-
-
-Reader = Callable[[tuple[slice, ...]], torch.Tensor]
-"""``read(slices)``: part of a source piece, cut by one slice per dim of the piece (none for a scalar)."""
-
-
-def slice_reader(reader, key: str) -> Reader:
-    """A :data:`Reader` of tensor ``key`` of an open ``safe_open`` file that reads only the slices asked for."""
-    return lambda src: reader.get_slice(key)[src] if src else reader.get_tensor(key)
-
-
-def fill(local: torch.Tensor, wanted: Box, source: Box, read: Reader) -> None:
-    """Copy into ``local`` the part of its box ``wanted`` that the source piece's box ``source``
-    covers, if the two meet; ``read`` gives that part of the piece. ``local`` is a rank's shard (its
-    boxes from :func:`par4d.layout.boxes`) or a whole tensor; the source is a saved piece or a whole
-    tensor of another file (``par4d.train.hf``): the one place that moves values between boxes."""
-    where = _overlap(source, wanted)
-    if where is not None:
-        src, dst = where
-        local[dst] = read(src).to(local.device, local.dtype).reshape(local[dst].shape)
-
-
 @torch.no_grad()
 def load(run_dir: Path, grid: Grid, model: nn.Module, optimizer: torch.optim.Optimizer,
          folder: Path | None = None, verified: bool = False) -> dict:
@@ -388,6 +353,6 @@ def load(run_dir: Path, grid: Grid, model: nn.Module, optimizer: torch.optim.Opt
             for wanted in boxes(placement, full, _coords(grid), grid.sizes):
                 for piece in record["pieces"]:
                     for saved in map(Box.from_list, piece["boxes"]):
-                        if _overlap(saved, wanted) is not None:
+                        if overlap(saved, wanted) is not None:
                             fill(tensor, wanted, saved, slice_reader(reader_of(piece["file"]), key))
     return meta

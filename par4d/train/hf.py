@@ -32,7 +32,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from par4d.grid import AXES, Grid
-from par4d.layout import Box, Placement, boxes
+from par4d.layout import Box, Placement, Reader, boxes, fill, slice_reader
 from par4d.models.config import GPTConfig
 from par4d.train import checkpoint
 
@@ -213,7 +213,7 @@ def _whole(shape: tuple[int, ...]) -> Box:
     return boxes(Placement((), ()), shape, {}, {})[0]
 
 
-def _transposed_reader(reader, key: str) -> checkpoint.Reader:
+def _transposed_reader(reader, key: str) -> Reader:
     """Reads a Conv1D weight (in, out) by par4d's (out, in) slices: the transposed slices, transposed."""
     return lambda src: reader.get_slice(key)[src[::-1]].T
 
@@ -237,10 +237,10 @@ def load_hf(folder: Path, grid: Grid, model: nn.Module) -> dict:
                 raise ValueError(f"par4d parameter {name} has full shape {full} on this grid, its config gives "
                                  f"{shapes.get(name)}")
             key, transposed = hf_key(name)
-            read = _transposed_reader(f, key) if transposed else checkpoint.slice_reader(f, key)
+            read = _transposed_reader(f, key) if transposed else slice_reader(f, key)
             param = model.get_parameter(name)
             for wanted in boxes(placement, full, coords, grid.sizes):
-                checkpoint.fill(param.data, wanted, _whole(full), read)
+                fill(param.data, wanted, _whole(full), read)
     return config
 
 
@@ -302,9 +302,9 @@ def _full_tensors(folder: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str,
             for piece in record["pieces"]:
                 if piece["file"] not in readers:
                     readers[piece["file"]] = opened.enter_context(safe_open(str(folder / piece["file"]), "pt"))
-                read = checkpoint.slice_reader(readers[piece["file"]], f"model/{name}")
+                read = slice_reader(readers[piece["file"]], f"model/{name}")
                 for saved in map(Box.from_list, piece["boxes"]):
-                    checkpoint.fill(full, _whole(shape), saved, read)
+                    fill(full, _whole(shape), saved, read)
             out[name] = full
     return out
 
@@ -332,7 +332,8 @@ def export_hf(source: Path, out: Path, force: bool = False,
     meta = checkpoint.read_meta(folder)
     trained = meta.get("train_config", {}).get("model", "gpt")
     if trained != "gpt":
-        raise ValueError(f"run {source} trained --model {trained}, a Hugging Face model already: export is for "
+        what = "par4d's U-Net, not a language model" if trained == "unet" else "a Hugging Face model already"
+        raise ValueError(f"run {source} trained --model {trained}, {what}: export is for "
                          f"par4d's GPT (--model gpt); its checkpoint holds the model's own parameter names")
     config = _model_config(folder, meta)
     _check_dense(config, f"run {source} (checkpoint {folder.name})")

@@ -1,0 +1,394 @@
+"""``par4d.parallelize(model, grid)``: Algorithm 1 for a model nobody here wrote.
+
+Every ``nn.Linear`` (and Hugging Face's ``Conv1D``, GPT-2's: a linear layer whose weight
+is stored (in, out)) becomes a :class:`par4d.nn.Linear`, every ``nn.Conv2d`` a
+:class:`par4d.nn.Conv2d` (channels in dim 1 play features) and every ``nn.Embedding`` a
+:class:`par4d.nn.Embedding` (rows over z, features over y), holding its shard of the same
+weight and bias, under the same name and in the same orientation. Every other parameter
+stays whole on every rank (replicated: its gradient is summed over the batch's axes, z
+and data), and so does a layer whose weight is tied to another parameter (the plan says
+so). Samples are split over z and data as for par4d's own GPT (``layout.shard_batch``).
+
+Activations between blocks this module does not recognise are whole (every feature on
+every rank of x and y), which is correct for any model: a lone layer cuts its input's
+features for its in-axis (free) and all-gathers its output's over its out-axis
+(``SplitFeatures`` / ``GatherFeatures``); norms over features therefore stay whole, and batch
+norms become :class:`par4d.nn.BatchNorm` where samples are split (z*data > 1), whose statistics
+are all-reduced over z and data (the whole batch's, running ones included). Inside
+a recognised block activations stay sharded, as in the 4D paper's transposed
+alternation, with no collective between its layers:
+
+* a feed-forward pair, a normal layer then a transposed one with only elementwise work
+  between (an ``nn.Sequential`` of Linear, activations, Linear or of two Conv2d; GPT-2's
+  MLP; the gated MLPs of Llama-like models: ``down(act(gate(x)) * up(x))``);
+* attention (Llama, Mistral, Qwen2; GPT-2's with its fused q, k, v): the q, k, v
+  projections are normal layers whose out-features are cut over x at head boundaries, so
+  each rank of x runs attention on whole heads of its own (grouped-query attention's key
+  and value heads with them), and the output projection is transposed.
+
+A block with a layer forced or tied to another treatment is made of lone layers.
+
+Not yet (docs/architecture.md): norms on sharded activations (the residual stream stays
+whole); models on the meta device; the overlap runtime for these layers.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from par4d.auto.messages import Message, bytes_sent, layer_messages, record, sync_messages
+from par4d.grid import Grid
+from par4d.layout import Placement, Split, place, placement_of
+from par4d.nn.batchnorm import BATCH_AXES, BatchNorm
+from par4d.nn.collectives import GatherFeatures, SplitFeatures, gather_shards
+from par4d.nn.conv import Conv2d
+from par4d.nn.embedding import Embedding
+from par4d.nn.linear import Linear, _Algorithm1
+
+TREATMENTS = ("normal", "transposed", "replicated")
+ELEMENTWISE = (nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Identity, nn.Dropout, nn.LeakyReLU)
+# Feed-forward blocks by class name: (the layers whose outputs meet elementwise, the layer after).
+PAIRED = {name: (("gate_proj", "up_proj"), "down_proj") for name in ("LlamaMLP", "MistralMLP", "Qwen2MLP")}
+PAIRED["GPT2MLP"] = (("c_fc",), "c_proj")
+# Attention blocks by class name: (the q, k, v projections (one fused for GPT-2), the output projection).
+ATTENTION = {name: (("q_proj", "k_proj", "v_proj"), "o_proj") for name in ("LlamaAttention", "MistralAttention",
+                                                                           "Qwen2Attention")}
+ATTENTION["GPT2Attention"] = (("c_attn",), "c_proj")
+REPLICATED = Placement((), grad_sum=("z", "data"))
+NORM_WHY = "a norm over features, which are whole between blocks: kept whole (its gradient summed over z and data)"
+
+
+@dataclass(frozen=True)
+class Treatment:
+    """One layer of the plan: its name, what it became and why."""
+
+    name: str
+    kind: str          # normal, transposed or replicated
+    why: str
+    shard: tuple[int, ...] | None = None
+    messages: tuple[Message, ...] = ()    # its collectives in one step (given an example batch)
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def _sizes(module: nn.Module) -> tuple[int, int]:
+    """(in_features, out_features) of an nn.Linear or a Conv1D (weight (in, out))."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    return module.weight.shape[0], module.weight.shape[1]
+
+
+class AutoLinear(Linear):
+    """A par4d Linear standing where an ``nn.Linear`` or a ``Conv1D`` was: it takes whole
+    features unless ``sharded_in`` (the transposed half of a pair) and gives whole features
+    unless ``sharded_out`` (the normal half). ``stored_in_out``: the weight is kept as the
+    Conv1D's (in, out), cut as the transpose of a Linear's (Algorithm 1 gets its transpose,
+    a view)."""
+
+    sharded_in: bool = False
+    sharded_out: bool = False
+    stored_in_out: bool = False
+
+    def store_in_out(self) -> None:
+        """Keep the weight (in, out), as a Conv1D does, with the same shards transposed."""
+        local = self.weight.detach().t().contiguous()
+        self.weight = place(nn.Parameter(local), Placement((Split(1, self.out_axis, chunks=self.out_chunks),
+                                                            Split(0, self.in_axis), Split(1, "z")), grad_sum=("data",)))
+        self.stored_in_out = True
+
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        if not self.sharded_in:
+            inp = SplitFeatures.apply(inp, self.grid, self.in_axis)
+        weight = self.weight.t() if self.stored_in_out else self.weight     # (out, in) shard either way
+        if self.grid.size(self.in_axis, self.out_axis, "z") == 1:
+            out = F.linear(inp, weight, self.bias)
+        else:
+            out = _Algorithm1.apply(inp, weight, self.bias, self)
+        return out if self.sharded_out else GatherFeatures.apply(out, self.grid, self.out_axis)
+
+
+class AutoConv2d(Conv2d):
+    """A par4d Conv2d standing where an ``nn.Conv2d`` was; whole channels (dim 1) in and out
+    unless ``sharded_in`` / ``sharded_out``, as :class:`AutoLinear`'s features."""
+
+    sharded_in: bool = False
+    sharded_out: bool = False
+
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        if not self.sharded_in:
+            inp = SplitFeatures.apply(inp.movedim(1, -1), self.grid, self.in_axis).movedim(-1, 1)
+        out = super().forward(inp.contiguous())
+        if self.sharded_out:
+            return out
+        return GatherFeatures.apply(out.movedim(1, -1), self.grid, self.out_axis).movedim(-1, 1)
+
+
+class AutoEmbedding(Embedding):
+    """A par4d Embedding standing where an ``nn.Embedding`` was: rows over z, features over y,
+    its output's features gathered (whole, as the layers after it expect)."""
+
+    padding_idx: int | None = None
+
+    def forward(self, indices: torch.Tensor) -> torch.Tensor:
+        if self.grid.size("y", "z") == 1:
+            return F.embedding(indices, self.weight, self.padding_idx)
+        table = gather_shards(self.weight, self.grid, "z")
+        return GatherFeatures.apply(F.embedding(indices, table, self.padding_idx), self.grid, self.axis)
+
+
+def _embedding(module: nn.Embedding, name: str, grid: Grid) -> AutoEmbedding:
+    odd = [f"{k}={getattr(module, k)}" for k in ("max_norm", "scale_grad_by_freq", "sparse") if getattr(module, k)]
+    if odd:
+        raise ValueError(f"parallelize: {name} is nn.Embedding({', '.join(odd)}), which par4d's Embedding does not "
+                         f"do (force it replicated to keep it whole)")
+    layer = AutoEmbedding(module.num_embeddings, module.embedding_dim, grid=grid, name=name, initialize=False)
+    layer.padding_idx = module.padding_idx
+    return layer
+
+
+def _conv2d(module: nn.Conv2d, name: str, kind: str, grid: Grid) -> AutoConv2d:
+    """The par4d convolution for ``module``; what it cannot represent raises, naming it."""
+    square = [v[0] for v in (module.stride, module.padding) if isinstance(v, tuple) and len(set(v)) == 1]
+    if (module.groups != 1 or module.dilation != (1, 1) or module.padding_mode != "zeros" or len(square) != 2):
+        raise ValueError(f"parallelize: {name} is nn.Conv2d(groups={module.groups}, dilation={module.dilation}, "
+                         f"padding={module.padding}, stride={module.stride}, padding_mode={module.padding_mode!r}); "
+                         f"par4d's Conv2d takes groups=1, no dilation, zero padding and equal strides and paddings "
+                         f"(force it replicated to keep it whole)")
+    return AutoConv2d(module.in_channels, module.out_channels, module.kernel_size, square[0], square[1],
+                      module.bias is not None, kind == "transposed", grid=grid, name=name, initialize=False)
+
+
+@dataclass(frozen=True)
+class Role:
+    """What a recognised block asks of one of its layers."""
+
+    kind: str                   # normal or transposed
+    why: str
+    sharded_in: bool = False    # takes its input features as the layer before left them (sharded)
+    sharded_out: bool = False   # leaves its output features sharded for the layer after
+    chunks: int = 1             # out-features in equal chunks, each split (a fused q, k, v)
+    block: tuple[str, ...] = ()  # the layers of its block: sharded only if all keep their roles
+    sets: tuple = ()            # (module, attribute, value): what the block's module needs to know of the shards
+
+
+def _attention(module: nn.Module, at: str, grid: Grid, roles: dict[str, Role]) -> None:
+    """Roles for a recognised attention block: its q, k, v projections normal (out-features
+    over x: whole heads per rank, so attention itself runs on local heads with no
+    collective), its output projection transposed; or lone layers if x does not divide the
+    heads (the why says so, with the numbers)."""
+    projections, out = ATTENTION[type(module).__name__]
+    if getattr(module, "is_cross_attention", False) or not all(
+            _is_linear(getattr(module, n, None)) for n in (*projections, out)):
+        return
+    heads = module.config.num_attention_heads
+    kv = getattr(module.config, "num_key_value_heads", None) or heads
+    g = grid.size("x")
+    if heads % g or kv % g:
+        why = (f"attention with {heads} query and {kv} key/value heads, which x={g} does not divide: "
+               f"a lone layer (whole features in and out)")
+        roles.update({f"{at}{n}": Role("normal", why) for n in (*projections, out)})
+        return
+    fused = len(projections) == 1             # GPT-2's c_attn: q, k and v side by side
+    heads_per_rank = f"{heads // g} of {heads} query heads" + (f" and {kv // g} of {kv} key/value heads" if kv != heads
+                                                              else "")
+    block = tuple(f"{at}{n}" for n in (*projections, out))
+    # GPT-2 splits its fused projection's output into q, k, v by this width: now the local one
+    sets = ((module, "split_size", module.split_size // g),) if fused else ()
+    for n in projections:
+        roles[f"{at}{n}"] = Role("normal", f"attention's {n}: {heads_per_rank} per rank of x; activations stay "
+                                           f"sharded to {out}", sharded_out=True, chunks=3 if fused else 1,
+                                 block=block, sets=sets)
+    roles[f"{at}{out}"] = Role("transposed", "attention's output projection: takes the local heads' outputs "
+                                             "(sharded over x) as they are", sharded_in=True, block=block)
+
+
+def _roles(model: nn.Module, grid: Grid) -> dict[str, Role]:
+    """{layer name: role} for the blocks this module recognises (feed-forward pairs and attention)."""
+    roles: dict[str, Role] = {}
+    pair_why = "the {} half of a feed-forward pair: activations stay sharded between them"
+    for prefix, module in model.named_modules():
+        at = f"{prefix}." if prefix else ""
+        if type(module).__name__ in ATTENTION:
+            _attention(module, at, grid, roles)
+        gated = PAIRED.get(type(module).__name__)
+        if gated and all(_is_linear(getattr(module, n, None)) for n in (*gated[0], gated[1])):
+            block = tuple(f"{at}{n}" for n in (*gated[0], gated[1]))
+            roles.update({f"{at}{n}": Role("normal", pair_why.format("normal"), sharded_out=True, block=block)
+                          for n in gated[0]})
+            roles[f"{at}{gated[1]}"] = Role("transposed", pair_why.format("transposed"), sharded_in=True, block=block)
+        if isinstance(module, nn.Sequential):
+            children = list(module.named_children())
+            for i, (name, child) in enumerate(children):
+                if not isinstance(child, (nn.Linear, nn.Conv2d)) or f"{at}{name}" in roles:
+                    continue
+                j = i + 1
+                while j < len(children) and isinstance(children[j][1], ELEMENTWISE):
+                    j += 1
+                if j < len(children) and type(children[j][1]) is type(child):     # Linear-Linear, Conv2d-Conv2d
+                    block = (f"{at}{name}", f"{at}{children[j][0]}")
+                    roles[block[0]] = Role("normal", pair_why.format("normal"), sharded_out=True, block=block)
+                    roles[block[1]] = Role("transposed", pair_why.format("transposed"), sharded_in=True, block=block)
+    return roles
+
+
+def _decide(name: str, module: nn.Module, roles: dict[str, Role], force: dict[str, str],
+            names: dict[int, list[str]]) -> tuple[str, str]:
+    """(treatment, why) of one layer, before its block is checked: forced, tied, its role, or lone."""
+    kind = _forced(name, force)
+    tied = [n for n in names[id(module.weight)] if n != f"{name}.weight"]
+    if tied and kind not in (None, "replicated"):
+        raise ValueError(f"parallelize: {name} is forced {kind}, but its weight is tied to {tied[0]}, "
+                         f"which par4d cannot shard apart")
+    if tied:
+        return "replicated", f"its weight is tied to {tied[0]}: kept whole"
+    if kind is not None:
+        return kind, "forced"
+    if name in roles:
+        return roles[name].kind, roles[name].why
+    if isinstance(module, nn.Embedding):
+        return "normal", "an embedding: rows over z, features over y, gathered to whole features"
+    return "normal", "a lone layer: whole features in and out"
+
+
+def _replacement(module: nn.Module, name: str, kind: str, role: Role | None, grid: Grid) -> nn.Module:
+    """The par4d layer standing for ``module`` (its values are loaded next)."""
+    if isinstance(module, nn.Conv2d):
+        layer = _conv2d(module, name, kind, grid)
+    elif isinstance(module, nn.Embedding):
+        return _embedding(module, name, grid)
+    else:
+        in_features, out_features = _sizes(module)
+        layer = AutoLinear(in_features, out_features, module.bias is not None, kind == "transposed", grid=grid,
+                           out_chunks=role.chunks if role else 1, name=name, initialize=False)
+        if not isinstance(module, nn.Linear):
+            layer.store_in_out()
+    if role is not None:
+        layer.sharded_out, layer.sharded_in = role.sharded_out, role.sharded_in
+    return layer
+
+
+def _batch_norms(model: nn.Module, grid: Grid, counted: bool) -> list[Treatment]:
+    """Every batch norm, in place and under its name, made par4d's BatchNorm holding the same
+    tensors where samples are split (z*data > 1), so its statistics are the whole batch's; their
+    plan rows. ``counted``: with their collectives per step (the backward's assumes the input
+    needs a gradient, as after any trained layer)."""
+    split = grid.size(*BATCH_AXES) > 1
+    axes = tuple(a for a in BATCH_AXES if grid.size(a) > 1)
+    made: dict[int, BatchNorm] = {}
+    rows = []
+    for name, module in list(model.named_modules(remove_duplicate=False)):
+        if not isinstance(module, nn.modules.batchnorm._BatchNorm):
+            continue
+        if not split:
+            rows.append(Treatment(name, "replicated", "a batch norm with every sample on each rank (z*data=1): "
+                                                      "torch's, kept whole (its gradient summed over z and data)"))
+            continue
+        if not isinstance(module, BatchNorm):
+            if id(module) not in made:
+                made[id(module)] = BatchNorm.from_module(module, grid=grid, name=name)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, made[id(module)])
+        c = module.num_features
+        messages = (("all_reduce", axes, grid.size(*axes) * 3 * c), ("all_reduce", axes, 2 * c)) if counted else ()
+        rows.append(Treatment(name, "replicated", f"a batch norm: statistics synchronised over z and data "
+                                                  f"(z*data={grid.size(*axes)}), so they are the whole batch's; "
+                                                  f"kept whole (its gradient summed over z and data)",
+                              messages=messages))
+    return rows
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
+
+
+def _forced(name: str, force: dict[str, str]) -> str | None:
+    hits = [kind for pattern, kind in force.items() if fnmatch.fnmatchcase(name, pattern)]
+    return hits[-1] if hits else None
+
+
+@torch.no_grad()
+def parallelize(model: nn.Module, grid: Grid, *, force: dict[str, str] | None = None,
+                example: tuple | dict | None = None, report: bool = False) -> nn.Module:
+    """Replace ``model``'s ``nn.Linear`` layers (in place) by par4d's, keeping names and values;
+    returns the model, whose ``par4d_plan`` lists every layer's :class:`Treatment`.
+
+    ``force``: {name pattern (fnmatch): normal, transposed or replicated}, the last match
+    wins; a forced normal or transposed layer is a lone one (whole features around it).
+    ``example``: the inputs of one step's whole batch, ``model(*example)`` or
+    ``model(**example)`` (meta tensors will do): the plan then has each layer's collectives
+    per step (:mod:`par4d.plan.auto`), and ``model.par4d_sync`` the data-parallel sums.
+    ``report``: print the plan. A layer whose sizes the grid does not divide raises, naming
+    the layer and the numbers (force it ``replicated`` to keep it whole)."""
+    force = dict(force or {})
+    bad = [k for k in force.values() if k not in TREATMENTS]
+    if bad:
+        raise ValueError(f"parallelize: unknown treatment {bad[0]!r}; give one of {', '.join(TREATMENTS)}")
+    batch_norms = _batch_norms(model, grid, counted=example is not None)
+    roles = _roles(model, grid)
+    role_of = dict(roles)
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    layers = [(n, m) for n, m in model.named_modules() if _is_linear(m) or isinstance(m, (nn.Conv2d, nn.Embedding))]
+    decided = {name: _decide(name, module, roles, force, names) for name, module in layers}
+    for name, role in list(roles.items()):     # a block is sharded only if all its layers keep their roles
+        broken = [m for m in role.block if decided[m][1] != role_of[m].why]
+        if broken:
+            del roles[name]
+            if decided[name][1] == role.why:
+                decided[name] = ("normal", f"a lone layer: {broken[0]} of its block is {decided[broken[0]][0]}")
+    seen = record(model, [n for n, _ in layers], example) if example is not None else {}
+    plan: list[Treatment] = []
+    for name, module in layers:
+        kind, why = decided[name]
+        if kind == "replicated":
+            plan.append(Treatment(name, kind, why))
+            continue
+        layer = _replacement(module, name, kind, roles.get(name), grid)
+        state = dict(module.named_parameters(recurse=False))
+        if not module.weight.is_meta:          # on the meta device: its shards are loaded next (load_safetensors)
+            layer.load_full_state({k: v.detach().to(layer.weight.device, layer.weight.dtype) for k, v in state.items()})
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, layer)
+        messages = tuple(layer_messages(layer, seen[name], grid.sizes)) if seen else ()
+        plan.append(Treatment(name, kind, why, tuple(layer.weight.shape), messages))
+        names[id(layer.weight)] = [f"{name}.weight"]
+    for role in roles.values():
+        for module, attribute, value in role.sets:
+            setattr(module, attribute, value)
+    plan += [Treatment(name, "replicated", NORM_WHY) for name, module in model.named_modules() if _is_norm(module)]
+    plan += batch_norms
+    for param in model.parameters():
+        if placement_of(param) is None:        # whole on every rank: its gradient is summed over z and data
+            place(param, REPLICATED)
+    model.par4d_plan = plan
+    model.par4d_sync = tuple(sync_messages(model, grid.sizes)) if seen else ()
+    if report:
+        print(plan_table(plan, model.par4d_sync, grid.sizes, counted=bool(seen)))
+    return model
+
+
+def plan_table(plan: list[Treatment], sync: tuple[Message, ...], sizes: dict[str, int], counted: bool) -> str:
+    """The plan as ``report=True`` prints it: a line per layer (treatment, shard, bytes each
+    rank sends per step if ``counted``, why) and the step's total."""
+    def sent(messages) -> str:
+        return f"{sum(bytes_sent(m, sizes) for m in messages) / 1024:,.1f} KiB" if counted else "-"
+
+    width = max((len(t.name) for t in plan), default=5)
+    lines = [f"{'layer':<{width}}  {'treatment':<10}  {'shard':<14}  {'sent/step':>12}  why"]
+    lines += [f"{t.name:<{width}}  {t.kind:<10}  {str(t.shard or 'whole'):<14}  {sent(t.messages):>12}  {t.why}"
+              for t in plan]
+    if counted:
+        every = [m for t in plan for m in t.messages] + list(sync)
+        lines.append(f"{'data-parallel sums':<{width}}  {'':<10}  {'':<14}  {sent(sync):>12}  gradients summed over "
+                     f"z and data after backward")
+        lines.append(f"{'total':<{width}}  {'':<10}  {'':<14}  {sent(every):>12}  per rank per step, fp32 "
+                     f"(ring collectives: the planner's Eqs 1-3)")
+    return "\n".join(lines)
