@@ -391,20 +391,63 @@ def test_mixed_precision_run_resumes_in_another_precision(tmp_path):
     assert _losses(half) == pytest.approx(_losses(full), rel=1e-2)
 
 
-def test_hugging_face_models_train_as_one_rank(tmp_path):
+def _checked(*args: str, world: int):
+    """The config `par4d train ARGS` launches, checked as the CLI checks it (without measuring the peak)."""
+    from dataclasses import replace
+
+    from par4d.cli import _parser
+    from par4d.cli.train import _config
+
+    return replace(_config(_parser().parse_args(["train", *args]), world, inside=False), peak_flops=1.0)
+
+
+def _train_in_pool(config):
+    """`par4d train`'s loop on a pool's rank (its worker would leave the pool's job when done). One thread
+    per rank, as par4d's launcher gives 4 ranks on 2 cores: the loop, seeing no launcher, would take every
+    core in each rank (5x slower)."""
+    from unittest import mock
+
+    from par4d.train.loop import run
+    from par4d.train.stop import StopRequest
+
+    with mock.patch("par4d.train.loop._threads_per_rank", return_value=1), StopRequest() as stop:
+        return run(config, stop)
+
+
+def _alone(config) -> None:
+    """`par4d train` as one rank in this process (its summary printed), the test's thread count kept."""
+    import torch
+
+    from par4d.cli.train import _finish
+    from par4d.train.loop import worker
+
+    threads = torch.get_num_threads()
+    try:
+        assert _finish(worker(config)) == 0
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_hugging_face_models_train_as_one_rank(tmp_path, capsys, pool4):
     """`--model hf-gpt2` on x=2,z=2 and `--model hf-llama` on x=2,y=2, resumed on z=2,data=2:
     the losses of the one-rank runs to fp32 rounding (par4d.parallelize inside the loop;
-    its checkpoint moves between grids like the GPT's)."""
+    its checkpoint moves between grids like the GPT's). One rank runs in this process, 4 on the pool."""
     common = ["--n-layer", "2", "--n-embd", "32", "--n-head", "4", "--batch-size", "8", "--seq-len", "16",
               "--no-progress"]
     runs = {name: tmp_path / name for name in ("gpt2-1", "gpt2-4", "llama-1", "llama-4")}
-    _train("--model", "hf-gpt2", "--nproc", "1", *common, "--steps", "4", "--out", str(runs["gpt2-1"]))
-    result = _train("--model", "hf-gpt2", "--grid", "x=2,z=2", *common, "--steps", "4", "--out", str(runs["gpt2-4"]))
-    assert "hf-gpt2: Hugging Face's, made parallel by par4d.parallelize" in result.stdout
+    _alone(_checked("--model", "hf-gpt2", "--nproc", "1", *common, "--steps", "4", "--out", str(runs["gpt2-1"]),
+                    world=1))
+    assert "hf-gpt2: Hugging Face's, made parallel by par4d.parallelize" in capsys.readouterr().out
+    pool4.run(_train_in_pool, _checked("--model", "hf-gpt2", "--grid", "x=2,z=2", *common, "--steps", "4",
+                                       "--out", str(runs["gpt2-4"]), world=4))
     assert _losses(runs["gpt2-4"]) == pytest.approx(_losses(runs["gpt2-1"]), rel=1e-5)
-    _train("--model", "hf-llama", "--nproc", "1", *common, "--steps", "6", "--out", str(runs["llama-1"]))
-    _train("--model", "hf-llama", "--grid", "x=2,y=2", *common, "--steps", "4", "--out", str(runs["llama-4"]))
-    _train("--resume", str(runs["llama-4"]), "--grid", "z=2,data=2", "--steps", "6")
+    _alone(_checked("--model", "hf-llama", "--nproc", "1", *common, "--steps", "6", "--out", str(runs["llama-1"]),
+                    world=1))
+    pool4.run(_train_in_pool, _checked("--model", "hf-llama", "--grid", "x=2,y=2", *common, "--steps", "4",
+                                       "--out", str(runs["llama-4"]), world=4))
+    resumed = pool4.run(_train_in_pool, _checked("--resume", str(runs["llama-4"]), "--grid", "z=2,data=2",
+                                                 "--steps", "6", "--no-progress", world=4))[0]
+    assert resumed["grid_changed"] and resumed["start_step"] == 4
     assert _losses(runs["llama-4"]) == pytest.approx(_losses(runs["llama-1"]), rel=1e-5)
     with pytest.raises(ValueError, match="trained --model hf-gpt2, a Hugging Face model already"):
         from par4d.train.hf import export_hf
@@ -416,3 +459,35 @@ def test_hugging_face_models_refuse_what_is_for_the_gpt(tmp_path, capsys):
     assert main(["train", "--model", "hf-llama", "--grid", "pipe=2", "--nproc", "2", *SMALL,
                  "--out", str(tmp_path / "run")]) == 2
     assert "--model hf-llama: --grid pipe=2 is for par4d's GPT (--model gpt)" in capsys.readouterr().err
+
+
+UNET = ["--model", "unet", "--n-embd", "16", "--n-layer", "2", "--image-size", "8", "--batch-size", "8",
+        "--no-progress"]
+
+
+def test_unet_trains_as_one_rank_and_resumes_on_another_grid(tmp_path, capsys, pool4):
+    """`--model unet`: one rank (this process) for 6 steps; x=2,z=2 (a pool's ranks) for 3, resumed on y=2,data=2
+    to 6: the same losses to fp32 rounding, with a validation loss, checkpoints and a summary as the GPT's.
+    What does not apply to the U-Net is refused by name."""
+    alone, split = tmp_path / "alone", tmp_path / "split"
+    _alone(_checked(*UNET, "--nproc", "1", "--steps", "6", "--out", str(alone), world=1))
+    printed = capsys.readouterr().out
+    assert "unet: par4d's U-Net" in printed and "pixels/s" in printed and "Eq 3" not in printed, printed
+    pool4.run(_train_in_pool, _checked(*UNET, "--grid", "x=2,z=2", "--steps", "3", "--out", str(split), world=4))
+    resumed = pool4.run(_train_in_pool, _checked("--resume", str(split), "--grid", "y=2,data=2", "--steps", "6",
+                                                 "--no-progress", world=4))[0]
+    assert resumed["grid_changed"] and resumed["start_step"] == 3
+    assert _losses(split) == pytest.approx(_losses(alone), rel=1e-5)
+    one = json.loads((alone / "summary.json").read_text())
+    assert resumed["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5)
+    assert one["params"] == 19_220 and one["data"].startswith("generated images")
+
+    for args, message in ((["--seq-len", "64"], "--model unet: --seq-len 64 does not apply (the U-Net's sizes"),
+                          (["--data", "README.md"], "--model unet: --data README.md is text for the language models"),
+                          (["--grid", "pipe=2", "--nproc", "2"], "--model unet: --grid pipe=2 is for par4d's GPT"),
+                          (["--image-size", "12", "--n-layer", "4"], "--image-size 12 is not divisible by 2 ** "
+                                                                     "(--n-layer - 1) = 8")):
+        assert main(["train", *UNET, *args, "--out", str(tmp_path / "refused")]) == 2
+        assert message in capsys.readouterr().err
+    assert main(["train", "--image-size", "8", "--out", str(tmp_path / "refused")]) == 2
+    assert "--model gpt: --image-size 8 does not apply (it is for unet)" in capsys.readouterr().err

@@ -7,6 +7,8 @@ import argparse
 from dataclasses import replace
 from pathlib import Path
 
+from par4d.train.config import IMAGE_CHANNELS, MODELS, UNUSED
+
 DEFAULT_NPROC = 4   # local ranks when no launcher gives a world size (also calibrate's and bench grid's default)
 
 
@@ -21,14 +23,14 @@ def _help(name: str, text: str = "") -> str:
 
 
 # A resumed run keeps these (they decide the model and its batches); it takes HONOURED ones when given.
-FIXED = ("model", "batch_size", "seq_len", "n_layer", "n_embd", "n_head", "mlp", "phantom_k", "seed")
+FIXED = ("model", "batch_size", "seq_len", "n_layer", "n_embd", "n_head", "mlp", "phantom_k", "image_size", "seed")
 HONOURED = ("lr", "grad_clip", "save_every", "keep", "overlap", "recompute", "microbatches", "pipeline_limit",
             "precision", "grad_reduce", "offload_bsize")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "train", help="train the GPT on text (the main job)",
+        "train", help="train the GPT on text (the main job), or a U-Net on images",
         epilog="SIGTERM (a scheduler's preemption) or Ctrl-C: every rank saves the step it is on and the run exits "
                "with 128 + the signal's number; --resume goes on from there. Exit status 1: a rank failed (its "
                "traceback is in the run's logs/); 2: bad input, found before any rank started.")
@@ -49,16 +51,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="start from the weights of a Hugging Face GPT-2 folder (as par4d export writes it); "
                         "the model's shape defaults to its config.json's, each rank reads only its shards")
     p.add_argument("--data", default=None,
-                   help="a UTF-8 text file (default: Python's bundled docs); a resumed run checks it is the same")
+                   help="a UTF-8 text file for the language models (default: Python's bundled docs); a resumed "
+                        "run checks it is the same")
     model = p.add_argument_group("model and batch (a resumed run keeps its own: a different value is refused)")
-    model.add_argument("--model", choices=["gpt", "hf-gpt2", "hf-llama"], default=None,
+    model.add_argument("--model", choices=MODELS, default=None,
                        help=_help("model", "par4d's GPT, or Hugging Face's GPT-2 or Llama built from the sizes "
-                                           "below and made parallel by par4d.parallelize"))
-    model.add_argument("--batch-size", type=int, default=None, help=_help("batch_size", "global batch, in sequences"))
+                                           "below and made parallel by par4d.parallelize, all on text; or unet: "
+                                           "par4d's U-Net denoising images generated from --seed (mean squared "
+                                           "error; its width is --n-embd, its levels --n-layer)"))
+    model.add_argument("--batch-size", type=int, default=None,
+                       help=_help("batch_size", "global batch, in sequences (unet: images)"))
     model.add_argument("--seq-len", type=int, default=None, help=_help("seq_len"))
-    model.add_argument("--n-layer", type=int, default=None, help=_help("n_layer"))
-    model.add_argument("--n-embd", type=int, default=None, help=_help("n_embd"))
+    model.add_argument("--n-layer", type=int, default=None, help=_help("n_layer", "blocks (unet: levels)"))
+    model.add_argument("--n-embd", type=int, default=None,
+                       help=_help("n_embd", "embedding width (unet: channels inside)"))
     model.add_argument("--n-head", type=int, default=None, help=_help("n_head"))
+    model.add_argument("--image-size", type=int, default=None,
+                       help=_help("image_size", f"unet: images are {IMAGE_CHANNELS} x N x N, N divisible by "
+                                                f"2 ** (levels - 1)"))
     model.add_argument("--mlp", choices=["dense", "phantom"], default=None,
                        help=_help("mlp", "phantom: phantom layers over x in every MLP (needs y = z = 1)"))
     model.add_argument("--phantom-k", type=int, default=None,
@@ -225,6 +235,8 @@ def _config(args: argparse.Namespace, world: int, inside: bool):
         from par4d.train.hf import check_hf
 
         check_hf(Path(config.init_from), config.model_config())    # names the file and every number that differs
+    if config.model == "unet":   # its images are generated: no text to check
+        return config
     corpus = read_corpus(config.data, config.seq_len, config.data_sha256)   # a resume checks it is the same text
     return replace(config, data=None if corpus.source == BUNDLED else corpus.source, data_sha256=corpus.sha256)
 
@@ -237,7 +249,8 @@ def _grid(args: argparse.Namespace, world: int, inside: bool, dims: dict) -> tup
     if args.grid != "auto":
         return (parse_grid(args.grid) if args.grid else default_grid(world)), None
     if dims["mlp"] != "dense" or dims.get("model", "gpt") != "gpt":
-        raise ValueError("--grid auto plans par4d's dense GPT only; give --grid for --mlp phantom or --model hf-*")
+        raise ValueError(f"--grid auto plans par4d's dense GPT only; give --grid for --mlp phantom or "
+                         f"--model {dims.get('model', 'gpt')}")
     return planned_grid(world, machine=args.machine, inside=inside, report=_say,
                         **{k: dims[k] for k in ("n_layer", "n_embd", "n_head", "seq_len", "batch_size")})
 
@@ -248,8 +261,13 @@ def _new_config(args: argparse.Namespace, world: int, inside: bool):
     from par4d.train.loop import new_run_dir
 
     chosen = {name: getattr(args, name) for name in FIXED + HONOURED if getattr(args, name) is not None}
+    model = chosen.get("model", _default("model"))
+    unused = [name for name in UNUSED[model] if name in chosen]
+    if unused:
+        why = "the U-Net's sizes are --n-embd, --n-layer and --image-size" if model == "unet" else "it is for unet"
+        raise ValueError(f"--model {model}: {_flag(unused[0])} {chosen[unused[0]]} does not apply ({why})")
     init_from = _init_from(args.init_from)
-    if init_from is not None:   # the model's shape is the saved model's unless a flag says otherwise
+    if init_from is not None and model == "gpt":   # the shape is the saved model's unless a flag says otherwise
         from par4d.train.hf import gpt_dims
 
         chosen = dict(gpt_dims(init_from), **chosen)
@@ -300,7 +318,8 @@ def _resumed_config(args: argparse.Namespace, world: int, inside: bool):
     if args.init_from is not None:
         raise ValueError(f"--resume {run_dir} starts from the run's checkpoint; --init-from applies to a new run only")
     folder, meta = check_resumable(run_dir, report=_say)    # the newest intact checkpoint
-    saved = {"model": "gpt", **meta["train_config"]}       # runs saved before --model trained the GPT
+    # Runs saved before --model trained the GPT; before --image-size, a size they had no use for.
+    saved = {"model": "gpt", "image_size": _default("image_size"), **meta["train_config"]}
     for name in FIXED:
         given = getattr(args, name)
         if given is not None and given != saved[name]:
@@ -360,6 +379,8 @@ def _communication(summary: dict) -> str:
 
 def _model_line(summary: dict) -> str:
     model = summary.get("model", "gpt")
+    if model == "unet":
+        return "unet: par4d's U-Net (par4d.nn.Conv2d), denoising generated images"
     return "par4d's GPT" if model == "gpt" else f"{model}: Hugging Face's, made parallel by par4d.parallelize"
 
 
@@ -367,15 +388,18 @@ def _print_summary(summary: dict) -> None:
     from par4d.grid import AXES
 
     grid = " ".join(f"{a}={summary['grid'][a]}" for a in AXES)
+    text = summary["eq3_flops_per_s"] is not None    # the paper's GPT formulas (Eqs 2 and 3) apply
+    flops = f"{summary['model_flops_per_s'] / 1e9:.2f} GFLOP/s"
     rows = [
         ("grid", f"{grid}  ({summary['world_size']} ranks)"),
         ("model", _model_line(summary)),
         ("parameters", f"{summary['params']:,}"),
         ("steps", f"{summary['start_step']} -> {summary['steps']}" + _resumed(summary)),
-        ("tokens/s", f"{summary['tokens_per_s']:,.0f}"),
-        ("model FLOP/s", f"{summary['model_flops_per_s'] / 1e9:.2f} GFLOP/s (par4d's count; the paper's Eq 3: "
-                         f"{summary['eq3_flops_per_s'] / 1e9:.2f} GFLOP/s)"),
-        ("300 B tokens", f"{summary['eq2_days_to_300b_tokens']:,.0f} days at this rate (the paper's Eq 2)"),
+        ("tokens/s" if text else "pixels/s", f"{summary['tokens_per_s']:,.0f}"),
+        ("model FLOP/s", f"{flops} (par4d's count; the paper's Eq 3: {summary['eq3_flops_per_s'] / 1e9:.2f} GFLOP/s)"
+                         if text else flops),
+        *([("300 B tokens", f"{summary['eq2_days_to_300b_tokens']:,.0f} days at this rate (the paper's Eq 2)")]
+          if text else []),
         ("matmul peak", f"{summary['matmul_peak_flops_per_s'] / 1e9:.1f} GFLOP/s fp32 (measured at start-up)"),
         ("% of peak", f"{summary['percent_of_peak']:.1f}%"),
         ("overlap", f"{summary['overlap']}, recompute {_every(summary['recompute_every'])}"),

@@ -13,7 +13,8 @@ samples split over z and data would need its own collectives).
 
 Images are ``(B, channels, H, W)`` with H and W divisible by ``2 ** (levels - 1)``;
 samples split over data and z, the input's channels over y (the stem is a normal layer);
-the output's channels come out over y (the head is a transposed layer).
+the output's channels come out over y (the head is a transposed layer):
+:func:`shard_images` cuts a global batch so.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 
 from par4d import comm
 from par4d.grid import Grid
+from par4d.layout import shard_activation
 from par4d.nn.conv import Conv2d
 
 
@@ -35,6 +37,18 @@ class UNetConfig:
     width: int = 8           # channels inside
     levels: int = 2          # resolutions: each one below halves H and W
     seed: int = 0
+
+    def num_params(self) -> int:
+        return sum(c_in * c_out * k * k + c_out for _, c_in, c_out, k, _ in _sized(self))
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs (forward and backward: 6 per weight and output pixel) per pixel of the input,
+        the U-Net's token; a level's convolutions see ``4 ** -level`` of the pixels."""
+        return sum(6 * c_in * c_out * k * k / 4 ** _level(name) for name, c_in, c_out, k, _ in _sized(self))
+
+
+def _level(name: str) -> int:
+    return int(name.split(".")[1]) if name.startswith(("down.", "up.")) else 0
 
 
 def _sized(config: UNetConfig) -> list[tuple[str, int, int, int, bool]]:
@@ -58,17 +72,24 @@ class UNet(nn.Module):
                                       name=f"UNet.{name}")
                          for i, (name, c_in, c_out, k, t) in enumerate(_sized(config))})
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return _unet(self, images)
+    def forward(self, images: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The output, or given ``targets`` the loss (as par4d's GPT: what ``train_step`` calls)."""
+        return _unet(self, images) if targets is None else self.loss(images, targets)
 
     def loss(self, images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        out = self(images)
+        out = _unet(self, images)
         # This rank's share of the squared error over the whole image (its channel block of
         # G_y); the value is summed over y, the gradient is this block's.
         share = (out - targets).square().sum() / (targets.numel() * self.grid.size("y"))
         whole = share.detach().clone().reshape(1)
         comm.all_reduce(self.grid, whole, "y")
         return share + (whole[0] - share).detach()
+
+
+def shard_images(grid: Grid, images: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a global batch ``(B, C, H, W)`` as :class:`UNet` takes its input and target:
+    its samples (over data and z) and its channel block over y."""
+    return shard_activation(grid, images.movedim(1, -1), "y").movedim(-1, 1).contiguous()
 
 
 class _Block(nn.Module):

@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from par4d.models.config import GPTConfig
 from par4d.overlap import Overlap, parse_recompute
 
+if TYPE_CHECKING:
+    from par4d.models.unet import UNetConfig
+
 VOCAB_BYTES = 256   # byte-level tokens
-MODELS = ("gpt", "hf-gpt2", "hf-llama")   # --model: par4d's GPT, or Hugging Face's through par4d.parallelize
+# --model: par4d's GPT, Hugging Face's through par4d.parallelize, or par4d's U-Net on generated images
+MODELS = ("gpt", "hf-gpt2", "hf-llama", "unet")
+IMAGE_CHANNELS = 4   # --model unet: channels of the generated images (the U-Net's input and output)
+# Model settings a model has no use for: refused by name when given (par4d.cli.train).
+UNUSED = {"unet": ("seq_len", "n_head", "mlp", "phantom_k"),
+          **{model: ("image_size",) for model in MODELS if model != "unet"}}
 
 
 @dataclass(frozen=True)
@@ -25,6 +34,7 @@ class TrainConfig:
     n_embd: int = 128
     n_head: int = 4
     model: str = "gpt"
+    image_size: int = 16             # --model unet: images are image_size x image_size pixels
     mlp: str = "dense"
     phantom_k: int = 16
     lr: float = 3e-3
@@ -62,8 +72,11 @@ class TrainConfig:
                                             (f"--recompute {self.recompute}", self.recompute != "none"),
                                             (f"--init-from hf {self.init_from}", self.init_from is not None)) if on]
             if given:
-                raise ValueError(f"--model {self.model}: {given[0]} is for par4d's GPT (--model gpt); a Hugging Face "
-                                 f"model trains without a pipeline, phantom MLPs, recomputation or --init-from")
+                which = "the U-Net" if self.model == "unet" else "a Hugging Face model"
+                raise ValueError(f"--model {self.model}: {given[0]} is for par4d's GPT (--model gpt); {which} "
+                                 f"trains without a pipeline, phantom MLPs, recomputation or --init-from")
+        if self.model == "unet":
+            self._check_unet()
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"--precision {self.precision!r}: give fp32, bf16 or fp16")
         if self.offload_bsize is not None and (self.precision == "fp32" or self.offload_bsize < 1):
@@ -92,6 +105,18 @@ class TrainConfig:
                              f"add --recompute auto (or N), or leave cache out of --overlap "
                              f"(e.g. --overlap {','.join(n for n in settings.names if n != 'cache') or 'none'})")
 
+    def _check_unet(self) -> None:
+        if self.data is not None:
+            raise ValueError(f"--model unet: --data {self.data} is text for the language models; the U-Net trains "
+                             f"on images generated from --seed")
+        for flag, value in (("--n-layer", self.n_layer), ("--n-embd", self.n_embd), ("--image-size", self.image_size)):
+            if value < 1:
+                raise ValueError(f"--model unet: {flag} must be >= 1, got {value}")
+        if self.image_size % 2 ** (self.n_layer - 1):
+            raise ValueError(f"--model unet: --image-size {self.image_size} is not divisible by 2 ** (--n-layer - 1) "
+                             f"= {2 ** (self.n_layer - 1)} (the U-Net's {self.n_layer} levels halve it "
+                             f"{self.n_layer - 1} times)")
+
     def overlap_settings(self) -> Overlap:
         """``--overlap all`` without recomputation means every overlap but the cache (it needs recomputation)."""
         if self.overlap.strip().lower() == "all" and self.recompute_every() == 0:
@@ -106,7 +131,12 @@ class TrainConfig:
         per_stage = math.gcd(*(len(blocks) for blocks in self.model_config().stage_blocks(pipe)))
         return parse_recompute(self.recompute, per_stage, self.n_layer)
 
-    def model_config(self) -> GPTConfig:
+    def model_config(self) -> GPTConfig | UNetConfig:
+        """The model's own config: ``--n-embd`` is the U-Net's width, ``--n-layer`` its levels."""
+        if self.model == "unet":
+            from par4d.models.unet import UNetConfig  # imports torch: only a U-Net run needs it
+
+            return UNetConfig(channels=IMAGE_CHANNELS, width=self.n_embd, levels=self.n_layer, seed=self.seed)
         return GPTConfig(vocab_size=VOCAB_BYTES, block_size=self.seq_len, n_layer=self.n_layer,
                          n_embd=self.n_embd, n_head=self.n_head, seed=self.seed, mlp=self.mlp,
                          phantom_k=self.phantom_k, phantom_p=self.grid.get("x", 1))

@@ -1,20 +1,24 @@
-"""Training text as bytes, and batches that are a function of (seed, step) alone.
+"""Training text as bytes, generated images, and batches that are a function of (seed, step) alone.
 
-Every rank draws the same global batch for a step and keeps its own samples, so a
+Every rank draws the same global batch for a step and keeps its own part (``shard``), so a
 run resumed at step s sees exactly the batches an uninterrupted run would.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from par4d.train.config import VOCAB_BYTES  # noqa: F401  (re-exported)
+from par4d.layout import shard_batch
+from par4d.models.unet import shard_images
+from par4d.train.config import IMAGE_CHANNELS, VOCAB_BYTES, TrainConfig  # noqa: F401  (VOCAB_BYTES re-exported)
 
 BUNDLED = "pydoc_data.topics (Python's bundled documentation)"
+IMAGES = "generated images (discs and squares on colour gradients, plus noise; par4d.train.data.Images)"
 TRAIN_SHARE = 0.9
 
 
@@ -71,8 +75,18 @@ def as_tokens(corpus: Corpus) -> torch.Tensor:
     return torch.frombuffer(bytearray(corpus.data), dtype=torch.uint8).long()
 
 
+def training_data(config: TrainConfig) -> tuple[Batches | Images, str]:
+    """The run's batches and where they come from (the corpus's path, BUNDLED or IMAGES)."""
+    if config.model == "unet":
+        return Images(config.image_size, config.batch_size, config.seed), IMAGES
+    corpus = read_corpus(config.data, config.seq_len, config.data_sha256)
+    return Batches(as_tokens(corpus), config.seq_len, config.batch_size, config.seed), corpus.source
+
+
 class Batches:
     """Random windows of ``seq_len + 1`` bytes; a 90/10 train/validation split."""
+
+    shard = staticmethod(shard_batch)      # a rank's samples (over data x z)
 
     def __init__(self, data: torch.Tensor, seq_len: int, batch_size: int, seed: int):
         if len(data) < min_bytes(seq_len):
@@ -81,6 +95,7 @@ class Batches:
         split = int(TRAIN_SHARE * len(data))
         self.train, self.val = data[:split], data[split:]
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
+        self.tokens_per_step = batch_size * seq_len
 
     def _draw(self, source: torch.Tensor, key: int) -> tuple[torch.Tensor, torch.Tensor]:
         generator = torch.Generator().manual_seed(key)
@@ -94,3 +109,45 @@ class Batches:
 
     def val_batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._draw(self.val, -(self.seed * 1_000_003 + index + 1))
+
+
+class Images:
+    """A denoising task: each image (IMAGE_CHANNELS x size x size, values in [0, 1]) is a linear
+    colour gradient in a random direction with SHAPES discs or squares of random colour, place and
+    size drawn over it; the input is the image plus Gaussian noise of standard deviation NOISE, the
+    target the clean image. Returning the input scores NOISE ** 2 = 0.04; a model that does better
+    has learnt what images look like. Validation images come from other keys (negative ones)."""
+
+    SHAPES = 3
+    NOISE = 0.2
+    shard = staticmethod(shard_images)     # its samples over data x z, its channels over y: as UNet takes them
+
+    def __init__(self, size: int, batch_size: int, seed: int):
+        self.size, self.batch_size, self.seed = size, batch_size, seed
+        self.tokens_per_step = batch_size * size * size     # a pixel is the U-Net's token
+
+    def _draw(self, key: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(key)
+        b, c, s = self.batch_size, IMAGE_CHANNELS, self.size
+        centres = (torch.arange(s) + 0.5) / s                  # pixel centres in (0, 1)
+        yy, xx = centres.view(1, s, 1), centres.view(1, 1, s)
+        angle = 2 * math.pi * torch.rand(b, 1, 1, generator=g)
+        ramp = xx * angle.cos() + yy * angle.sin()
+        low, high = ramp.amin((1, 2), keepdim=True), ramp.amax((1, 2), keepdim=True)
+        ramp = ((ramp - low) / (high - low).clamp_min(1e-6)).unsqueeze(1)   # 0 -> 1 across the image
+        start, end = torch.rand(b, c, 1, 1, generator=g), torch.rand(b, c, 1, 1, generator=g)
+        image = start + (end - start) * ramp
+        for _ in range(self.SHAPES):
+            cx, cy, radius, kind = torch.rand(4, b, 1, 1, generator=g)
+            dx, dy, radius = xx - cx, yy - cy, 0.08 + 0.2 * radius
+            inside = torch.where(kind < 0.5, dx.square() + dy.square() <= radius.square(),    # a disc
+                                 torch.maximum(dx.abs(), dy.abs()) <= radius)                 # a square
+            image = torch.where(inside.unsqueeze(1), torch.rand(b, c, 1, 1, generator=g), image)
+        return image + self.NOISE * torch.randn(image.shape, generator=g), image
+
+    def train_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global (noisy, clean) images of step ``step``, each (batch_size, IMAGE_CHANNELS, size, size)."""
+        return self._draw(self.seed * 1_000_003 + step)
+
+    def val_batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._draw(-(self.seed * 1_000_003 + index + 1))

@@ -17,14 +17,13 @@ import torch.distributed as dist
 
 from par4d.data_parallel import global_mean
 from par4d.launch import distributed_env, init
-from par4d.layout import shard_batch
 from par4d.ledger import in_flight_seconds
 from par4d.perf import cpu_cores, measure_matmul_peak, threads_per_rank
 from par4d.pipeline import evaluate_pipeline
 from par4d.precision import MixedPrecision, parse_precision
 from par4d.train import checkpoint
 from par4d.train.config import TrainConfig
-from par4d.train.data import Batches, as_tokens, read_corpus
+from par4d.train.data import Batches, Images, training_data
 from par4d.train.faults import Faults
 from par4d.train.hf import load_hf
 from par4d.train.model import build_model
@@ -71,9 +70,7 @@ def run(config: TrainConfig, stop: StopRequest) -> dict:
                                 config.offload_bsize) if config.precision != "fp32" else None)
     state = precision.masters if precision is not None else model
     optimizer = precision.optimizer if precision is not None else adamw(model.parameters())
-    corpus = read_corpus(config.data, config.seq_len, config.data_sha256)
-    source = corpus.source
-    batches = Batches(as_tokens(corpus), config.seq_len, config.batch_size, config.seed)
+    batches, source = training_data(config)
     # config.checkpoint was verified whole before the ranks started (or by rank 0 on a restart)
     resumed = (checkpoint.load(out, grid, state, optimizer, config.checkpoint, verified=config.checkpoint is not None)
                if config.resume else None)
@@ -92,7 +89,7 @@ def run(config: TrainConfig, stop: StopRequest) -> dict:
     metrics = on_rank0(lambda: _open_metrics(out / "metrics.jsonl", start_step))
     progress = _progress_bar(config, grid, start_step) if rank0 else None
 
-    tokens_per_step = config.batch_size * config.seq_len
+    tokens_per_step = batches.tokens_per_step
     rates, steps_comm = [], []
     ledger = grid.ledger
     faults = Faults.from_env()
@@ -102,8 +99,7 @@ def run(config: TrainConfig, stop: StopRequest) -> dict:
         lr = config.learning_rate(step)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        inputs, targets = batches.train_batch(step)
-        x, y = shard_batch(grid, inputs).to(grid.device), shard_batch(grid, targets).to(grid.device)
+        x, y = _local(grid, batches, batches.train_batch(step), precision)
         with ledger.capture() as entries:
             loss = train_step(model, optimizer, grid, model, x, y, grad_clip=config.grad_clip,
                               microbatches=config.microbatches, pipeline_limit=config.pipeline_limit,
@@ -140,11 +136,14 @@ def run(config: TrainConfig, stop: StopRequest) -> dict:
                 progress.close()
             if metrics is not None:
                 metrics.close()
+            grid.close()
             return {"stopped": {"signal": signal.Signals(signum).name, "step": step + 1, "run": str(out)}}
     if progress is not None:
         progress.close()
     checkpoint.save(out, config.steps, grid, state, optimizer, _meta(config), config.keep)   # kept if saved already
-    val_loss = _evaluate(model, grid, batches, config.eval_batches)
+    val_loss = _evaluate(model, grid, batches, config.eval_batches, precision)
+
+    unet = config.model == "unet"
 
     def finish() -> dict:
         metrics.close()
@@ -163,9 +162,11 @@ def run(config: TrainConfig, stop: StopRequest) -> dict:
             "grid_changed": resumed_from is not None and resumed_from["grid"] != grid.sizes,
             "tokens_per_s": tokens_per_s,
             "model_flops_per_s": flops, "matmul_peak_flops_per_s": peak,
-            # The async-pipeline paper's Eq 3 (Narayanan's count) and Eq 2 (time to train on 300 B tokens).
-            "eq3_flops_per_s": model_config.narayanan_flops(config.batch_size) / step_s if step_s else 0.0,
-            "eq2_days_to_300b_tokens": 3e11 / tokens_per_step * step_s / 86400,
+            # The async-pipeline paper's Eq 3 (Narayanan's count) and Eq 2 (time to train on 300 B tokens):
+            # the language models' (None for the U-Net).
+            "eq3_flops_per_s": None if unet else model_config.narayanan_flops(config.batch_size) / step_s if step_s
+            else 0.0,
+            "eq2_days_to_300b_tokens": None if unet else 3e11 / tokens_per_step * step_s / 86400,
             "percent_of_peak": 100 * flops / peak if peak else 0.0,
             "overlap": config.overlap_settings().describe(), "recompute_every": config.recompute_every(),
             "optimizer": (precision.describe(config.grad_clip, config.overlap_settings().data_parallel)
@@ -175,10 +176,12 @@ def run(config: TrainConfig, stop: StopRequest) -> dict:
             "val_loss": val_loss, "data": source, "config": asdict(config),
         }
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
-        _plot(out)
+        _plot(out, "mean squared error" if unet else "nats/byte")
         return summary
 
-    return on_rank0(finish) or {}
+    summary = on_rank0(finish) or {}
+    grid.close()    # idle from here: a job that goes on (a test's pool of ranks) need not carry its groups
+    return summary
 
 
 def _newest_intact(out: Path) -> str | None:
@@ -214,12 +217,19 @@ def _progress_bar(config: TrainConfig, grid, start_step: int):
                 dynamic_ncols=True, mininterval=1.0)
 
 
+def _local(grid, batches: Batches | Images, batch: tuple[torch.Tensor, torch.Tensor],
+           precision: MixedPrecision | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part of a global (inputs, targets) on its device; images in the compute dtype."""
+    dtype = precision.dtype if precision is not None else None
+    return tuple(batches.shard(grid, t).to(grid.device, dtype if t.is_floating_point() else None) for t in batch)
+
+
 @torch.no_grad()
-def _evaluate(model: torch.nn.Module, grid, batches: Batches, count: int) -> float:
+def _evaluate(model: torch.nn.Module, grid, batches: Batches | Images, count: int,
+              precision: MixedPrecision | None) -> float:
     total = 0.0
     for index in range(count):
-        inputs, targets = batches.val_batch(index)
-        x, y = shard_batch(grid, inputs).to(grid.device), shard_batch(grid, targets).to(grid.device)
+        x, y = _local(grid, batches, batches.val_batch(index), precision)
         loss = evaluate_pipeline(model, grid, x, y) if grid.size("pipe") > 1 else model(x, y)
         total += global_mean(loss, grid).item()
     return total / max(1, count)
@@ -253,7 +263,7 @@ def _meta(config: TrainConfig) -> dict:
     return {"train_config": asdict(config), "model_config": asdict(config.model_config())}
 
 
-def _plot(out: Path) -> None:
+def _plot(out: Path, unit: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -263,7 +273,7 @@ def _plot(out: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1.2)
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats/byte)")
+    ax.set_ylabel(f"training loss ({unit})")
     ax.set_title(f"par4d train — {out.name}")
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -1,5 +1,5 @@
-"""The model a run trains: par4d's GPT with the MLP its config names, and its twin; or a
-Hugging Face causal language model through ``par4d.parallelize`` (``--model``).
+"""The model a run trains: par4d's GPT with the MLP its config names, and its twin; a
+Hugging Face causal language model through ``par4d.parallelize``; or par4d's U-Net (``--model``).
 
 The one place that maps ``GPTConfig.mlp`` to an MLP factory: models cannot (phantom
 layers are built on top of them), so the training floor, which knows both, does.
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from par4d.auto import parallelize
 from par4d.grid import Grid
-from par4d.models import GPT, GPTConfig, ReferenceGPT
+from par4d.models import GPT, GPTConfig, ReferenceGPT, UNet
 from par4d.phantom.mlp import PhantomMLP, PhantomMLPTwin
 from par4d.train.config import VOCAB_BYTES, TrainConfig
 
@@ -69,10 +69,12 @@ def _linear_weights(model: nn.Module) -> int:
 
 def build_model(config: TrainConfig, grid: Grid) -> nn.Module:
     """The model a run trains on ``grid``: par4d's GPT (``--model gpt``), or the Hugging Face
-    model made parallel by ``par4d.parallelize``. On a virtual grid (meta device) only the
-    shapes are built: what the CLI checks before any rank starts."""
+    model made parallel by ``par4d.parallelize``, or par4d's U-Net. On a virtual grid (meta
+    device) only the shapes are built: what the CLI checks before any rank starts."""
     if config.model == "gpt":
         return build_gpt(config.model_config(), grid, config.recompute_every())
+    if config.model == "unet":
+        return UNet(config.model_config(), grid=grid)
     with torch.device("meta" if grid.device.type == "meta" else "cpu"):
         lm = hf_lm(config)
     # Training FLOPs per token: 6 per matmul weight (forward and backward), plus attention's
