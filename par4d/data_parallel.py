@@ -71,8 +71,9 @@ class GradientSync:
     cut at ``bucket_bytes`` (the first at 1 MB, as DDP's). The synchronous path and the overlapped one use the same
     buckets, so they add the same numbers in the same order (the same bits).
 
-    Overlapped (``overlap=True``, between :meth:`arm` and :meth:`finish`): a gradient hook
-    marks each parameter ready as autograd accumulates its gradient; a bucket whose
+    Overlapped (``overlap=True``, between :meth:`arm` of the step's last backward pass and
+    :meth:`finish`): a gradient hook marks each parameter ready as autograd accumulates its
+    gradient (the earlier microbatches' included); a bucket whose
     parameters are all ready is all-reduced asynchronously while backward goes on.
     Buckets of one group are launched strictly in order (every rank of the group issues
     the same collectives in the same order). Gradients that arrive outside autograd's
@@ -116,9 +117,11 @@ class GradientSync:
         if self.deferred is not None and self._on_deferred in self.deferred.listeners:
             self.deferred.listeners.remove(self._on_deferred)
 
-    def arm(self) -> None:
-        """The next backward pass is the step's only one: launch buckets as they fill, and
-        defer its reduce-scatters (ORS). State a raised backward left behind is dropped."""
+    def arm(self, last: bool = True) -> None:
+        """The next backward pass is the training step's: defer its reduce-scatters (ORS) and, if it is
+        the ``last`` (or only) one of the step, launch buckets as they fill. Earlier ones (gradient
+        accumulation over microbatches) only add to ``.grad``: the sum over data (and z) runs once, over
+        the accumulated gradients. State a raised backward left behind is dropped."""
         for buckets in self.groups.values():
             for bucket in buckets:
                 if bucket.handle is not None:
@@ -127,7 +130,7 @@ class GradientSync:
                 bucket.flat, bucket.grads, bucket.handle = None, [], None
         if self.deferred is not None:
             self.deferred.arm()
-        self._armed = self.overlap
+        self._armed = self.overlap and last
 
     def _on_grad(self, param: torch.Tensor) -> None:
         if not self._armed or (self.deferred is not None and self.deferred.owes(param)):

@@ -24,7 +24,9 @@ the n-th message of a kind is microbatch n. Receives are posted ``limit`` microb
 ahead, so a message lands in its buffer as soon as it is sent.
 
 The loss is the whole shard's: microbatch m's mean loss is weighted by its share of the
-rows before its backward, so gradients accumulate to those of one pass over the shard.
+rows before its backward, so gradients accumulate to those of one pass over the shard
+(:func:`split_microbatches`, :func:`weighted_backward`: ``train_step``'s gradient
+accumulation without a pipeline cuts and weights its microbatches with them too).
 """
 
 from __future__ import annotations
@@ -167,6 +169,32 @@ class _Inbox:
             watcher.join()
 
 
+def split_microbatches(inputs: tuple[torch.Tensor, ...], microbatches: int
+                       ) -> tuple[list[tuple[torch.Tensor, ...]], list[float]]:
+    """This rank's batch shard ``inputs`` (each cut along dim 0, rows alike) in ``microbatches``
+    pieces (``torch.tensor_split``: the first ``rows % microbatches`` one row longer), and each
+    piece's weight, its share of the rows: the pieces' mean losses so weighted sum to the shard's
+    mean loss, and their backward passes accumulate the shard's gradient (the pipeline's
+    microbatches, and ``train_step``'s gradient accumulation without one)."""
+    rows = inputs[0].shape[0]
+    if any(t.shape[0] != rows for t in inputs):
+        raise ValueError(f"microbatches cut every input along dim 0, but their rows differ: "
+                         f"{[t.shape[0] for t in inputs]}")
+    if not 1 <= microbatches <= rows:
+        raise ValueError(f"--microbatches {microbatches}: give 1 to this rank's {rows} sequences "
+                         f"(the batch over data x z)")
+    pieces = list(zip(*(torch.tensor_split(t, microbatches) for t in inputs)))
+    return pieces, [len(piece[0]) / rows for piece in pieces]
+
+
+def weighted_backward(loss: torch.Tensor, weight: float, loss_scale: float = 1.0) -> None:
+    """Backward from a microbatch's mean ``loss`` times its ``weight`` (:func:`split_microbatches`)
+    and mixed precision's ``loss_scale``; gradients add to ``.grad``. A factor of 1 multiplies
+    nothing (one microbatch, no scale: the plain ``loss.backward()``)."""
+    factor = weight * loss_scale
+    (loss * factor if factor != 1.0 else loss).backward()
+
+
 def _send(grid: Grid, tensor: torch.Tensor, kind: int, micro: int, expected: tuple) -> comm.Handle:
     if (tuple(tensor.shape), tensor.dtype) != expected:
         raise ValueError(f"pipeline stage {grid.coord('pipe')} would send microbatch {micro} as "
@@ -188,16 +216,11 @@ def run_pipeline(model: nn.Module, grid: Grid, inputs: torch.Tensor, targets: to
     starts from (mixed precision's fp16 scale); the loss returned is not scaled."""
     stages = grid.size("pipe")
     limit = stages if limit is None else limit
-    rows = inputs.shape[0]
-    if not 1 <= microbatches <= rows:
-        raise ValueError(f"--microbatches {microbatches}: give 1 to this rank's {rows} sequences "
-                         f"(the batch over data x z)")
     if limit < 1:
         raise ValueError(f"pipeline limit {limit}: at least one microbatch must be in flight")
-    chunks_in = torch.tensor_split(inputs, microbatches)
-    chunks_out = torch.tensor_split(targets, microbatches)
+    pieces, weights = split_microbatches((inputs, targets), microbatches)
+    chunks_in, chunks_out = [piece[0] for piece in pieces], [piece[1] for piece in pieces]
     sizes = [len(chunk) for chunk in chunks_in]
-    weights = [size / rows for size in sizes]
     seq = inputs.shape[1]
     # Stage s holds at most limit - s microbatches: as many as can still come back to it
     # while the first stage holds limit (1F1B's warm-up depth), so a gradient that arrives
@@ -219,7 +242,7 @@ def run_pipeline(model: nn.Module, grid: Grid, inputs: torch.Tensor, targets: to
             loss = model.stage_forward(stage_in, chunks_out[micro])
             loss_sum.add_(loss.detach() * weights[micro])
             stats.order.append(f"B{micro}")
-            (loss * (weights[micro] * loss_scale)).backward()
+            weighted_backward(loss, weights[micro], loss_scale)
             finished += 1
             sends.append(_send(grid, stage_in.grad, BACKWARD, micro, model.stream_shape(sizes[micro], seq)))
             return

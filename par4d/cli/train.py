@@ -93,9 +93,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                        default=None, metavar="BSIZE",
                        help="keep fp32 master weights and AdamW state in CPU memory and step them through the "
                             "device BSIZE elements at a time (default 4194304; needs --precision bf16 or fp16)")
-    steps.add_argument("--microbatches", type=int, default=None,
-                       help="with pipe > 1: microbatches per step, run by the message-driven pipeline "
-                            "(default: pipe; at most the sequences per rank, batch / (data * z))")
+    steps.add_argument("--microbatches", type=int, default=None, metavar="M",
+                       help="gradient accumulation, on any grid: each data x z shard of the batch runs as M "
+                            "microbatches, one microbatch's activations at a time; the data-parallel sync and the "
+                            "optimizer run once per step. With pipe > 1 the message-driven pipeline runs them "
+                            "(default: pipe, else 1; at most the sequences of a shard, batch / (data * z))")
     steps.add_argument("--pipeline-limit", type=int, default=None,
                        help="with pipe > 1: microbatches the first stage keeps in flight, which bounds every "
                             "stage's activations (stage s holds at most limit - s; default: pipe)")
@@ -340,8 +342,13 @@ def _resumed_config(args: argparse.Namespace, world: int, inside: bool):
         if value != saved[name]:
             _say(f"{_flag(name)} {value} replaces the run's {saved[name]} from step {meta['step']}")
     grid, peak = _grid(args, world, inside, saved) if args.grid else (saved["grid"], None)
-    if grid.get("pipe", 1) == 1 and "microbatches" not in honoured:
-        honoured["microbatches"] = None     # the saved run's count was for its pipeline; this grid has none
+    shards, kept = grid.get("z", 1) * grid.get("data", 1), saved.get("microbatches")
+    if (grid.get("pipe", 1) == 1 and "microbatches" not in honoured and kept is not None
+            and saved["batch_size"] % shards == 0 and kept > saved["batch_size"] // shards):
+        # The run's count is kept where it fits (gradient accumulation on any grid): not on this one.
+        _say(f"the run's --microbatches {kept} exceeds the {saved['batch_size'] // shards} samples of a "
+             f"data x z shard on this grid: one microbatch per step (give --microbatches to choose)")
+        honoured["microbatches"] = None
     if grid.get("pipe", 1) == 1 and "pipeline_limit" not in honoured:
         honoured["pipeline_limit"] = None
     if honoured.get("precision") == "fp32" and "offload_bsize" not in honoured:

@@ -13,7 +13,9 @@
   A prefetched weight is only ever used by the layer it was gathered for, within the
   iteration it was gathered in (weights change only between iterations), so a
   change of order costs time, never correctness. Orders are kept per grad mode, so
-  an evaluation pass does not disturb the training order.
+  an evaluation pass does not disturb the training order. An iteration is one forward
+  of the model and its backward: with gradient accumulation, one microbatch (each
+  gathers in the same order, so every microbatch after the first prefetches).
 * **Cache**: inside a recomputed segment's first forward, the gathered weights of up
   to ``cache_layers`` layers (the last ones: backward recomputes them first) are kept
   and the recomputed forward reuses them instead of gathering again.
@@ -21,7 +23,8 @@
 :class:`DeferredGrads` is **ORS**: a weight-gradient reduce-scatter is issued
 asynchronously and waited for in a callback that autograd runs when the whole
 backward pass is done, which then accumulates the gradient into ``param.grad``
-exactly as autograd would have (in the same order, so the same bits).
+exactly as autograd would have (in the same order, so the same bits), adding to what
+earlier backward passes of the step left there (gradient accumulation over microbatches).
 
 Every rank must run the same layers in the same order (as the synchronous path
 requires too): collectives over a group must be issued in the same order on all
@@ -151,12 +154,12 @@ class WeightGathers:
 class DeferredGrads:
     """ORS: weight-gradient reduce-scatters waited for when the backward pass is done.
 
-    Only in an armed backward (:meth:`arm`: the training step's one backward pass), so
-    ``torch.autograd.grad``, ``backward(inputs=...)`` and other backward passes keep
-    autograd's meaning. Autograd still runs the parameter's accumulation (with no
-    gradient), so gradient hooks fire before the gradient exists: :meth:`owes` tells
-    such a hook to wait, and ``listeners`` hear of the parameters once :meth:`finish`
-    has written them. A backward that raised leaves handles behind: the next
+    Only in an armed backward (:meth:`arm`: each of the training step's backward passes,
+    one per microbatch), so ``torch.autograd.grad``, ``backward(inputs=...)`` and other
+    backward passes keep autograd's meaning. Autograd still runs the parameter's
+    accumulation (with no gradient), so gradient hooks fire before the gradient exists:
+    :meth:`owes` tells such a hook to wait, and ``listeners`` hear of the parameters once
+    :meth:`finish` has written them. A backward that raised leaves handles behind: the next
     :meth:`arm` waits for and drops them.
     """
 
@@ -169,7 +172,7 @@ class DeferredGrads:
         self.deferred = 0                 # reduce-scatters deferred so far
 
     def arm(self) -> None:
-        """The next backward pass is the training step's: defer its reduce-scatters."""
+        """The next backward pass is one of the training step's: defer its reduce-scatters."""
         for _, handle in self._pending:    # left by a backward that raised
             handle.wait()
         self._pending, self._task = [], None

@@ -56,7 +56,7 @@ class TrainConfig:
     precision: str = "fp32"          # --precision: fp32, bf16 or fp16 compute (fp32 master weights)
     offload_bsize: int | None = None # --offload-optimizer: masters and AdamW state in CPU memory, stepped in buckets
     grad_reduce: str = "fp32"        # --grad-reduce: sum gradients over data x z in fp32 or in the compute dtype
-    microbatches: int | None = None  # --microbatches: per step and rank, on a grid with pipe > 1 (None: pipe)
+    microbatches: int | None = None  # --microbatches: per step and rank (None: pipe; pipe = 1: accumulation)
     pipeline_limit: int | None = None  # --pipeline-limit: microbatches the first stage keeps in flight (None: pipe)
     init_from: str | None = None     # --init-from hf DIR: a GPT-2 model folder (absolute) the run's weights start from
 
@@ -85,9 +85,11 @@ class TrainConfig:
         if self.grad_reduce not in ("fp32", "compute"):
             raise ValueError(f"--grad-reduce {self.grad_reduce!r}: give fp32 or compute")
         pipe = self.grid.get("pipe", 1)
-        if self.microbatches is not None and not (pipe > 1 and self.microbatches >= 1):
+        if self.microbatches is not None and pipe > 1 and self.microbatches < 1:
             raise ValueError(f"--microbatches {self.microbatches}: give a count >= 1, on a grid with pipe > 1 "
                              f"(this grid has pipe={pipe})")
+        if self.microbatches is not None and pipe == 1:
+            self._check_accumulation()
         if self.pipeline_limit is not None and not (pipe > 1 and self.pipeline_limit >= 1):
             raise ValueError(f"--pipeline-limit {self.pipeline_limit}: give a count >= 1 of microbatches in "
                              f"flight, on a grid with pipe > 1 (this grid has pipe={pipe})")
@@ -104,6 +106,19 @@ class TrainConfig:
             raise ValueError(f"--overlap {self.overlap}: the cache keeps gathered weights for recomputation; "
                              f"add --recompute auto (or N), or leave cache out of --overlap "
                              f"(e.g. --overlap {','.join(n for n in settings.names if n != 'cache') or 'none'})")
+
+    def _check_accumulation(self) -> None:
+        """--microbatches without a pipeline (gradient accumulation): 1 to a data x z shard's samples."""
+        shards = self.grid.get("z", 1) * self.grid.get("data", 1)
+        if self.batch_size % shards:
+            if self.microbatches < 1:
+                raise ValueError(f"--microbatches {self.microbatches}: give a count >= 1")
+            return                           # the batch itself is refused (par4d.cli.train names it)
+        rows = self.batch_size // shards
+        if not 1 <= self.microbatches <= rows:
+            what = "images" if self.model == "unet" else "sequences"
+            raise ValueError(f"--microbatches {self.microbatches}: a data x z shard has {rows} {what} "
+                             f"(batch {self.batch_size} over z*data={shards}); give 1 to {rows}")
 
     def _check_unet(self) -> None:
         if self.data is not None:

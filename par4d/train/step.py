@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from par4d.data_parallel import clip_grad_norm_, gradient_sync
 from par4d.grid import Grid
-from par4d.pipeline import run_pipeline
+from par4d.pipeline import run_pipeline, split_microbatches, weighted_backward
 from par4d.precision import MixedPrecision
 
 
@@ -25,6 +25,10 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, grid: 
 
     ``loss(*inputs)`` runs the forward pass and returns the mean loss of this rank's
     samples (for par4d's GPT, ``loss`` is the model itself: ``model(idx, targets)``).
+    ``microbatches`` M > 1 without a pipeline is gradient accumulation: ``inputs`` (each cut
+    along dim 0) run in M forward and backward passes, one microbatch's activations at a time,
+    each loss weighted by its share of the rows, so the gradient and the loss returned are the
+    whole batch's; the data-parallel sync and the optimizer run once.
     On a grid with ``pipe > 1`` the model is one pipeline stage (par4d's GPT) and
     ``inputs`` are ``(idx, targets)``: the message-driven pipeline runs forward and
     backward over ``microbatches`` microbatches (default: ``pipe``), at most ``pipeline_limit``
@@ -38,9 +42,16 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, grid: 
         value, _ = run_pipeline(model, grid, *inputs, microbatches or grid.size("pipe"), pipeline_limit,
                                 loss_scale=scale)
     else:
-        value = loss(*inputs)           # forward: Algorithm 1's all-gathers over z, all-reduces over the in-axes
-        sync.arm()                      # this backward is the step's only one: buckets may start as they fill
-        (value * scale if scale != 1.0 else value).backward()   # input-gradient all-reduces, weight reduce-scatters
+        count = microbatches or 1
+        pieces, weights = split_microbatches(inputs, count) if count > 1 else ([inputs], [1.0])
+        value = 0.0
+        for micro, (piece, weight) in enumerate(zip(pieces, weights)):
+            part = loss(*piece)         # forward: Algorithm 1's all-gathers over z, all-reduces over the in-axes
+            # Each backward defers its reduce-scatters (ORS); only the last lets buckets start as they fill:
+            # the data-parallel sum runs once per step, over the gradients accumulated in .grad.
+            sync.arm(last=micro == count - 1)
+            weighted_backward(part, weight, scale)   # input-gradient all-reduces, weight reduce-scatters
+            value = part.detach() if count == 1 else value + part.detach().float() * weight   # as the pipeline's
     if precision is not None:           # finish the sync; unscale into the fp32 masters, clip and step them,
         precision.step(sync, grad_clip)  # round back (offloaded: bucket by bucket as the all-reduce returns them)
         return value.detach()
