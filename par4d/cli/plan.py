@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from collections import Counter
 from dataclasses import replace
 
 from par4d.cli.files import check_new_file
 from par4d.plan.machines import BUILTIN, load_machine
 from par4d.plan.model import VARIANTS, rank_configurations
+from par4d.plan.search import Space, search
 from par4d.plan.workload import GPT_MODELS, gpt_spec
 
 DEFAULT_BATCH_TOKENS = 32768   # the paper's running example: 16 sequences of 2048 tokens
@@ -18,8 +20,9 @@ DEFAULT_BATCH_TOKENS = 32768   # the paper's running example: 16 sequences of 20
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("plan", help="rank every grid configuration of a workload")
-    p.add_argument("action", nargs="?", choices=["validate"],
-                   help="validate: measure every grid on --nproc local ranks and score the model's ranking")
+    p.add_argument("action", nargs="?", choices=["validate", "paper"],
+                   help="validate: measure every grid on --nproc local ranks and score the model's ranking; "
+                        "paper: the planner's answers beside the 4D paper's Table III (built-in perlmutter)")
     p.add_argument("--model", default="gpt-20b", help=f"built-in GPT: {', '.join(GPT_MODELS)}")
     p.add_argument("--gpus", type=int, default=None, help="number of devices (ranking)")
     p.add_argument("--nproc", type=int, default=4, help="local ranks (validate)")
@@ -38,11 +41,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help=f"{', '.join(BUILTIN)} or a TOML profile (default: perlmutter; validate: calibrate now)")
     p.add_argument("--batch-tokens", type=int, default=DEFAULT_BATCH_TOKENS, help="global batch in tokens")
     p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--no-checkpointing", action="store_true", help="model runs without activation checkpointing")
-    p.add_argument("--variant", choices=VARIANTS, default="full", help="model used for the ranking")
+    p.add_argument("--variant", choices=VARIANTS, default="full",
+                   help="model used for the ranking: full searches every choice below and ranks by step time; "
+                        "agnostic and aware rank the grids (x, y, z, data) by communication time, as the paper")
     p.add_argument("--train-tokens", type=float, default=None, help="also estimate days to train on N tokens")
-    p.add_argument("--overlap", default="all", metavar="all|none|LIST",
-                   help="overlaps the full model assumes, and validate measures with (default all)")
+    choices = p.add_argument_group("choices the full model searches (auto) or is given")
+    choices.add_argument("--pipe", default="auto", metavar="auto|N", help="pipeline stages (default auto)")
+    choices.add_argument("--microbatches", default="auto", metavar="auto|M",
+                         help="microbatches per step: gradient accumulation, and the pipeline's (default auto)")
+    choices.add_argument("--recompute", choices=["auto", "on", "off"], default="auto",
+                         help="activation recomputation (default auto)")
+    choices.add_argument("--overlap", default=None, metavar="auto|all|none|LIST",
+                         help="overlap switches (oar, ors, oag, dp, cache): ranking default auto (the fastest set "
+                              "that fits); validate measures with these (default all)")
+    choices.add_argument("--offload-optimizer", dest="offload_bsize", nargs="?", type=int, const=1 << 22,
+                         default=None, metavar="BSIZE",
+                         help="masters and AdamW state in CPU memory, stepped BSIZE elements at a time (default "
+                              "4194304): 4 bytes per parameter and 16 per BSIZE element on the device")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--json", action="store_true", help="one JSON object per configuration")
 
@@ -50,12 +65,45 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def _overlap(args: argparse.Namespace):
     from par4d.overlap import Overlap
 
-    return Overlap.parse(args.overlap)
+    return Overlap.parse(args.overlap or "all")
+
+
+def _auto(text: str, flag: str) -> int | None:
+    """``auto`` (None: searched) or a count >= 1."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{flag} {text!r}: give auto or a whole number >= 1")
+    return value
+
+
+def _space(args: argparse.Namespace, world: int) -> Space:
+    """What the search may choose, from the flags (each checked, naming the flag)."""
+    from par4d.overlap import Overlap
+
+    pipe = _auto(args.pipe, "--pipe")
+    if pipe is not None and world % pipe:
+        raise ValueError(f"--pipe {pipe} does not divide --gpus {world}")
+    overlap = None if (args.overlap or "auto").strip().lower() == "auto" else Overlap.parse(args.overlap)
+    if args.offload_bsize is not None and args.offload_bsize < 1:
+        raise ValueError(f"--offload-optimizer {args.offload_bsize}: give a bucket size >= 1 element")
+    return Space(pipe=pipe, microbatches=_auto(args.microbatches, "--microbatches"),
+                 checkpointing={"auto": None, "on": True, "off": False}[args.recompute], overlap=overlap,
+                 offload_bsize=args.offload_bsize)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.action == "validate":
         return _validate(args)
+    if args.action == "paper":
+        from par4d.plan.paper import answers, markdown
+
+        print(markdown(answers()))
+        return 0
     if args.gpus is None:
         raise ValueError("--gpus is required to rank configurations (e.g. --gpus 32)")
     if args.gpus < 1 or args.top < 1:
@@ -68,10 +116,20 @@ def run(args: argparse.Namespace) -> int:
     if args.gpus_per_node is not None:
         machine = replace(machine, devices_per_node=args.gpus_per_node)
     spec = gpt_spec(args.model).with_batch(args.batch_tokens // args.seq_len, args.seq_len)
-    checkpointing = not args.no_checkpointing
-    overlap = _overlap(args)
-    ranked, excluded = rank_configurations(spec, args.gpus, machine, args.variant, checkpointing,
-                                           overlap if overlap.names else None)
+    if args.variant == "full":
+        space = _space(args, args.gpus)
+        began = time.perf_counter()
+        ranked, excluded = search(spec, args.gpus, machine, space)
+        seconds = time.perf_counter() - began
+    else:   # the paper's models rank grids by communication alone: no choices to search
+        if (args.pipe, args.microbatches, args.recompute, args.overlap, args.offload_bsize) != (
+                "auto", "auto", "auto", None, None):
+            raise ValueError(f"--variant {args.variant} ranks (x, y, z, data) by communication time only; "
+                             f"--pipe, --microbatches, --recompute, --overlap and --offload-optimizer are the full "
+                             f"model's")
+        began = time.perf_counter()
+        ranked, excluded = rank_configurations(spec, args.gpus, machine, args.variant, checkpointing=True)
+        seconds = time.perf_counter() - began
     if args.json:
         for position, pred in enumerate(ranked, 1):
             print(json.dumps({"rank": position, **pred.row(), **_days(pred, spec, args)}))
@@ -80,29 +138,38 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"{spec.name}: {spec.params() / 1e9:.1f}B parameters, batch {spec.tokens:,} tokens "
           f"({spec.global_batch} x {spec.seq_len}), {args.gpus} x {machine.name} "
-          f"({machine.devices_per_node} per node), model '{args.variant}', "
-          f"activation checkpointing {'on' if checkpointing else 'off'}, overlap {overlap.describe()}")
-    header = (f"{'#':>3}  {'x':>4} {'y':>4} {'z':>4} {'data':>5}  {'t_x':>8} {'t_y':>8} {'t_z':>8} {'t_data':>8}"
-              f"  {'comm s':>8} {'compute s':>9} {'iter s':>8}  {'mem GB':>7} {'% peak':>6}")
+          f"({machine.devices_per_node} per node), model '{args.variant}'"
+          + (f", offloaded optimizer (bsize {args.offload_bsize:,})" if args.offload_bsize else ""))
+    header = (f"{'#':>3}  {'x':>4} {'y':>4} {'z':>4} {'data':>5} {'pipe':>4} {'M':>5} {'rc':>3} {'overlap':<19}"
+              f"{'t_x':>7} {'t_y':>7} {'t_z':>7} {'t_data':>7} {'t_pipe':>7}  {'comm s':>7} {'exposed':>7} "
+              f"{'compute s':>9} {'iter s':>7}  {'mem GB':>6} {'% peak':>6}")
     print(header)
     for position, p in enumerate(ranked[:args.top], 1):
         t = p.t_comm_axes
         days = _days(p, spec, args)
-        print(f"{position:>3}  {p.sizes['x']:>4} {p.sizes['y']:>4} {p.sizes['z']:>4} {p.sizes['data']:>5}  "
-              f"{t['x']:>8.3f} {t['y']:>8.3f} {t['z']:>8.3f} {t['data']:>8.3f}  {p.t_comm:>8.3f} "
-              f"{p.t_compute:>9.3f} {p.t_iter:>8.3f}  {p.mem_bytes / 1e9:>7.1f} {p.percent_of_peak:>6.1f}"
+        exposed = p.t_comm if p.t_exposed is None else p.t_exposed
+        timed = (f"{exposed:>7.3f} {p.t_compute:>9.3f} {p.t_iter:>7.3f}  {p.mem_bytes / 1e9:>6.1f} "
+                 f"{p.percent_of_peak:>6.1f}" if args.variant == "full"   # the paper's models time communication only
+                 else f"{'-':>7} {'-':>9} {'-':>7}  {'-':>6} {'-':>6}")
+        print(f"{position:>3}  {p.sizes['x']:>4} {p.sizes['y']:>4} {p.sizes['z']:>4} {p.sizes['data']:>5} "
+              f"{p.sizes.get('pipe', 1):>4} {p.microbatches:>5} {'on' if p.checkpointing else 'off':>3} "
+              f"{p.overlap or 'none':<19}{t['x']:>7.3f} {t['y']:>7.3f} {t['z']:>7.3f} {t['data']:>7.3f} "
+              f"{t.get('pipe', 0.0):>7.3f}  {p.t_comm:>7.3f} {timed}"
               + (f"  {days['days_to_train']:.1f} days" if days else ""))
     total = len(ranked) + len(excluded)
-    print(f"{len(ranked)} of {total} configurations fit; showing the top {min(args.top, len(ranked))}.")
+    what = "grids, each with its fastest choice that fits" if args.variant == "full" else "grids"
+    print(f"{len(ranked)} of {total} {what}; showing the top {min(args.top, len(ranked))}; ranked in "
+          f"{seconds:.2f} s.")
     if excluded:
         reasons = Counter(_reason_kind(p.excluded) for p in excluded)
         print("excluded: " + "; ".join(f"{count} {kind}" for kind, count in reasons.most_common()))
         if not ranked:
             best = min((p for p in excluded if p.mem_bytes), key=lambda p: p.mem_bytes, default=None)
             if best is not None:
-                print(f"nothing fits: the smallest footprint is {best.mem_bytes / 1e9:.1f} GB at "
-                      f"x={best.sizes['x']} y={best.sizes['y']} z={best.sizes['z']} data={best.sizes['data']}; "
-                      f"try a smaller --batch-tokens, activation checkpointing, or more devices")
+                grid = " ".join(f"{a}={best.sizes[a]}" for a in best.sizes)
+                print(f"nothing fits: the smallest footprint is {best.mem_bytes / 1e9:.1f} GB at {grid} with "
+                      f"{best.microbatches} microbatches; try a smaller --batch-tokens, --offload-optimizer, or "
+                      f"more devices")
     return 0
 
 

@@ -120,14 +120,16 @@ def calibrate(nproc: int, out: Path, repeats: int = 5, cluster=None) -> dict:
         inter_rows = [r for r in rows if r["p"] == nproc]
     fits = fit(intra_rows)
     beta = beta_inter = fits["all_reduce"]["beta"]
+    latency_inter = None                     # one node: every ring step is the node's
     if cluster is not None:
         inter = fit(inter_rows)
-        beta_inter = inter["all_reduce"]["beta"]
+        beta_inter, latency_inter = inter["all_reduce"]["beta"], inter["all_reduce"]["alpha"]
         fits = {**fits, **{f"{k}_inter": v for k, v in inter.items()}}
     memory = _total_memory()
     machine = Machine(name=name, devices_per_node=per_node, peak_flops=peak / nproc,
                       memory_bytes=memory / nproc, beta_intra=beta, beta_inter=beta_inter,
-                      latency=fits["all_reduce"]["alpha"], efficiency=0.5, bytes_per_element=4,
+                      latency=fits["all_reduce"]["alpha"], latency_inter=latency_inter, efficiency=0.5,
+                      bytes_per_element=4,
                       all_gather_scale=fits["all_gather"]["beta"] / beta,
                       reduce_scatter_scale=fits["reduce_scatter"]["beta"] / beta)
     out.parent.mkdir(parents=True, exist_ok=True)

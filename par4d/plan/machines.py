@@ -10,14 +10,15 @@ figures (link bandwidths, documented per field). User profiles are TOML files:
     memory_bytes = 40e9        # per device
     beta_intra = 100e9         # bytes/s, peer-to-peer inside a node (one direction)
     beta_inter = 100e9         # bytes/s between two nodes (all NICs of a node)
-    latency = 10e-6            # seconds per collective step (alpha); 0 = the paper's model
+    latency = 10e-6            # seconds per ring step inside a node (alpha); 0 = the paper's model
+    latency_inter = 20e-6      # optional: seconds per ring step that crosses nodes (default: latency)
     efficiency = 0.5           # fraction of peak reached by the training GEMMs
     bytes_per_element = 2      # 2 for bf16/fp16 training, 4 for fp32
     all_gather_scale = 1.0     # optional: all-gather / reduce-scatter bandwidth
     reduce_scatter_scale = 1.0 #   relative to all-reduce (full model only)
 
 Every value is checked when the profile loads, and the error names the file and the key: numbers are finite and
-not booleans, counts (devices_per_node, bytes_per_element) are whole, all are > 0 except latency (>= 0) and
+not booleans, counts (devices_per_node, bytes_per_element) are whole, all are > 0 except latencies (>= 0) and
 efficiency is at most 1; an unknown key in [machine] is an error. Other tables (calibrate's [fit]) are notes.
 """
 
@@ -38,6 +39,7 @@ class Machine:
     beta_intra: float
     beta_inter: float
     latency: float = 0.0
+    latency_inter: float | None = None   # None: ``latency`` on every step
     efficiency: float = 0.5
     bytes_per_element: int = 2
     # Bandwidth of all-gather / reduce-scatter relative to all-reduce's (1 for ring
@@ -47,6 +49,8 @@ class Machine:
 
     def __post_init__(self) -> None:
         for f in fields(self):
+            if f.name in OPTIONAL and getattr(self, f.name) is None:
+                continue
             problem = _problem(f.name, getattr(self, f.name))
             if problem:
                 raise ValueError(f"machine {self.name!r}: {problem}")
@@ -56,6 +60,8 @@ class Machine:
     def to_toml(self) -> str:
         lines = ["[machine]"]
         for key, value in asdict(self).items():
+            if value is None:      # an optional field left out (TOML has no null)
+                continue
             # json's string escapes are TOML's basic-string escapes: a name with quotes still loads
             lines.append(f"{key} = {json.dumps(value, ensure_ascii=False) if isinstance(value, str) else repr(value)}")
         return "\n".join(lines) + "\n"
@@ -63,7 +69,8 @@ class Machine:
 
 # Fields that count things: whole numbers >= 1. Every other number is finite and > 0, except these lower bounds.
 COUNTS = ("devices_per_node", "bytes_per_element")
-AT_LEAST_ZERO = ("latency",)            # 0 = the paper's model (no per-step latency)
+AT_LEAST_ZERO = ("latency", "latency_inter")   # 0 = the paper's model (no per-step latency)
+OPTIONAL = ("latency_inter",)           # None: not given
 
 
 def _problem(key: str, value) -> str | None:
@@ -87,15 +94,26 @@ def _problem(key: str, value) -> str | None:
 
 
 GB = 1e9
+US = 1e-6
+# Latencies per ring step: NCCL's own cost model (NVIDIA/nccl, src/graph/tuning.cc, the
+# hwLat table for the Ring algorithm and the Simple protocol, which carries large messages):
+# 3.4 us a step over NVLink, 9.6 us a step over the network. NCCL adds a base latency per
+# collective (8.4 us) that is left out here. A ring step of c bytes then runs at
+# c / (α + c / β): half of β at c = α β (340 KB over NVLink, 960 KB over the network at
+# 100 GB/s), which is how small messages lose bandwidth in this model.
+NCCL_NVLINK_STEP, NCCL_NET_STEP = 3.4 * US, 9.6 * US
 # Perlmutter GPU node: 4 A100-40GB (312 TFLOP/s bf16), NVLink 3 between every GPU
 # pair (4 links x 25 GB/s per direction = 100 GB/s), 4 Slingshot-11 NICs of
 # 200 Gb/s = 100 GB/s per node.
 PERLMUTTER = Machine("perlmutter", devices_per_node=4, peak_flops=312e12, memory_bytes=40 * GB,
-                     beta_intra=100 * GB, beta_inter=100 * GB, latency=0.0, efficiency=0.5, bytes_per_element=2)
+                     beta_intra=100 * GB, beta_inter=100 * GB, latency=NCCL_NVLINK_STEP,
+                     latency_inter=NCCL_NET_STEP, efficiency=0.5, bytes_per_element=2)
 # Frontier node: 4 MI250X = 8 GCDs (192 TFLOP/s bf16 and 64 GB each), Infinity Fabric
 # between GCDs (50-200 GB/s; 100 GB/s assumed), 4 Slingshot-11 NICs = 100 GB/s per node.
+# RCCL keeps NCCL's cost model; its step latencies are taken as NCCL's.
 FRONTIER = Machine("frontier", devices_per_node=8, peak_flops=192e12, memory_bytes=64 * GB,
-                   beta_intra=100 * GB, beta_inter=100 * GB, latency=0.0, efficiency=0.5, bytes_per_element=2)
+                   beta_intra=100 * GB, beta_inter=100 * GB, latency=NCCL_NVLINK_STEP,
+                   latency_inter=NCCL_NET_STEP, efficiency=0.5, bytes_per_element=2)
 
 BUILTIN = {m.name: m for m in (PERLMUTTER, FRONTIER)}
 

@@ -21,7 +21,7 @@ drain bubble and the stages' point-to-point hand-offs (:func:`predict`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from par4d.ledger import ring_terms
 from par4d.overlap import Overlap
@@ -62,6 +62,24 @@ def bandwidths(sizes: dict[str, int], machine: Machine, aware: bool) -> dict[str
     return out
 
 
+def latencies(sizes: dict[str, int], machine: Machine) -> dict[str, float]:
+    """α per ring step, per axis (the full model's): NCCL's own ring model (its ``tuning.cc``) pays
+    the network's latency for the ``nodes - 1`` steps of a ring pass that cross nodes and the
+    node's for the others, so a group pays, per step, ``latency`` plus the share ``(nodes - 1) /
+    (G - 1)`` of ``latency_inter - latency``. Placement as :func:`bandwidths`: an axis's group
+    has ``G_node / (product of the inner sizes)`` members per node (at least 1)."""
+    axes = AXES5 if "pipe" in sizes else AXES4
+    inter = machine.latency if machine.latency_inter is None else machine.latency_inter
+    out, inner = {}, 1
+    for axis in axes:
+        g = sizes[axis]
+        per_node = max(1, machine.devices_per_node // inner)
+        nodes = -(-g // per_node)
+        out[axis] = machine.latency + (inter - machine.latency) * ((nodes - 1) / (g - 1) if g > 1 else 0.0)
+        inner *= g
+    return out
+
+
 ROLES = ("gather", "forward", "input_grad", "reduce_scatter", "backward", "sync")
 """Where a collective sits in an iteration, which decides what it can hide behind:
 ``gather`` (Ŵ's z all-gather: OAG, behind forward compute), ``forward`` (never hidden),
@@ -71,12 +89,14 @@ hidden), ``sync`` (the data-parallel sums: behind backward with the dp overlap).
 
 
 def layer_terms(layer: Layer, sizes: dict[str, int], beta: dict[str, float], bytes_per_element: int,
-                latency: float = 0.0, machine: Machine | None = None,
+                latency: float | dict[str, float] = 0.0, machine: Machine | None = None,
                 data_ar: bool = True) -> dict[tuple[str, str], float]:
     """Eqs 4-8 for one layer (times ``layer.count``), per (axis, role). A transposed layer
-    swaps x and y (sizes and bandwidths). With ``machine``, all-gather and reduce-scatter
+    swaps x and y (sizes and bandwidths). ``latency``: α per ring step, one for every axis
+    or per axis (:func:`latencies`). With ``machine``, all-gather and reduce-scatter
     use its measured bandwidth scales; ``data_ar=False`` leaves Eq 8 out (the full model
     counts par4d's bucketed data all-reduce once per iteration instead)."""
+    alpha = latency if isinstance(latency, dict) else dict.fromkeys(beta, latency)
     ag = machine.all_gather_scale if machine else 1.0
     rs = machine.reduce_scatter_scale if machine else 1.0
     gx, gy, gz, gd = sizes["x"], sizes["y"], sizes["z"], sizes["data"]
@@ -85,18 +105,20 @@ def layer_terms(layer: Layer, sizes: dict[str, int], beta: dict[str, float], byt
     b, k, n = bytes_per_element, layer.k, layer.n
     m = layer.m / gd                                                # rows of one data-parallel replica
     times = {
-        ("z", "gather"): ring_time("all_gather", gz, k * n / (gx * gy * gz) * b, beta["z"] * ag, latency),
-        ("z", "reduce_scatter"): ring_time("reduce_scatter", gz, k * n / (gx * gy) * b, beta["z"] * rs, latency),
-        (in_axis, "forward"): ring_time("all_reduce", g_in, m * n / (gz * g_out) * b, beta[in_axis], latency),
-        (out_axis, "input_grad"): ring_time("all_reduce", g_out, m * k / (gz * g_in) * b, beta[out_axis], latency),
-        ("data", "sync"): ring_time("all_reduce", gd, k * n / (gx * gy * gz) * b, beta["data"], latency)
+        ("z", "gather"): ring_time("all_gather", gz, k * n / (gx * gy * gz) * b, beta["z"] * ag, alpha["z"]),
+        ("z", "reduce_scatter"): ring_time("reduce_scatter", gz, k * n / (gx * gy) * b, beta["z"] * rs, alpha["z"]),
+        (in_axis, "forward"): ring_time("all_reduce", g_in, m * n / (gz * g_out) * b, beta[in_axis], alpha[in_axis]),
+        (out_axis, "input_grad"): ring_time("all_reduce", g_out, m * k / (gz * g_in) * b, beta[out_axis],
+                                            alpha[out_axis]),
+        ("data", "sync"): ring_time("all_reduce", gd, k * n / (gx * gy * gz) * b, beta["data"], alpha["data"])
         if data_ar else 0.0,
     }
     return {key: t * layer.count for key, t in times.items()}
 
 
 def layer_comm(layer: Layer, sizes: dict[str, int], beta: dict[str, float], bytes_per_element: int,
-               latency: float = 0.0, machine: Machine | None = None, data_ar: bool = True) -> dict[str, float]:
+               latency: float | dict[str, float] = 0.0, machine: Machine | None = None,
+               data_ar: bool = True) -> dict[str, float]:
     """:func:`layer_terms` summed per axis."""
     per_axis = {a: 0.0 for a in AXES4}
     for (axis, _), t in layer_terms(layer, sizes, beta, bytes_per_element, latency, machine, data_ar).items():
@@ -163,8 +185,10 @@ class Prediction:
     t_iter: float = 0.0
     mem_bytes: float = 0.0
     percent_of_peak: float = 0.0
-    microbatches: int = 1            # per step (pipe > 1), else 1
+    microbatches: int = 1            # per step: gradient accumulation, and the pipeline's
     t_p2p: float = 0.0               # the pipeline's fill and drain hand-offs (in t_comm and t_comm_axes["pipe"])
+    checkpointing: bool = False      # activation recomputation
+    overlap: str | None = None       # the overlaps assumed (Overlap.describe()); None: synchronous
 
     def ranking_time(self, variant: str) -> float:
         """What ``variant`` ranks by: iteration time (full), else communication time (as the paper)."""
@@ -172,11 +196,11 @@ class Prediction:
 
     def row(self) -> dict:
         return {**self.sizes, "pipe": self.sizes.get("pipe", 1), "microbatches": self.microbatches,
-                "fits": self.fits, "excluded": self.excluded, "t_comm": self.t_comm,
+                "checkpointing": self.checkpointing, "overlap": self.overlap, "fits": self.fits,
+                "excluded": self.excluded, "t_comm": self.t_comm,
                 **{f"t_comm_{a}": self.t_comm_axes.get(a, 0.0) for a in AXES4}, "t_p2p": self.t_p2p,
                 "t_compute": self.t_compute, "t_exposed": self.t_exposed, "t_iter": self.t_iter,
-                "mem_bytes": self.mem_bytes,
-                "percent_of_peak": self.percent_of_peak}
+                "mem_bytes": self.mem_bytes, "percent_of_peak": self.percent_of_peak}
 
 
 def _extra_role(kind: str, axes: tuple[str, ...]) -> str:
@@ -199,57 +223,90 @@ def factorizations(world: int) -> list[dict[str, int]]:
     return out
 
 
+def memory_bytes(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], bytes_per_element: int,
+                 checkpointing: bool, microbatches: int, overlap: Overlap | None,
+                 offload_bsize: int | None) -> float:
+    """Bytes per device (the full model's): 1/P of the model's state and weights, with the
+    activations of the microbatches the first stage holds at once, min(P, M) of M."""
+    pipe = sizes.get("pipe", 1)
+    share = min(pipe, microbatches) / microbatches
+    return spec.memory_per_device(sizes, bytes_per_element, checkpointing, share=share, overlap=overlap,
+                                  offload_bsize=offload_bsize) / pipe
+
+
+def stage_seconds(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Machine,
+                  checkpointing: bool) -> float:
+    """One stage's compute per step (the whole model's without a pipeline): FLOPs per device
+    over peak x efficiency, with the attention work that is replicated over y."""
+    world = math.prod(sizes.get(a, 1) for a in AXES5)
+    matmul, attention = spec.flops_split(checkpointing)
+    return (matmul + attention * sizes["y"]) / world / (machine.peak_flops * machine.efficiency)
+
+
 def predict(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Machine, variant: str = "full",
             checkpointing: bool = False, compute_seconds: float | None = None,
-            overlap: Overlap | None = None, microbatches: int | None = None) -> Prediction:
+            overlap: Overlap | None = None, microbatches: int | None = None,
+            offload_bsize: int | None = None) -> Prediction:
     """Time and memory of one iteration of ``spec`` on grid ``sizes``. The full model
     takes its compute time from ``compute_seconds`` when given (profiled on this
     machine, plan/profile.py; with a pipeline, one stage's compute per step), else from
     FLOPs over peak x efficiency; with ``overlap`` it counts only the communication left
-    exposed (:func:`exposed_comm`).
+    exposed (:func:`exposed_comm`), and its memory holds what the overlaps keep (prefetched
+    and cached weights).
 
-    ``sizes["pipe"]`` = P > 1 (par4d's GPT only) runs ``microbatches`` = M per step
-    (default P) through P stages, each taken as the average one (1/P of the model's
-    layers, FLOPs and parameters): its compute times the bubble (M + P - 1) / M; its layers'
-    weight collectives (over z) once per microbatch, their activation collectives on each
-    microbatch's rows; the data-parallel sync of its parameters once per step; 2 (P - 1)
-    hand-offs of one microbatch's residual stream shard (fill and drain: ``t_p2p``); the
-    activations of min(P, M) microbatches (the first stage's). Without a pipe key, or with
-    P = 1, the prediction is the 4D one."""
+    ``microbatches`` = M (default: ``pipe``) cuts the step's batch shard into M pieces: every
+    microbatch's forward re-gathers the weights over z and its backward reduce-scatters their
+    gradients (Algorithm 1, once per microbatch), the activation collectives move the step's
+    rows in M pieces, the data-parallel sync and the optimizer run once per step, and the
+    activations held are those of one microbatch (gradient accumulation, ``par4d train
+    --microbatches`` on any grid). ``sizes["pipe"]`` = P > 1 (par4d's GPT only) runs them
+    through P stages, each taken as the average one (1/P of the model's layers, FLOPs and
+    parameters): its compute times the bubble (M + P - 1) / M; 2 (P - 1) hand-offs of one
+    microbatch's residual stream shard (fill and drain: ``t_p2p``); the activations of
+    min(P, M) microbatches (the first stage's). Without a pipe key, or with P = M = 1, the
+    prediction is the 4D one. ``offload_bsize``: the optimizer offloaded to the CPU (the
+    async-pipeline paper's ``4φ + 16 bsize`` bytes on the device instead of the states)."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown model variant {variant!r}; valid: {', '.join(VARIANTS)}")
     if compute_seconds is not None and variant != "full":
         raise ValueError(f"compute_seconds is for the 'full' model; the '{variant}' model has no compute time")
     pipe = sizes.get("pipe", 1)
     micro = pipe if microbatches is None else microbatches
-    if pipe < 1 or micro < 1 or (pipe == 1 and micro != 1):
-        raise ValueError(f"pipe={pipe}, microbatches={micro}: both must be >= 1, and a step is cut into "
-                         f"microbatches only on a pipeline (pipe > 1)")
+    if pipe < 1 or micro < 1:
+        raise ValueError(f"pipe={pipe}, microbatches={micro}: both must be >= 1")
     if pipe > 1 and not isinstance(spec, GPTSpec):
         raise ValueError(f"pipe={pipe}: the pipeline is modelled for par4d's GPT (a GPTSpec) only, whose "
                          f"stages hand on its residual stream; {spec.name!r} is a recorded module")
-    pred = Prediction(dict(sizes), microbatches=micro)
+    pred = Prediction(dict(sizes), microbatches=micro, checkpointing=checkpointing,
+                      overlap=overlap.describe() if overlap is not None and variant == "full" else None)
     reason = spec.check(sizes)
     if reason is None and pipe > 1 and pipe > spec.n_layer:          # as GPTConfig.stage_blocks
         reason = f"pipe={pipe}: each stage needs at least one of the n_layer={spec.n_layer} blocks"
     if reason:
         pred.fits, pred.excluded = False, reason
         return pred
-    if pipe > 1:
-        shard = spec.global_batch // (sizes["z"] * sizes["data"])      # sequences per data x z shard
-        if micro > shard:
-            raise ValueError(f"microbatches={micro}: a data x z shard has {shard} sequences (global batch "
-                             f"{spec.global_batch} over z*data={sizes['z'] * sizes['data']}); give 1 to {shard}")
-    beta = bandwidths(sizes, machine, aware=variant != "agnostic")
-    latency = machine.latency if variant == "full" else 0.0
-    b = machine.bytes_per_element
+    samples = spec.global_batch if isinstance(spec, GPTSpec) else spec.samples
+    shard = samples // (sizes["z"] * sizes["data"])                   # samples per data x z shard
+    if micro > shard:
+        raise ValueError(f"microbatches={micro}: a data x z shard has {shard} sequences (global batch "
+                         f"{samples} over z*data={sizes['z'] * sizes['data']}); give 1 to {shard}")
     full = variant == "full"
+    b = machine.bytes_per_element
+    if full:   # memory first: a configuration that does not fit needs no timing (the search skips it)
+        pred.mem_bytes = memory_bytes(spec, sizes, b, checkpointing, micro, overlap, offload_bsize)
+        if pred.mem_bytes > machine.memory_bytes:
+            pred.fits = False
+            pred.excluded = (f"needs {pred.mem_bytes / 1e9:.1f} GB per device, "
+                             f"{machine.name} has {machine.memory_bytes / 1e9:.0f} GB")
+    beta = bandwidths(sizes, machine, aware=variant != "agnostic")
+    alpha = latencies(sizes, machine) if full else dict.fromkeys(beta, 0.0)
     axes = {a: 0.0 for a in beta}                                       # pipe only where sizes names it
     roles = {r: 0.0 for r in ROLES}
     gathers = 0
     for layer in spec.layers():
-        piece = layer if micro == 1 else replace(layer, m=layer.m / micro)   # the layer on one microbatch's rows
-        for (axis, role), t in layer_terms(piece, sizes, beta, b, latency, machine if full else None, not full).items():
+        piece = layer if micro == 1 else Layer(layer.name, layer.m / micro, layer.k, layer.n, layer.transposed,
+                                               layer.count)                 # the layer on one microbatch's rows
+        for (axis, role), t in layer_terms(piece, sizes, beta, b, alpha, machine if full else None, not full).items():
             # The stage's 1/P of the layers; the data sync once per step, the rest once per microbatch.
             t *= (1 if role == "sync" else micro) / pipe
             axes[axis] += t
@@ -274,7 +331,7 @@ def predict(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Mach
             for axis in axis_group:
                 ranks *= sizes[axis]
             slowest = min(beta[a] for a in axis_group) * scale[kind]
-            t = ring_time(kind, ranks, elements * b, slowest, latency) * count
+            t = ring_time(kind, ranks, elements * b, slowest, max(alpha[a] for a in axis_group)) * count
             axes[axis_group[-1]] += t
             roles[role] += t
             if "data" in axis_group and kind == "all_reduce" and ranks > 1:
@@ -282,28 +339,17 @@ def predict(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Mach
     if pipe > 1:
         # Fill and drain: P - 1 hand-offs of one microbatch's stream shard (rows, seq, n_embd / G_y) each way.
         stream = shard / micro * spec.seq_len * spec.hidden / sizes["y"] * b
-        pred.t_p2p = 2 * (pipe - 1) * (latency + stream / beta["pipe"])
+        pred.t_p2p = 2 * (pipe - 1) * (alpha["pipe"] + stream / beta["pipe"])
         axes["pipe"] = pred.t_p2p
     pred.t_comm_axes = axes
     pred.t_comm = sum(axes.values())
     world = sizes["x"] * sizes["y"] * sizes["z"] * sizes["data"] * pipe
     flops = spec.flops_per_iteration(checkpointing)
     t_stage = 0.0                                                       # one stage's compute per step
-    if variant == "full":
-        matmul, attention = spec.flops_split(checkpointing)
-        per_device = matmul / world + attention * sizes["y"] / world    # attention is replicated over y
-        t_stage = per_device / (machine.peak_flops * machine.efficiency)
-        if compute_seconds is not None:
-            t_stage = compute_seconds
+    if full:
+        t_stage = compute_seconds if compute_seconds is not None else stage_seconds(spec, sizes, machine,
+                                                                                    checkpointing)
         pred.t_compute = t_stage * (micro + pipe - 1) / micro           # the pipeline's fill and drain
-        # 1/P of every term, at the batch the first stage holds at once (min(P, M) microbatches):
-        # memory_per_device is linear in the batch.
-        held = spec if pipe == 1 else spec.with_batch(spec.global_batch * min(pipe, micro) / micro)
-        pred.mem_bytes = held.memory_per_device(sizes, b, checkpointing) / pipe
-        if pred.mem_bytes > machine.memory_bytes:
-            pred.fits = False
-            pred.excluded = (f"needs {pred.mem_bytes / 1e9:.1f} GB per device, "
-                             f"{machine.name} has {machine.memory_bytes / 1e9:.0f} GB")
     pred.t_iter = pred.t_compute + pred.t_comm
     if full and overlap is not None:
         buckets = math.ceil(grad_bytes / overlap.bucket_bytes) + (1 if grad_bytes > 2**20 else 0)

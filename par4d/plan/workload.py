@@ -21,6 +21,8 @@ if TYPE_CHECKING:   # torch is imported only to record a module's layers
     import torch
     import torch.nn as nn
 
+    from par4d.overlap import Overlap
+
 
 @dataclass(frozen=True)
 class Layer:
@@ -30,6 +32,27 @@ class Layer:
     n: int
     transposed: bool = False
     count: int = 1
+
+
+def state_bytes(params: float, bytes_per_element: int, offload_bsize: int | None = None) -> float:
+    """Device bytes of ``params`` parameters' training state: the parameter and its gradient,
+    and AdamW's m and v (with fp32 masters when training in 16 bits). Offloaded (the
+    async-pipeline paper's memory optimisation, Section IV-B): the 16-bit parameters and
+    gradients stay, ``2 x 2`` bytes each (its 4φ), the masters and optimizer state live in CPU
+    memory, and the device keeps the buffers of one bucket, 16 bytes per element (its 16 bsize)."""
+    if offload_bsize is not None:
+        return 2 * bytes_per_element * params + 16 * offload_bsize
+    return params * (2 * bytes_per_element + (12 if bytes_per_element < 4 else 8))
+
+
+def gathered_bytes(blocks: list[float], counts: list[int], checkpointing: bool, overlap: Overlap | None) -> float:
+    """Device bytes of the z-gathered weights Ŵ (``blocks``: one layer's bytes, ``counts`` of
+    each). Without recomputation every layer's Ŵ is kept for backward; with it, one layer's,
+    plus the ``prefetch`` layers OAG gathers ahead, or, with the cache, every layer's again."""
+    if not checkpointing or (overlap is not None and overlap.cache):
+        return sum(block * count for block, count in zip(blocks, counts))
+    ahead = overlap.prefetch if overlap is not None and overlap.all_gather else 0
+    return max(blocks) * (1 + ahead)
 
 
 @dataclass(frozen=True)
@@ -72,27 +95,45 @@ class GPTSpec:
         return self.global_batch * self.seq_len
 
     def params(self) -> int:
+        return self._params
+
+    @cached_property
+    def _params(self) -> int:       # asked once per choice the search times: counted once
         return self.config.num_params()
 
     def flops_per_iteration(self, checkpointing: bool = True) -> float:
         """``tokens x GPTConfig.flops_per_token``: Narayanan et al.'s count (the async-pipeline
         paper's Eq. 3), ``72 B s l h^2 (1 + s/(6h) + V/(12 l h))`` without activation
         recomputation, ``96 B s l h^2 (1 + s/(6h) + V/(16 l h))`` with it."""
-        return float(self.tokens * self.config.flops_per_token(recompute=checkpointing))
+        return self._flops[checkpointing][0]
 
-    def layers(self) -> list[Layer]:
+    @cached_property
+    def _flops(self) -> dict[bool, tuple[float, float]]:
+        """(all FLOPs, attention FLOPs) of an iteration, without and with recomputation: counted once."""
+        return {rc: (float(self.tokens * self.config.flops_per_token(recompute=rc)),
+                     float(self.tokens * self.config.attention_flops_per_token(recompute=rc))) for rc in (False, True)}
+
+    def layers(self) -> tuple[Layer, ...]:
         """The config's :meth:`~GPTConfig.linear_layers` over all the batch's rows: per block
         qkv (normal), attention proj (transposed), fc (normal), MLP proj (transposed); then the
         vocabulary head (normal)."""
-        return [Layer(layer.name, self.tokens, layer.k, layer.n, layer.transposed, layer.count)
-                for layer in self.config.linear_layers()]
+        return self._layers
+
+    @cached_property
+    def _vectors_and_embeddings(self) -> tuple[int, int]:
+        return self.config.vector_params(), self.config.embedding_params()
+
+    @cached_property
+    def _layers(self) -> tuple[Layer, ...]:
+        return tuple(Layer(layer.name, self.tokens, layer.k, layer.n, layer.transposed, layer.count)
+                     for layer in self.config.linear_layers())
 
     def flops_split(self, checkpointing: bool = True) -> tuple[float, float]:
         """(matmul FLOPs, attention-score FLOPs) of one iteration; they sum to
         :meth:`flops_per_iteration`. Attention (QK^T and AV, causal counted in full)
         is the ``s/(6h)`` term: ``12 B s^2 l h`` (x 4/3 with recomputation)."""
-        attention = self.tokens * self.config.attention_flops_per_token(recompute=checkpointing)
-        return self.flops_per_iteration(checkpointing) - attention, float(attention)
+        total, attention = self._flops[checkpointing]
+        return total - attention, attention
 
     def check(self, sizes: dict[str, int]) -> str | None:
         """Why par4d's GPT cannot run on grid ``sizes`` with this batch, or None: the
@@ -112,8 +153,7 @@ class GPTSpec:
         gx, gy, gz, gd = sizes["x"], sizes["y"], sizes["z"], sizes["data"]
         rows = self.tokens / (gd * gz)
         norms = 2 * self.n_layer + 1
-        vectors = self.config.vector_params()                       # biases and norm gains (full size)
-        embed = self.config.embedding_params()
+        vectors, embed = self._vectors_and_embeddings                # biases and norm gains (full size); wte, wpe
         return [
             ("all_gather", ("y",), 2 * rows, norms),                # row [mean, M2]
             ("all_reduce", ("y",), 2 * rows, norms),                # row gradient statistics
@@ -125,17 +165,18 @@ class GPTSpec:
             ("all_reduce", ("z", "data"), vectors / max(gx, gy), 1),
         ]
 
-    def memory_per_device(self, sizes: dict[str, int], bytes_per_element: int, checkpointing: bool) -> float:
-        """Bytes per device: parameter shards with gradients and AdamW state, the
-        gathered weights Algorithm 1 keeps for backward, and activations."""
+    def memory_per_device(self, sizes: dict[str, int], bytes_per_element: int, checkpointing: bool, *,
+                          share: float = 1.0, overlap: Overlap | None = None,
+                          offload_bsize: int | None = None) -> float:
+        """Bytes per device: parameter shards with gradients and AdamW state (:func:`state_bytes`),
+        the gathered weights Algorithm 1 keeps for backward (:func:`gathered_bytes`), and the
+        activations of ``share`` of the step's batch (one microbatch's: 1/M)."""
         gx, gy, gz, gd = sizes["x"], sizes["y"], sizes["z"], sizes["data"]
         b, h = bytes_per_element, self.hidden
-        per_param = 2 * b + (12 if b < 4 else 8)                    # param + grad + (master,) m, v
-        states = self.params() / (gx * gy * gz) * per_param
-        blocks = [layer.k * layer.n / (gx * gy) * b for layer in self.layers()]
-        counts = [layer.count for layer in self.layers()]
-        gathered = max(blocks) if checkpointing else sum(b * c for b, c in zip(blocks, counts))
-        rows = self.tokens / (gd * gz)
+        states = state_bytes(self.params() / (gx * gy * gz), b, offload_bsize)
+        gathered = gathered_bytes([layer.k * layer.n / (gx * gy) * b for layer in self.layers()],
+                                  [layer.count for layer in self.layers()], checkpointing, overlap)
+        rows = self.tokens / (gd * gz) * share
         per_layer = rows * b * (5 * h / gy + 6 * h / gx + 8 * h / gx)
         head = rows * self.vocab / gx * (b + 4)
         acts = (self.n_layer * rows * h / gy * b + per_layer) if checkpointing else self.n_layer * per_layer
@@ -256,11 +297,14 @@ class ModuleWorkload:
     def extra_collectives(self, sizes: dict[str, int]) -> list:
         return []
 
-    def memory_per_device(self, sizes: dict[str, int], bytes_per_element: int, checkpointing: bool) -> float:
+    def memory_per_device(self, sizes: dict[str, int], bytes_per_element: int, checkpointing: bool, *,
+                          share: float = 1.0, overlap: Overlap | None = None,
+                          offload_bsize: int | None = None) -> float:
+        """As :meth:`GPTSpec.memory_per_device`, with every layer's input kept (no recomputation)."""
         gx, gy, gz, gd = sizes["x"], sizes["y"], sizes["z"], sizes["data"]
         b = bytes_per_element
-        per_param = 2 * b + (12 if b < 4 else 8)
-        states = self.params() / (gx * gy * gz) * per_param
+        states = state_bytes(self.params() / (gx * gy * gz), b, offload_bsize)
         gathered = sum(layer.k * layer.n / (gx * gy) * b for layer in self.recorded)
-        inputs = sum(layer.m / (gd * gz) * layer.k / (gx if layer.transposed else gy) * b for layer in self.recorded)
+        inputs = sum(layer.m / (gd * gz) * share * layer.k / (gx if layer.transposed else gy) * b
+                     for layer in self.recorded)
         return states + gathered + inputs
