@@ -16,17 +16,13 @@ Every collective here is waited for where it is issued (the overlaps of
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.grad import conv2d_input, conv2d_weight
 
 from par4d.grid import Grid
-from par4d.layout import Placement, Split, place
 from par4d.nn.base import ShardedModule
-from par4d.nn.linear import _Algorithm1
+from par4d.nn.linear import _Algorithm1, algorithm1_parameters
 
 
 class Conv2d(ShardedModule):
@@ -64,22 +60,7 @@ class Conv2d(ShardedModule):
         self.grid, self.transposed = grid, transposed
         self.in_channels, self.out_channels, self.kernel_size = in_channels, out_channels, (kh, kw)
         self.stride, self.padding = stride, padding
-        out_split = Split(0, self.out_axis)
-        self.weight = place(nn.Parameter(torch.empty(out_channels // (g_out * g_z), in_channels // g_in, kh, kw,
-                                                     device=grid.device)),
-                            Placement((out_split, Split(1, self.in_axis), Split(0, "z")), grad_sum=("data",)))
-        self.bias = None
-        if bias:
-            self.bias = place(nn.Parameter(torch.empty(out_channels // g_out, device=grid.device)),
-                              Placement((out_split,), grad_sum=("z", "data")))
-        if grid.device.type == "meta" or not initialize:
-            return
-        generator = torch.Generator().manual_seed(seed)
-        bound = 1 / math.sqrt(in_channels * kh * kw)
-        state = {"weight": torch.empty(out_channels, in_channels, kh, kw).uniform_(-bound, bound, generator=generator)}
-        if bias:
-            state["bias"] = torch.empty(out_channels).uniform_(-bound, bound, generator=generator)
-        self.load_full_state(state)
+        algorithm1_parameters(self, out_channels, in_channels, (kh, kw), bias, 1, seed, initialize)
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
         if self.grid.size(self.in_axis, self.out_axis, "z") == 1:

@@ -85,6 +85,35 @@ class _Algorithm1(torch.autograd.Function):
         return grad_in, grad_w_shard, grad_b, None
 
 
+def algorithm1_parameters(layer: ShardedModule, out_features: int, in_features: int, kernel: tuple[int, ...],
+                          bias: bool, out_chunks: int, seed: int, initialize: bool) -> None:
+    """Algorithm 1's weight and bias on ``layer`` (a :class:`Linear` or a Conv2d, its ``grid``,
+    ``in_axis`` and ``out_axis`` set): the weight's out-features (dim 0) cut per chunk over the
+    out-axis, its in-features (dim 1) over the in-axis, each block's rows over z (Ŵ), the
+    ``kernel`` dims whole; the bias per chunk over the out-axis. Initialised as ``nn.Linear``
+    and ``nn.Conv2d`` are (uniform within 1/sqrt(fan-in), drawn whole from ``seed``) unless
+    the grid is virtual (meta: shapes only) or ``initialize`` is False (the caller loads next)."""
+    grid = layer.grid
+    g_in, g_out, g_z = grid.size(layer.in_axis), grid.size(layer.out_axis), grid.size("z")
+    out_split = Split(0, layer.out_axis, chunks=out_chunks)
+    # z sums Ŵ's gradient (the reduce-scatter); the bias is replicated over z and the in-axis.
+    layer.weight = place(nn.Parameter(torch.empty(out_features // (g_out * g_z), in_features // g_in, *kernel,
+                                                  device=grid.device)),
+                         Placement((out_split, Split(1, layer.in_axis), Split(0, "z")), grad_sum=("data",)))
+    layer.bias = None
+    if bias:
+        layer.bias = place(nn.Parameter(torch.empty(out_features // g_out, device=grid.device)),
+                           Placement((out_split,), grad_sum=("z", "data")))
+    if grid.device.type == "meta" or not initialize:
+        return
+    generator = torch.Generator().manual_seed(seed)
+    bound = 1 / math.sqrt(in_features * math.prod(kernel))
+    state = {"weight": torch.empty(out_features, in_features, *kernel).uniform_(-bound, bound, generator=generator)}
+    if bias:
+        state["bias"] = torch.empty(out_features).uniform_(-bound, bound, generator=generator)
+    layer.load_full_state(state)
+
+
 class Linear(ShardedModule):
     """``y = x A^T + b`` with A split by Algorithm 1 over the grid.
 
@@ -128,24 +157,7 @@ class Linear(ShardedModule):
                              f"(out_features / {self.out_axis}={g_out}) are not divisible by z={g_z}")
         self.grid, self.transposed, self.out_chunks = grid, transposed, out_chunks
         self.in_features, self.out_features = in_features, out_features
-        out_split = Split(0, self.out_axis, chunks=out_chunks)
-        # z sums Ŵ's gradient (the reduce-scatter); the bias is replicated over z and the in-axis.
-        self.weight = place(nn.Parameter(torch.empty(out_features // (g_out * g_z), in_features // g_in,
-                                                     device=grid.device)),
-                            Placement((out_split, Split(1, self.in_axis), Split(0, "z")), grad_sum=("data",)))
-        self.bias = None
-        if bias:
-            self.bias = place(nn.Parameter(torch.empty(out_features // g_out, device=grid.device)),
-                              Placement((out_split,), grad_sum=("z", "data")))
-        if grid.device.type == "meta" or not initialize:
-            return  # shapes only (a virtual grid), or the caller loads full tensors next
-        generator = torch.Generator().manual_seed(seed)
-        bound = 1 / math.sqrt(in_features)
-        weight = torch.empty(out_features, in_features).uniform_(-bound, bound, generator=generator)
-        state = {"weight": weight}
-        if bias:
-            state["bias"] = torch.empty(out_features).uniform_(-bound, bound, generator=generator)
-        self.load_full_state(state)
+        algorithm1_parameters(self, out_features, in_features, (), bias, out_chunks, seed, initialize)
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
         if self.gemm is None and self.grid.size(self.in_axis, self.out_axis, "z") == 1:
