@@ -13,7 +13,6 @@ from par4d.models import GPT, GPTConfig
 from par4d.plan import GPTSpec, Layer, Machine, bandwidths, factorizations, predict, rank_configurations, ring_time
 from par4d.plan.machines import load_machine
 from par4d.plan.model import layer_comm
-from par4d.plan.search import grids
 from par4d.plan.workload import gpt_spec
 
 NODE4 = Machine("test", devices_per_node=4, peak_flops=100e12, memory_bytes=40e9, beta_intra=200.0,
@@ -145,7 +144,7 @@ def test_plan_cli_json(capsys):
     assert main(["plan", "--model", "gpt-20b", "--gpus", "32", "--gpus-per-node", "4", "--machine", "perlmutter",
                  "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert len(rows) == len(grids(32, tuple(range(1, 33))))      # every 5-axis grid (pipe up to 32 blocks)
+    assert len(rows) == len(factorizations(32, tuple(range(1, 33))))   # every 5-axis grid (pipe up to 32 blocks)
     for row in rows:
         assert {"x", "y", "z", "data", "pipe", "microbatches", "checkpointing", "overlap", "t_comm", "t_iter",
                 "mem_bytes", "fits"} <= set(row)

@@ -12,8 +12,8 @@ from par4d.cli import main
 from par4d.overlap import NAMES, Overlap
 from par4d.plan import GPTSpec, Machine, bandwidths, predict
 from par4d.plan.machines import PERLMUTTER
-from par4d.plan.model import latencies, ring_time
-from par4d.plan.search import Space, grids, search
+from par4d.plan.model import factorizations, latencies, ring_time
+from par4d.plan.search import Space, search
 from par4d.plan.workload import gathered_bytes, state_bytes
 
 SPEC = GPTSpec("t", n_layer=4, hidden=64, heads=4, seq_len=32, global_batch=16, vocab=256)
@@ -111,7 +111,7 @@ def _brute_force(spec, world, machine):
     best = {}
     subsets = [Overlap.parse(",".join(names)) if names else Overlap.none()
                for r in range(len(NAMES) + 1) for names in itertools.combinations(NAMES, r)]
-    for sizes in grids(world, tuple(range(1, spec.n_layer + 1))):
+    for sizes in factorizations(world, tuple(range(1, spec.n_layer + 1))):
         if spec.check(sizes) or sizes["pipe"] > spec.n_layer:
             continue
         shard = spec.global_batch // (sizes["z"] * sizes["data"])

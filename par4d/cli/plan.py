@@ -116,20 +116,17 @@ def run(args: argparse.Namespace) -> int:
     if args.gpus_per_node is not None:
         machine = replace(machine, devices_per_node=args.gpus_per_node)
     spec = gpt_spec(args.model).with_batch(args.batch_tokens // args.seq_len, args.seq_len)
-    if args.variant == "full":
-        space = _space(args, args.gpus)
-        began = time.perf_counter()
-        ranked, excluded = search(spec, args.gpus, machine, space)
-        seconds = time.perf_counter() - began
-    else:   # the paper's models rank grids by communication alone: no choices to search
-        if (args.pipe, args.microbatches, args.recompute, args.overlap, args.offload_bsize) != (
-                "auto", "auto", "auto", None, None):
-            raise ValueError(f"--variant {args.variant} ranks (x, y, z, data) by communication time only; "
-                             f"--pipe, --microbatches, --recompute, --overlap and --offload-optimizer are the full "
-                             f"model's")
-        began = time.perf_counter()
-        ranked, excluded = rank_configurations(spec, args.gpus, machine, args.variant, checkpointing=True)
-        seconds = time.perf_counter() - began
+    if args.variant != "full" and (args.pipe, args.microbatches, args.recompute, args.overlap,
+                                   args.offload_bsize) != ("auto", "auto", "auto", None, None):
+        raise ValueError(f"--variant {args.variant} ranks (x, y, z, data) by communication time only; "
+                         f"--pipe, --microbatches, --recompute, --overlap and --offload-optimizer are the full "
+                         f"model's")
+    space = _space(args, args.gpus) if args.variant == "full" else None
+    began = time.perf_counter()
+    # The paper's models rank grids by communication alone: no choices to search.
+    ranked, excluded = (search(spec, args.gpus, machine, space) if space is not None
+                        else rank_configurations(spec, args.gpus, machine, args.variant, checkpointing=True))
+    seconds = time.perf_counter() - began
     if args.json:
         for position, pred in enumerate(ranked, 1):
             print(json.dumps({"rank": position, **pred.row(), **_days(pred, spec, args)}))

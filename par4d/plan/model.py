@@ -212,15 +212,28 @@ def _extra_role(kind: str, axes: tuple[str, ...]) -> str:
     return "forward" if kind == "all_gather" or axes == ("x",) else "backward"
 
 
-def factorizations(world: int) -> list[dict[str, int]]:
-    """Every (x, y, z, data) whose product is ``world``."""
+def factorizations(world: int, pipes: tuple[int, ...] | None = None) -> list[dict[str, int]]:
+    """Every (x, y, z, data) whose product is ``world``; with ``pipes``, every (x, y, z, data,
+    pipe) whose product is ``world``, ``pipe`` among ``pipes``."""
     divisors = [d for d in range(1, world + 1) if world % d == 0]
     out = []
-    for x in divisors:
-        for y in (d for d in divisors if (world // x) % d == 0):
-            for z in (d for d in divisors if (world // (x * y)) % d == 0):
-                out.append({"x": x, "y": y, "z": z, "data": world // (x * y * z)})
+    for pipe in (1,) if pipes is None else (p for p in pipes if world % p == 0):
+        rest = world // pipe
+        for x in (d for d in divisors if rest % d == 0):
+            for y in (d for d in divisors if (rest // x) % d == 0):
+                for z in (d for d in divisors if (rest // (x * y)) % d == 0):
+                    sizes = {"x": x, "y": y, "z": z, "data": rest // (x * y * z)}
+                    out.append(sizes if pipes is None else {**sizes, "pipe": pipe})
     return out
+
+
+def problem(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int]) -> str | None:
+    """Why ``spec`` cannot run on grid ``sizes`` (its own rules, and a stage per block at least), or None."""
+    reason = spec.check(sizes)
+    pipe = sizes.get("pipe", 1)
+    if reason is None and pipe > 1 and pipe > spec.n_layer:          # as GPTConfig.stage_blocks
+        reason = f"pipe={pipe}: each stage needs at least one of the n_layer={spec.n_layer} blocks"
+    return reason
 
 
 def memory_bytes(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], bytes_per_element: int,
@@ -279,20 +292,17 @@ def predict(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Mach
                          f"stages hand on its residual stream; {spec.name!r} is a recorded module")
     pred = Prediction(dict(sizes), microbatches=micro, checkpointing=checkpointing,
                       overlap=overlap.describe() if overlap is not None and variant == "full" else None)
-    reason = spec.check(sizes)
-    if reason is None and pipe > 1 and pipe > spec.n_layer:          # as GPTConfig.stage_blocks
-        reason = f"pipe={pipe}: each stage needs at least one of the n_layer={spec.n_layer} blocks"
+    reason = problem(spec, sizes)
     if reason:
         pred.fits, pred.excluded = False, reason
         return pred
-    samples = spec.global_batch if isinstance(spec, GPTSpec) else spec.samples
-    shard = samples // (sizes["z"] * sizes["data"])                   # samples per data x z shard
+    shard = spec.samples // (sizes["z"] * sizes["data"])              # samples per data x z shard
     if micro > shard:
         raise ValueError(f"microbatches={micro}: a data x z shard has {shard} sequences (global batch "
-                         f"{samples} over z*data={sizes['z'] * sizes['data']}); give 1 to {shard}")
+                         f"{spec.samples} over z*data={sizes['z'] * sizes['data']}); give 1 to {shard}")
     full = variant == "full"
     b = machine.bytes_per_element
-    if full:   # memory first: a configuration that does not fit needs no timing (the search skips it)
+    if full:
         pred.mem_bytes = memory_bytes(spec, sizes, b, checkpointing, micro, overlap, offload_bsize)
         if pred.mem_bytes > machine.memory_bytes:
             pred.fits = False

@@ -23,10 +23,9 @@ from dataclasses import dataclass
 
 from par4d.overlap import Overlap
 from par4d.plan.machines import Machine
-from par4d.plan.model import Prediction, memory_bytes, predict, stage_seconds
+from par4d.plan.model import Prediction, factorizations, memory_bytes, predict, problem, stage_seconds
 from par4d.plan.workload import GPTSpec, ModuleWorkload
 
-AXES5 = ("x", "y", "z", "data", "pipe")
 # The overlap sets the search tries, fastest first (the cache needs recomputation).
 WITH_RECOMPUTE = (Overlap.parse("oar,ors,oag,dp,cache"), Overlap.parse("oar,ors,oag,dp"), Overlap.parse("oar,ors,dp"))
 WITHOUT_RECOMPUTE = (Overlap.parse("oar,ors,oag,dp"),)
@@ -54,19 +53,6 @@ class Space:
                 raise ValueError(f"{name}={value}: must be >= 1 (or searched)")
 
 
-def grids(world: int, pipes: tuple[int, ...]) -> list[dict[str, int]]:
-    """Every (x, y, z, data, pipe) whose product is ``world``, ``pipe`` among ``pipes``."""
-    divisors = [d for d in range(1, world + 1) if world % d == 0]
-    out = []
-    for pipe in (p for p in pipes if world % p == 0):
-        rest = world // pipe
-        for x in (d for d in divisors if rest % d == 0):
-            for y in (d for d in divisors if (rest // x) % d == 0):
-                for z in (d for d in divisors if (rest // (x * y)) % d == 0):
-                    out.append({"x": x, "y": y, "z": z, "data": rest // (x * y * z), "pipe": pipe})
-    return out
-
-
 def search(spec: GPTSpec | ModuleWorkload, world: int, machine: Machine,
            space: Space = Space()) -> tuple[list[Prediction], list[Prediction]]:
     """(every grid's fastest fitting choice, ranked by predicted step time; the grids where
@@ -79,7 +65,7 @@ def search(spec: GPTSpec | ModuleWorkload, world: int, machine: Machine,
         pipes = (1,)
     recompute = (False, True) if space.checkpointing is None else (space.checkpointing,)
     ranked, excluded = [], []
-    for sizes in grids(world, pipes):
+    for sizes in factorizations(world, pipes):
         best = _best(spec, sizes, machine, space, recompute)
         (ranked if best.fits else excluded).append(best)
     ranked.sort(key=lambda p: (p.t_iter, p.sizes["pipe"], p.sizes["x"], p.sizes["y"], p.sizes["z"]))
@@ -90,14 +76,11 @@ def _best(spec, sizes: dict[str, int], machine: Machine, space: Space, recompute
     """The fastest choice on ``sizes`` that fits; else the smallest footprint, or why it cannot run.
     Memory is checked before anything is timed, and with a pipeline a microbatch count whose
     compute with its bubble alone is slower than the best so far is not timed."""
-    samples = spec.global_batch if isinstance(spec, GPTSpec) else spec.samples
     pipe = sizes["pipe"]
-    reason = spec.check(sizes)
-    if reason is None and pipe > getattr(spec, "n_layer", 1):
-        reason = f"pipe={pipe}: each stage needs at least one of the model's blocks"
+    reason = problem(spec, sizes)
     if reason is not None:
         return Prediction(dict(sizes), fits=False, excluded=reason)
-    shard = samples // (sizes["z"] * sizes["data"])
+    shard = spec.samples // (sizes["z"] * sizes["data"])
     if space.microbatches is not None and space.microbatches > shard:
         return Prediction(dict(sizes), fits=False,
                           excluded=f"microbatches={space.microbatches}: a data x z shard has {shard} samples")

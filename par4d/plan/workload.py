@@ -94,6 +94,11 @@ class GPTSpec:
     def tokens(self) -> int:
         return self.global_batch * self.seq_len
 
+    @property
+    def samples(self) -> int:
+        """The global batch in sequences (as :attr:`ModuleWorkload.samples`)."""
+        return self.global_batch
+
     def params(self) -> int:
         return self._params
 
