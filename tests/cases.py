@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
 import par4d
 from par4d.grid import Grid
 from par4d.plan.model import factorizations
@@ -22,4 +27,17 @@ def grid(x: int = 1, y: int = 1, z: int = 1, data: int = 1, pipe: int = 1) -> Gr
     return _current[key]
 
 
-__all__ = ["factorizations", "grid"]
+@contextmanager
+def float64() -> Iterator[None]:
+    """Models and data built inside take float64 (par4d's layers, like torch's, take the default
+    dtype): where a comparison runs several optimizer steps, fp32 would hold it to round-off that
+    other CPUs' kernels sum in another order and AdamW amplifies; float64 proves exactness."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+__all__ = ["factorizations", "float64", "grid"]

@@ -1,6 +1,9 @@
 import pytest
 
+from tests.devices import count_gpus, hide_gpus
 from tests.pool import RankPool
+
+hide_gpus()
 
 _pools: dict[int, RankPool] = {}
 
@@ -11,6 +14,18 @@ def pool(world: int) -> RankPool:
     if existing is None or not existing.alive:
         _pools[world] = RankPool(world)
     return _pools[world]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` (``gpus=N``: N of them) are skipped where fewer GPUs are present."""
+    wanted = [item for item in items if item.get_closest_marker("cuda")]
+    if not wanted:
+        return
+    gpus = count_gpus()
+    for item in wanted:
+        needed = item.get_closest_marker("cuda").kwargs.get("gpus", 1)
+        if gpus < needed:
+            item.add_marker(pytest.mark.skip(reason=f"needs {needed} NVIDIA GPU(s), this machine has {gpus}"))
 
 
 @pytest.fixture

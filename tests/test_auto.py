@@ -1,5 +1,5 @@
 """``par4d.parallelize`` on models nobody here wrote, against the unparallelized model on real
-grids: loss, every gradient, and parameters after 3 AdamW steps (relative 1e-5): a plain
+grids: loss, every gradient, and parameters after 3 AdamW steps (relative 1e-5, in float64): a plain
 PyTorch model and Hugging Face's LlamaForCausalLM (grouped-query attention, rotary
 embeddings), built tiny from code."""
 
@@ -62,7 +62,7 @@ def _llama():
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
-    return LlamaForCausalLM(config).float()
+    return LlamaForCausalLM(config).to(torch.get_default_dtype())
 
 
 def _gpt2():
@@ -71,7 +71,7 @@ def _gpt2():
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
                         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)   # the head is tied to wte
-    return GPT2LMHeadModel(config).float()
+    return GPT2LMHeadModel(config).to(torch.get_default_dtype())
 
 
 def _llama_batch(gen):
@@ -86,8 +86,13 @@ def _run(model, x, y):
 
 
 def _matches(sizes: dict, which: str, force: dict | None = None, weights: str | None = None) -> dict:
-    """``weights``: build the model on the meta device and load it from this safetensors file."""
-    grid = cases.grid(**sizes)
+    """In float64 (``cases.float64``). ``weights``: build the model on the meta device and load it
+    from this safetensors file."""
+    with cases.float64():
+        return _compare(cases.grid(**sizes), which, force, weights)
+
+
+def _compare(grid, which: str, force: dict | None, weights: str | None) -> dict:
     build = {"plain": _Plain, "conv": _ConvNet, "llama": _llama, "gpt2": _gpt2}[which]
     twin = build()
     if weights is None:
@@ -188,7 +193,8 @@ def test_a_model_built_on_the_meta_device_loads_shard_by_shard(pool4, tmp_path):
     from safetensors.torch import save_model
 
     path = tmp_path / "model.safetensors"
-    save_model(_llama(), str(path))
+    with cases.float64():
+        save_model(_llama(), str(path))
     _check(pool4.run(_matches, dict(x=2, z=2), "llama", None, str(path)))
 
 

@@ -29,7 +29,8 @@ def test_resharding_loads_measured_and_exact(pool4, tmp_path):
                                          "torch DCP load (FSDP2 -> HSDP)"]
     for row in rows:
         assert all(field in row for field in FIELDS), row
-        assert row["s_per_iter"] > 0 and row["peak_added_bytes"] >= 0
+        # the peak is the kernel's high-water mark since the block began: never below what stayed resident
+        assert row["s_per_iter"] > 0 and row["peak_added_bytes"] >= row["resident_added_bytes"]
     par4d_save, par4d_load, torch_save, torch_load = rows
     assert (par4d_save["sharding"], par4d_load["sharding"]) == ("x=2,z=2", "z=2,data=2")
     assert torch_load["sharding"] == "HSDP 2 x 2 (replicate x shard)"

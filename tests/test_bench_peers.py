@@ -31,9 +31,15 @@ def test_world_without_a_par4d_grid_is_refused(monkeypatch):
         validate(4, None, 1)
 
 
-def test_valid_shapes_pass():
-    validate(4, None, 1)
-    validate(2, 2, 1)       # 2 emulated nodes of 2 ranks: HSDP (2, 2), TP 2 inside a node
+@pytest.mark.parametrize(("nproc", "nodes", "hsdp", "tp"), [
+    (4, None, (2, 2), (2, 2)),      # 4 local ranks: HSDP 2 x 2, FSDP 2 x TP 2
+    (2, 2, (2, 2), (2, 2)),         # 2 emulated nodes of 2 ranks: replicate across, shard and TP inside a node
+])
+def test_valid_shapes_pass_with_the_meshes_they_run_on(nproc, nodes, hsdp, tp):
+    validate(nproc, nodes, 1)       # raises on a shape it refuses
+    assert (peers.hsdp_shape(nproc, nodes), peers.tp_shape(nproc, nodes)) == (hsdp, tp)
+    world = nproc * (nodes or 1)
+    assert all(peers.grids(world, batch=w.sequences) for w in peers.workloads(world))
 
 
 def test_cli_reports_bad_input_before_any_rank_starts(capsys):

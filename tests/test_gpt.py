@@ -15,12 +15,18 @@ BATCH, STEPS = 4, 3
 
 
 def _gpt_matches_twin(sizes: dict, config: GPTConfig = CONFIG) -> int:
-    grid = cases.grid(**sizes)
+    """Loss, every gradient and the parameters after the AdamW steps, in float64 (``cases.float64``)."""
+    with cases.float64():
+        return _compare(cases.grid(**sizes), sizes, config)
+
+
+def _compare(grid, sizes: dict, config: GPTConfig) -> int:
     twin = build_reference(config)
     model = build_gpt(config, grid)
     start = model.reference_state()
     for name, param in twin.named_parameters():
         assert torch.equal(start[name], param.detach()), f"{sizes}: initial {name} differs from the twin"
+        assert param.dtype == torch.float64, f"{name} is {param.dtype}"
 
     # The key bias's gradient is zero in exact arithmetic (softmax is shift-invariant),
     # so both sides hold round-off there; eps=1e-4 keeps Adam from scaling round-off

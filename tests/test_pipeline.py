@@ -17,7 +17,12 @@ STEPS = 3
 
 def _pipeline_matches_twin(sizes: dict, batch: int, microbatches: int, recompute: int = 0,
                            limit: int | None = None) -> dict:
-    grid = cases.grid(**sizes)
+    """In float64 (``cases.float64``): loss, gradients and parameters after 3 AdamW steps."""
+    with cases.float64():
+        return _compare(cases.grid(**sizes), sizes, batch, microbatches, recompute, limit)
+
+
+def _compare(grid, sizes: dict, batch: int, microbatches: int, recompute: int, limit: int | None) -> dict:
     twin = build_reference(CONFIG)
     model = build_gpt(CONFIG, grid, recompute)
     mine = {name for name, _ in model.named_parameters()}
@@ -87,7 +92,7 @@ def test_pipe_2(pool2):
     # Exact point-to-point bytes: each of 4 microbatches sends its activation forward (stage 0)
     # or its gradient back (stage 1), rows x T x D fp32, and nothing else (no header).
     for steps_rows in results[0]["sent"], results[1]["sent"]:
-        assert steps_rows == [6 * 8 * 24 * 4] * 2 + [5 * 8 * 24 * 4]
+        assert steps_rows == [6 * 8 * 24 * 8] * 2 + [5 * 8 * 24 * 8]      # float64 activations
 
 
 def test_pipeline_limit_1_runs_one_microbatch_at_a_time(pool2):

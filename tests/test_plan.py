@@ -150,6 +150,8 @@ def test_plan_cli_json(capsys):
                 "mem_bytes", "fits"} <= set(row)
     ranked = [r for r in rows if r["fits"]]
     assert [r["rank"] for r in ranked] == list(range(1, len(ranked) + 1))
+    assert rows[:len(ranked)] == ranked                                    # what fits first, fastest first
+    assert [r["t_iter"] for r in ranked] == sorted(r["t_iter"] for r in ranked)
 
 
 def test_plan_cli_errors(capsys, tmp_path):

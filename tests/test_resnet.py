@@ -4,8 +4,9 @@ the batch split over z and data, batch norms' statistics must still be the whole
 
 The ResNet is compared in float64 with par4d's usual criteria (loss, gradients, parameters
 after 3 AdamW steps, running statistics, an evaluation forward): in fp32 its 20 batch norms
-over few values amplify round-off far past them for any implementation, torch's included
-(``test_resnet18_fp32`` measures that and holds par4d to torch's own fp32 error)."""
+over few values amplify round-off far past them for any implementation, torch's included, and
+by how much depends on the CPU's kernels. fp32 is held to bounds that hold on every CPU: the
+ResNet's forward against the float64 truth, and par4d's BatchNorm alone against float64."""
 
 import copy
 
@@ -38,13 +39,12 @@ def _unequal(a: torch.Tensor, b: torch.Tensor) -> float:
     return 0.0 if torch.equal(a, b) else float("inf")
 
 
-def _matches(sizes: dict, force: dict | None, dtype: torch.dtype) -> dict:
-    """3 AdamW steps of a width-8 ResNet-18 on 8 images of 32x32 in ``dtype``, parallel and not,
-    and (fp32) the unparallelized model in float64, the truth both are compared against: per pair
-    the worst ratio (see :func:`_worst`) of the loss, gradients, parameters, running statistics
-    and an evaluation-mode forward, each with where it is."""
+def _matches(sizes: dict, force: dict | None) -> dict:
+    """3 AdamW steps of a width-8 ResNet-18 on 8 images of 32x32 in float64, parallel and not: the
+    worst ratio (see :func:`_worst`) of the loss, gradients, parameters, running statistics and an
+    evaluation-mode forward, each with where it is."""
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)             # par4d's layers take the default dtype
+    torch.set_default_dtype(torch.float64)     # par4d's layers take the default dtype
     try:
         return _train(cases.grid(**sizes), force)
     finally:
@@ -54,57 +54,40 @@ def _matches(sizes: dict, force: dict | None, dtype: torch.dtype) -> dict:
 def _train(grid, force: dict | None) -> dict:
     torch.manual_seed(0)
     twin = ResNet18(num_classes=8, width=8)
-    models = {"par4d": par4d.parallelize(copy.deepcopy(twin), grid, force=force), "torch": twin}
-    if torch.get_default_dtype() != torch.float64:
-        models["fp64"] = copy.deepcopy(twin).double()
-    pairs = [("par4d", "torch")] if len(models) == 2 else [("par4d", "fp64"), ("torch", "fp64")]
+    model = par4d.parallelize(copy.deepcopy(twin), grid, force=force)
     # eps 1e-4: AdamW would turn round-off in near-zero gradients into a whole step's difference
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-4) for m in models.values()]
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-4) for m in (model, twin)]
     gen = torch.Generator().manual_seed(1)
-    worst = {pair: {key: (0.0, "") for key in ("loss", "grads", "params", "buffers", "eval")} for pair in pairs}
+    worst = {key: (0.0, "") for key in ("loss", "grads", "params", "buffers", "eval")}
 
-    def note(key: str, found: dict, where: str, tol: tuple[float, float] | None = None) -> None:
-        for a, b in pairs:
-            if tol is None:                    # found: {model: loss}
-                value = abs(found[a] - found[b]) / abs(found[b])
-            elif found[b].is_floating_point():
-                value = _worst(found[a], found[b], tol)
-            else:
-                value = _unequal(found[a], found[b])
-            worst[a, b][key] = max(worst[a, b][key], (value, where))
+    def note(key: str, mine, ref, where: str, tol: tuple[float, float] | None = None) -> None:
+        if tol is None:                        # losses
+            value = abs(mine - ref) / abs(ref)
+        else:
+            value = _worst(mine, ref, tol) if ref.is_floating_point() else _unequal(mine, ref)
+        worst[key] = max(worst[key], (value, where))
 
     for step in range(STEPS):
         x, y = torch.randn(8, 3, 32, 32, generator=gen), torch.randint(0, 8, (8,), generator=gen)
-        losses, grads = {}, {}
-        for name, model in models.items():
-            if name == "par4d":
-                local = F.cross_entropy(model(shard_batch(grid, x)), shard_batch(grid, y))   # this rank's mean
-                local.backward()
-                losses[name] = global_mean(local, grid).item()
-                sync_gradients(model, grid)
-                grads[name] = full_state_dict(model, grad=True)
-            else:
-                loss = F.cross_entropy(model(x.to(next(model.parameters()).dtype)), y)
-                loss.backward()
-                losses[name] = loss.item()
-                grads[name] = {n: p.grad for n, p in model.named_parameters()}
-        note("loss", losses, f"step {step}")
-        for n, _ in twin.named_parameters():
-            note("grads", {m: g[n] for m, g in grads.items()}, f"step {step} {n}", GRADS)
+        local = F.cross_entropy(model(shard_batch(grid, x)), shard_batch(grid, y))   # this rank's mean
+        local.backward()
+        sync_gradients(model, grid)
+        loss = F.cross_entropy(twin(x), y)
+        loss.backward()
+        note("loss", global_mean(local, grid).item(), loss.item(), f"step {step}")
+        grads = full_state_dict(model, grad=True)
+        for n, p in twin.named_parameters():
+            note("grads", grads[n], p.grad, f"step {step} {n}", GRADS)
         for opt in optimizers:
             opt.step(), opt.zero_grad()
-    params = {name: full_state_dict(model) for name, model in models.items()}
-    buffers = {name: dict(model.named_buffers()) for name, model in models.items()}
-    for n, _ in twin.named_parameters():
-        note("params", {m: p[n] for m, p in params.items()}, n, PARAMS)
-    for n, _ in twin.named_buffers():
-        note("buffers", {m: b[n] for m, b in buffers.items()}, n, BUFFERS)
+    after, buffers = full_state_dict(model), dict(model.named_buffers())
+    for n, p in twin.named_parameters():
+        note("params", after[n], p, n, PARAMS)
+    for n, b in twin.named_buffers():
+        note("buffers", buffers[n], b, n, BUFFERS)
     x = torch.randn(8, 3, 32, 32, generator=gen)
     with torch.no_grad():
-        logits = {name: m.eval()(x.to(next(m.parameters()).dtype)) for name, m in models.items() if name != "par4d"}
-        note("eval", {**{n: shard_batch(grid, v) for n, v in logits.items()},
-                      "par4d": models["par4d"].eval()(shard_batch(grid, x))}, "logits", OUTPUTS)
-    model = models["par4d"]
+        note("eval", model.eval()(shard_batch(grid, x)), shard_batch(grid, twin.eval()(x)), "logits", OUTPUTS)
     return {"worst": worst, "names": sorted(model.state_dict()) == sorted(twin.state_dict()),
             "plan": [(t.name, t.kind) for t in model.par4d_plan],
             "synchronised": sorted(n for n, m in model.named_modules() if isinstance(m, BatchNorm))}
@@ -113,16 +96,15 @@ def _train(grid, force: dict | None) -> dict:
 def _check(results: list[dict]) -> dict:
     """float64: par4d within the criteria of torch.testing's (loss relative 1e-5)."""
     for r in results:
-        worst = r["worst"]["par4d", "torch"]
+        worst = r["worst"]
         assert r["names"], r
         assert worst["loss"][0] < 1e-5 and all(worst[k][0] <= 1 for k in ("grads", "params", "buffers", "eval")), r
     return results[0]
 
 
 def _summary(result: dict) -> str:
-    """The worst ratios and where, per pair compared (pytest -s shows them)."""
-    return "; ".join(f"{a} vs {b}: " + ", ".join(f"{k} {w[k][0]:.3g} ({w[k][1]})" for k in w)
-                     for (a, b), w in result["worst"].items())
+    """The worst ratios and where (pytest -s shows them)."""
+    return ", ".join(f"{k} {v[0]:.3g} ({v[1]})" for k, v in result["worst"].items())
 
 
 # the stem's 3 input channels: y=2 cannot split them, so it stays whole there
@@ -132,7 +114,7 @@ GRIDS = [(dict(x=2, z=2), None), (dict(x=2, y=2), {"conv1": "replicated"}),
 
 @pytest.mark.parametrize("sizes,force", GRIDS, ids=["x2z2", "x2y2", "y2d2"])
 def test_resnet18_4_ranks(pool4, sizes, force):
-    result = _check(pool4.run(_matches, sizes, force, torch.float64))
+    result = _check(pool4.run(_matches, sizes, force))
     plan = dict(result["plan"])
     assert plan["layer2.0.downsample.0"] == "normal" and plan["fc"] == "normal" and plan["layer4.1.bn2"] == "replicated"
     assert len(result["synchronised"]) == (20 if sizes.get("z", 1) * sizes.get("data", 1) > 1 else 0)
@@ -140,20 +122,50 @@ def test_resnet18_4_ranks(pool4, sizes, force):
 
 
 def test_resnet18_8_ranks(pool8):
-    result = _check(pool8.run(_matches, dict(x=2, y=2, z=2), {"conv1": "replicated"}, torch.float64))
+    result = _check(pool8.run(_matches, dict(x=2, y=2, z=2), {"conv1": "replicated"}))
     assert len(result["synchronised"]) == 20
     print(f"\nx2y2z2: {_summary(result)}")
 
 
+def _forward32(sizes: dict, force: dict | None) -> dict:
+    """One training-mode forward of the fp32 ResNet (its batch norms on the batch's statistics, synchronised
+    where z * data splits it) against the float64 truth: the loss, this rank's logits and every running
+    statistic, each as its largest error over the largest magnitude of its truth."""
+    grid = cases.grid(**sizes)
+    torch.manual_seed(0)
+    twin = ResNet18(num_classes=8, width=8)
+    model = par4d.parallelize(copy.deepcopy(twin), grid, force=force)
+    truth = twin.double()
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 3, 32, 32, generator=gen), torch.randint(0, 8, (8,), generator=gen)
+    logits = model(shard_batch(grid, x))
+    loss = global_mean(F.cross_entropy(logits, shard_batch(grid, y)), grid).item()
+    with torch.no_grad():
+        ref_logits = truth(x.double())
+    ref_loss = F.cross_entropy(ref_logits, y).item()
+
+    def error(mine: torch.Tensor, ref: torch.Tensor) -> float:
+        return ((mine.double() - ref).abs().max() / ref.abs().max()).item()
+
+    buffers = dict(model.named_buffers())
+    errors = {n: error(buffers[n], b) for n, b in truth.named_buffers() if b.is_floating_point()}
+    errors["logits"] = error(logits.detach(), shard_batch(grid, ref_logits))
+    errors["loss"] = abs(loss - ref_loss) / ref_loss
+    return errors
+
+
 @pytest.mark.parametrize("sizes,force", GRIDS, ids=["x2z2", "x2y2", "y2d2"])
-def test_resnet18_fp32(pool4, sizes, force):
-    """In fp32 no implementation meets the float64 criteria: batch norms over few values and
-    AdamW make 3 steps amplify round-off ~1e4-fold, torch's own fp32 run against its float64
-    included. So par4d's fp32 run must be as close to the float64 truth as torch's (within 3x)."""
-    for result in pool4.run(_matches, sizes, force, torch.float32):
-        ours, torch_ = result["worst"]["par4d", "fp64"], result["worst"]["torch", "fp64"]
-        assert result["names"] and all(ours[k][0] <= 3 * max(torch_[k][0], 1e-6) for k in ours), _summary(result)
-    print(f"\n{sizes}: {_summary(result)}")
+def test_resnet18_fp32_forward_is_float64s_to_fp32_rounding(pool4, sizes, force):
+    """fp32 is held to what holds on every CPU: the forward (a continuous function of the weights) against
+    the float64 truth. Its gradients are not: a ReLU or max-pool whose input rounds to the other side
+    switches the path a gradient takes (torch's own fp32 one-step gradient is 4e-3 off its float64 one
+    overall with ATen's baseline kernels, 6e-6 with AVX-512's), and AdamW steps and batch norms over few
+    values amplify what differs; so exactness of gradients and steps is proven in float64 above.
+    A batch norm that used its rank's own samples instead of the batch's is off by 0.8 in the logits."""
+    for errors in pool4.run(_forward32, sizes, force):
+        worst = max(errors, key=errors.get)
+        assert errors["loss"] <= 1e-5 and errors[worst] <= 1e-4, (worst, errors[worst], errors["loss"])
+    print(f"\n{sizes}: worst {errors[worst]:.3g} ({worst}), loss {errors['loss']:.3g}")
 
 
 def _through_train_step(sizes: dict) -> dict:
@@ -208,12 +220,14 @@ def test_resnet18_plan_counts_batch_norms():
 
 # -- par4d.nn.BatchNorm alone -------------------------------------------------------
 
-# name: (torch's module, global input shape, the channels' mean). A mean of 1e4 and a spread of 2: fp32
-# inputs carry ~1e-3 of rounding into x - mean in any implementation (torch's too), so there the twin
-# runs in float64 and only the statistics are compared, which E[x^2] - E[x]^2 would get wrong by ~1e-2.
+# name: (torch's module, global input shape, the channels' mean). par4d's BatchNorm runs in fp32, its
+# twin in float64 on the same values: the truth. A mean of 1e4 and a spread of 2: fp32 inputs carry ~1e-3
+# of rounding into x - mean in any implementation, so there only the statistics are compared, which
+# E[x^2] - E[x]^2 would get wrong by ~1e-2. (8, 6, 1, 1): two values per channel on each rank.
 CASES = {
     "2d": (lambda: nn.BatchNorm2d(6), (8, 6, 5, 5), 0.0),
     "2d_large_mean": (lambda: nn.BatchNorm2d(6), (8, 6, 5, 5), 1e4),
+    "2d_two_per_rank": (lambda: nn.BatchNorm2d(6), (8, 6, 1, 1), 0.0),
     "2d_cumulative": (lambda: nn.BatchNorm2d(6, momentum=None), (8, 6, 5, 5), 0.0),
     "2d_untracked": (lambda: nn.BatchNorm2d(6, track_running_stats=False), (8, 6, 5, 5), 0.0),
     "2d_no_affine": (lambda: nn.BatchNorm2d(6, affine=False), (8, 6, 5, 5), 0.0),
@@ -223,9 +237,18 @@ CASES = {
 }
 
 
+def _worst32(mine: torch.Tensor, truth: torch.Tensor) -> float:
+    """The largest |mine - truth| / (1e-5 (|truth| + max |truth|)): at most 1 where fp32 is within 1e-5 of
+    float64's truth relative to the tensor's own magnitude, which round-off meets with 60x to spare on any
+    CPU (whatever order its kernels sum in), and a wrong statistic misses by orders of magnitude."""
+    scale = 1e-5 * (truth.abs() + truth.abs().max())
+    return ((mine.double() - truth).abs() / scale).max().item()
+
+
 def _batchnorm(case: str) -> dict:
     """2 training steps (the sum of out x a fixed weight, so its gradients sum over ranks) and an
-    evaluation-mode forward of par4d's BatchNorm on z=2, data=2 against torch's on the whole batch."""
+    evaluation-mode forward of par4d's BatchNorm in fp32 on z=2, data=2 against torch's on the whole
+    batch in float64, the truth."""
     grid = cases.grid(z=2, data=2)
     make, shape, offset = CASES[case]
     torch.manual_seed(0)
@@ -234,35 +257,34 @@ def _batchnorm(case: str) -> dict:
         with torch.no_grad():
             twin.weight.uniform_(0.5, 1.5), twin.bias.uniform_(-1, 1)
     layer = BatchNorm.from_module(copy.deepcopy(twin), grid=grid, name=case)
-    exact = offset != 0                 # the statistics against float64
-    twin = twin.double() if exact else twin
+    twin = twin.double()
     gen = torch.Generator().manual_seed(1)
     rows = batch_slice(grid, shape[0])
     worst = {}
     for step in range(2):
         x = (torch.randn(shape, generator=gen) * 2 + offset + torch.arange(6.0).view(1, 6, *[1] * (len(shape) - 2)))
         w = torch.randn(shape, generator=gen)
-        ref_x = x.to(torch.float64 if exact else x.dtype, copy=True).requires_grad_()
+        ref_x = x.double().requires_grad_()
         x_local = x[rows].clone().requires_grad_()
         ref = twin(ref_x)
         out = layer(x_local)
-        (ref * w).sum().backward()
+        (ref * w.double()).sum().backward()
         (out * w[rows]).sum().backward()
-        if exact:
+        if offset:                          # the statistics only (above)
             continue
-        worst[f"out {step}"] = _worst(out.detach(), ref.detach()[rows], OUTPUTS)
-        worst[f"grad x {step}"] = _worst(x_local.grad, ref_x.grad[rows], GRADS)
+        worst[f"out {step}"] = _worst32(out.detach(), ref.detach()[rows])
+        worst[f"grad x {step}"] = _worst32(x_local.grad, ref_x.grad[rows])
         for n, p in twin.named_parameters():
             grad = comm.all_reduce(grid, layer.get_parameter(n).grad.clone(), "z", "data")
-            worst[f"grad {n} {step}"] = _worst(grad, p.grad, GRADS)
+            worst[f"grad {n} {step}"] = _worst32(grad, p.grad)
             p.grad = layer.get_parameter(n).grad = None
     for n, b in twin.named_buffers():
         mine = layer.get_buffer(n)
-        worst[n] = _worst(mine, b, BUFFERS) if b.is_floating_point() else _unequal(mine, b)
+        worst[n] = _worst32(mine, b) if b.is_floating_point() else _unequal(mine, b)
     twin.eval(), layer.eval()
     x = torch.randn(shape, generator=gen) + offset
     with torch.no_grad():
-        worst["eval"] = 0.0 if exact else _worst(layer(x[rows]), twin(x)[rows], OUTPUTS)
+        worst["eval"] = 0.0 if offset else _worst32(layer(x[rows]), twin(x.double())[rows])
     worst["keys"] = list(layer.state_dict()) == list(twin.state_dict())
     return worst
 

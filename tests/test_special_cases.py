@@ -29,7 +29,12 @@ def _full(module: torch.nn.Module) -> dict:
 
 
 def _against_torch(sizes: dict, wrapper: str) -> int:
-    grid = cases.grid(**sizes)
+    """In float64 (``cases.float64``), as torch's wrappers run it too."""
+    with cases.float64():
+        return _compare(cases.grid(**sizes), wrapper)
+
+
+def _compare(grid, wrapper: str) -> int:
     model = GPT(CONFIG, grid=grid)
     twin = ReferenceGPT(CONFIG)
     if wrapper == "ddp":

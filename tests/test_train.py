@@ -30,20 +30,67 @@ def _losses(run: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_resume_continues_the_exact_trajectory_and_overlap_changes_no_bit(tmp_path):
+def _checked(*args: str, world: int):
+    """The config `par4d train ARGS` launches, checked as the CLI checks it (without measuring the peak)."""
+    from dataclasses import replace
+
+    from par4d.cli import _parser
+    from par4d.cli.train import _config
+
+    return replace(_config(_parser().parse_args(["train", *args]), world, inside=False), peak_flops=1.0)
+
+
+def _train_in_pool(config):
+    """`par4d train`'s loop on a pool's rank (its worker would leave the pool's job when done). One thread
+    per rank, as par4d's launcher gives 4 ranks on 2 cores: the loop, seeing no launcher, would take every
+    core in each rank (5x slower)."""
+    from unittest import mock
+
+    from par4d.train.loop import run
+    from par4d.train.stop import StopRequest
+
+    with mock.patch("par4d.train.loop._threads_per_rank", return_value=1), StopRequest() as stop:
+        return run(config, stop)
+
+
+def _alone(config) -> None:
+    """`par4d train` as one rank in this process (its summary printed), the test's thread count kept."""
+    import torch
+
+    from par4d.cli.train import _finish
+    from par4d.train.loop import worker
+
+    threads = torch.get_num_threads()
+    try:
+        assert _finish(worker(config)) == 0
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _pooled(pool, *args: str) -> dict:
+    """`par4d train ARGS` on the pool's ranks, its summary printed here as the CLI prints it; rank 0's summary."""
+    from par4d.cli.train import _finish
+
+    summary = pool.run(_train_in_pool, _checked(*args, world=pool.world), timeout=240)[0]
+    assert _finish(summary) == 0
+    return summary
+
+
+def test_resume_continues_the_exact_trajectory_and_overlap_changes_no_bit(tmp_path, capsys, pool4):
     """4 ranks on x=2, z=2: 10 steps straight and synchronous (--overlap none) vs 5 steps with
     every overlap and recomputation, stop, resume to 10: the same losses, bit for bit."""
-    grid = ["--nproc", "4", "--grid", "x=2,z=2"]
+    grid = ["--grid", "x=2,z=2"]
     straight, split = tmp_path / "straight", tmp_path / "split"
-    result = _train(*grid, *SMALL, "--steps", "10", "--out", str(straight), "--overlap", "none")
-    _train(*grid, *SMALL, "--steps", "5", "--out", str(split), "--overlap", "all", "--recompute", "auto")
+    _pooled(pool4, *grid, *SMALL, "--steps", "10", "--out", str(straight), "--overlap", "none")
+    printed = capsys.readouterr().out
+    _pooled(pool4, *grid, *SMALL, "--steps", "5", "--out", str(split), "--overlap", "all", "--recompute", "auto")
     assert len(_losses(split)) == 5
-    _train("--nproc", "4", "--resume", str(split), "--steps", "10")
+    _pooled(pool4, "--resume", str(split), "--steps", "10")
 
     assert _losses(split) == _losses(straight)   # bit for bit: same grid, same batches, same state
     overlapped = json.loads((split / "summary.json").read_text())
     assert (overlapped["overlap"], overlapped["recompute_every"]) == ("all", 1)
-    assert "in flight" in result.stdout and "exposed" in result.stdout
+    assert "in flight" in printed and "exposed" in printed
     rows = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 11))
     assert all(r["tokens_per_s"] > 0 and r["comm_bytes"] > 0 for r in rows)
@@ -51,12 +98,14 @@ def test_resume_continues_the_exact_trajectory_and_overlap_changes_no_bit(tmp_pa
     assert (straight / "checkpoints" / (straight / "checkpoints" / "latest").read_text() / "meta.json").is_file()
     summary = json.loads((straight / "summary.json").read_text())
     assert summary["grid"] == {"x": 2, "y": 1, "z": 2, "data": 1, "pipe": 1}
+    assert (summary["device"], summary["backend"]) == ("cpu", "gloo") and "(4 ranks, cpu, gloo)" in printed
     assert summary["final_loss"] < summary["initial_loss"]
     assert summary["overlap"] == "none" and summary["comm_exposed_s_per_step"] > 0
-    assert all(r["comm_exposed_s"] >= 0 and r["comm_issued_s"] >= 0 for r in rows)
+    # every step of x=2,z=2 gathers and reduces: its time in flight and waited is measured, never left at 0
+    assert all(r["comm_exposed_s"] > 0 and r["comm_issued_s"] > 0 for r in rows)
     for field in ("parameters", "tokens/s", "model FLOP/s", "Eq 3", "300 B tokens", "% of peak", "loss",
                   "communication"):
-        assert field in result.stdout, field
+        assert field in printed, field
 
 
 def test_default_grids():
@@ -161,16 +210,13 @@ def test_joins_a_torchrun_job_and_survives_its_restarts(tmp_path):
             f"(traceback in {raised / 'logs' / 'rank-0.log'})") in result.stderr.splitlines()
 
 
-def test_bench_grid_rows_and_exact_bytes(tmp_path):
-    """`par4d bench grid --json`: every valid grid, and byte counts that must agree
-    exactly: data-only par4d and DDP both all-reduce every gradient once."""
+def test_bench_grid_rows_and_exact_bytes(pool4):
+    """`par4d bench grid`'s rows (on the pool's ranks): every valid grid, and byte counts that must
+    agree exactly: data-only par4d and DDP both all-reduce every gradient once."""
+    from par4d.bench.grid import BenchSettings, bench_rows
     from par4d.plan.measure import CONFIG, grids
 
-    result = subprocess.run([sys.executable, "-m", "par4d.cli", "bench", "grid", "--nproc", "4", "--iters", "1",
-                             "--json"], capture_output=True, text=True, timeout=300,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    rows = pool4.run(bench_rows, BenchSettings(nproc=4, iters=1, peak_flops=1e9), timeout=240)[0]
     par4d_rows = [r for r in rows if r["name"] == "par4d"]
     assert len(par4d_rows) == len(grids(4)) == 10
     for row in rows:
@@ -191,18 +237,21 @@ def test_bench_grid_rows_and_exact_bytes(tmp_path):
     assert z_only["bytes_per_iter"] == 4 * 4 * (weights // 4 + weights + vectors)
 
 
-def test_resume_on_another_grid_and_rank_count(tmp_path):
+def test_resume_on_another_grid_and_rank_count(tmp_path, capsys, pool2, pool4):
     """4 steps on 2 ranks (x=2), then resumed on 4 ranks at z=2,data=2 up to 6: the run goes on
-    from its checkpoint and says the grid changed (trajectories match: tests/test_checkpoint.py)."""
-    run = tmp_path / "moved"
-    _train("--nproc", "2", "--grid", "x=2", *SMALL, "--steps", "4", "--out", str(run))
-    result = _train("--nproc", "4", "--resume", str(run), "--grid", "z=2,data=2", "--steps", "6")
+    from its checkpoint, says the grid changed, and follows a one-rank run to fp32 rounding."""
+    run, alone = tmp_path / "moved", tmp_path / "alone"
+    _alone(_checked("--nproc", "1", *SMALL, "--steps", "6", "--out", str(alone), world=1))
+    _pooled(pool2, "--grid", "x=2", *SMALL, "--steps", "4", "--out", str(run))
+    capsys.readouterr()
+    _pooled(pool4, "--resume", str(run), "--grid", "z=2,data=2", "--steps", "6")
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 7))
+    assert _losses(run) == pytest.approx(_losses(alone), rel=1e-5)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["grid_changed"] and summary["resumed_from"]["grid"]["x"] == 2
     assert summary["grid"] == {"x": 1, "y": 1, "z": 2, "data": 2, "pipe": 1}
-    assert "saved on grid x=2 y=1 z=1 data=1 pipe=1: the grid changed" in result.stdout
+    assert "saved on grid x=2 y=1 z=1 data=1 pipe=1: the grid changed" in capsys.readouterr().out
 
 
 def _final_tensors(run: Path) -> dict:
@@ -215,14 +264,15 @@ def _final_tensors(run: Path) -> dict:
     return tensors
 
 
-def test_a_killed_rank_and_a_preempted_run_end_as_an_uninterrupted_one(tmp_path):
+def test_a_killed_rank_and_a_preempted_run_end_as_an_uninterrupted_one(tmp_path, pool2):
     """Rank 1 is killed with SIGKILL after step 12 of 14 (checkpoints every 5 steps): the agent
     restarts both ranks, they resume from step 10. Another run's launcher gets SIGTERM after
     step 7: every rank saves step 7 and exits (status 143), and a resume runs to 14. Both end
-    with the parameters and AdamW state of an uninterrupted run, bit for bit."""
-    common = ["--nproc", "2", "--grid", "x=2", *SMALL, "--steps", "14", "--save-every", "5"]
+    with the parameters and AdamW state of an uninterrupted run (on the pool), bit for bit."""
+    common = ["--grid", "x=2", *SMALL, "--steps", "14", "--save-every", "5"]
     straight, killed, stopped = tmp_path / "straight", tmp_path / "killed", tmp_path / "stopped"
-    _train(*common, "--out", str(straight))
+    _pooled(pool2, *common, "--out", str(straight))
+    common = ["--nproc", "2", *common]
     result = _train(*common, "--out", str(killed), "--max-restarts", "1", env_extra={"PAR4D_FAULTS": "1:12"})
     assert RESTART.findall(result.stdout) == [("1", "10")], result.stdout[-2000:]   # what bench faults reads
     assert json.loads((killed / "summary.json").read_text())["start_step"] == 10
@@ -253,7 +303,7 @@ def test_resume_keeps_the_model_and_data_takes_the_schedule(tmp_path, capsys, mo
     data = tmp_path / "corpus.txt"
     data.write_text("par4d trains on this line of text. " * 40)
     run = tmp_path / "run"
-    _train("--nproc", "1", *SMALL, "--steps", "3", "--data", str(data), "--out", str(run))
+    _alone(_checked("--nproc", "1", *SMALL, "--steps", "3", "--data", str(data), "--out", str(run), world=1))
     saved = json.loads((run / "summary.json").read_text())["config"]
     assert saved["data"] == str(data.resolve()) and len(saved["data_sha256"]) == 64
 
@@ -272,8 +322,10 @@ def test_resume_keeps_the_model_and_data_takes_the_schedule(tmp_path, capsys, mo
     assert "is not the text this run started on" in capsys.readouterr().err
     data.write_text("par4d trains on this line of text. " * 40)
 
-    result = _train("--resume", str(run), "--nproc", "1", "--steps", "5", "--lr", "0.001", "--batch-size", "8")
-    assert "--lr 0.001 replaces the run's 0.003 from step 3" in result.stdout
+    capsys.readouterr()
+    _alone(_checked("--resume", str(run), "--nproc", "1", "--steps", "5", "--lr", "0.001", "--batch-size", "8",
+                    world=1))
+    assert "--lr 0.001 replaces the run's 0.003 from step 3" in capsys.readouterr().out
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert rows[3]["lr"] == pytest.approx(0.001 * 4 / 20) and rows[2]["lr"] == pytest.approx(0.003 * 3 / 20)
@@ -321,7 +373,7 @@ def test_an_error_on_one_rank_tears_the_job_down(tmp_path):
     assert len(_losses(retried)) == 6
 
 
-def test_a_run_exported_to_transformers_starts_another_run_on_another_grid(tmp_path):
+def test_a_run_exported_to_transformers_starts_another_run_on_another_grid(tmp_path, capsys, pool2, pool4):
     """3 steps on x=2 (2 ranks), `par4d export` to a Hugging Face folder, then a new run on
     z=2,data=2 (4 ranks) with `--init-from hf`: its first loss (before its first update) is the
     loss transformers computes for the exported model on that run's first batch."""
@@ -331,11 +383,12 @@ def test_a_run_exported_to_transformers_starts_another_run_on_another_grid(tmp_p
     from par4d.train.data import Batches, as_tokens, read_corpus
 
     first, exported, second = tmp_path / "first", tmp_path / "hf", tmp_path / "second"
-    _train("--nproc", "2", "--grid", "x=2", *SMALL, "--steps", "3", "--out", str(first))
+    _pooled(pool2, "--grid", "x=2", *SMALL, "--steps", "3", "--out", str(first))
     assert main(["export", "--run", str(first), "--to", "hf", str(exported)]) == 0
-    result = _train("--grid", "z=2,data=2", "--init-from", "hf", str(exported), "--batch-size", "8", "--steps", "2",
-                    "--seed", "5", "--no-progress", "--out", str(second))   # shape from config.json, other batches
-    assert re.search(rf"started from +{re.escape(str(exported))}\n", result.stdout)
+    capsys.readouterr()
+    _pooled(pool4, "--grid", "z=2,data=2", "--init-from", "hf", str(exported), "--batch-size", "8", "--steps", "2",
+            "--seed", "5", "--no-progress", "--out", str(second))   # shape from config.json, other batches
+    assert re.search(rf"started from +{re.escape(str(exported))}\n", capsys.readouterr().out)
     summary = json.loads((second / "summary.json").read_text())
     assert (summary["config"]["n_embd"], summary["config"]["seq_len"]) == (32, 16)
 
@@ -348,17 +401,18 @@ def test_a_run_exported_to_transformers_starts_another_run_on_another_grid(tmp_p
     assert main(["train", "--resume", str(second), "--init-from", "hf", str(exported), "--steps", "3"]) == 2
 
 
-def test_the_pipeline_trains_as_one_rank_and_resumes_across_pipe(tmp_path):
+def test_the_pipeline_trains_as_one_rank_and_resumes_across_pipe(tmp_path, capsys, pool4):
     """`--grid pipe=2,x=2 --microbatches 4 --pipeline-limit 1` for 4 steps, resumed on pipe=4 to 6: the losses of a
     one-rank run to fp32 rounding. A stage that raises ends the job with one line, no hang."""
     common = ["--n-layer", "4", "--n-embd", "32", "--n-head", "2", "--batch-size", "8", "--seq-len", "16",
               "--no-progress"]
     alone, piped = tmp_path / "alone", tmp_path / "piped"
-    _train("--nproc", "1", *common, "--steps", "6", "--out", str(alone))
-    _train("--grid", "pipe=2,x=2", "--microbatches", "4", "--pipeline-limit", "1", *common, "--steps", "4",
-           "--out", str(piped))
-    result = _train("--resume", str(piped), "--grid", "pipe=4", "--steps", "6")
-    assert "saved on grid x=2 y=1 z=1 data=1 pipe=2: the grid changed" in result.stdout
+    _alone(_checked("--nproc", "1", *common, "--steps", "6", "--out", str(alone), world=1))
+    _pooled(pool4, "--grid", "pipe=2,x=2", "--microbatches", "4", "--pipeline-limit", "1", *common, "--steps", "4",
+            "--out", str(piped))
+    capsys.readouterr()
+    _pooled(pool4, "--resume", str(piped), "--grid", "pipe=4", "--steps", "6")
+    assert "saved on grid x=2 y=1 z=1 data=1 pipe=2: the grid changed" in capsys.readouterr().out
     assert _losses(piped) == pytest.approx(_losses(alone), rel=1e-5)
     # Rank 0 is the first stage: it sends each step's activations forward, 8 x 16 x 32 fp32 values.
     rows = [json.loads(line) for line in (piped / "metrics.jsonl").read_text().splitlines()]
@@ -372,60 +426,24 @@ def test_the_pipeline_trains_as_one_rank_and_resumes_across_pipe(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("par4d train: error: rank 1 failed: RuntimeError: fault"), lines
 
 
-def test_mixed_precision_run_resumes_in_another_precision(tmp_path):
+def test_mixed_precision_run_resumes_in_another_precision(tmp_path, capsys, pool4):
     """fp16 with the optimizer offloaded on pipe=2,x=2 for 4 steps (metrics carry the loss scale
     and skipped steps), resumed in
     fp32 to 6 from the fp32 masters its checkpoint holds; its losses follow an fp32 run to 1e-2."""
     common = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--batch-size", "8", "--seq-len", "16",
               "--no-progress"]
     half, full = tmp_path / "half", tmp_path / "full"
-    _train("--nproc", "1", *common, "--steps", "6", "--out", str(full))
-    result = _train("--grid", "pipe=2,x=2", "--precision", "fp16", "--offload-optimizer", "100", *common,
-                    "--steps", "4", "--out", str(half))
+    _alone(_checked("--nproc", "1", *common, "--steps", "6", "--out", str(full), world=1))
+    capsys.readouterr()
+    _pooled(pool4, "--grid", "pipe=2,x=2", "--precision", "fp16", "--offload-optimizer", "100", *common,
+            "--steps", "4", "--out", str(half))
     assert ("AdamW offloaded to CPU memory in buckets of 100 elements, stepping after the whole all-reduce "
-            "(gradient clipping needs the global norm)") in result.stdout
+            "(gradient clipping needs the global norm)") in capsys.readouterr().out
     rows = [json.loads(line) for line in (half / "metrics.jsonl").read_text().splitlines()]
     assert [(r["loss_scale"], r["skipped_steps"]) for r in rows] == [(2.0 ** 16, 0)] * 4
-    result = _train("--resume", str(half), "--precision", "fp32", "--steps", "6")
-    assert "--precision fp32 replaces the run's fp16 from step 4" in result.stdout
+    _pooled(pool4, "--resume", str(half), "--precision", "fp32", "--steps", "6")
+    assert "--precision fp32 replaces the run's fp16 from step 4" in capsys.readouterr().out
     assert _losses(half) == pytest.approx(_losses(full), rel=1e-2)
-
-
-def _checked(*args: str, world: int):
-    """The config `par4d train ARGS` launches, checked as the CLI checks it (without measuring the peak)."""
-    from dataclasses import replace
-
-    from par4d.cli import _parser
-    from par4d.cli.train import _config
-
-    return replace(_config(_parser().parse_args(["train", *args]), world, inside=False), peak_flops=1.0)
-
-
-def _train_in_pool(config):
-    """`par4d train`'s loop on a pool's rank (its worker would leave the pool's job when done). One thread
-    per rank, as par4d's launcher gives 4 ranks on 2 cores: the loop, seeing no launcher, would take every
-    core in each rank (5x slower)."""
-    from unittest import mock
-
-    from par4d.train.loop import run
-    from par4d.train.stop import StopRequest
-
-    with mock.patch("par4d.train.loop._threads_per_rank", return_value=1), StopRequest() as stop:
-        return run(config, stop)
-
-
-def _alone(config) -> None:
-    """`par4d train` as one rank in this process (its summary printed), the test's thread count kept."""
-    import torch
-
-    from par4d.cli.train import _finish
-    from par4d.train.loop import worker
-
-    threads = torch.get_num_threads()
-    try:
-        assert _finish(worker(config)) == 0
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_hugging_face_models_train_as_one_rank(tmp_path, capsys, pool4):

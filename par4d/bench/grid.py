@@ -113,13 +113,19 @@ def _bench_torch(kind: str, settings: BenchSettings) -> dict:
     return _row(name, sizes, times, sum_over_ranks(per_rank), settings.peak_flops, source)
 
 
-def bench_worker(settings: BenchSettings) -> list[dict]:
+def bench_rows(settings: BenchSettings) -> list[dict]:
+    """Every par4d grid of the job's ranks, then torch's DDP and FSDP2, on this rank's job."""
     torch.set_num_threads(threads_per_rank(settings.nproc))
     rows = [_bench_par4d(sizes, settings) for sizes in grids(settings.nproc)]
     rows.append(_bench_torch("ddp", settings))
     rows.append(_bench_torch("fsdp", settings))
     for row in rows:
         row["matmul_peak_gflops"] = settings.peak_flops / 1e9
+    return rows
+
+
+def bench_worker(settings: BenchSettings) -> list[dict]:
+    rows = bench_rows(settings)
     dist.destroy_process_group()
     return rows
 

@@ -11,12 +11,15 @@ Outside a launcher, ``--nproc N`` local ranks are started with torchrun's elasti
 the command joins the job instead. Command modules import torch only inside ``run``: ``par4d plan`` needs none.
 
 Exit status: 0 done; 1 a rank failed (one line names it; ``train`` keeps the traceback in the run's
-``logs/``); 2 bad input, found before anything started; 128 + N stopped by signal N (``train`` saved its step).
+``logs/``); 2 bad input, found before anything started; 128 + N stopped by signal N (``train`` saved its step);
+141 (128 + SIGPIPE, as ``git`` or ``cat`` end) the reader of the output went away (``| head``), quietly.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 
 from par4d.cli import bench, calibrate, cluster, export, phantom, plan, train
@@ -52,3 +55,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:   # Ctrl-C before any rank started (checks, hashing, measuring the peak)
         print(f"par4d {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        _drop_stdout()
+        return 128 + signal.SIGPIPE
+
+
+def _drop_stdout() -> None:
+    """The reader of stdout is gone: what is still buffered goes to /dev/null, so the flush at
+    exit raises no second BrokenPipeError (Python's documented way, see its signal module)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)

@@ -398,7 +398,7 @@ def _print_summary(summary: dict) -> None:
     text = summary["eq3_flops_per_s"] is not None    # the paper's GPT formulas (Eqs 2 and 3) apply
     flops = f"{summary['model_flops_per_s'] / 1e9:.2f} GFLOP/s"
     rows = [
-        ("grid", f"{grid}  ({summary['world_size']} ranks)"),
+        ("grid", f"{grid}  ({summary['world_size']} ranks, {summary['device']}, {summary['backend']})"),
         ("model", _model_line(summary)),
         ("parameters", f"{summary['params']:,}"),
         ("steps", f"{summary['start_step']} -> {summary['steps']}" + _resumed(summary)),

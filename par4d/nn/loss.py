@@ -22,7 +22,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, targets, grid: Grid, axis: str):
         vocab_local = logits.shape[-1]
         start = local_range(grid, vocab_local * grid.size(axis), axis).start   # this rank's first id
-        flat = logits.reshape(-1, vocab_local).float()                 # (tokens, V/G)
+        # (tokens, V/G); half logits in fp32, float64 kept (not rounded to fp32)
+        flat = logits.reshape(-1, vocab_local).to(torch.promote_types(logits.dtype, torch.float32))
         tgt = targets.reshape(-1)
         row_max = flat.max(-1).values
         comm.all_reduce(grid, row_max, axis, op=torch.distributed.ReduceOp.MAX)

@@ -24,7 +24,7 @@ class _ShardedLayerNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, grid: Grid, axis: str, dim: int, eps: float):
-        xf = x.float()
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))                  # half: fp32; float64 kept
         local_mean = xf.mean(-1, keepdim=True)                                  # (..., 1)
         local_m2 = (xf - local_mean).square().sum(-1, keepdim=True)
         stats = torch.cat([local_mean, local_m2], dim=-1).unsqueeze(0)           # (1, ..., 2)
@@ -41,7 +41,7 @@ class _ShardedLayerNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         xhat, rstd, weight = ctx.saved_tensors
-        g = grad_out.float()
+        g = grad_out.to(xhat.dtype)
         grad_weight = (g * xhat).reshape(-1, xhat.shape[-1]).sum(0)
         grad_bias = g.reshape(-1, g.shape[-1]).sum(0)
         gxhat = g * weight

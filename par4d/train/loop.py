@@ -156,7 +156,8 @@ def run(config: TrainConfig, stop: StopRequest) -> dict:
         steady_comm = steps_comm[1:] if len(steps_comm) > 1 else steps_comm
         issued, exposed, step_s = (sum(c[i] for c in steady_comm) / max(1, len(steady_comm)) for i in range(3))
         summary = {
-            "grid": grid.sizes, "world_size": grid.world_size, "model": config.model,
+            "grid": grid.sizes, "world_size": grid.world_size, "device": grid.device.type,
+            "backend": dist.get_backend(), "model": config.model,
             "params": getattr(model, "num_params", None) or model_config.num_params(),
             "steps": config.steps, "start_step": start_step, "resumed_from": resumed_from,
             "grid_changed": resumed_from is not None and resumed_from["grid"] != grid.sizes,
