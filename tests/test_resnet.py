@@ -43,12 +43,8 @@ def _matches(sizes: dict, force: dict | None) -> dict:
     """3 AdamW steps of a width-8 ResNet-18 on 8 images of 32x32 in float64, parallel and not: the
     worst ratio (see :func:`_worst`) of the loss, gradients, parameters, running statistics and an
     evaluation-mode forward, each with where it is."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)     # par4d's layers take the default dtype
-    try:
+    with cases.float64():
         return _train(cases.grid(**sizes), force)
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def _train(grid, force: dict | None) -> dict:
@@ -171,35 +167,34 @@ def test_resnet18_fp32_forward_is_float64s_to_fp32_rounding(pool4, sizes, force)
 def _through_train_step(sizes: dict) -> dict:
     """3 steps of par4d's train_step, its data-parallel buckets (10 KB) all-reduced during backward
     between the batch norms' own all-reduces over the same axes, against 3 plain steps (float64)."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        grid = cases.grid(**sizes)
-        torch.manual_seed(0)
-        twin = ResNet18(num_classes=8, width=8)
-        model = par4d.parallelize(copy.deepcopy(twin), grid)
-        # the buckets only: set_overlap would also give fc an overlap runtime, which parallelize's layers lack
-        model.par4d_overlap = par4d.Overlap(bucket_mb=0.01)
-        opt_twin = torch.optim.AdamW(twin.parameters(), lr=1e-2, eps=1e-4)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
-        gen = torch.Generator().manual_seed(1)
-        worst = {"loss": 0.0}
-        for _ in range(STEPS):
-            x, y = torch.randn(8, 3, 32, 32, generator=gen), torch.randint(0, 8, (8,), generator=gen)
-            ref = F.cross_entropy(twin(x), y)
-            ref.backward()
-            opt_twin.step(), opt_twin.zero_grad()
-            local = train_step(model, opt, grid, lambda a, b: F.cross_entropy(model(a), b), shard_batch(grid, x),
-                               shard_batch(grid, y))
-            worst["loss"] = max(worst["loss"], abs(global_mean(local, grid).item() - ref.item()) / ref.item())
-        after, buffers = full_state_dict(model), dict(model.named_buffers())
-        worst["params"] = max(_worst(after[n], p, PARAMS) for n, p in twin.named_parameters())
-        worst["buffers"] = max(_worst(buffers[n], b, BUFFERS) if b.is_floating_point() else _unequal(buffers[n], b)
-                               for n, b in twin.named_buffers())
-        worst["early"] = model.par4d_gradient_sync.early_launches     # buckets all-reduced during backward
-        return worst
-    finally:
-        torch.set_default_dtype(previous)
+    with cases.float64():
+        return _compare_through_train_step(cases.grid(**sizes))
+
+
+def _compare_through_train_step(grid) -> dict:
+    torch.manual_seed(0)
+    twin = ResNet18(num_classes=8, width=8)
+    model = par4d.parallelize(copy.deepcopy(twin), grid)
+    # the buckets only: set_overlap would also give fc an overlap runtime, which parallelize's layers lack
+    model.par4d_overlap = par4d.Overlap(bucket_mb=0.01)
+    opt_twin = torch.optim.AdamW(twin.parameters(), lr=1e-2, eps=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
+    gen = torch.Generator().manual_seed(1)
+    worst = {"loss": 0.0}
+    for _ in range(STEPS):
+        x, y = torch.randn(8, 3, 32, 32, generator=gen), torch.randint(0, 8, (8,), generator=gen)
+        ref = F.cross_entropy(twin(x), y)
+        ref.backward()
+        opt_twin.step(), opt_twin.zero_grad()
+        local = train_step(model, opt, grid, lambda a, b: F.cross_entropy(model(a), b), shard_batch(grid, x),
+                           shard_batch(grid, y))
+        worst["loss"] = max(worst["loss"], abs(global_mean(local, grid).item() - ref.item()) / ref.item())
+    after, buffers = full_state_dict(model), dict(model.named_buffers())
+    worst["params"] = max(_worst(after[n], p, PARAMS) for n, p in twin.named_parameters())
+    worst["buffers"] = max(_worst(buffers[n], b, BUFFERS) if b.is_floating_point() else _unequal(buffers[n], b)
+                           for n, b in twin.named_buffers())
+    worst["early"] = model.par4d_gradient_sync.early_launches     # buckets all-reduced during backward
+    return worst
 
 
 def test_resnet18_through_train_step(pool4):
