@@ -191,9 +191,18 @@ def launch_cluster(spec: ClusterSpec, fn: Callable, args: Sequence) -> dict[int,
 
 
 def _worker_main(payload: str, result: str) -> None:
+    import gc
+
+    import torch.distributed as dist
+
     fn, args = pickle.loads(Path(payload).read_bytes())
     value = fn(*args)
     Path(result.format(rank=os.environ["RANK"])).write_bytes(pickle.dumps(value))
+    # A job ``fn`` joined and left open: its gloo threads, still running at interpreter exit,
+    # abort the process ("terminate called without an active exception", exit -6). Leave it first.
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
 
 
 def leftover_namespaces(include_live: bool = False) -> list[str]:
