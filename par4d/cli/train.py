@@ -117,13 +117,14 @@ def run(args: argparse.Namespace) -> int:
     from par4d.train.faults import Faults
     from par4d.train.loop import worker
 
-    world, inside = _world(args)
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    resumed = _resumable(args) if args.resume else None
+    world, inside = _world(args, resumed)
     if inside and args.max_restarts:
         raise ValueError("--max-restarts restarts par4d's own local ranks; under torchrun or srun give the "
                          "launcher's own restart option (torchrun --max-restarts N) together with --out")
-    config = _config(args, world, inside)
+    config = _config(args, world, inside, resumed)
     Faults.from_env()     # a malformed test hook fails here, not in every rank
     if inside:   # the rank itself: its error is one line here too (torchrun adds its own report)
         rank = distributed_env().rank
@@ -132,17 +133,45 @@ def run(args: argparse.Namespace) -> int:
         except Exception as error:
             raise RankFailed(rank, _with_log(f"{type(error).__name__}: {error}", rank, config.out)) from None
         return _finish(summary, quiet=rank != 0)
-    from par4d.perf import cpu_cores, measure_matmul_peak
+    import os
 
-    if config.peak_flops is None:   # measured here, before the ranks exist, so nothing competes for the cores
-        config = replace(config, peak_flops=measure_matmul_peak(threads=cpu_cores()))
-    try:
-        results = launch_local(world, worker, (config, True), run_id="par4d-train", max_restarts=args.max_restarts)
-    except RankFailed as error:
-        raise RankFailed(error.rank, _with_log(error.cause, error.rank, config.out)) from None
-    except Interrupted as error:   # this process got the signal; the ranks saved their step before exiting
-        return _stopped(error.signum, Path(config.out))
+    from par4d.perf import cpu_cores, measure_matmul_peak
+    from par4d.train.lock import HELD_ENV, LOCK, RunLock
+
+    with RunLock(config.out):    # one run per folder, from here until the ranks are gone
+        if not config.resume:    # empty when checked, but another run may have written there since
+            _check_new_out(Path(config.out), ignore=(LOCK,))
+        if config.peak_flops is None:   # measured here, before the ranks exist, so nothing competes for the cores
+            config = replace(config, peak_flops=measure_matmul_peak(threads=cpu_cores()))
+        os.environ[HELD_ENV] = str(Path(config.out).resolve())    # the ranks inherit it
+        try:
+            results = launch_local(world, worker, (config, True), run_id="par4d-train",
+                                   max_restarts=args.max_restarts)
+        except RankFailed as error:
+            raise RankFailed(error.rank, _with_log(error.cause, error.rank, config.out)) from None
+        except Interrupted as error:   # this process got the signal; the ranks saved their step before exiting
+            return _stopped(error.signum, Path(config.out))
+        finally:
+            os.environ.pop(HELD_ENV, None)
     return _finish(results[0])
+
+
+def _resumable(args: argparse.Namespace) -> tuple[Path, dict]:
+    """(the checkpoint a --resume goes on from, its meta): the newest intact one, each one skipped said why."""
+    from par4d.train.checkpoint import FOLDER, check_resumable
+
+    run_dir = Path(args.resume)
+    if not run_dir.is_dir():
+        raise ValueError(f"--resume {run_dir}: no such folder")
+    if not (run_dir / FOLDER).is_dir():
+        raise ValueError(f"--resume {run_dir} is not a par4d run folder (it has no {FOLDER}/ folder)")
+    if args.init_from is not None:
+        raise ValueError(f"--resume {run_dir} starts from the run's checkpoint; --init-from applies to a new run only")
+    folder, meta = check_resumable(run_dir, report=_say)
+    from par4d.train.config import TrainConfig
+
+    TrainConfig.check_record(meta.get("train_config"), f"{folder / 'meta.json'}: train_config")
+    return folder, meta
 
 
 def _with_log(cause: str, rank: int, out: str | None) -> str:
@@ -173,13 +202,14 @@ def _stopped(signum: int, out: Path) -> int:
     name = signal.Signals(signum).name
     try:   # the pointer moves only once a checkpoint is complete (a resume verifies it)
         step = read_meta(latest(out))["step"]
-        _say(f"stopped by {name}: step {step} is saved; continue with: par4d train --resume {out}")
+        _say(f"stopped by {name}: step {step} is saved; continue with: par4d train --resume {out} (it goes on "
+             f"from the newest intact checkpoint)")
     except (ValueError, OSError):
         _say(f"stopped by {name} before a checkpoint was complete; nothing to resume in {out}")
     return 128 + signum
 
 
-def _world(args: argparse.Namespace) -> tuple[int, bool]:
+def _world(args: argparse.Namespace, resumed: tuple[Path, dict] | None = None) -> tuple[int, bool]:
     """(world size, whether we are inside a launched job). Without --nproc: as many ranks as
     --grid names, or as the resumed run's grid has, or DEFAULT_NPROC."""
     from par4d.launch import distributed_env
@@ -189,25 +219,21 @@ def _world(args: argparse.Namespace) -> tuple[int, bool]:
         if args.nproc is not None and args.nproc != env.world_size:
             raise ValueError(f"--nproc {args.nproc} but the {env.launcher} job has {env.world_size} ranks")
         return env.world_size, True
-    nproc = _default_nproc(args) if args.nproc is None else args.nproc
+    nproc = _default_nproc(args, resumed) if args.nproc is None else args.nproc
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     return nproc, False
 
 
-def _default_nproc(args: argparse.Namespace) -> int:
+def _default_nproc(args: argparse.Namespace, resumed: tuple[Path, dict] | None) -> int:
     from math import prod
 
     from par4d.grid import parse_grid
-    from par4d.train.checkpoint import latest, read_meta
 
     if args.grid and args.grid != "auto":
         return prod(parse_grid(args.grid).values())
-    if args.resume:
-        try:   # the grid it was saved on (the checkpoint itself is verified later)
-            return prod(read_meta(latest(Path(args.resume)))["train_config"]["grid"].values())
-        except (ValueError, OSError, KeyError, TypeError, AttributeError):
-            pass
+    if resumed is not None:   # the grid it was saved on (checked by _resumable)
+        return prod(resumed[1]["train_config"]["grid"].values())
     return DEFAULT_NPROC
 
 
@@ -215,31 +241,40 @@ def _say(line: str) -> None:
     print(f"par4d train: {line}", flush=True)   # flushed: the ranks started next write to the same stdout
 
 
-def _config(args: argparse.Namespace, world: int, inside: bool):
+def _config(args: argparse.Namespace, world: int, inside: bool, resumed: tuple[Path, dict] | None = None):
     """The run's ``TrainConfig``; every error a rank would raise on its grid is raised here, before any starts."""
     from par4d.grid import Grid, validate_sizes
+    from par4d.launch import distributed_env
+    from par4d.perf import host_memory
     from par4d.train.data import BUNDLED, read_corpus
     from par4d.train.model import build_model
 
-    config = _resumed_config(args, world, inside) if args.resume else _new_config(args, world, inside)
+    if args.resume:
+        config = _resumed_config(args, world, inside, resumed or _resumable(args))
+    else:
+        config = _new_config(args, world, inside)
     sizes = validate_sizes(config.grid, world)
+    env = distributed_env()
+    config.check_memory(world, env.local_world_size if env else world, host_memory())   # before any model is built
     last_stage = world - world // sizes["pipe"]        # the first rank of the last pipeline stage (head, loss)
     for rank in sorted({0, last_stage}):               # every rank's shape errors
         build_model(config, Grid.virtual(sizes, rank))
+    batch = _named(args, "batch_size", config.batch_size)
     if config.batch_size % (sizes["data"] * sizes["z"]):
-        raise ValueError(f"--batch-size {config.batch_size} is not divisible by data * z = "
+        raise ValueError(f"{batch} is not divisible by data * z = "
                          f"{sizes['data']} * {sizes['z']} = {sizes['data'] * sizes['z']}")
     per_rank = config.batch_size // (sizes["data"] * sizes["z"])
     if sizes["pipe"] > 1 and not (config.microbatches or sizes["pipe"]) <= per_rank:
-        raise ValueError(f"--microbatches {config.microbatches or sizes['pipe']} exceeds the {per_rank} sequences "
-                         f"per rank (--batch-size {config.batch_size} / (data * z))")
+        raise ValueError(f"{_named(args, 'microbatches', config.microbatches or sizes['pipe'])} exceeds the "
+                         f"{per_rank} sequences per rank ({batch} / (data * z))")
     if config.init_from and not config.resume:
         from par4d.train.hf import check_hf
 
         check_hf(Path(config.init_from), config.model_config())    # names the file and every number that differs
     if config.model == "unet":   # its images are generated: no text to check
         return config
-    corpus = read_corpus(config.data, config.seq_len, config.data_sha256)   # a resume checks it is the same text
+    label = None if args.data is not None or config.data is None else f"the run's data {config.data}"
+    corpus = read_corpus(config.data, config.seq_len, config.data_sha256, label)   # a resume checks it is the same text
     return replace(config, data=None if corpus.source == BUNDLED else corpus.source, data_sha256=corpus.sha256)
 
 
@@ -277,14 +312,29 @@ def _new_config(args: argparse.Namespace, world: int, inside: bool):
     grid, peak = _grid(args, world, inside, dims)
     # Launched here: name the new run now. Under torchrun/srun rank 0 names it later.
     out = Path(args.out) if args.out else (None if distributed_env() else new_run_dir(grid))
-    if out is not None and out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file; give a folder for the run (nothing is overwritten)")
-    if out is not None and out.exists() and any(out.iterdir()) and not _restarted_in(out, inside):
-        raise ValueError(f"--out {out} already holds files; pass --resume {out} to continue that run, "
-                         f"or choose another --out (nothing is overwritten)")
+    if out is not None and not _restarted_in(out, inside):
+        _check_new_out(out)
     steps = _default("steps") if args.steps is None else args.steps
     return TrainConfig(grid=grid, out=None if out is None else str(out), steps=steps, data=args.data,
                        progress=not args.no_progress, peak_flops=peak, init_from=init_from, **chosen)
+
+
+def _check_new_out(out: Path, ignore: tuple[str, ...] = ()) -> None:
+    """A new run's folder: missing, or an empty folder (``ignore``: but for these names)."""
+    if out.is_symlink() and not out.exists():
+        raise ValueError(f"--out {out} is a symbolic link to nothing; give a folder for the run")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give a folder for the run (nothing is overwritten)")
+    if out.exists() and any(p.name not in ignore for p in out.iterdir()):
+        raise ValueError(f"--out {out} already holds files; pass --resume {out} to continue that run, "
+                         f"or choose another --out (nothing is overwritten)")
+
+
+def _named(args: argparse.Namespace, name: str, value) -> str:
+    """How an error names a setting: the flag when the user gave it, else the run's own (a resume's saved value)."""
+    if getattr(args, name, None) is not None or not args.resume:
+        return f"{_flag(name)} {value}"
+    return f"the run's {name} {value} (train_config in its meta.json)"
 
 
 def _restarted_in(out: Path, inside: bool) -> bool:
@@ -307,19 +357,12 @@ def _init_from(given: list[str] | None) -> str | None:
     return str(Path(folder).resolve())
 
 
-def _resumed_config(args: argparse.Namespace, world: int, inside: bool):
+def _resumed_config(args: argparse.Namespace, world: int, inside: bool, resumed: tuple[Path, dict]):
     """The saved run's config with what a resume may change: the grid, the step count, the HONOURED settings."""
-    from par4d.train.checkpoint import FOLDER, check_resumable
     from par4d.train.config import TrainConfig
 
     run_dir = Path(args.resume)
-    if not run_dir.is_dir():
-        raise ValueError(f"--resume {run_dir}: no such folder")
-    if not (run_dir / FOLDER).is_dir():
-        raise ValueError(f"--resume {run_dir} is not a par4d run folder (it has no {FOLDER}/ folder)")
-    if args.init_from is not None:
-        raise ValueError(f"--resume {run_dir} starts from the run's checkpoint; --init-from applies to a new run only")
-    folder, meta = check_resumable(run_dir, report=_say)    # the newest intact checkpoint
+    folder, meta = resumed    # the newest intact checkpoint
     # Runs saved before --model trained the GPT; before --image-size, a size they had no use for.
     saved = {"model": "gpt", "image_size": _default("image_size"), **meta["train_config"]}
     for name in FIXED:
@@ -353,8 +396,13 @@ def _resumed_config(args: argparse.Namespace, world: int, inside: bool):
         honoured["pipeline_limit"] = None
     if honoured.get("precision") == "fp32" and "offload_bsize" not in honoured:
         honoured["offload_bsize"] = None    # an fp32 run keeps no separate masters to offload
-    return TrainConfig(**dict(saved, **honoured, steps=steps, out=str(run_dir), resume=True, grid=grid,
-                              progress=not args.no_progress, peak_flops=peak, checkpoint=str(folder)))
+    try:
+        return TrainConfig(**dict(saved, **honoured, steps=steps, out=str(run_dir), resume=True, grid=grid,
+                                  progress=not args.no_progress, peak_flops=peak, checkpoint=str(folder)))
+    except ValueError as error:    # a saved value out of range: the file says it, not a flag
+        if any(f"--{name.replace('_', '-')}" in str(error) for name in vars(args) if getattr(args, name) is not None):
+            raise
+        raise ValueError(f"{folder / 'meta.json'}: the run's saved settings are refused: {error}") from None
 
 
 def _flag(name: str) -> str:

@@ -2,9 +2,10 @@
 
 A checkpoint is a folder ``checkpoints/step-<N>/``:
 
-* ``rank-<r>.safetensors``: the pieces rank r owns: its shard of every parameter and of
-  its AdamW state, unless another rank holds the same piece (a copy replicated over an
-  axis is written once, by the replica at coordinate 0 of every axis it is copied over);
+* ``rank-<r>.safetensors``: the pieces rank r owns: its shard of every parameter, of its
+  AdamW state and of every persistent buffer (batch norms' running statistics), unless
+  another rank holds the same piece (a copy replicated over an axis is written once, by
+  the replica at coordinate 0 of every axis it is copied over);
 * ``index.json``: per tensor (``model/<name>``, ``optim/<name>/<slot>``), its full shape
   and dtype, and per piece the file, the key and the boxes (:class:`par4d.layout.Box`)
   that say where the piece lies in the full tensor;
@@ -15,7 +16,16 @@ Loading on any grid whose model has the same full shapes: each rank computes the
 of its own shards on its grid, intersects them with the saved boxes, and reads only the
 overlapping slices (``safetensors``' lazy slices), so no rank reads the whole model. The
 text file ``checkpoints/latest`` names the newest complete checkpoint and is replaced
-atomically.
+atomically; it is a hint for people and tools: a resume takes the newest checkpoint that
+verifies, whatever ``latest`` says.
+
+A checkpoint is verified before use (:func:`verify`): every file the manifest lists has its
+size and SHA-256; every name is a plain file inside the checkpoint folder (read through
+:class:`par4d.train.folder.Folder`: never a link, ``..`` or an absolute path); the files the
+index's pieces use are exactly the manifest's; and each tensor's boxes cover every element
+of it exactly once. Nothing verified is ever deleted but by rotation after a newer one is
+complete; a checkpoint that fails is renamed ``corrupt-step-<N>`` when a run resumes past
+it, never deleted.
 
 Why not ``torch.distributed.checkpoint``: its default reader unpickles its ``.metadata``
 file (a crafted checkpoint runs code), and its resharding needs DTensor placements,
@@ -27,25 +37,38 @@ tensors with a JSON header, which is also what ``transformers`` reads.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
-import os
-import shutil
+import math
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from par4d.grid import AXES, Grid
 from par4d.layout import Box, Placement, boxes, fill, overlap, placement_of, slice_reader
+from par4d.train.folder import Folder, FolderError
 from par4d.train.rank0 import on_rank0
 
 FOLDER = "checkpoints"
+LATEST = "latest"
 ADAMW_SLOTS = ("step", "exp_avg", "exp_avg_sq")
 FORMAT = "par4d-safetensors-1"
+STEP = re.compile(r"step-(\d{8,})")
+WHOLE = Placement((), ())
+# The dtypes a checkpoint may hold, by their names in index.json; safetensors' names for them.
+DTYPES = {"float32": "F32", "float64": "F64", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
+          "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+ENTRY_FILES = ("index.json", "meta.json")
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
 
 
 def _placement(name: str, param: torch.Tensor) -> Placement:
@@ -64,6 +87,15 @@ def placements(grid: Grid, model: nn.Module) -> dict[str, dict]:
     return out
 
 
+def _buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The persistent buffers a ``state_dict`` holds (batch norms' running statistics), by name. Mixed
+    precision's masters (:class:`par4d.precision.Masters`) hold parameters only: none there."""
+    for prefix, module in model.named_modules() if isinstance(model, nn.Module) else ():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                yield f"{prefix}.{name}" if prefix else name, buffer
+
+
 def _coords(grid: Grid) -> dict[str, int]:
     return {a: grid.coord(a) for a in AXES}
 
@@ -75,8 +107,9 @@ def _owns(grid: Grid, placement: Placement) -> bool:
 
 
 def _tensors(grid: Grid, model: nn.Module, optimizer: torch.optim.Optimizer):
-    """(key, local tensor, placement, full shape) of the model's parameters and their AdamW state;
-    the step counter is a scalar, replicated (one full piece)."""
+    """(key, local tensor, placement, full shape) of the model's parameters, their AdamW state and
+    the model's persistent buffers (whole on every rank unless placed); the step counter is a
+    scalar, replicated (one full piece)."""
     for name, param in model.named_parameters():
         placement = _placement(name, param)
         full = placement.full_shape(tuple(param.shape), grid)
@@ -86,38 +119,17 @@ def _tensors(grid: Grid, model: nn.Module, optimizer: torch.optim.Optimizer):
             if value is None:
                 continue
             if slot == "step":
-                yield f"optim/{name}/{slot}", value, Placement((), ()), ()
+                yield f"optim/{name}/{slot}", value, WHOLE, ()
             else:
                 yield f"optim/{name}/{slot}", value, placement, full
+    for name, buffer in _buffers(model):
+        placement = placement_of(buffer) or WHOLE
+        yield f"model/{name}", buffer, placement, placement.full_shape(tuple(buffer.shape), grid)
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
     if not isinstance(optimizer, torch.optim.AdamW) or any(g.get("amsgrad") for g in optimizer.param_groups):
         raise ValueError(f"checkpoints hold AdamW state (without amsgrad); got {type(optimizer).__name__}")
-
-
-def _fsync_write(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync(path: Path) -> None:
-    """Flush a written file, or a folder's entries, to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _gather(value):
@@ -126,30 +138,33 @@ def _gather(value):
     return every
 
 
+# -- saving ---------------------------------------------------------------------------
+
 def save(run_dir: Path, step: int, grid: Grid, model: nn.Module, optimizer: torch.optim.Optimizer,
          meta: dict, keep: int = 2) -> Path:
     """Collective: save model and optimizer shards of ``step``; returns its folder.
 
     Once it is complete: this and the ``keep - 1`` newest checkpoints of earlier steps stay (a
     corrupt latest one falls back to the one before it), older ones are deleted; folders of
-    later steps (an interrupted save, or a timeline a resume left behind: none of them was
-    intact when it resumed) are moved aside as ``abandoned-step-<N>``, never deleted. The
-    complete checkpoint ``latest`` names is never rewritten: saving its step again (a
-    restart after the final save) returns it as it is."""
+    later steps (an interrupted save, or a timeline a resume left behind) and an incomplete
+    earlier attempt at this step are moved aside as ``abandoned-step-<N>``, never deleted. The
+    complete checkpoint ``latest`` names is never rewritten: saving its step again (a restart
+    after the final save) returns it as it is."""
     if keep < 1:
         raise ValueError(f"--keep must be >= 1, got {keep}")
     _check_optimizer(optimizer)
-    folder = run_dir / FOLDER
-    target = folder / f"step-{step:08d}"
-    if _is_latest(run_dir, target):
+    run, name = Folder(run_dir), step_name(step)
+    folder = run.sub(FOLDER)
+    target = folder.sub(name)
+    if _is_latest(run_dir, name):
         dist.barrier()
-        return target
+        return target.path()
 
     def prepare():
-        folder.mkdir(parents=True, exist_ok=True)
-        if target.exists():  # an incomplete earlier attempt at this step: never the latest
-            shutil.rmtree(target)
-        target.mkdir()
+        run.mkdir(FOLDER)
+        if folder.exists(name):   # an earlier attempt at this step, never complete (else it were the latest)
+            folder.rename((name,), _free_name(folder, f"abandoned-{name}"))
+        folder.mkdir(name, exist_ok=False)
 
     on_rank0(prepare)
     dist.barrier()
@@ -164,11 +179,10 @@ def save(run_dir: Path, step: int, grid: Grid, model: nn.Module, optimizer: torc
                         "piece": {"file": file, "boxes": [b.as_list() for b in pieces]}}
     digest = None
     if owned:
-        save_file(owned, str(target / file))
-        _fsync(target / file)    # on disk before the manifest says it is complete and older checkpoints go
-        digest = {"file": file, "bytes": (target / file).stat().st_size, "sha256": _sha256(target / file)}
+        target.write_file(file, write=lambda path: save_file(owned, path))   # on disk before the manifest
+        digest = {"file": file, "bytes": target.size(file), "sha256": target.sha256(file)}
     every = _gather((records, digest))
-    layout = {name: record for stage in _gather(placements(grid, model)) for name, record in stage.items()}
+    layout = {key: record for stage in _gather(placements(grid, model)) for key, record in stage.items()}
 
     def commit():
         index: dict[str, dict] = {}
@@ -176,130 +190,408 @@ def save(run_dir: Path, step: int, grid: Grid, model: nn.Module, optimizer: torc
             for key, record in rank_records.items():
                 entry = index.setdefault(key, {"shape": record["shape"], "dtype": record["dtype"], "pieces": []})
                 entry["pieces"].append(record["piece"])
-        _fsync_write(target / "index.json", json.dumps({"format": FORMAT, "tensors": index}))
-        _fsync_write(target / "meta.json", json.dumps(dict(meta, step=step, grid=grid.sizes, placements=layout),
+        target.write_text("index.json", text=json.dumps({"format": FORMAT, "tensors": index}))
+        target.write_text("meta.json", text=json.dumps(dict(meta, step=step, grid=grid.sizes, placements=layout),
                                                        indent=2))
         files = [d for _, d in every if d is not None]
-        for name in ("index.json", "meta.json"):
-            files.append({"file": name, "bytes": (target / name).stat().st_size, "sha256": _sha256(target / name)})
-        _fsync_write(target / "manifest.json", json.dumps({"format": FORMAT, "files": files}, indent=1))
-        _fsync(target)           # the folder's entries too
-        _fsync_write(folder / "latest.tmp", target.name)
-        os.replace(folder / "latest.tmp", folder / "latest")
-        _fsync(folder)           # the new pointer is durable before older checkpoints are deleted
-        for later in sorted(f for f in folder.glob("step-*") if f.name > target.name):
-            later.rename(folder / f"abandoned-{later.name}")
-        earlier = sorted((f for f in folder.glob("step-*") if f.name < target.name), reverse=True)
-        for old in earlier[keep - 1:]:
-            shutil.rmtree(old)
+        files += [{"file": f, "bytes": target.size(f), "sha256": target.sha256(f)} for f in ENTRY_FILES]
+        target.write_text("manifest.json", text=json.dumps({"format": FORMAT, "files": files}, indent=1))
+        # The folder's entries and the new pointer are durable (write_text syncs both) before older
+        # checkpoints are deleted.
+        folder.write_text(LATEST, text=name)
+        steps = _steps(folder)
+        for later in sorted(s for s in steps if s > step):
+            folder.rename((steps[later],), _free_name(folder, f"abandoned-{steps[later]}"))
+        for old in sorted((s for s in steps if s < step), reverse=True)[keep - 1:]:
+            folder.remove_tree(steps[old])
 
     on_rank0(commit)
     dist.barrier()     # no rank returns (and perhaps loads) before the checkpoint is complete
-    return target
+    return target.path()
 
 
-def _is_latest(run_dir: Path, target: Path) -> bool:
-    """Whether ``target`` is the complete checkpoint the ``latest`` pointer names."""
+def _free_name(folder: Folder, base: str) -> str:
+    """``base``, or ``base.1``, ``base.2``, ... : the first name not taken in ``folder``."""
+    name, n = base, 0
+    while folder.exists(name):
+        n += 1
+        name = f"{base}.{n}"
+    return name
+
+
+def _steps(folder: Folder) -> dict[int, str]:
+    """Step -> name of the real checkpoint folders (``step-<N>``) in ``folder`` (links left out)."""
+    out = {}
+    for name in folder.names():
+        match = STEP.fullmatch(name)
+        if match and folder.kind(name) == "folder":
+            out[int(match.group(1))] = name
+    return out
+
+
+def _is_latest(run_dir: Path, name: str) -> bool:
+    """Whether ``name`` is the complete checkpoint the ``latest`` pointer names."""
     try:
-        return latest(run_dir) == target and (target / "manifest.json").is_file()
+        return latest(run_dir).name == name and Folder(run_dir).kind(FOLDER, name, "manifest.json") == "file"
     except ValueError:
         return False
 
 
 def latest(run_dir: Path) -> Path:
     """The folder the ``latest`` pointer names (not verified: see :func:`choose`)."""
-    pointer = run_dir / FOLDER / "latest"
-    if not pointer.is_file():
-        raise ValueError(f"--resume {run_dir}: no checkpoint there (expected {pointer})")
-    return run_dir / FOLDER / pointer.read_text(errors="replace").strip()
+    folder = Folder(run_dir).sub(FOLDER)
+    pointer = folder.path(LATEST)
+    if folder.kind(LATEST) != "file":
+        raise ValueError(f"{pointer} is missing (or not a regular file)")
+    try:
+        name = folder.read_text(LATEST, limit=256).strip()
+    except ValueError as error:
+        raise ValueError(f"{pointer} is unreadable ({error})") from None
+    if not STEP.fullmatch(name):
+        raise ValueError(f"{pointer} holds {name[:40]!r}, not the name of a checkpoint (step-<N>)")
+    return folder.path(name)
 
 
 def has_checkpoint(run_dir: Path) -> bool:
     """Whether ``run_dir`` holds any checkpoint folder (intact or not: :func:`choose` tells)."""
-    return bool(_candidates(run_dir))
+    folder = Folder(run_dir).sub(FOLDER)
+    return folder.kind() == "folder" and any(STEP.fullmatch(name) for name in folder.names())
 
 
-def _candidates(run_dir: Path) -> list[Path]:
-    """The checkpoint folders of a run, the one ``latest`` names first, then newest first."""
-    folder = run_dir / FOLDER
-    found = sorted(folder.glob("step-*"), reverse=True) if folder.is_dir() else []
-    try:
-        named = latest(run_dir)
-    except ValueError:
-        named = None
-    if named is not None and named in found:
-        found.remove(named)
-        found.insert(0, named)
-    return found
+# -- verifying --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint folder whose manifest, index and meta have been read and checked."""
+
+    folder: Folder
+    meta: dict
+    tensors: dict[str, dict]      # index.json's: key -> {"shape", "dtype", "pieces"}
+    files: dict[str, dict]        # manifest.json's: file -> {"bytes", "sha256"}
+
+    @property
+    def path(self) -> Path:
+        return self.folder.path()
+
+    @property
+    def step(self) -> int:
+        return self.meta["step"]
 
 
-def verify(checkpoint_dir: Path) -> dict[str, dict]:
-    """Check every file of a checkpoint against ``manifest.json`` (size and SHA-256); returns
-    the manifest's records. Raises ``ValueError`` naming the first file that fails."""
-    manifest_path = checkpoint_dir / "manifest.json"
-    if not manifest_path.is_file():
-        raise ValueError(f"{manifest_path} is missing (an interrupted save, or a checkpoint of par4d before "
+def _is_count(value: object, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _manifest(folder: Folder) -> dict[str, dict]:
+    path = folder.path("manifest.json")
+    if folder.kind("manifest.json") is None:
+        raise ValueError(f"{path} is missing (an interrupted save, or a checkpoint of par4d before "
                          f"2026-11-23, which used another format)")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        if manifest.get("format") != FORMAT:
-            raise ValueError(f"format {manifest.get('format')!r}, this par4d reads {FORMAT!r}")
-        files = {f["file"]: f for f in manifest["files"]}
-        for required in ("index.json", "meta.json"):
-            if required not in files:
-                raise ValueError(f"it lists no {required}")
-    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{manifest_path} is unreadable ({error})") from None
-    for name, record in files.items():
-        _check_size(checkpoint_dir / name, record)
-        _check_sum(checkpoint_dir / name, record)
+    manifest = folder.read_json("manifest.json")
+    problem = None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        problem = (f"format {manifest.get('format')!r}, this par4d reads {FORMAT!r}" if isinstance(manifest, dict)
+                   else "not a JSON object")
+    elif not isinstance(manifest.get("files"), list):
+        problem = "no list of files"
+    if problem:
+        raise ValueError(f"{path} is unreadable ({problem})")
+    files = {}
+    for record in manifest["files"]:
+        ok = (isinstance(record, dict) and isinstance(record.get("file"), str) and _is_count(record.get("bytes"))
+              and isinstance(record.get("sha256"), str) and re.fullmatch(r"[0-9a-f]{64}", record["sha256"]))
+        if not ok:
+            raise ValueError(f"{path}: a malformed record {json.dumps(record)[:120]}")
+        name = record["file"]
+        if not (name in ENTRY_FILES or re.fullmatch(r"rank-\d{5,}\.safetensors", name)):
+            raise ValueError(f"{path} lists {name[:80]!r}, not a file of a checkpoint (index.json, meta.json, "
+                             f"rank-<r>.safetensors): par4d reads only those, inside {folder.path()}")
+        if name in files:
+            raise ValueError(f"{path} lists {name} twice")
+        files[name] = record
+    for required in ENTRY_FILES:
+        if required not in files:
+            raise ValueError(f"{path} is unreadable (it lists no {required})")
     return files
 
 
-def _check_size(path: Path, record: dict) -> None:
-    size = path.stat().st_size if path.is_file() else None
+def _check_file(folder: Folder, name: str, record: dict, hashed: bool) -> None:
+    """``name``'s size (and, ``hashed``, SHA-256) against its manifest record; raises naming the file."""
+    path = folder.path(name)
+    try:
+        size = folder.size(name)
+        if size == record["bytes"] and hashed:
+            digest = folder.sha256(name)
+    except FileNotFoundError:
+        size = None
+    except (OSError, FolderError) as error:
+        raise ValueError(f"checkpoint file {path} is unreadable ({error})") from None
     if size != record["bytes"]:
         raise ValueError(f"checkpoint file {path} is missing or has the wrong size "
                          f"({size} bytes, manifest.json says {record['bytes']})")
-
-
-def _check_sum(path: Path, record: dict) -> None:
-    if _sha256(path) != record["sha256"]:
+    if hashed and digest != record["sha256"]:
         raise ValueError(f"checkpoint file {path} does not match its SHA-256 in manifest.json (corrupt)")
 
 
-def choose(run_dir: Path, report=None) -> Path:
-    """The newest checkpoint of ``run_dir`` that verifies; each one skipped is reported
-    (``report(line)``) with the file that failed. Raises if none is intact."""
+def _box(record: object, shape: list[int]) -> Box | None:
+    """The box ``record`` (``[[[start, length], ...], [local start or null, ...]]``) if it is one
+    inside a tensor of ``shape``, else None."""
+    if not (isinstance(record, list) and len(record) == 2 and all(isinstance(r, list) for r in record)):
+        return None
+    full, local = record
+    if len(full) != len(shape) or len(local) != len(shape):
+        return None
+    for extent, start, size in zip(full, local, shape):
+        if not (isinstance(extent, list) and len(extent) == 2 and _is_count(extent[0]) and _is_count(extent[1], 1)
+                and extent[0] + extent[1] <= size and (start is None or _is_count(start))):
+            return None
+        if start is None and extent[1] != 1:
+            return None
+    return Box.from_list(record)
+
+
+def _check_cover(key: str, shape: tuple[int, ...], found: list[Box], where: Path) -> None:
+    """Every element of the tensor covered by exactly one box: the volumes add up to its size and
+    no two boxes meet (boxes sorted by their start in dim 0, each compared with those that start
+    before it ends there)."""
+    volume = sum(math.prod(length for _, length in b.full) for b in found)
+    if volume != math.prod(shape):
+        raise ValueError(f"{where}: the pieces of {key} hold {volume:,} elements, the tensor {tuple(shape)} has "
+                         f"{math.prod(shape):,} (each element must be saved exactly once)")
+    if not shape:
+        return
+    ordered = sorted(found, key=lambda b: b.full[0][0])
+    for i, a in enumerate(ordered):
+        end = a.full[0][0] + a.full[0][1]
+        for b in ordered[i + 1:]:
+            if b.full[0][0] >= end:
+                break
+            if all(max(sa, sb) < min(sa + la, sb + lb) for (sa, la), (sb, lb) in zip(a.full, b.full)):
+                raise ValueError(f"{where}: two pieces of {key} overlap (at {[s for s, _ in a.full]} and "
+                                 f"{[s for s, _ in b.full]}); each element must be saved exactly once")
+
+
+def _index(folder: Folder, files: dict[str, dict]) -> dict[str, dict]:
+    """index.json's tensors, checked: shapes, dtypes, pieces in files of the manifest whose boxes
+    lie inside their tensor and cover it exactly once; the manifest lists no file the index leaves unused."""
+    path = folder.path("index.json")
+    index = folder.read_json("index.json")
+    if not isinstance(index, dict) or index.get("format") != FORMAT or not isinstance(index.get("tensors"), dict):
+        found = index.get("format") if isinstance(index, dict) else None
+        raise ValueError(f"{path}: format {found!r}, this par4d reads {FORMAT!r} (a JSON object with its tensors)")
+    used = set()
+    for key, record in index["tensors"].items():
+        if not (isinstance(record, dict) and isinstance(record.get("shape"), list)
+                and all(_is_count(n) for n in record["shape"]) and record.get("dtype") in DTYPES
+                and isinstance(record.get("pieces"), list)):
+            raise ValueError(f"{path}: {key[:80]} is malformed (shape, dtype or pieces)")
+        shape, found = record["shape"], []
+        if math.prod(shape) > 1 << 50:
+            raise ValueError(f"{path}: {key[:80]} has shape {shape}, larger than any tensor par4d saves")
+        for piece in record["pieces"]:
+            if not (isinstance(piece, dict) and isinstance(piece.get("boxes"), list)):
+                raise ValueError(f"{path}: a piece of {key[:80]} is malformed")
+            name = piece.get("file")
+            if name not in files or name in ENTRY_FILES:
+                raise ValueError(f"{path}: a piece of {key[:80]} is in {str(name)[:80]!r}, which manifest.json does "
+                                 f"not list (a checkpoint reads only the files its manifest vouches for)")
+            used.add(name)
+            for box in piece["boxes"]:
+                checked = _box(box, shape)
+                if checked is None:
+                    raise ValueError(f"{path}: a piece of {key[:80]} has a box {json.dumps(box)[:80]} outside its "
+                                     f"tensor {shape}")
+                found.append(checked)
+        _check_cover(key, tuple(shape), found, path)
+    unused = sorted(set(files) - set(ENTRY_FILES) - used)
+    if unused:
+        raise ValueError(f"{path}: manifest.json lists {', '.join(unused[:3])}, which no piece of the index uses")
+    return index["tensors"]
+
+
+def _meta(folder: Folder) -> dict:
+    """meta.json, checked where par4d reads it: the step, the grid, and the objects it keeps."""
+    path = folder.path("meta.json")
+    meta = folder.read_json("meta.json")
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path} holds a JSON {type(meta).__name__}, not an object")
+    if not _is_count(meta.get("step")):
+        raise ValueError(f"{path}: step is {json.dumps(meta.get('step'))[:40]}, not a count of steps")
+    grid = meta.get("grid")
+    if not (isinstance(grid, dict) and set(grid) <= set(AXES) and all(_is_count(v, 1) for v in grid.values())):
+        raise ValueError(f"{path}: grid is {json.dumps(grid)[:80]}, not axis sizes >= 1 of {', '.join(AXES)}")
+    for key in ("train_config", "model_config", "placements"):
+        if key in meta and not isinstance(meta[key], dict):
+            raise ValueError(f"{path}: {key} is {json.dumps(meta[key])[:40]}, not an object")
+    return meta
+
+
+def verify(source: Path | Folder, hashed: bool = True) -> Checkpoint:
+    """Check a checkpoint folder: every file the manifest lists has its size and (``hashed``) its
+    SHA-256, and the index and meta are well formed (names inside the folder, the manifest's files
+    exactly the index's, every tensor covered exactly once). Raises ``ValueError`` naming the first
+    file that fails."""
+    folder = source if isinstance(source, Folder) else Folder(source)
+    try:
+        files = _manifest(folder)
+        for name, record in files.items():
+            _check_file(folder, name, record, hashed)
+        tensors, meta = _index(folder, files), _meta(folder)
+    except FolderError as error:
+        raise ValueError(str(error)) from None
+    except OSError as error:
+        raise ValueError(f"checkpoint {folder.path()} is unreadable ({error})") from None
+    return Checkpoint(folder, meta, tensors, files)
+
+
+def choose_checkpoint(run_dir: Path, report: Callable[[str], None] | None = None) -> Checkpoint:
+    """The newest checkpoint of ``run_dir`` that verifies (by step, whatever ``latest`` says); each
+    one skipped is reported (``report(line)``) with the file that failed. Raises if none is intact."""
+    folder = Folder(run_dir).sub(FOLDER)
     problems = []
-    for candidate in _candidates(run_dir):
+    candidates = sorted(((int(m.group(1)), n) for n in folder.names() if (m := STEP.fullmatch(n))), reverse=True)
+    for _, name in candidates:
+        kind = folder.kind(name)
         try:
-            verify(candidate)
+            if kind != "folder":
+                raise ValueError(f"{folder.path(name)} is {'a symbolic link' if kind == 'link' else 'not a folder'}")
+            chosen = verify(folder.sub(name))
         except ValueError as error:
             problems.append(str(error))
             if report is not None:
-                report(f"checkpoint {candidate.name} is unusable: {error}; trying the one before it")
+                report(f"checkpoint {name} is unusable: {error}; trying the one before it")
             continue
-        return candidate
+        if report is not None:
+            _report_pointer(run_dir, name, report)
+        return chosen
     if not problems:
-        raise ValueError(f"--resume {run_dir}: no checkpoint there (expected {run_dir / FOLDER}/step-*)")
+        raise ValueError(f"--resume {run_dir}: no checkpoint there (expected {folder.path()}/step-*)")
     raise ValueError(f"--resume {run_dir}: no intact checkpoint ({'; '.join(problems)})")
 
 
+def _report_pointer(run_dir: Path, chosen: str, report: Callable[[str], None]) -> None:
+    try:
+        named = latest(run_dir).name
+    except ValueError as error:
+        report(f"{error}; the newest intact checkpoint is {chosen}")
+        return
+    if named != chosen and STEP.fullmatch(named) and int(STEP.fullmatch(named).group(1)) < int(chosen[5:]):
+        report(f"{FOLDER}/{LATEST} names {named}, but {chosen} is newer and intact: resuming from {chosen}")
+
+
+def choose(run_dir: Path, report: Callable[[str], None] | None = None) -> Path:
+    """The folder of :func:`choose_checkpoint`."""
+    return choose_checkpoint(run_dir, report).path
+
+
 def read_meta(checkpoint_dir: Path) -> dict:
-    return json.loads((checkpoint_dir / "meta.json").read_text())
+    """The checked meta.json of a checkpoint folder (not verified against its manifest)."""
+    try:
+        return _meta(Folder(checkpoint_dir))
+    except FolderError as error:
+        raise ValueError(str(error)) from None
 
 
 def check_resumable(run_dir: Path, steps: int | None = None, report=None) -> tuple[Path, dict]:
     """(the checkpoint to resume from, its meta): the newest intact one of ``run_dir`` and,
     given ``steps``, only if the run still has steps to take. Any grid may resume it (the
     model's shapes must divide the new grid: the caller builds the model there first)."""
-    folder = choose(run_dir, report)
-    meta = read_meta(folder)
-    if steps is not None and steps <= meta["step"]:
-        raise ValueError(f"--resume {run_dir}: the checkpoint is at step {meta['step']}; "
+    chosen = choose_checkpoint(run_dir, report)
+    if steps is not None and steps <= chosen.step:
+        raise ValueError(f"--resume {run_dir}: the checkpoint is at step {chosen.step}; "
                          f"pass --steps greater than that (got {steps})")
-    return folder, meta
+    return chosen.path, chosen.meta
+
+
+def set_aside_newer(run_dir: Path, chosen: Path, report: Callable[[str], None] | None = None) -> None:
+    """Before a run resumes from ``chosen``: every checkpoint of a later step (none verified, or it
+    were chosen) is renamed ``corrupt-step-<N>``, never deleted nor overwritten, and ``latest`` names
+    ``chosen``. Saves and rotation then never take an unusable checkpoint for the newest one."""
+    folder = Folder(run_dir).sub(FOLDER)
+    step = int(STEP.fullmatch(chosen.name).group(1))
+    for name in folder.names():
+        match = STEP.fullmatch(name)
+        if match and int(match.group(1)) > step:
+            aside = _free_name(folder, f"corrupt-{name}")
+            folder.rename((name,), aside)
+            if report is not None:
+                report(f"set aside {name} (unusable) as {FOLDER}/{aside}")
+    folder.write_text(LATEST, text=chosen.name)
+
+
+# -- loading --------------------------------------------------------------------------
+
+class _Pieces:
+    """The saved pieces of a checkpoint, opened (and checked) on first use; ``fill`` copies the
+    part of tensor ``key`` that a box of one's own holds."""
+
+    def __init__(self, checkpoint: Checkpoint, hashed: bool, opened: contextlib.ExitStack):
+        self.checkpoint, self.hashed, self.opened = checkpoint, hashed, opened
+        self.readers: dict[str, object] = {}
+
+    def _reader(self, name: str):
+        if name not in self.readers:
+            folder = self.checkpoint.folder
+            _check_file(folder, name, self.checkpoint.files[name], self.hashed)
+            try:
+                path = self.opened.enter_context(folder.library_path(name))
+                self.readers[name] = self.opened.enter_context(safe_open(path, "pt"))
+            except (SafetensorError, OSError, FolderError) as error:
+                raise ValueError(f"checkpoint file {folder.path(name)} is not a readable safetensors file "
+                                 f"({error})") from None
+        return self.readers[name]
+
+    def _check_piece(self, name: str, key: str, record: dict, piece: list[Box]) -> None:
+        reader, where = self._reader(name), self.checkpoint.folder.path(name)
+        if key not in reader.keys():
+            raise ValueError(f"checkpoint file {where} has no tensor {key!r}, which index.json puts there")
+        found = reader.get_slice(key)
+        shape, dtype = tuple(found.get_shape()), found.get_dtype()
+        if dtype != DTYPES[record["dtype"]]:
+            raise ValueError(f"checkpoint file {where}: {key} has dtype {dtype}, index.json says {record['dtype']}")
+        for box in piece:
+            kept = [(start, length) for (_, length), start in zip(box.full, box.local) if start is not None]
+            if len(kept) != len(shape) or any(s + n > m for (s, n), m in zip(kept, shape)):
+                raise ValueError(f"checkpoint file {where}: {key} has shape {shape}, too small for the piece "
+                                 f"index.json describes")
+
+    def fill(self, key: str, tensor: torch.Tensor, wanted: list[Box]) -> None:
+        record = self.checkpoint.tensors[key]
+        for piece in record["pieces"]:
+            saved = [Box.from_list(b) for b in piece["boxes"]]
+            meeting = [(s, w) for s in saved for w in wanted if overlap(s, w) is not None]
+            if not meeting:
+                continue
+            self._check_piece(piece["file"], key, record, saved)
+            read = slice_reader(self._reader(piece["file"]), key)
+            for s, w in meeting:
+                fill(tensor, w, s, read)
+
+
+@contextlib.contextmanager
+def pieces(checkpoint: Checkpoint, hashed: bool = True) -> Iterator[_Pieces]:
+    """The pieces of ``checkpoint`` to read tensors from (``hashed``: each file's SHA-256 is checked
+    when it is first opened)."""
+    with contextlib.ExitStack() as opened:
+        yield _Pieces(checkpoint, hashed, opened)
+
+
+def _full_shape_problem(checkpoint: Checkpoint, key: str, full: tuple[int, ...], phantom: bool) -> str | None:
+    record = checkpoint.tensors.get(key)
+    if record is None:
+        return f"checkpoint {checkpoint.path} has no {key!r}"
+    if tuple(record["shape"]) != tuple(full):
+        why = " (phantom layers' shapes depend on the grid's x)" if phantom else ""
+        return f"checkpoint {checkpoint.path}: {key} has full shape {tuple(record['shape'])}, this model {tuple(full)}{why}"
+    return None
+
+
+def _folder_of(run_dir: Path, folder: Path) -> Folder:
+    """A checkpoint folder given by path: below the run's checkpoints, reached without links."""
+    folder = Path(folder)
+    if folder.parent == Path(run_dir) / FOLDER:
+        return Folder(run_dir).sub(FOLDER, folder.name)
+    return Folder(folder)
 
 
 @torch.no_grad()
@@ -309,50 +601,29 @@ def load(run_dir: Path, grid: Grid, model: nn.Module, optimizer: torch.optim.Opt
     grid's shards, whatever grid saved it; returns its meta. Each rank reads only the slices of
     the saved pieces that overlap its own shards.
 
-    Each rank checks the SHA-256 of the index, the meta and every file it reads from, unless
-    ``verified``: ``folder`` was chosen by :func:`choose` (which checked every file) in this
-    job, as ``par4d train`` does once before its ranks start; then the sizes are checked only,
-    and N ranks do not hash the same files N times over."""
+    Each rank checks the SHA-256 of every file it reads from, unless ``verified``: ``folder`` was
+    chosen by :func:`choose` (which checked every file) in this job, as ``par4d train`` does once
+    before its ranks start; then the sizes are checked only, and N ranks do not hash the same
+    files N times over. The index and meta are checked in full either way."""
     _check_optimizer(optimizer)
     if folder is None:
-        folder, verified = choose(run_dir), True
-    folder = Path(folder)
-    check = _check_size if verified else _check_sum
-    files = {f["file"]: f for f in json.loads((folder / "manifest.json").read_text())["files"]}
-    for name in ("index.json", "meta.json"):
-        check(folder / name, files[name])
-    meta = read_meta(folder)
-    index = json.loads((folder / "index.json").read_text())
-    if index.get("format") != FORMAT:
-        raise ValueError(f"{folder / 'index.json'}: format {index.get('format')!r}, this par4d reads {FORMAT!r}")
-    tensors = index["tensors"]
+        chosen, hashed = choose_checkpoint(run_dir), False
+    else:
+        chosen, hashed = verify(_folder_of(run_dir, folder), hashed=False), not verified
+        for name in ENTRY_FILES if hashed else ():
+            _check_file(chosen.folder, name, chosen.files[name], hashed=True)
+    phantom = getattr(getattr(model, "config", None), "mlp", None) == "phantom"
     for group in optimizer.param_groups:        # AdamW's state needs its tensors before they are filled
         for param in group["params"]:
             if not optimizer.state.get(param):
                 optimizer.state[param] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(param),
                                           "exp_avg_sq": torch.zeros_like(param)}
-    readers: dict[str, object] = {}
-    with contextlib.ExitStack() as opened:
-
-        def reader_of(name: str):   # opened, and checked against the manifest, on first use
-            if name not in readers:
-                check(folder / name, files[name])
-                readers[name] = opened.enter_context(safe_open(str(folder / name), "pt"))
-            return readers[name]
-
-        for key, tensor, placement, full in _tensors(grid, model, optimizer):
-            record = tensors.get(key)
-            if record is None:
-                raise ValueError(f"checkpoint {folder} has no {key!r}")
-            if tuple(record["shape"]) != tuple(full):
-                raise ValueError(f"checkpoint {folder}: {key} has full shape {tuple(record['shape'])}, this model "
-                                 f"{tuple(full)} (phantom layers' shapes depend on the grid's x)")
-            for piece in record["pieces"]:
-                if piece["file"] not in files:
-                    raise ValueError(f"checkpoint {folder}: {piece['file']} is not in manifest.json")
-            for wanted in boxes(placement, full, _coords(grid), grid.sizes):
-                for piece in record["pieces"]:
-                    for saved in map(Box.from_list, piece["boxes"]):
-                        if overlap(saved, wanted) is not None:
-                            fill(tensor, wanted, saved, slice_reader(reader_of(piece["file"]), key))
-    return meta
+    wanted = list(_tensors(grid, model, optimizer))
+    for key, _, _, full in wanted:              # every shape first: nothing is filled from a wrong checkpoint
+        problem = _full_shape_problem(chosen, key, full, phantom)
+        if problem:
+            raise ValueError(problem)
+    with pieces(chosen, hashed) as saved:
+        for key, tensor, placement, full in wanted:
+            saved.fill(key, tensor, boxes(placement, full, _coords(grid), grid.sizes))
+    return chosen.meta

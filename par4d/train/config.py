@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from par4d.models.config import GPTConfig
@@ -19,6 +20,9 @@ IMAGE_CHANNELS = 4   # --model unet: channels of the generated images (the U-Net
 # Model settings a model has no use for: refused by name when given (par4d.cli.train).
 UNUSED = {"unet": ("seq_len", "n_head", "mlp", "phantom_k"),
           **{model: ("image_size",) for model in MODELS if model != "unet"}}
+STATE_BYTES = 16      # per parameter at the least: its fp32 value and gradient, AdamW's two moments
+CORPUS_COPIES = 2     # of the text in a rank while it loads: the bytes read and the token tensor
+ABSURD_BYTES = 1 << 50   # a model's state beyond any machine's memory (1 PiB)
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,50 @@ class TrainConfig:
                              f"= {2 ** (self.n_layer - 1)} (the U-Net's {self.n_layer} levels halve it "
                              f"{self.n_layer - 1} times)")
 
+    @classmethod
+    def check_record(cls, record: object, where: str) -> None:
+        """Raise a ValueError naming ``where`` (a file and its key) unless ``record`` is a saved
+        TrainConfig's fields with their types (as ``meta.json`` keeps them); ranges are checked when
+        the config is built."""
+        if not isinstance(record, dict):
+            raise ValueError(f"{where} is {type(record).__name__}, not an object of the run's settings")
+        kinds = {f.name: f.type for f in fields(cls)}
+        for key, value in record.items():
+            if key not in kinds:
+                raise ValueError(f"{where} has {str(key)[:40]!r}, not a setting of par4d train")
+            if not _of_type(value, kinds[key]):
+                raise ValueError(f"{where}: {key} is {str(value)[:40]!r} ({type(value).__name__}), "
+                                 f"not {kinds[key]}")
+        grid = record.get("grid")
+        if not (isinstance(grid, dict) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1
+                                               for v in grid.values())):
+            raise ValueError(f"{where}: grid is {str(grid)[:60]}, not axis sizes >= 1")
+
+    def check_memory(self, world: int, ranks_here: int, memory: int | None) -> None:
+        """Refuse, with the numbers, a run whose model state (at the least ``STATE_BYTES`` per
+        parameter, over all ranks) or corpus (read whole by every rank) cannot fit in ``memory``
+        bytes per machine (None: unknown, then only an absurd size is refused). Cheap: from the
+        sizes alone, before any model is built."""
+        params = self.model_config().num_params()
+        state = params * STATE_BYTES
+        machines = max(1, world // max(1, ranks_here))
+        sizes = (f"n_layer={self.n_layer}, n_embd={self.n_embd}" if self.model == "unet"
+                 else f"n_layer={self.n_layer}, n_embd={self.n_embd}, n_head={self.n_head}, seq_len={self.seq_len}")
+        if state > ABSURD_BYTES or (memory is not None and state > memory * machines):
+            where = (f"this machine's {_gb(memory)} of memory" if machines == 1 else
+                     f"{machines} machines of {_gb(memory)}") if memory is not None else "any machine"
+            raise ValueError(f"the model ({self.model}, {sizes}) has {params:,} parameters; their values, gradients "
+                             f"and AdamW state need at least {_gb(state)} over all ranks, more than {where}")
+        if self.data is None or memory is None or self.model == "unet":
+            return
+        size = Path(self.data).stat().st_size if Path(self.data).is_file() else 0
+        need = size * CORPUS_COPIES * ranks_here + size + state // machines
+        if need > memory:
+            raise ValueError(f"--data {self.data} has {_gb(size)}; par4d reads the text whole into each of this "
+                             f"machine's {ranks_here} ranks ({CORPUS_COPIES} copies while it loads), which with the "
+                             f"model needs {_gb(need)}, more than this machine's {_gb(memory)} of memory (a dataset "
+                             f"that streams is not built yet: train on a part of the text)")
+
     def overlap_settings(self) -> Overlap:
         """``--overlap all`` without recomputation means every overlap but the cache (it needs recomputation)."""
         if self.overlap.strip().lower() == "all" and self.recompute_every() == 0:
@@ -163,3 +211,24 @@ class TrainConfig:
         if step < self.warmup:
             return self.lr * (step + 1) / self.warmup
         return self.lr * math.sqrt(self.warmup / (step + 1))
+
+
+def _gb(count: int | None) -> str:
+    return f"{count / 1e9:,.1f} GB"
+
+
+def _of_type(value: object, annotation: str) -> bool:
+    """Whether ``value`` (from JSON) fits a field annotated ``annotation`` (``int | None``, ``dict[str, int]``...)."""
+    for kind in annotation.split("|"):
+        kind = kind.strip().split("[")[0]
+        if kind == "None" and value is None:
+            return True
+        if kind == "bool" and isinstance(value, bool):
+            return True
+        if kind == "int" and isinstance(value, int) and not isinstance(value, bool):
+            return True
+        if kind == "float" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True
+        if (kind, type(value)) in (("str", str), ("dict", dict)):
+            return True
+    return False

@@ -36,10 +36,11 @@ def min_bytes(seq_len: int) -> int:
     return 10 * (seq_len + 2)
 
 
-def read_corpus(path: str | None, seq_len: int, sha256: str | None = None) -> Corpus:
+def read_corpus(path: str | None, seq_len: int, sha256: str | None = None, label: str | None = None) -> Corpus:
     """The corpus at ``path`` (or Python's bundled documentation, no download), checked:
     it must be UTF-8 text without NUL bytes, long enough for ``seq_len``, and, given
-    ``sha256``, the very file a run started on. Raises ``ValueError`` naming the file."""
+    ``sha256``, the very file a run started on. Raises ``ValueError`` naming the file
+    (as ``label`` when given, e.g. a resumed run's own data; else ``--data PATH``)."""
     if path is None:
         import pydoc_data.topics
 
@@ -47,7 +48,7 @@ def read_corpus(path: str | None, seq_len: int, sha256: str | None = None) -> Co
         data, source, name = "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8"), BUNDLED, "the default data"
     else:
         file = Path(path).resolve()
-        name = f"--data {path}"
+        name = label or f"--data {path}"
         if not file.exists():
             raise ValueError(f"{name}: no such file")
         if not file.is_file():
@@ -72,7 +73,8 @@ def read_corpus(path: str | None, seq_len: int, sha256: str | None = None) -> Co
 
 
 def as_tokens(corpus: Corpus) -> torch.Tensor:
-    return torch.frombuffer(bytearray(corpus.data), dtype=torch.uint8).long()
+    """The corpus's bytes as a uint8 tensor (one byte per token; widened per batch, not whole)."""
+    return torch.frombuffer(bytearray(corpus.data), dtype=torch.uint8)
 
 
 def training_data(config: TrainConfig) -> tuple[Batches | Images, str]:
@@ -100,7 +102,7 @@ class Batches:
     def _draw(self, source: torch.Tensor, key: int) -> tuple[torch.Tensor, torch.Tensor]:
         generator = torch.Generator().manual_seed(key)
         starts = torch.randint(0, len(source) - self.seq_len - 1, (self.batch_size,), generator=generator)
-        windows = torch.stack([source[s:s + self.seq_len + 1] for s in starts.tolist()])
+        windows = torch.stack([source[s:s + self.seq_len + 1] for s in starts.tolist()]).long()
         return windows[:, :-1], windows[:, 1:]
 
     def train_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,6 @@ before any rank starts.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from par4d.grid import AXES, Grid
 from par4d.layout import Box, Placement, Reader, boxes, fill, slice_reader
 from par4d.models.config import GPTConfig
 from par4d.train import checkpoint
+from par4d.train.folder import Folder
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -121,8 +121,13 @@ def gpt_dims(folder: Path) -> dict[str, int]:
     """The shape of par4d's GPT that ``folder``'s GPT-2 model has, in ``par4d train``'s terms
     (``n_layer``, ``n_embd``, ``n_head``, ``seq_len``): what a run started from it defaults to."""
     config = _read_config(Path(folder))
-    get = lambda key: config.get(key, _HF_DEFAULTS[key])   # noqa: E731
-    return {"n_layer": get("n_layer"), "n_embd": get("n_embd"), "n_head": get("n_head"), "seq_len": get("n_positions")}
+    dims = {}
+    for name, key in (("n_layer", "n_layer"), ("n_embd", "n_embd"), ("n_head", "n_head"), ("seq_len", "n_positions")):
+        value = config.get(key, _HF_DEFAULTS[key])
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            raise ValueError(f"{Path(folder) / CONFIG_FILE}: {key} is {json.dumps(value)[:40]}, not a size >= 1")
+        dims[name] = value
+    return dims
 
 
 def _config_problems(config: dict, model: GPTConfig) -> list[str]:
@@ -249,25 +254,30 @@ def load_hf(folder: Path, grid: Grid, model: nn.Module) -> dict:
 def _check_out(out: Path, force: bool) -> None:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--to hf {out} is a file; give a folder")
+    above = next((p for p in out.parents if p.exists()), None)
+    if not out.exists() and above is not None and not above.is_dir():
+        raise ValueError(f"--to hf {out}: {above} is a file, not a folder")
+    writable = out if out.exists() else above
+    if writable is not None and not os.access(writable, os.W_OK | os.X_OK):
+        raise ValueError(f"--to hf {out}: {writable} is not writable (nothing was written)")
     entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if entries and not force:
         raise ValueError(f"--to hf {out} is not empty ({len(entries)} entries, e.g. {entries[0]}); pass --force to "
                          f"overwrite its {CONFIG_FILE} and {WEIGHTS_FILE}, or choose a new or empty folder")
 
 
-def find_checkpoint(source: Path, report: Callable[[str], None] | None = None) -> Path:
+def find_checkpoint(source: Path, report: Callable[[str], None] | None = None) -> checkpoint.Checkpoint:
     """The checkpoint ``source`` names, verified: a run folder's newest intact one (each one skipped is
     reported), or ``source`` itself when it is a ``checkpoints/step-N`` folder."""
     if source.resolve().parent.name == checkpoint.FOLDER and source.name.startswith("step-"):
-        checkpoint.verify(source)
-        return source
+        return checkpoint.verify(source)
     if not source.is_dir():
         raise ValueError(f"--run {source} does not exist or is not a folder")
     if not (source / checkpoint.FOLDER).is_dir():
         raise ValueError(f"--run {source} is not a par4d run: it has no {checkpoint.FOLDER}/ folder (give a run "
                          f"folder, or one of its {checkpoint.FOLDER}/step-N folders)")
     try:
-        return checkpoint.choose(source, report)
+        return checkpoint.choose_checkpoint(source, report)
     except ValueError as error:   # choose speaks of --resume, the flag of its other caller
         raise ValueError(f"--run {source}: {str(error).removeprefix(f'--resume {source}: ')}") from None
 
@@ -277,43 +287,34 @@ def _model_config(folder: Path, meta: dict) -> GPTConfig:
     if not isinstance(record, dict):
         raise ValueError(f"{folder / 'meta.json'} has no model_config: not a checkpoint of par4d train")
     try:
-        return GPTConfig(**record)
-    except TypeError as error:
+        config = GPTConfig(**record)
+    except (TypeError, ValueError) as error:
         raise ValueError(f"{folder / 'meta.json'}: model_config is not a GPTConfig ({error})") from None
+    from par4d.perf import host_memory
+
+    need, memory = 4 * config.num_params(), host_memory()   # export holds every parameter whole, in fp32
+    if need > (memory or 1 << 50):
+        raise ValueError(f"{folder / 'meta.json'}: model_config describes {config.num_params():,} parameters "
+                         f"({need / 1e9:,.1f} GB whole), more than this machine's memory "
+                         f"({(memory or 0) / 1e9:,.1f} GB)")
+    return config
 
 
-def _full_tensors(folder: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-    """Every model parameter of the checkpoint in ``folder`` as a full tensor, from its pieces."""
-    index = json.loads((folder / "index.json").read_text())
-    if index.get("format") != checkpoint.FORMAT:
-        raise ValueError(f"{folder / 'index.json'}: format {index.get('format')!r}, this par4d reads "
-                         f"{checkpoint.FORMAT!r}")
+def _full_tensors(chosen: checkpoint.Checkpoint, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """Every model parameter of the checkpoint as a full tensor, from its pieces (verified already)."""
     out = {}
-    with contextlib.ExitStack() as opened:
-        readers: dict[str, object] = {}
+    with checkpoint.pieces(chosen, hashed=False) as saved:
         for name, shape in shapes.items():
-            record = index["tensors"].get(f"model/{name}")
+            record = chosen.tensors.get(f"model/{name}")
             if record is None:
-                raise ValueError(f"checkpoint {folder} has no model/{name}")
+                raise ValueError(f"checkpoint {chosen.path} has no model/{name}")
             if tuple(record["shape"]) != shape:
-                raise ValueError(f"checkpoint {folder}: {name} has shape {tuple(record['shape'])}, its "
+                raise ValueError(f"checkpoint {chosen.path}: {name} has shape {tuple(record['shape'])}, its "
                                  f"model_config gives {shape}")
             full = torch.empty(shape, dtype=getattr(torch, record["dtype"]))
-            for piece in record["pieces"]:
-                if piece["file"] not in readers:
-                    readers[piece["file"]] = opened.enter_context(safe_open(str(folder / piece["file"]), "pt"))
-                read = slice_reader(readers[piece["file"]], f"model/{name}")
-                for saved in map(Box.from_list, piece["boxes"]):
-                    fill(full, _whole(shape), saved, read)
+            saved.fill(f"model/{name}", full, [_whole(shape)])
             out[name] = full
     return out
-
-
-def _write(path: Path, write: Callable[[Path], None]) -> None:
-    """Write ``path`` whole or not at all: a temporary file beside it, then a rename."""
-    temporary = path.with_name(path.name + ".tmp")
-    write(temporary)
-    os.replace(temporary, path)
 
 
 @torch.no_grad()
@@ -328,8 +329,8 @@ def export_hf(source: Path, out: Path, force: bool = False,
     a folder that is not a par4d run, a damaged checkpoint, a phantom-MLP run."""
     source, out = Path(source), Path(out)
     _check_out(out, force)
-    folder = find_checkpoint(source, report)
-    meta = checkpoint.read_meta(folder)
+    chosen = find_checkpoint(source, report)
+    folder, meta = chosen.path, chosen.meta
     trained = meta.get("train_config", {}).get("model", "gpt")
     if trained != "gpt":
         what = "par4d's U-Net, not a language model" if trained == "unet" else "a Hugging Face model already"
@@ -337,14 +338,17 @@ def export_hf(source: Path, out: Path, force: bool = False,
                          f"par4d's GPT (--model gpt); its checkpoint holds the model's own parameter names")
     config = _model_config(folder, meta)
     _check_dense(config, f"run {source} (checkpoint {folder.name})")
-    full = _full_tensors(folder, param_shapes(config))
+    full = _full_tensors(chosen, param_shapes(config))
     tensors = {}
     for name, tensor in full.items():
         key, transposed = hf_key(name)
         tensors[key] = (tensor.T if transposed else tensor).contiguous()
-    out.mkdir(parents=True, exist_ok=True)
     metadata = {"format": "pt", "par4d_step": str(meta.get("step"))}   # "format": what transformers checks
-    _write(out / WEIGHTS_FILE, lambda path: save_file(tensors, str(path), metadata=metadata))
     text = json.dumps(hf_config(config, full["wte.weight"].dtype), indent=2) + "\n"
-    _write(out / CONFIG_FILE, lambda path: path.write_text(text))
+    written = Folder(out)    # each file whole or not at all, never through a link planted there
+    try:
+        written.write_file(WEIGHTS_FILE, write=lambda path: save_file(tensors, path, metadata=metadata))
+        written.write_text(CONFIG_FILE, text=text)
+    except OSError as error:
+        raise ValueError(f"--to hf {out}: cannot write {error.filename or out} ({error.strerror})") from None
     return folder, meta

@@ -25,7 +25,9 @@ from par4d.train import checkpoint
 from par4d.train.config import TrainConfig
 from par4d.train.data import Batches, Images, training_data
 from par4d.train.faults import Faults
+from par4d.train.folder import Folder
 from par4d.train.hf import load_hf
+from par4d.train.lock import RunLock, held_by_launcher
 from par4d.train.model import build_model
 from par4d.train.rank0 import on_rank0
 from par4d.train.step import train_step
@@ -43,12 +45,22 @@ def run(config: TrainConfig, stop: StopRequest) -> dict:
     (``stopped``: the signal and step, when a signal stopped the run early)."""
     torch.set_num_threads(_threads_per_rank())
     grid = init(**config.grid, overlap=config.overlap_settings())
-    rank0 = grid.rank == 0
     if config.out is None:  # under torchrun/srun: rank 0 names the run, the others follow
         config = replace(config, out=on_rank0(lambda: str(new_run_dir(config.grid))))
         config = replace(config, out=_broadcast(config.out))
     out = Path(config.out)
-    on_rank0(lambda: out.mkdir(parents=True, exist_ok=True))
+    # One run per folder: rank 0 holds its lock unless the launching process does (par4d's launcher).
+    lock = on_rank0(lambda: None if held_by_launcher(out) else RunLock(out))
+    try:
+        return _run(config, stop, grid, out)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run(config: TrainConfig, stop: StopRequest, grid, out: Path) -> dict:
+    rank0 = grid.rank == 0
+    run = Folder(out)
     restart = restart_count()
     if restart and checkpoint.has_checkpoint(out):
         # Restarted by the elastic agent after a rank died: go on from the newest intact checkpoint
@@ -56,6 +68,10 @@ def run(config: TrainConfig, stop: StopRequest) -> dict:
         # verifies every file; each rank then checks only the files it reads.
         chosen = _broadcast(on_rank0(lambda: _newest_intact(out)))
         config = replace(config, resume=chosen is not None, checkpoint=chosen)
+    if config.resume and config.checkpoint is not None:
+        # Checkpoints newer than the one resumed from failed verification: renamed aside (never deleted),
+        # so that this run's saves and rotation never count them as its newest.
+        on_rank0(lambda: checkpoint.set_aside_newer(out, Path(config.checkpoint), _say))
 
     model_config = config.model_config()
     model = build_model(config, grid)
@@ -86,7 +102,7 @@ def run(config: TrainConfig, stop: StopRequest) -> dict:
     peak = config.peak_flops
     if peak is None:
         peak = on_rank0(lambda: measure_matmul_peak(threads=cpu_cores(), device=grid.device)) or 0.0
-    metrics = on_rank0(lambda: _open_metrics(out / "metrics.jsonl", start_step))
+    metrics = on_rank0(lambda: _open_metrics(run, start_step))
     progress = _progress_bar(config, grid, start_step) if rank0 else None
 
     tokens_per_step = batches.tokens_per_step
@@ -147,7 +163,7 @@ def run(config: TrainConfig, stop: StopRequest) -> dict:
 
     def finish() -> dict:
         metrics.close()
-        history = _read_metrics(out / "metrics.jsonl")
+        history = _read_metrics(run)
         steady = rates[1:] if len(rates) > 1 else rates   # the first step includes one-time warm-up
         tokens_per_s = sum(steady) / len(steady) if steady else 0.0
         # par4d's GPT: its config's count; a Hugging Face model: counted when it was built
@@ -176,8 +192,8 @@ def run(config: TrainConfig, stop: StopRequest) -> dict:
             "initial_loss": history[0]["loss"], "final_loss": history[-1]["loss"],
             "val_loss": val_loss, "data": source, "config": asdict(config),
         }
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
-        _plot(out, "mean squared error" if unet else "nats/byte")
+        run.write_text("summary.json", text=json.dumps(summary, indent=2))
+        _plot(run, "mean squared error" if unet else "nats/byte")
         return summary
 
     summary = on_rank0(finish) or {}
@@ -185,16 +201,17 @@ def run(config: TrainConfig, stop: StopRequest) -> dict:
     return summary
 
 
+def _say(line: str) -> None:
+    print(f"par4d train: {line}", flush=True)
+
+
 def _newest_intact(out: Path) -> str | None:
     """The checkpoint a restart resumes from; None when none is intact (the first save was
     interrupted): the run starts over."""
-    def say(line: str) -> None:
-        print(f"par4d train: {line}", flush=True)
-
     try:
-        return str(checkpoint.choose(out, report=say))
+        return str(checkpoint.choose(out, report=_say))
     except ValueError as error:
-        say(f"{error}; starting over")
+        _say(f"{error}; starting over")
         return None
 
 
@@ -246,39 +263,50 @@ def new_run_dir(grid: dict[str, int]) -> Path:
     return path
 
 
-def _read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+METRICS = "metrics.jsonl"
 
 
-def _open_metrics(path: Path, start_step: int):
+def _read_metrics(run: Folder) -> list[dict]:
+    """The records of ``metrics.jsonl``; a line that is not one (a write cut short by a kill) is skipped."""
+    records = []
+    for line in run.read_text(METRICS).splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and isinstance(record.get("loss"), float):
+            records.append(record)
+    return records
+
+
+def _open_metrics(run: Folder, start_step: int):
     """Open metrics.jsonl for appending after ``start_step``: records of steps past the
     checkpoint (written before an interruption) are dropped, since they are re-run."""
-    kept = [r for r in _read_metrics(path) if r["step"] <= start_step] if path.exists() and start_step else []
-    partial = path.with_suffix(".jsonl.tmp")    # replaced whole: a kill here leaves the old history
-    partial.write_text("".join(json.dumps(record) + "\n" for record in kept))
-    os.replace(partial, path)
-    return path.open("a")
+    kept = [r for r in _read_metrics(run) if r["step"] <= start_step] if start_step and run.exists(METRICS) else []
+    # replaced whole: a kill here leaves the old history
+    run.write_text(METRICS, text="".join(json.dumps(record) + "\n" for record in kept))
+    return run.append(METRICS)
 
 
 def _meta(config: TrainConfig) -> dict:
     return {"train_config": asdict(config), "model_config": asdict(config.model_config())}
 
 
-def _plot(out: Path, unit: str) -> None:
+def _plot(run: Folder, unit: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = _read_metrics(out / "metrics.jsonl")
+    rows = _read_metrics(run)
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1.2)
     ax.set_xlabel("step")
     ax.set_ylabel(f"training loss ({unit})")
-    ax.set_title(f"par4d train — {out.name}")
+    ax.set_title(f"par4d train — {run.name}")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out / "loss.png", dpi=110)
+    run.write_with("loss.png", write=lambda f: fig.savefig(f, format="png", dpi=110), sync=False)
     plt.close(fig)
 
 
@@ -322,9 +350,8 @@ def _log_failure(config: TrainConfig) -> None:
     rank = env.rank if env else 0
     path = failure_log(Path(config.out), rank)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as log:
+        with Folder(config.out).append("logs", path.name) as log:
             log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} rank {rank}, attempt {restart_count()}:\n")
             log.write(traceback.format_exc() + "\n")
-    except OSError:   # the log is a courtesy: the error itself still reaches the launcher
+    except (OSError, ValueError):   # the log is a courtesy: the error itself still reaches the launcher
         pass
