@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections import Counter
 from dataclasses import replace
@@ -132,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps({"rank": position, **pred.row(), **_days(pred, spec, args)}))
         for pred in excluded:
             print(json.dumps({"rank": None, **pred.row()}))
-        return 0
+        return 0 if ranked else 1
     print(f"{spec.name}: {spec.params() / 1e9:.1f}B parameters, batch {spec.tokens:,} tokens "
           f"({spec.global_batch} x {spec.seq_len}), {args.gpus} x {machine.name} "
           f"({machine.devices_per_node} per node), model '{args.variant}'"
@@ -167,6 +168,10 @@ def run(args: argparse.Namespace) -> int:
                 print(f"nothing fits: the smallest footprint is {best.mem_bytes / 1e9:.1f} GB at {grid} with "
                       f"{best.microbatches} microbatches; try a smaller --batch-tokens, --offload-optimizer, or "
                       f"more devices")
+    if not ranked:   # an empty table is not a plan: the exit status says so (1, as grep finding nothing)
+        print(f"par4d plan: no grid of {args.gpus:,} devices runs {spec.name} with this batch; see the reasons "
+              f"above", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -167,6 +167,12 @@ def _resumable(args: argparse.Namespace) -> tuple[Path, dict]:
         raise ValueError(f"--resume {run_dir} is not a par4d run folder (it has no {FOLDER}/ folder)")
     if args.init_from is not None:
         raise ValueError(f"--resume {run_dir} starts from the run's checkpoint; --init-from applies to a new run only")
+    from par4d.train.folder import Folder
+    from par4d.train.loop import METRICS
+
+    if Folder(run_dir).kind(METRICS) not in (None, "file"):   # the one file a resume reads besides checkpoints
+        raise ValueError(f"--resume {run_dir}: {run_dir / METRICS} is not a regular file (a link or a folder); "
+                         f"par4d reads and writes only regular files inside a run folder")
     folder, meta = check_resumable(run_dir, report=_say)
     from par4d.train.config import TrainConfig
 
@@ -313,7 +319,9 @@ def _new_config(args: argparse.Namespace, world: int, inside: bool):
     # Launched here: name the new run now. Under torchrun/srun rank 0 names it later.
     out = Path(args.out) if args.out else (None if distributed_env() else new_run_dir(grid))
     if out is not None and not _restarted_in(out, inside):
-        _check_new_out(out)
+        from par4d.train.lock import LOCK
+
+        _check_new_out(out, ignore=(LOCK,))   # a lock left by a run that ended before writing anything
     steps = _default("steps") if args.steps is None else args.steps
     return TrainConfig(grid=grid, out=None if out is None else str(out), steps=steps, data=args.data,
                        progress=not args.no_progress, peak_flops=peak, init_from=init_from, **chosen)

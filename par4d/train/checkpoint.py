@@ -179,7 +179,11 @@ def save(run_dir: Path, step: int, grid: Grid, model: nn.Module, optimizer: torc
                         "piece": {"file": file, "boxes": [b.as_list() for b in pieces]}}
     digest = None
     if owned:
-        target.write_file(file, write=lambda path: save_file(owned, path))   # on disk before the manifest
+        try:
+            target.write_file(file, write=lambda path: save_file(owned, path))   # on disk before the manifest
+        except (SafetensorError, OSError) as error:   # disk full, quota: the earlier checkpoints are intact
+            raise OSError(f"cannot write checkpoint file {target.path(file)} ({error}); the checkpoints before "
+                          f"step {step} are intact: make room and --resume") from None
         digest = {"file": file, "bytes": target.size(file), "sha256": target.sha256(file)}
     every = _gather((records, digest))
     layout = {key: record for stage in _gather(placements(grid, model)) for key, record in stage.items()}
