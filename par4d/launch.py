@@ -144,7 +144,43 @@ def launch_local(nproc: int, entrypoint: Callable, args: Sequence, run_id: str =
         rank, failure = error.get_first_failure()
         raise RankFailed(rank, _cause(failure)) from None
     except SignalException as error:
+        # A second Ctrl-C makes the agent stop waiting for its ranks, which may still be saving
+        # their step: wait for them here, so that what the caller reports is what they saved.
+        wait_for_children()
         raise Interrupted(error.sigval) from None
+
+
+def children(parent: int | None = None) -> list[int]:
+    """Live child processes of ``parent`` (default: this one), from /proc (empty where there is none);
+    exited ones not yet reaped (zombies) and multiprocessing's resource tracker are left out."""
+    parent = os.getpid() if parent is None else parent
+    found = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read()
+        except OSError:
+            continue
+        if int(fields[1]) == parent and fields[0] != "Z" and b"resource_tracker" not in command:
+            found.append(int(entry))
+    return found
+
+
+def wait_for_children(limit: float = 30.0) -> None:
+    """Wait up to ``limit`` seconds (torch's agent's own grace period) for this process's children
+    to exit; a further signal ends the wait."""
+    import time
+
+    deadline = time.monotonic() + limit
+    try:
+        while children() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except Exception:   # the agent's handler raises on a third signal: the user wants out now
+        pass
 
 
 def _cause(failure) -> str:

@@ -483,3 +483,18 @@ def test_errors_about_a_resumed_runs_own_values_name_the_run_not_a_flag(base, tm
     assert main(["train", "--resume", str(base), "--steps", "6", "--grid", "data=3"]) == 2
     err = capsys.readouterr().err
     assert "the run's batch_size 8 (train_config in its meta.json) is not divisible by data * z = 3 * 1" in err, err
+
+
+def test_an_interrupted_launcher_waits_for_its_ranks_before_saying_what_they_saved():
+    """After a second Ctrl-C torch's agent stops waiting for its ranks; par4d's launcher waits for them
+    (its own children), so the step it reports as saved is the one they saved."""
+    from par4d.launch import children, wait_for_children
+
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])
+    try:
+        assert rank.pid in children()
+        wait_for_children(limit=20)
+        assert rank.poll() is not None and rank.pid not in children()    # it had exited when the wait ended
+    finally:
+        rank.kill()
+        rank.wait()
