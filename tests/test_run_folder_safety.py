@@ -49,7 +49,7 @@ def _copy(base: Path, tmp_path: Path, name: str = "run") -> Path:
 def _outside(root: Path, run: Path) -> dict[str, bytes]:
     """SHA-256 of every file under ``root`` but inside ``run`` (links not followed): what must not change."""
     out = {}
-    for folder, dirs, files in os.walk(root):
+    for folder, _, files in os.walk(root):
         if Path(folder) == run or run in Path(folder).parents:
             continue
         for name in files:
@@ -498,3 +498,17 @@ def test_an_interrupted_launcher_waits_for_its_ranks_before_saying_what_they_sav
     finally:
         rank.kill()
         rank.wait()
+
+
+def _load_into_other_shapes(run: str) -> None:
+    from par4d.models import GPT, GPTConfig
+
+    grid = cases.grid(x=2)
+    model = GPT(GPTConfig(vocab_size=256, block_size=16, n_layer=1, n_head=2, n_embd=48), grid=grid)
+    checkpoint.load(Path(run), grid, model, torch.optim.AdamW(model.parameters()))
+
+
+def test_a_dense_model_of_other_shapes_is_refused_naming_the_tensor_not_phantom_layers(base, pool2):
+    for message in pool2.errors(_load_into_other_shapes, str(base), timeout=60):
+        assert "model/wte.weight has full shape (256, 32), this model (256, 48)" in message, message
+        assert "phantom" not in message

@@ -170,9 +170,14 @@ def _resumable(args: argparse.Namespace) -> tuple[Path, dict]:
     from par4d.train.folder import Folder
     from par4d.train.loop import METRICS
 
-    if Folder(run_dir).kind(METRICS) not in (None, "file"):   # the one file a resume reads besides checkpoints
+    files = Folder(run_dir)
+    if files.kind(METRICS) not in (None, "file"):   # the one file a resume reads besides checkpoints
         raise ValueError(f"--resume {run_dir}: {run_dir / METRICS} is not a regular file (a link or a folder); "
                          f"par4d reads and writes only regular files inside a run folder")
+    for name in ("summary.json", "loss.png"):     # replaced at the end (a link among them too): not a folder
+        if files.kind(name) not in (None, "file", "link"):
+            raise ValueError(f"--resume {run_dir}: {run_dir / name} is not a file; the run writes its {name} "
+                             f"there (move it away)")
     folder, meta = check_resumable(run_dir, report=_say)
     from par4d.train.config import TrainConfig
 

@@ -586,7 +586,8 @@ def _full_shape_problem(checkpoint: Checkpoint, key: str, full: tuple[int, ...],
         return f"checkpoint {checkpoint.path} has no {key!r}"
     if tuple(record["shape"]) != tuple(full):
         why = " (phantom layers' shapes depend on the grid's x)" if phantom else ""
-        return f"checkpoint {checkpoint.path}: {key} has full shape {tuple(record['shape'])}, this model {tuple(full)}{why}"
+        return (f"checkpoint {checkpoint.path}: {key} has full shape {tuple(record['shape'])}, "
+                f"this model {tuple(full)}{why}")
     return None
 
 

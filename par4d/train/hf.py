@@ -110,7 +110,7 @@ def _read_config(folder: Path) -> dict:
         raise ValueError(f"{path} is missing: {folder} is not a Hugging Face model folder")
     try:
         config = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as error:
+    except (ValueError, UnicodeDecodeError, RecursionError) as error:
         raise ValueError(f"{path} is not JSON ({error})") from None
     if not isinstance(config, dict):
         raise ValueError(f"{path} holds a JSON {type(config).__name__}, not an object")
