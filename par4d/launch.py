@@ -170,14 +170,15 @@ def children(parent: int | None = None) -> list[int]:
     return found
 
 
-def wait_for_children(limit: float = 30.0) -> None:
+def wait_for_children(limit: float = 30.0, pids: list[int] | None = None) -> None:
     """Wait up to ``limit`` seconds (torch's agent's own grace period) for this process's children
-    to exit; a further signal ends the wait."""
+    (``pids`` of them; default: all, the ranks) to exit; a further signal ends the wait."""
     import time
 
     deadline = time.monotonic() + limit
+    waited = set(children() if pids is None else pids)
     try:
-        while children() and time.monotonic() < deadline:
+        while waited & set(children()) and time.monotonic() < deadline:
             time.sleep(0.05)
     except Exception:   # the agent's handler raises on a third signal: the user wants out now
         pass

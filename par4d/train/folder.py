@@ -30,7 +30,7 @@ from typing import BinaryIO
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-JSON_LIMIT = 64 << 20       # bytes: the largest JSON file read (an index of a very large model is a few MB)
+JSON_LIMIT = 1 << 30       # bytes: the largest JSON file read (an index of 1,000 ranks x 1,000 tensors is ~100 MB)
 PROC_FD = Path("/proc/self/fd")
 
 
