@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 
 _LAZY = {"AXES": "par4d.grid", "Axis": "par4d.grid", "Grid": "par4d.grid", "init": "par4d.launch", "nn": "par4d.nn",
          "Overlap": "par4d.overlap", "parallelize": "par4d.auto", "load_safetensors": "par4d.auto",
-         "sync_gradients": "par4d.data_parallel", "clip_grad_norm_": "par4d.data_parallel"}
+         "sync_gradients": "par4d.optim.data_parallel", "clip_grad_norm_": "par4d.optim.data_parallel"}
 
 
 def __getattr__(name: str):

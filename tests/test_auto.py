@@ -11,9 +11,9 @@ import torch
 import torch.nn as nn
 
 import par4d
-from par4d.data_parallel import global_mean, sync_gradients
 from par4d.layout import shard_batch
 from par4d.nn import full_state_dict
+from par4d.optim.data_parallel import global_mean, sync_gradients
 from tests import cases
 
 STEPS = 3

@@ -64,7 +64,7 @@ def _full_optimizer_state(grid, model, opt) -> dict:
 
 
 def _global_loss(model, grid, seed) -> float:
-    from par4d.data_parallel import global_mean
+    from par4d.optim.data_parallel import global_mean
 
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, CONFIG.vocab_size, (4, CONFIG.block_size + 1), generator=gen)

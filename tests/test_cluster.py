@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from par4d.cluster import ClusterSpec, EmulatedCluster, launch_cluster, leftover_namespaces, unavailable_reason
+from par4d.launch.cluster import ClusterSpec, EmulatedCluster, launch_cluster, leftover_namespaces, unavailable_reason
 from tests import cluster_cases
 
 needs_root = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
@@ -44,7 +44,7 @@ def test_cleanup_when_interrupted(tmp_path):
     script.write_text(
         "import sys, time\n"
         f"sys.path.insert(0, {str(cluster_cases.__file__.rsplit('/tests/', 1)[0])!r})\n"
-        "from par4d.cluster import ClusterSpec, EmulatedCluster\n"
+        "from par4d.launch.cluster import ClusterSpec, EmulatedCluster\n"
         "with EmulatedCluster(ClusterSpec(2, 1)):\n"
         "    print('up', flush=True)\n"
         "    time.sleep(60)\n")

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from par4d.data_parallel import global_mean, sync_gradients
 from par4d.layout import shard_batch
 from par4d.models import GPT, GPTConfig, ReferenceGPT
+from par4d.optim.data_parallel import global_mean, sync_gradients
 from par4d.train.model import build_gpt, build_reference
 from tests import cases
 
@@ -123,7 +123,7 @@ def test_gpt_with_phantom_mlp_matches_twin(pool4, sizes):
 
 
 def _clipped_like_torch(sizes: dict) -> float:
-    from par4d.data_parallel import clip_grad_norm_
+    from par4d.optim.data_parallel import clip_grad_norm_
 
     grid = cases.grid(**sizes)
     twin, model = ReferenceGPT(CONFIG), GPT(CONFIG, grid=grid)

@@ -82,7 +82,7 @@ def test_an_exported_run_computes_the_same_logits_in_transformers(exported):
 def _load_and_check(sizes: dict, out: str, state: dict) -> float:
     """load_hf into a differently initialized GPT: every rank's shards are exactly the exported tensors' and
     the model's loss is the global one."""
-    from par4d.data_parallel import global_mean
+    from par4d.optim.data_parallel import global_mean
 
     grid = cases.grid(**sizes)
     model = build_gpt(replace(CONFIG, seed=1), grid)

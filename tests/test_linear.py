@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import par4d
-from par4d.data_parallel import sync_gradients
 from par4d.layout import shard_activation
+from par4d.optim.data_parallel import sync_gradients
 from tests import cases
 
 GRIDS_4 = cases.factorizations(4)

@@ -12,12 +12,12 @@ microbatch.
 import pytest
 import torch
 
-from par4d.data_parallel import gradient_sync
 from par4d.layout import shard_batch
 from par4d.models import GPT, GPTConfig
 from par4d.nn import Linear
+from par4d.optim.data_parallel import gradient_sync
+from par4d.optim.precision import MixedPrecision
 from par4d.overlap import Overlap
-from par4d.precision import MixedPrecision
 from par4d.train.step import train_step
 from tests import cases
 

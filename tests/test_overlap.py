@@ -19,10 +19,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from par4d.data_parallel import gradient_sync
 from par4d.layout import shard_batch, shard_features
 from par4d.models import GPT, GPTConfig
 from par4d.nn import Linear, set_overlap
+from par4d.optim.data_parallel import gradient_sync
 from par4d.overlap import NAMES, Overlap, recompute_spacing
 from par4d.train.step import train_step
 from tests import cases

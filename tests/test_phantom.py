@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from par4d.data_parallel import sync_gradients
 from par4d.layout import shard_activation
+from par4d.optim.data_parallel import sync_gradients
 from par4d.phantom import PhantomFFN, block_matrix, parameter_count
 from tests import cases
 

@@ -4,9 +4,9 @@ gradient, and parameters after AdamW steps, on real grids with and without recom
 import pytest
 import torch
 
-from par4d.data_parallel import global_mean, sync_gradients
 from par4d.layout import shard_batch
 from par4d.models import GPTConfig
+from par4d.optim.data_parallel import global_mean, sync_gradients
 from par4d.pipeline import run_pipeline
 from par4d.train.model import build_gpt, build_reference
 from tests import cases

@@ -7,7 +7,7 @@ import torch
 
 from par4d.layout import shard_batch
 from par4d.models import GPTConfig
-from par4d.precision import INITIAL_SCALE, MixedPrecision
+from par4d.optim.precision import INITIAL_SCALE, MixedPrecision
 from par4d.train import checkpoint
 from par4d.train.model import build_gpt
 from par4d.train.step import train_step
@@ -116,7 +116,7 @@ def _offloaded(sizes: dict, bsize: int, folder: str) -> dict:
     AdamW steps; the device holds 4 phi + 16 bsize bytes; its checkpoint loads into fp32."""
     from pathlib import Path
 
-    from par4d.data_parallel import gradient_sync
+    from par4d.optim.data_parallel import gradient_sync
     from par4d.pipeline import run_pipeline
 
     grid = cases.grid(**sizes)
@@ -166,8 +166,8 @@ def _overlapped_step(sizes: dict) -> dict:
     """bf16, offloaded, no clipping: each all-reduce bucket is stepped while the later ones are
     in flight (Section V-C), and the masters and moments are bit for bit those of stepping after
     the whole all-reduce."""
-    from par4d.data_parallel import gradient_sync
     from par4d.nn import set_overlap
+    from par4d.optim.data_parallel import gradient_sync
     from par4d.overlap import Overlap
 
     grid = cases.grid(**sizes)

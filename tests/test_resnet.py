@@ -17,9 +17,9 @@ import torch.nn.functional as F
 
 import par4d
 from par4d import comm
-from par4d.data_parallel import global_mean, sync_gradients
 from par4d.layout import batch_slice, shard_batch
 from par4d.nn import BatchNorm, full_state_dict
+from par4d.optim.data_parallel import global_mean, sync_gradients
 from par4d.train.step import train_step
 from tests import cases
 from tests.resnet import ResNet18

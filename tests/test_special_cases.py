@@ -11,9 +11,9 @@ import torch
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from par4d.data_parallel import sync_gradients
 from par4d.layout import shard_batch
 from par4d.models import GPT, GPTConfig, ReferenceGPT
+from par4d.optim.data_parallel import sync_gradients
 from tests import cases
 
 CONFIG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=4, n_embd=16, seed=5)

@@ -4,10 +4,10 @@ loss, every gradient, and parameters after 3 AdamW steps, in float64."""
 import pytest
 import torch
 
-from par4d.data_parallel import global_mean, sync_gradients
 from par4d.layout import shard_activation
 from par4d.models.unet import ReferenceUNet, UNet, UNetConfig
 from par4d.nn import full_state_dict
+from par4d.optim.data_parallel import global_mean, sync_gradients
 from tests import cases
 
 CONFIG = UNetConfig(channels=4, width=8, levels=2, seed=3)

@@ -74,10 +74,10 @@ import torch.distributed as dist
 from par4d.bench.common import emit, launch, where
 from par4d.grid import Grid, parse_grid, validate_sizes
 from par4d.launch import distributed_env, init, join
+from par4d.launch.machine import threads_per_rank
 from par4d.layout import placement_of, shard_batch, shard_name, unshard
 from par4d.models import GPTConfig
 from par4d.overlap import Overlap
-from par4d.perf import threads_per_rank
 from par4d.train import checkpoint
 from par4d.train.config import TrainConfig
 from par4d.train.model import build_gpt, build_reference

@@ -18,7 +18,7 @@ def launch(worker: Callable, args: Sequence, nproc: int, nodes: int | None, link
     nodes of ``nproc`` ranks each joined by ``link``."""
     if not nodes:
         return launch_local(nproc, worker, args, run_id=run_id)[0]
-    from par4d.cluster import ClusterSpec, launch_cluster
+    from par4d.launch.cluster import ClusterSpec, launch_cluster
 
     return launch_cluster(ClusterSpec(nodes, nproc, link), worker, args)[0]
 
@@ -28,7 +28,7 @@ def check_cluster(nproc: int, nodes: int | None, link: str) -> None:
     (a bad ``link``, no root, no network namespaces)."""
     if nodes is None:
         return
-    from par4d.cluster import ClusterSpec, ClusterUnavailable, unavailable_reason
+    from par4d.launch.cluster import ClusterSpec, ClusterUnavailable, unavailable_reason
 
     ClusterSpec(nodes, nproc, link)     # checks the link rate
     reason = unavailable_reason()

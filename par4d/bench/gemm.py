@@ -15,8 +15,8 @@ import time
 
 import torch
 
+from par4d.launch.machine import cpu_cores
 from par4d.nn.gemm import FORMS, apply, distinct_forms
-from par4d.perf import cpu_cores
 
 
 def _time(form: int, a: torch.Tensor, b: torch.Tensor, repeats: int) -> float:

@@ -24,9 +24,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from par4d.bench.common import emit, sum_over_ranks
 from par4d.launch import launch_local
+from par4d.launch.machine import cpu_cores, measure_matmul_peak, threads_per_rank
 from par4d.layout import block
 from par4d.models import ReferenceGPT
-from par4d.perf import cpu_cores, measure_matmul_peak, threads_per_rank
 from par4d.plan.measure import BATCH, CONFIG, batch, grids, time_grid, time_iterations
 
 

@@ -40,15 +40,15 @@ import torch
 import torch.distributed as dist
 
 from par4d.bench.common import check_cluster, emit, launch, where
-from par4d.data_parallel import global_mean, gradient_sync
 from par4d.grid import Grid
 from par4d.launch import distributed_env, init, join
+from par4d.launch.machine import threads_per_rank
 from par4d.layout import block, shard_batch
 from par4d.models import GPT, GPTConfig, ReferenceGPT
 from par4d.nn import set_overlap
+from par4d.optim.data_parallel import global_mean, gradient_sync
+from par4d.optim.precision import MixedPrecision
 from par4d.overlap import Overlap
-from par4d.perf import threads_per_rank
-from par4d.precision import MixedPrecision
 from par4d.train.model import build_gpt
 from par4d.train.step import train_step
 

@@ -34,15 +34,15 @@ import torch
 import torch.distributed as dist
 
 from par4d.bench.common import emit, launch, sum_over_ranks, where
-from par4d.data_parallel import gradient_sync
 from par4d.grid import Grid, parse_grid, validate_sizes
 from par4d.launch import init
+from par4d.launch.machine import threads_per_rank
 from par4d.layout import shard_batch
 from par4d.ledger import in_flight_seconds
 from par4d.models import GPT, GPTConfig
 from par4d.nn import set_overlap
+from par4d.optim.data_parallel import gradient_sync
 from par4d.overlap import Overlap, recompute_spacing
-from par4d.perf import threads_per_rank
 from par4d.train.step import train_step
 
 ROWS = (("none", ()), ("+oar", ("oar",)), ("+ors", ("oar", "ors")), ("+oag", ("oar", "ors", "oag")),

@@ -45,9 +45,9 @@ import torch.nn.functional as F
 from par4d.bench.common import check_cluster, emit, launch, sum_over_ranks, where
 from par4d.bench.grid import _C10dBytes, _row
 from par4d.launch import distributed_env, join
+from par4d.launch.machine import cpu_cores, measure_matmul_peak, threads_per_rank
 from par4d.layout import block
 from par4d.models import ReferenceGPT
-from par4d.perf import cpu_cores, measure_matmul_peak, threads_per_rank
 from par4d.plan.measure import BATCH, CONFIG, WARMUP, batch, grids, time_grid, time_iterations
 
 if TYPE_CHECKING:

@@ -132,7 +132,7 @@ def _run_scheme(settings: CompareSettings, grid, scheme: str, k: int | None) -> 
 
 def compare_worker(settings: CompareSettings) -> dict:
     from par4d.launch import init
-    from par4d.perf import threads_per_rank
+    from par4d.launch.machine import threads_per_rank
 
     torch.set_num_threads(threads_per_rank(settings.p))
     grid = init(x=settings.p)

@@ -102,11 +102,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from par4d.bench.common import check_cluster, emit, launch, where
-from par4d.data_parallel import gradient_sync
 from par4d.grid import Grid
 from par4d.launch import init
+from par4d.launch.machine import threads_per_rank
 from par4d.models import GPT, GPTConfig
-from par4d.perf import threads_per_rank
+from par4d.optim.data_parallel import gradient_sync
 from par4d.pipeline import run_pipeline
 from par4d.train.model import build_gpt, build_reference
 

@@ -23,8 +23,8 @@ import signal
 import sys
 
 from par4d.cli import bench, calibrate, cluster, export, phantom, plan, train
-from par4d.cluster import ClusterUnavailable
 from par4d.launch import Interrupted, RankFailed
+from par4d.launch.cluster import ClusterUnavailable
 
 # In the order `par4d --help` lists them; each module's name is its command's.
 COMMANDS = (train, export, plan, calibrate, cluster, phantom, bench)

@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
 
     cluster = None
     if args.nodes is not None:
-        from par4d.cluster import ClusterSpec
+        from par4d.launch.cluster import ClusterSpec
 
         cluster = ClusterSpec(args.nodes, args.nproc, args.link)
     result = calibrate(args.nproc, Path(args.out), args.repeats, cluster)

@@ -20,7 +20,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import subprocess
 
-    from par4d.cluster import ClusterSpec, EmulatedCluster, leftover_namespaces
+    from par4d.launch.cluster import ClusterSpec, EmulatedCluster, leftover_namespaces
 
     if args.cluster == "clean":
         for ns in leftover_namespaces():

@@ -194,7 +194,7 @@ def _validate(args: argparse.Namespace) -> int:
 
     cluster = None
     if args.nodes is not None:
-        from par4d.cluster import ClusterSpec
+        from par4d.launch.cluster import ClusterSpec
 
         cluster = ClusterSpec(args.nodes, args.nproc, args.link)
     elif args.nproc < 2:

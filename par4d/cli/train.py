@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         return _finish(summary, quiet=rank != 0)
     import os
 
-    from par4d.perf import cpu_cores, measure_matmul_peak
+    from par4d.launch.machine import cpu_cores, measure_matmul_peak
     from par4d.train.lock import HELD_ENV, LOCK, RunLock
 
     with RunLock(config.out):    # one run per folder, from here until the ranks are gone
@@ -256,7 +256,7 @@ def _config(args: argparse.Namespace, world: int, inside: bool, resumed: tuple[P
     """The run's ``TrainConfig``; every error a rank would raise on its grid is raised here, before any starts."""
     from par4d.grid import Grid, validate_sizes
     from par4d.launch import distributed_env
-    from par4d.perf import host_memory
+    from par4d.launch.machine import host_memory
     from par4d.train.data import BUNDLED, read_corpus
     from par4d.train.model import build_model
 

@@ -40,7 +40,7 @@ class CalibrationSettings:
 def _measure_worker(settings: CalibrationSettings) -> list[dict]:
     import par4d
     from par4d import comm
-    from par4d.perf import threads_per_rank
+    from par4d.launch.machine import threads_per_rank
 
     torch.set_num_threads(threads_per_rank(settings.nproc))
     rows = []
@@ -99,7 +99,7 @@ def calibrate(nproc: int, out: Path, repeats: int = 5, cluster=None) -> dict:
     """Measure on ``nproc`` local ranks, or on an emulated ``cluster`` (a ClusterSpec):
     then groups inside a node give β_intra and the one ring over all ranks β_inter."""
     from par4d.launch import launch_local
-    from par4d.perf import cpu_cores, measure_matmul_peak
+    from par4d.launch.machine import cpu_cores, measure_matmul_peak
     from par4d.plan.machines import Machine
 
     if cluster is not None:
@@ -112,7 +112,7 @@ def calibrate(nproc: int, out: Path, repeats: int = 5, cluster=None) -> dict:
         rows = launch_local(nproc, _measure_worker, (settings,), run_id="par4d-calibrate")[0]
         per_node, name, intra_rows, inter_rows = nproc, f"local-{nproc}", rows, rows
     else:
-        from par4d.cluster import launch_cluster
+        from par4d.launch.cluster import launch_cluster
 
         rows = launch_cluster(cluster, _measure_worker, (settings,))[0]
         per_node, name = cluster.ranks_per_node, f"emulated-{cluster.nodes}x{cluster.ranks_per_node}-{cluster.link}"

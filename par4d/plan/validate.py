@@ -95,7 +95,7 @@ def _measure_worker(settings, shapes: list[dict[str, int]], passes: int) -> list
     import torch
     import torch.distributed as dist
 
-    from par4d.perf import threads_per_rank
+    from par4d.launch.machine import threads_per_rank
     from par4d.plan.measure import time_grid
 
     torch.set_num_threads(threads_per_rank(settings.nproc))
@@ -138,7 +138,7 @@ def validate(nproc: int, machine: Machine, iters: int, plot: Path | None,
         measured = launch_local(nproc, _measure_worker, args, run_id="par4d-validate")[0]
         title = f"--nproc {nproc}"
     else:
-        from par4d.cluster import launch_cluster
+        from par4d.launch.cluster import launch_cluster
 
         measured = launch_cluster(cluster, _measure_worker, args)[0]
         title = f"--nodes {cluster.nodes} --nproc {cluster.ranks_per_node} --link {cluster.link}"
@@ -155,7 +155,7 @@ def _profiled_compute(shapes: list[dict[str, int]], world: int) -> list[float]:
     measurement's threads per rank, scaled by :func:`cores_shared`."""
     import torch
 
-    from par4d.perf import cpu_cores, threads_per_rank
+    from par4d.launch.machine import cpu_cores, threads_per_rank
     from par4d.plan.profile import cores_shared, profile_compute
 
     threads = threads_per_rank(world)

@@ -89,7 +89,7 @@ def placements(grid: Grid, model: nn.Module) -> dict[str, dict]:
 
 def _buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The persistent buffers a ``state_dict`` holds (batch norms' running statistics), by name. Mixed
-    precision's masters (:class:`par4d.precision.Masters`) hold parameters only: none there."""
+    precision's masters (:class:`par4d.optim.precision.Masters`) hold parameters only: none there."""
     for prefix, module in model.named_modules() if isinstance(model, nn.Module) else ():
         for name, buffer in module._buffers.items():
             if buffer is not None and name not in module._non_persistent_buffers_set:

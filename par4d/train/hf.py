@@ -290,7 +290,7 @@ def _model_config(folder: Path, meta: dict) -> GPTConfig:
         config = GPTConfig(**record)
     except (TypeError, ValueError) as error:
         raise ValueError(f"{folder / 'meta.json'}: model_config is not a GPTConfig ({error})") from None
-    from par4d.perf import host_memory
+    from par4d.launch.machine import host_memory
 
     need, memory = 4 * config.num_params(), host_memory()   # export holds every parameter whole, in fp32
     if need > (memory or 1 << 50):

@@ -15,12 +15,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from par4d.data_parallel import global_mean
 from par4d.launch import distributed_env, init
+from par4d.launch.machine import cpu_cores, measure_matmul_peak, threads_per_rank
 from par4d.ledger import in_flight_seconds
-from par4d.perf import cpu_cores, measure_matmul_peak, threads_per_rank
+from par4d.optim.data_parallel import global_mean
+from par4d.optim.precision import MixedPrecision, parse_precision
 from par4d.pipeline import evaluate_pipeline
-from par4d.precision import MixedPrecision, parse_precision
 from par4d.train import checkpoint
 from par4d.train.config import TrainConfig
 from par4d.train.data import Batches, Images, training_data

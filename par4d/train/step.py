@@ -11,10 +11,10 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from par4d.data_parallel import clip_grad_norm_, gradient_sync
 from par4d.grid import Grid
+from par4d.optim.data_parallel import clip_grad_norm_, gradient_sync
+from par4d.optim.precision import MixedPrecision
 from par4d.pipeline import run_pipeline, split_microbatches, weighted_backward
-from par4d.precision import MixedPrecision
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, grid: Grid,

@@ -168,7 +168,7 @@ class GradientSync:
             bucket.flat = torch.empty(0)     # nothing to sum (no gradients at all): done
             return
         bucket.flat = _flatten_dense_tensors(bucket.grads)
-        if self.reduce_dtype is not None:   # mixed precision may sum half gradients in fp32 (par4d.precision)
+        if self.reduce_dtype is not None:   # mixed precision may sum half gradients in fp32 (par4d.optim.precision)
             bucket.flat = bucket.flat.to(self.reduce_dtype)
         bucket.handle = comm.all_reduce(self.grid, bucket.flat, *axes, async_op=True)
 

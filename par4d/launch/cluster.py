@@ -178,7 +178,7 @@ class EmulatedCluster:
         try:
             payload = work / "payload.pkl"
             payload.write_bytes(pickle.dumps((fn, tuple(args))))
-            self.run_command(["-m", "par4d.cluster", str(payload), str(work / "result-{rank}.pkl")], timeout)
+            self.run_command(["-m", "par4d.launch.cluster", str(payload), str(work / "result-{rank}.pkl")], timeout)
             return pickle.loads((work / "result-0.pkl").read_bytes())
         finally:
             shutil.rmtree(work, ignore_errors=True)

@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from par4d.data_parallel import GradientSync, clip_factor, clip_grad_norm_, grad_norm
 from par4d.grid import Grid
 from par4d.layout import place, placement_of
-from par4d.offload import OffloadedAdamW
+from par4d.optim.data_parallel import GradientSync, clip_factor, clip_grad_norm_, grad_norm
+from par4d.optim.offload import OffloadedAdamW
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 INITIAL_SCALE = 2.0 ** 16     # fp16's scale at the start (halved on every overflow)
@@ -69,7 +69,7 @@ class MixedPrecision:
         """``reduce_in_fp32``: sum gradients over data x z in fp32 (else in the compute dtype:
         half the bytes, and fp16's sum may overflow: the loss scale then drops).
         ``offload_bsize``: keep the masters and the optimizer's state in CPU memory and step
-        them through the device that many elements at a time (:mod:`par4d.offload`)."""
+        them through the device that many elements at a time (:mod:`par4d.optim.offload`)."""
         if dtype not in DTYPES.values():
             raise ValueError(f"mixed precision computes in {', '.join(DTYPES)}, not {dtype}")
         self.model, self.grid, self.dtype = model, grid, dtype
