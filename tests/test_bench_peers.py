@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from par4d.bench import peers
+from par4d.bench import peers, torch_peers
 from par4d.bench.peers import TPAttention, add_ratios, markdown, summary, validate
 from par4d.cli import main
 from par4d.models import ReferenceGPT
@@ -37,7 +37,7 @@ def test_world_without_a_par4d_grid_is_refused(monkeypatch):
 ])
 def test_valid_shapes_pass_with_the_meshes_they_run_on(nproc, nodes, hsdp, tp):
     validate(nproc, nodes, 1)       # raises on a shape it refuses
-    assert (peers.hsdp_shape(nproc, nodes), peers.tp_shape(nproc, nodes)) == (hsdp, tp)
+    assert (torch_peers.hsdp_shape(nproc, nodes), torch_peers.tp_shape(nproc, nodes)) == (hsdp, tp)
     world = nproc * (nodes or 1)
     assert all(peers.grids(world, batch=w.sequences) for w in peers.workloads(world))
 
@@ -110,7 +110,7 @@ def test_ddp_with_and_without_sync_are_timed_in_turns(monkeypatch):
 
 
 def test_throughput_is_recounted_for_the_workloads_tokens():
-    from par4d.bench.grid import _row as grid_row
+    from par4d.bench.common import grid_row
 
     row = peers._for_workload(grid_row("par4d", {}, [0.5], 0, 1e9, "ledger"), peers.Workload("comm-bound", 4, 32), 1e9)
     assert row["tokens_per_s"] == pytest.approx(4 * 32 / 0.5)

@@ -429,12 +429,12 @@ def _gathered(record: dict) -> list[dict]:
 
 def checkpoint_worker(bench: CheckpointBench) -> list[dict] | None:
     """Every round on this job's ranks; rank 0 returns the rows (others None). Leaves the job joined."""
-    from par4d.bench.peers import PeersSettings, _destroy_groups, _mesh
+    from par4d.bench.torch_peers import destroy_groups, peer_mesh
 
     join(distributed_env())
     torch.set_num_threads(threads_per_rank(bench.world))
-    settings = PeersSettings(bench.nproc, None, 1, 0.0)
-    meshes = (_mesh("fsdp", settings), _mesh("hsdp", settings))   # one pair for every round: see peers_worker
+    # one pair for every round: see peers_worker
+    meshes = tuple(peer_mesh(kind, bench.world, bench.nproc, None) for kind in ("fsdp", "hsdp"))
     work = Path(bench.workdir)
     per_rank: dict[tuple[str, str], list[list[dict]]] = {key: [] for key in NAMES}
     for r in range(bench.repeats):
@@ -444,7 +444,7 @@ def checkpoint_worker(bench: CheckpointBench) -> list[dict] | None:
             per_rank[(framework, "save")].append(_gathered(save))
             per_rank[(framework, "load")].append(_gathered(load))
     for mesh in meshes:
-        _destroy_groups(mesh)
+        destroy_groups(mesh)
     return _rows(bench, per_rank) if dist.get_rank() == 0 else None
 
 
@@ -455,7 +455,7 @@ def launched_worker(bench: CheckpointBench) -> list[dict] | None:
 
 
 def _rows(bench: CheckpointBench, per_rank: dict[tuple[str, str], list[list[dict]]]) -> list[dict]:
-    from par4d.bench.peers import hsdp_shape
+    from par4d.bench.torch_peers import hsdp_shape
 
     replicate, shard = hsdp_shape(bench.nproc, None)
     sharding = {("par4d", "save"): _short(bench.grid_from), ("par4d", "load"): _short(bench.grid_to),

@@ -4,6 +4,7 @@ sum a number over ranks, and write its rows as JSON lines."""
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from par4d.launch import launch_local
+from par4d.plan.measure import BATCH, CONFIG
 
 
 def launch(worker: Callable, args: Sequence, nproc: int, nodes: int | None, link: str, run_id: str):
@@ -59,3 +61,16 @@ def emit(rows: list[dict], out: str | None, as_json: bool) -> bool:
         for row in rows:
             print(json.dumps(row))
     return as_json
+
+
+def grid_row(name: str, sizes: dict[str, int], times: list[float], bytes_per_iter: float, peak: float,
+             bytes_source: str) -> dict:
+    """A row of the demo workload (par4d's GPT on its batch): median seconds per iteration, tokens/s, % of
+    ``peak``, the bytes one iteration's collectives move (``bytes_source``: how they were counted)."""
+    s = statistics.median(times)
+    tokens = BATCH * CONFIG.block_size / s
+    flops = CONFIG.flops_per_token() * tokens
+    return {"framework": "par4d" if name == "par4d" else "torch", "name": name,
+            "grid": " ".join(f"{a}={sizes.get(a, 1)}" for a in ("x", "y", "z", "data")),
+            "s_per_iter": s, "tokens_per_s": tokens, "percent_of_peak": 100 * flops / peak,
+            "bytes_per_iter": int(bytes_per_iter), "bytes_source": bytes_source, "iters": len(times)}

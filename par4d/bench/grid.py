@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from par4d.bench.common import emit, sum_over_ranks
+from par4d.bench.common import emit, grid_row, sum_over_ranks
+from par4d.bench.torch_peers import C10dBytes
 from par4d.launch import launch_local
 from par4d.launch.machine import cpu_cores, measure_matmul_peak, threads_per_rank
 from par4d.layout import block
@@ -37,40 +36,9 @@ class BenchSettings:
     peak_flops: float
 
 
-class _C10dBytes(TorchDispatchMode):
-    """Counts the per-rank input bytes of c10d collectives issued through the dispatcher."""
-
-    OPS = ("allgather", "reduce_scatter", "allreduce", "_allgather_base", "_reduce_scatter_base")
-
-    def __init__(self):
-        super().__init__()
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.__name__.split(".")[0]
-        if func.namespace == "c10d" and any(name.startswith(op) for op in self.OPS):
-            inputs = args[1] if name.startswith(("allgather", "reduce_scatter", "_allgather", "_reduce")) else args[0]
-            for t in inputs if isinstance(inputs, (list, tuple)) else [inputs]:
-                for leaf in t if isinstance(t, (list, tuple)) else [t]:
-                    if isinstance(leaf, torch.Tensor):
-                        self.bytes += leaf.numel() * leaf.element_size()
-        return func(*args, **(kwargs or {}))
-
-
-def _row(name: str, sizes: dict[str, int], times: list[float], bytes_per_iter: float, peak: float,
-         bytes_source: str) -> dict:
-    s = statistics.median(times)
-    tokens = BATCH * CONFIG.block_size / s
-    flops = CONFIG.flops_per_token() * tokens
-    return {"framework": "par4d" if name == "par4d" else "torch", "name": name,
-            "grid": " ".join(f"{a}={sizes.get(a, 1)}" for a in ("x", "y", "z", "data")),
-            "s_per_iter": s, "tokens_per_s": tokens, "percent_of_peak": 100 * flops / peak,
-            "bytes_per_iter": int(bytes_per_iter), "bytes_source": bytes_source, "iters": len(times)}
-
-
 def _bench_par4d(sizes: dict[str, int], settings: BenchSettings) -> dict:
     times, per_rank = time_grid(sizes, settings.iters)
-    return _row("par4d", sizes, times, sum_over_ranks(per_rank), settings.peak_flops, "ledger")
+    return grid_row("par4d", sizes, times, sum_over_ranks(per_rank), settings.peak_flops, "ledger")
 
 
 def _bench_torch(kind: str, settings: BenchSettings) -> dict:
@@ -105,12 +73,12 @@ def _bench_torch(kind: str, settings: BenchSettings) -> dict:
         per_rank, source = sum(p.numel() * p.element_size() for p in twin.parameters()), "gradient bytes"
         name = "torch DDP"
     else:
-        counter = _C10dBytes()   # one more, untimed iteration: the dispatch hook costs time
+        counter = C10dBytes()   # one more, untimed iteration: the dispatch hook costs time
         with counter:
             step()
         per_rank, source = counter.bytes, "c10d dispatch"
         name = "torch FSDP2"
-    return _row(name, sizes, times, sum_over_ranks(per_rank), settings.peak_flops, source)
+    return grid_row(name, sizes, times, sum_over_ranks(per_rank), settings.peak_flops, source)
 
 
 def bench_rows(settings: BenchSettings) -> list[dict]:

@@ -6,7 +6,7 @@ replicated across nodes; without ``--nodes`` a (2, nproc/2) mesh), FSDP2 + DTens
 tensor parallelism (TP inside a node, FSDP across; without ``--nodes`` TP over 2 ranks),
 and par4d on every grid that divides the model and batch. Each rank trains on its own
 block of the global batch, as ``par4d bench grid`` does; the ranks of one TP group share
-a block. Columns and byte counts are bench grid's (its ``_row``), plus ``ratio_to_best_peer``:
+a block. Columns and byte counts are bench grid's (``bench.common.grid_row``), plus ``ratio_to_best_peer``:
 a row's s/iter over the fastest torch row's of the same workload.
 
 Two workloads, both always run:
@@ -42,8 +42,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from par4d.bench.common import check_cluster, emit, launch, sum_over_ranks, where
-from par4d.bench.grid import _C10dBytes, _row
+from par4d.bench.common import check_cluster, emit, grid_row, launch, sum_over_ranks, where
+from par4d.bench.torch_peers import KINDS, C10dBytes, destroy_groups, peer_mesh, tp_shape
 from par4d.launch import distributed_env, join
 from par4d.launch.machine import cpu_cores, measure_matmul_peak, threads_per_rank
 from par4d.layout import block
@@ -53,7 +53,7 @@ from par4d.plan.measure import BATCH, CONFIG, WARMUP, batch, grids, time_grid, t
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-PEERS = ("ddp", "fsdp", "hsdp", "tp")
+PEERS = KINDS
 NAMES = {"ddp": "torch DDP", "fsdp": "torch FSDP2", "hsdp": "torch HSDP", "tp": "torch FSDP2+TP"}
 COMM_BOUND_SHARE = 1 / 3   # DDP's exposed all-reduce share the comm-bound batch is meant to reach
 COMM_BOUND_SEQ_LEN = 32    # tokens per sequence of the comm-bound batch (one sequence per rank): module docstring
@@ -86,16 +86,6 @@ class Workload:
 def workloads(world: int) -> list[Workload]:
     """Both workloads on ``world`` ranks (see the module docstring for how comm-bound's batch was chosen)."""
     return [Workload("demo", BATCH, CONFIG.block_size), Workload("comm-bound", world, COMM_BOUND_SEQ_LEN)]
-
-
-def hsdp_shape(nproc: int, nodes: int | None) -> tuple[int, int]:
-    """(replicate, shard) sizes of HSDP's mesh: shard inside a node, replicate across nodes."""
-    return (nodes, nproc) if nodes is not None else (2, nproc // 2)
-
-
-def tp_shape(nproc: int, nodes: int | None) -> tuple[int, int]:
-    """(FSDP, TP) sizes of the FSDP2+TP mesh: TP inside a node (2 of the local ranks without nodes)."""
-    return (nodes, nproc) if nodes is not None else (nproc // 2, 2)
 
 
 def validate(nproc: int, nodes: int | None, iters: int) -> None:
@@ -151,7 +141,7 @@ class TPAttention(nn.Module):
         return self.proj(att.transpose(1, 2).reshape(batch_, seq, width))
 
 
-class _PeerBytes(_C10dBytes):
+class _PeerBytes(C10dBytes):
     """bench grid's c10d counter, plus the functional collectives DTensor issues (TP). Ops on
     DTensors are passed back (NotImplemented, as torch's CommDebugMode does), so DTensor runs
     them with this mode still on and the collectives they turn into are seen here."""
@@ -182,22 +172,6 @@ class _Peer:
     data_index: int                   # ... and this rank trains on this one
 
 
-def _mesh(kind: str, settings: PeersSettings) -> DeviceMesh | None:
-    """The DeviceMesh of peer ``kind`` (None for DDP, which runs on the job's default group)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if kind == "ddp":
-        return None
-    if kind == "fsdp":
-        return init_device_mesh("cpu", (settings.world,))
-    if kind == "hsdp":
-        shape, names = hsdp_shape(settings.nproc, settings.nodes), ("replicate", "shard")
-        return init_device_mesh("cpu", shape, mesh_dim_names=names)
-    if kind == "tp":
-        return init_device_mesh("cpu", tp_shape(settings.nproc, settings.nodes), mesh_dim_names=("dp", "tp"))
-    raise ValueError(f"unknown peer {kind!r}; peers are {', '.join(PEERS)}")
-
-
 def _build(kind: str, mesh: DeviceMesh | None, settings: PeersSettings) -> _Peer:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -226,20 +200,8 @@ def _build(kind: str, mesh: DeviceMesh | None, settings: PeersSettings) -> _Peer
     return peer
 
 
-def _destroy_groups(mesh: DeviceMesh) -> None:
-    """Destroy a mesh's own groups (not the job's default group): idle gloo groups slow later rows."""
-    for dim in range(mesh.ndim):
-        group = mesh.get_group(dim)
-        if group is dist.group.WORLD:
-            continue
-        try:
-            dist.destroy_process_group(group)
-        except ValueError:     # destroyed already through another mesh dim
-            pass
-
-
 def _for_workload(row: dict, workload: Workload, peak_flops: float) -> dict:
-    """``_row`` assumes the demo batch; recount tokens/s and % of peak for ``workload``'s tokens
+    """``grid_row`` assumes the demo batch; recount tokens/s and % of peak for ``workload``'s tokens
     (attention's FLOPs per token grow with the sequence length)."""
     tokens_per_s = row["tokens_per_s"] * workload.tokens / (BATCH * CONFIG.block_size)
     flops_per_token = dataclasses.replace(CONFIG, block_size=workload.seq_len).flops_per_token()
@@ -250,7 +212,7 @@ def _for_workload(row: dict, workload: Workload, peak_flops: float) -> dict:
 
 def _bench_par4d(sizes: dict[str, int], workload: Workload, settings: PeersSettings) -> dict:
     times, per_rank = time_grid(sizes, settings.iters, workload.sequences, workload.seq_len)
-    row = _row("par4d", sizes, times, sum_over_ranks(per_rank), settings.peak_flops, "ledger")
+    row = grid_row("par4d", sizes, times, sum_over_ranks(per_rank), settings.peak_flops, "ledger")
     return _for_workload(row, workload, settings.peak_flops)
 
 
@@ -292,7 +254,7 @@ def _bench_torch(kind: str, mesh: DeviceMesh | None, workload: Workload, setting
         with counter:
             step()
         per_rank, source = counter.bytes, "c10d dispatch"
-    row = _row(peer.name, peer.sizes, times, sum_over_ranks(per_rank), settings.peak_flops, source)
+    row = grid_row(peer.name, peer.sizes, times, sum_over_ranks(per_rank), settings.peak_flops, source)
     return _for_workload(dict(row, **extra), workload, settings.peak_flops)
 
 
@@ -307,10 +269,10 @@ def peers_worker(settings: PeersSettings) -> list[dict]:
         # One mesh per peer for both workloads, its groups destroyed after: DTensor caches sharding decisions,
         # meshes in them included, per *equal* mesh (same shape and names), so a second mesh like the first
         # would be handed the first one's destroyed groups.
-        mesh = _mesh(kind, settings)
+        mesh = peer_mesh(kind, settings.world, settings.nproc, settings.nodes)
         rows += [_bench_torch(kind, mesh, workload, settings) for workload in workloads(settings.world)]
         if mesh is not None:
-            _destroy_groups(mesh)
+            destroy_groups(mesh)
     order = [workload.name for workload in workloads(settings.world)]
     rows.sort(key=lambda r: order.index(r["workload"]))     # stable: per workload, par4d rows, then torch's
     for row in rows:
