@@ -323,7 +323,7 @@ def parallelize(model: nn.Module, grid: Grid, *, force: dict[str, str] | None = 
     wins; a forced normal or transposed layer is a lone one (whole features around it).
     ``example``: the inputs of one step's whole batch, ``model(*example)`` or
     ``model(**example)`` (meta tensors will do): the plan then has each layer's collectives
-    per step (:mod:`par4d.plan.auto`), and ``model.par4d_sync`` the data-parallel sums.
+    per step (:mod:`par4d.auto.messages`), and ``model.par4d_sync`` the data-parallel sums.
     ``report``: print the plan. A layer whose sizes the grid does not divide raises, naming
     the layer and the numbers (force it ``replicated`` to keep it whole)."""
     force = dict(force or {})

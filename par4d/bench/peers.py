@@ -12,18 +12,11 @@ a row's s/iter over the fastest torch row's of the same workload.
 Two workloads, both always run:
 
 * ``demo``: par4d's demo batch (``BATCH`` = 32 sequences of 128 tokens, ``CONFIG``).
-* ``comm-bound``: one sequence of 32 tokens per rank (global batch: world size x 32).
-  DDP's exposed all-reduce (the model's 3.5 MB of gradients) does not shrink with the batch,
-  and at this model size the step's compute hardly does either (per-step overheads dominate),
-  so the batch was chosen by measurement: DDP on 4 local ranks of a 2-core machine (gloo),
-  steps with and without sync in turns (8-15 each), exposed 0.01-0.03 s per step. Its share of
-  the step with one sequence per rank, over several runs: 0.20-0.39 at 32 tokens, 0.22-0.31
-  at 64, 0.07-0.23 at 128 (0.04-0.18 on the demo batch); 16 tokens gave no more (0.38, once).
-  32 tokens gives the largest share, but a third only in some runs (0.35, 0.39): on this
-  machine the target is not met reliably, and other jobs on the cores push the share down.
-  An emulated 1 Gbit/s link between nodes only adds to it. Every run measures it again
-  (DDP's ``exposed_comm_s``: its s/iter minus that of the same step under ``no_sync()``),
-  and the text output says when it falls below a third.
+* ``comm-bound``: one sequence of 32 tokens per rank (global batch: world size x 32), where
+  DDP's all-reduce is a large share of its step (how that batch was chosen, by measurement:
+  docs/benchmarks.md). Every run measures the share again (DDP's ``exposed_comm_s``: its
+  s/iter minus that of the same step under ``no_sync()``), and the text output says when it
+  falls below a third.
 """
 
 from __future__ import annotations

@@ -87,10 +87,6 @@ class MixedPrecision:
         self.good_steps = 0
         self.skipped = 0              # steps skipped for an inf or NaN gradient (fp16)
 
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss to call ``backward`` on."""
-        return loss * self.scale if self.scale != 1.0 else loss
-
     def overlaps_all_reduce(self, grad_clip: float, overlap: bool = True) -> bool:
         """Whether :meth:`step` steps each all-reduce bucket while later ones are in flight
         (Section V-C): offloaded, the data-parallel overlap on (``overlap``: the sync's ``dp``

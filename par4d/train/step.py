@@ -1,7 +1,8 @@
-"""The one training step: every caller (``par4d train``, ``par4d bench``, ``plan
-validate`` and its profiler, ``phantom compare``) runs this function, so what later
-changes the order of a step (overlap, the pipeline, an offloaded optimizer) changes
-it once, for all of them.
+"""The one training step: ``par4d train``, ``plan validate`` and its profiler, ``phantom
+compare`` and the benchmarks run this function, so what later changes the order of a step
+(overlap, the pipeline, an offloaded optimizer) changes it once, for them all. Two
+benchmarks still keep a copy of it to look inside a step (``bench pipeline``'s statistics,
+``bench offload``'s memory mid-step): a hook here is what would let them use this one.
 """
 
 from __future__ import annotations
