@@ -46,7 +46,7 @@ from par4d.launch.machine import threads_per_rank
 from par4d.layout import block, shard_batch
 from par4d.models import GPT, GPTConfig, ReferenceGPT
 from par4d.nn import set_overlap
-from par4d.optim.data_parallel import global_mean, gradient_sync
+from par4d.optim.data_parallel import global_mean
 from par4d.optim.precision import MixedPrecision
 from par4d.overlap import Overlap
 from par4d.train.model import build_gpt
@@ -83,22 +83,16 @@ def _par4d(bench: OffloadBench, grid: Grid, offload: bool, dp: bool) -> tuple[Ca
     inputs, targets = _batch(bench)
     x, y = shard_batch(grid, inputs), shard_batch(grid, targets)
 
-    def by_hand() -> tuple[float, int]:
-        """train_step's order, to count the device bytes after backward (the gradients made, the
-        step not yet: not offloaded, the masters' fp32 gradients, 4 phi more, appear in the step)."""
-        sync = gradient_sync(model, grid)
-        loss = model(x, y)
-        sync.arm()
-        loss.backward()
-        held = precision.device_bytes()
-        precision.step(sync, 0.0)
-        return float(global_mean(loss, grid)), held
+    def step(after_backward=None) -> torch.Tensor:
+        return train_step(model, None, grid, model, x, y, grad_clip=0.0, precision=precision,
+                          after_backward=after_backward)
 
-    def step() -> float:
-        return float(train_step(model, None, grid, model, x, y, grad_clip=0.0, precision=precision))
-    first, _ = by_hand()
-    _, held = by_hand()             # the second step: AdamW's state exists
-    return step, first, held
+    held: list[int] = []
+    first = float(global_mean(step(), grid))
+    # The device bytes after backward of the second step (AdamW's state exists; the gradients are made, the
+    # step not yet: not offloaded, the masters' fp32 gradients, 4 phi more, appear in the step).
+    step(lambda _: held.append(precision.device_bytes()))
+    return (lambda: float(step())), first, held[0]
 
 
 def _fsdp(bench: OffloadBench) -> Callable[[], float]:

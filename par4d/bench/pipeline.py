@@ -6,10 +6,10 @@ Rows, all on the same ranks, timed in interleaved rounds (each round runs every 
 untimed warm-up step, then ``iters`` timed steps), so drift of the machine spreads over all
 rows alike:
 
-* ``par4d``: what :func:`par4d.train.step.train_step` does on a pipe grid, written out so the
-  pipeline's stats come back: :func:`par4d.pipeline.run_pipeline` (no fixed schedule: a stage
-  runs whatever message arrives first, at most ``pipe`` microbatches in flight), the gradient
-  sync (nothing to sum on a pipe-only grid) and an AdamW step, on par4d's GPT
+* ``par4d``: :func:`par4d.train.step.train_step` on a pipe grid, the pipeline's stats read by its
+  ``after_backward`` hook: :func:`par4d.pipeline.run_pipeline` (no fixed schedule: a stage runs
+  whatever message arrives first, at most ``pipe`` microbatches in flight), the gradient sync
+  (nothing to sum on a pipe-only grid) and an AdamW step, on par4d's GPT
   (:func:`par4d.train.model.build_gpt`).
 * ``torch GPipe`` and ``torch 1F1B``: par4d's plain-PyTorch twin (:func:`build_reference`) cut
   at the same boundaries (``wte``/``wpe`` on stage 0, ``blocks[i]`` of the stage's range,
@@ -106,9 +106,8 @@ from par4d.grid import Grid
 from par4d.launch import init
 from par4d.launch.machine import threads_per_rank
 from par4d.models import GPT, GPTConfig
-from par4d.optim.data_parallel import gradient_sync
-from par4d.pipeline import run_pipeline
 from par4d.train.model import build_gpt, build_reference
+from par4d.train.step import train_step
 
 SCHEDULES = (("torch GPipe", "ScheduleGPipe"), ("torch 1F1B", "Schedule1F1B"))
 """The torch rows: (name, schedule class in torch.distributed.pipelining)."""
@@ -277,12 +276,14 @@ class _Par4dRow(_Row):
 
     def step(self, clock: _Clock, x: torch.Tensor, y: torch.Tensor, began: float):
         clock.begin(count_forwards=True)
-        sync = gradient_sync(self.module, self.grid)          # as train_step on a pipe grid
-        loss, stats = run_pipeline(self.module, self.grid, x, y, self.bench.microbatches)
-        piped = time.perf_counter() - began
-        sync.finish()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        seen = {}
+
+        def after_backward(stats) -> None:    # the pipeline's order, and its end before the sync and step
+            seen.update(stats=stats, piped=time.perf_counter() - began)
+
+        loss = train_step(self.module, self.opt, self.grid, self.module, x, y, microbatches=self.bench.microbatches,
+                          after_backward=after_backward)
+        stats, piped = seen["stats"], seen["piped"]
         events = clock.end()
         if [e[0] for e in events] != [o[0] for o in stats.order]:
             raise RuntimeError(f"par4d stage {self.stage}: timed calls {[e[0] for e in events]} do not match "

@@ -1,8 +1,8 @@
 """The one training step: ``par4d train``, ``plan validate`` and its profiler, ``phantom
-compare`` and the benchmarks run this function, so what later changes the order of a step
-(overlap, the pipeline, an offloaded optimizer) changes it once, for them all. Two
-benchmarks still keep a copy of it to look inside a step (``bench pipeline``'s statistics,
-``bench offload``'s memory mid-step): a hook here is what would let them use this one.
+compare`` and every benchmark run this function, so what later changes the order of a step
+(overlap, the pipeline, an offloaded optimizer) changes it once, for them all. A benchmark
+that looks inside a step (``bench pipeline``'s order, ``bench offload``'s device memory)
+does so through ``after_backward``.
 """
 
 from __future__ import annotations
@@ -15,13 +15,14 @@ import torch.nn as nn
 from par4d.grid import Grid
 from par4d.optim.data_parallel import clip_grad_norm_, gradient_sync
 from par4d.optim.precision import MixedPrecision
-from par4d.pipeline import run_pipeline, split_microbatches, weighted_backward
+from par4d.pipeline import PipelineStats, run_pipeline, split_microbatches, weighted_backward
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, grid: Grid,
                loss: Callable[..., torch.Tensor], *inputs: torch.Tensor, grad_clip: float = 0.0,
                microbatches: int | None = None, pipeline_limit: int | None = None,
-               precision: MixedPrecision | None = None) -> torch.Tensor:
+               precision: MixedPrecision | None = None,
+               after_backward: Callable[[PipelineStats | None], None] | None = None) -> torch.Tensor:
     """One optimizer step of ``model`` on ``grid``; returns this rank's loss (detached).
 
     ``loss(*inputs)`` runs the forward pass and returns the mean loss of this rank's
@@ -36,13 +37,17 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, grid: 
     in flight (default: ``pipe``).
     ``precision``: mixed precision (its fp32 masters and their optimizer replace ``optimizer``,
     its loss scale multiplies the loss before backward; a step it skips changes nothing).
+    ``after_backward(stats)``: called once forward and backward are done, before the data-parallel
+    sync finishes and the optimizer steps, with the pipeline's :class:`PipelineStats` (None without
+    a pipeline): where a benchmark looks inside a step (a stage's order, device memory).
     """
     sync = gradient_sync(model, grid)
     scale = precision.scale if precision is not None else 1.0
     if grid.size("pipe") > 1:           # forward and backward, microbatch by microbatch, stage by stage
-        value, _ = run_pipeline(model, grid, *inputs, microbatches or grid.size("pipe"), pipeline_limit,
-                                loss_scale=scale)
+        value, stats = run_pipeline(model, grid, *inputs, microbatches or grid.size("pipe"), pipeline_limit,
+                                    loss_scale=scale)
     else:
+        stats = None
         count = microbatches or 1
         pieces, weights = split_microbatches(inputs, count) if count > 1 else ([inputs], [1.0])
         value = 0.0
@@ -53,6 +58,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, grid: 
             sync.arm(last=micro == count - 1)
             weighted_backward(part, weight, scale)   # input-gradient all-reduces, weight reduce-scatters
             value = part.detach() if count == 1 else value + part.detach().float() * weight   # as the pipeline's
+    if after_backward is not None:
+        after_backward(stats)
     if precision is not None:           # finish the sync; unscale into the fp32 masters, clip and step them,
         precision.step(sync, grad_clip)  # round back (offloaded: bucket by bucket as the all-reduce returns them)
         return value.detach()
