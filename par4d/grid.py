@@ -230,3 +230,19 @@ def _combined_group(grid: Grid, axes: tuple[str, ...]) -> dist.ProcessGroup:
         enumeration.append(sorted(members))
     group, _ = dist.new_subgroups_by_enumeration(enumeration)
     return group
+
+
+def default_grid(world: int) -> dict[str, int]:
+    """Deterministic default shape: prime factors of ``world``, largest first, dealt
+    round-robin to x, z, y, data (4 -> x=2,z=2; 8 -> x=2,y=2,z=2; 16 -> all four = 2)."""
+    factors, n, p = [], world, 2
+    while n > 1:
+        while n % p == 0:
+            factors.append(p)
+            n //= p
+        p += 1
+    sizes = {a: 1 for a in ("x", "z", "y", "data")}
+    for i, factor in enumerate(sorted(factors, reverse=True)):
+        axis = ("x", "z", "y", "data")[i % 4]
+        sizes[axis] *= factor
+    return {a: s for a, s in sizes.items() if s > 1} or {"x": 1}

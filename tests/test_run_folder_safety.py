@@ -383,7 +383,7 @@ def test_fields_read_from_meta_json_are_checked(base, tmp_path, capsys, edit, wo
 
 def test_a_missing_or_garbled_pointer_is_said_and_the_newest_intact_checkpoint_used(base, tmp_path, capsys):
     from par4d.cli import _parser
-    from par4d.cli.train import _resumable, _world
+    from par4d.train.configure import resumable, world_size
 
     run = _copy(base, tmp_path)
     for pointer in (None, b"\x80garbage"):
@@ -392,8 +392,8 @@ def test_a_missing_or_garbled_pointer_is_said_and_the_newest_intact_checkpoint_u
         else:
             (run / "checkpoints" / "latest").write_bytes(pointer)
         args = _parser().parse_args(["train", "--resume", str(run), "--steps", "6"])
-        resumed = _resumable(args)
-        assert resumed[0].name == STEP4 and _world(args, resumed) == (2, False)   # the run's 2 ranks, not 4
+        resumed = resumable(args)
+        assert resumed[0].name == STEP4 and world_size(args, resumed) == (2, False)   # the run's 2 ranks, not 4
         said = capsys.readouterr().out
         assert "latest" in said and f"the newest intact checkpoint is {STEP4}" in said, said
 

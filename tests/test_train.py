@@ -11,7 +11,7 @@ import pytest
 
 from par4d.bench.faults import RESTART, plan_faults
 from par4d.cli import main
-from par4d.plan.choose import default_grid
+from par4d.grid import default_grid
 
 SMALL = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--batch-size", "8", "--seq-len", "16",
          "--no-progress"]
@@ -35,9 +35,9 @@ def _checked(*args: str, world: int):
     from dataclasses import replace
 
     from par4d.cli import _parser
-    from par4d.cli.train import _config
+    from par4d.train.configure import configure
 
-    return replace(_config(_parser().parse_args(["train", *args]), world, inside=False), peak_flops=1.0)
+    return replace(configure(_parser().parse_args(["train", *args]), world, inside=False), peak_flops=1.0)
 
 
 def _train_in_pool(config):

@@ -1,5 +1,6 @@
-"""Which grid a training run gets when none is given: a fixed default from the world size, or the planner's first
-choice for the run's model on a machine profile (``--grid auto``). No torch here unless a machine must be calibrated.
+"""Which grid a training run gets from the planner: its first choice for the run's model on a machine profile
+(``--grid auto``); the fixed default from the world size is :func:`par4d.grid.default_grid`. No torch here unless a
+machine must be calibrated.
 """
 
 from __future__ import annotations
@@ -11,22 +12,6 @@ from par4d.plan.machines import load_machine
 from par4d.plan.model import rank_configurations
 from par4d.plan.workload import GPTSpec
 from par4d.train.config import VOCAB_BYTES
-
-
-def default_grid(world: int) -> dict[str, int]:
-    """Deterministic default shape: prime factors of ``world``, largest first, dealt
-    round-robin to x, z, y, data (4 -> x=2,z=2; 8 -> x=2,y=2,z=2; 16 -> all four = 2)."""
-    factors, n, p = [], world, 2
-    while n > 1:
-        while n % p == 0:
-            factors.append(p)
-            n //= p
-        p += 1
-    sizes = {a: 1 for a in ("x", "z", "y", "data")}
-    for i, factor in enumerate(sorted(factors, reverse=True)):
-        axis = ("x", "z", "y", "data")[i % 4]
-        sizes[axis] *= factor
-    return {a: s for a, s in sizes.items() if s > 1} or {"x": 1}
 
 
 def planned_grid(world: int, *, machine: str | None, inside: bool, n_layer: int, n_embd: int, n_head: int,

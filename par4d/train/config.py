@@ -17,7 +17,7 @@ VOCAB_BYTES = 256   # byte-level tokens
 # --model: par4d's GPT, Hugging Face's through par4d.parallelize, or par4d's U-Net on generated images
 MODELS = ("gpt", "hf-gpt2", "hf-llama", "unet")
 IMAGE_CHANNELS = 4   # --model unet: channels of the generated images (the U-Net's input and output)
-# Model settings a model has no use for: refused by name when given (par4d.cli.train).
+# Model settings a model has no use for: refused by name when given (par4d.train.configure).
 UNUSED = {"unet": ("seq_len", "n_head", "mlp", "phantom_k"),
           **{model: ("image_size",) for model in MODELS if model != "unet"}}
 STATE_BYTES = 16      # per parameter at the least: its fp32 value and gradient, AdamW's two moments
@@ -117,7 +117,7 @@ class TrainConfig:
         if self.batch_size % shards:
             if self.microbatches < 1:
                 raise ValueError(f"--microbatches {self.microbatches}: give a count >= 1")
-            return                           # the batch itself is refused (par4d.cli.train names it)
+            return                           # the batch itself is refused (par4d.train.configure names it)
         rows = self.batch_size // shards
         if not 1 <= self.microbatches <= rows:
             what = "images" if self.model == "unet" else "sequences"

@@ -1,0 +1,262 @@
+"""A run's settings from the command line: a new run's or a resumed one's ``TrainConfig``, with every rule
+that must hold before any rank starts (the grid, the batch, the sizes against memory, the data, the run
+folder), and what a resume keeps (FIXED) or takes (HONOURED). ``par4d train`` parses; this decides.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+from par4d.train.config import UNUSED
+
+DEFAULT_NPROC = 4   # local ranks when no launcher gives a world size (also calibrate's and bench grid's default)
+# A resumed run keeps these (they decide the model and its batches); it takes HONOURED ones when given.
+FIXED = ("model", "batch_size", "seq_len", "n_layer", "n_embd", "n_head", "mlp", "phantom_k", "image_size", "seed")
+HONOURED = ("lr", "grad_clip", "save_every", "keep", "overlap", "recompute", "microbatches", "pipeline_limit",
+            "precision", "grad_reduce", "offload_bsize")
+Planner = Callable[..., tuple[dict, "float | None"]]   # par4d.plan.choose.planned_grid's signature
+
+
+def default(name: str):
+    from par4d.train.config import TrainConfig
+
+    return TrainConfig.__dataclass_fields__[name].default
+
+
+def say(line: str) -> None:
+    print(f"par4d train: {line}", flush=True)   # flushed: the ranks started next write to the same stdout
+
+
+def resumable(args: argparse.Namespace) -> tuple[Path, dict]:
+    """(the checkpoint a --resume goes on from, its meta): the newest intact one, each one skipped said why."""
+    from par4d.train.checkpoint import FOLDER, check_resumable
+
+    run_dir = Path(args.resume)
+    if not run_dir.is_dir():
+        raise ValueError(f"--resume {run_dir}: no such folder")
+    if not (run_dir / FOLDER).is_dir():
+        raise ValueError(f"--resume {run_dir} is not a par4d run folder (it has no {FOLDER}/ folder)")
+    if args.init_from is not None:
+        raise ValueError(f"--resume {run_dir} starts from the run's checkpoint; --init-from applies to a new run only")
+    from par4d.train.folder import Folder
+    from par4d.train.loop import METRICS
+
+    files = Folder(run_dir)
+    if files.kind(METRICS) not in (None, "file"):   # the one file a resume reads besides checkpoints
+        raise ValueError(f"--resume {run_dir}: {run_dir / METRICS} is not a regular file (a link or a folder); "
+                         f"par4d reads and writes only regular files inside a run folder")
+    for name in ("summary.json", "loss.png"):     # replaced at the end (a link among them too): not a folder
+        if files.kind(name) not in (None, "file", "link"):
+            raise ValueError(f"--resume {run_dir}: {run_dir / name} is not a file; the run writes its {name} "
+                             f"there (move it away)")
+    folder, meta = check_resumable(run_dir, report=say)
+    from par4d.train.config import TrainConfig
+
+    TrainConfig.check_record(meta.get("train_config"), f"{folder / 'meta.json'}: train_config")
+    return folder, meta
+
+
+def world_size(args: argparse.Namespace, resumed: tuple[Path, dict] | None = None) -> tuple[int, bool]:
+    """(world size, whether we are inside a launched job). Without --nproc: as many ranks as
+    --grid names, or as the resumed run's grid has, or DEFAULT_NPROC."""
+    from par4d.launch import distributed_env
+
+    env = distributed_env()
+    if env is not None:
+        if args.nproc is not None and args.nproc != env.world_size:
+            raise ValueError(f"--nproc {args.nproc} but the {env.launcher} job has {env.world_size} ranks")
+        return env.world_size, True
+    nproc = _default_nproc(args, resumed) if args.nproc is None else args.nproc
+    if nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    return nproc, False
+
+
+def _default_nproc(args: argparse.Namespace, resumed: tuple[Path, dict] | None) -> int:
+    from math import prod
+
+    from par4d.grid import parse_grid
+
+    if args.grid and args.grid != "auto":
+        return prod(parse_grid(args.grid).values())
+    if resumed is not None:   # the grid it was saved on (checked by _resumable)
+        return prod(resumed[1]["train_config"]["grid"].values())
+    return DEFAULT_NPROC
+
+
+def configure(args: argparse.Namespace, world: int, inside: bool, resumed: tuple[Path, dict] | None = None,
+              planner: Planner | None = None):
+    """The run's ``TrainConfig``; every error a rank would raise on its grid is raised here, before any starts.
+    ``planner``: what ``--grid auto`` asks (:func:`par4d.plan.choose.planned_grid`; the planner stands above train/)."""
+    from par4d.grid import Grid, validate_sizes
+    from par4d.launch import distributed_env
+    from par4d.launch.machine import host_memory
+    from par4d.train.data import BUNDLED, read_corpus
+    from par4d.train.model import build_model
+
+    if args.resume:
+        config = _resumed_config(args, world, inside, resumed or resumable(args), planner)
+    else:
+        config = _new_config(args, world, inside, planner)
+    sizes = validate_sizes(config.grid, world)
+    env = distributed_env()
+    config.check_memory(world, env.local_world_size if env else world, host_memory())   # before any model is built
+    last_stage = world - world // sizes["pipe"]        # the first rank of the last pipeline stage (head, loss)
+    for rank in sorted({0, last_stage}):               # every rank's shape errors
+        build_model(config, Grid.virtual(sizes, rank))
+    batch = _named(args, "batch_size", config.batch_size)
+    if config.batch_size % (sizes["data"] * sizes["z"]):
+        raise ValueError(f"{batch} is not divisible by data * z = "
+                         f"{sizes['data']} * {sizes['z']} = {sizes['data'] * sizes['z']}")
+    per_rank = config.batch_size // (sizes["data"] * sizes["z"])
+    if sizes["pipe"] > 1 and not (config.microbatches or sizes["pipe"]) <= per_rank:
+        raise ValueError(f"{_named(args, 'microbatches', config.microbatches or sizes['pipe'])} exceeds the "
+                         f"{per_rank} sequences per rank ({batch} / (data * z))")
+    if config.init_from and not config.resume:
+        from par4d.train.hf import check_hf
+
+        check_hf(Path(config.init_from), config.model_config())    # names the file and every number that differs
+    if config.model == "unet":   # its images are generated: no text to check
+        return config
+    label = None if args.data is not None or config.data is None else f"the run's data {config.data}"
+    corpus = read_corpus(config.data, config.seq_len, config.data_sha256, label)   # a resume checks it is the same text
+    return replace(config, data=None if corpus.source == BUNDLED else corpus.source, data_sha256=corpus.sha256)
+
+
+def _grid(args: argparse.Namespace, world: int, inside: bool, dims: dict, planner: Planner | None
+          ) -> tuple[dict, float | None]:
+    """(grid, the machine's peak where the planner measured it) from --grid, or a default for ``world``."""
+    from par4d.grid import default_grid, parse_grid
+
+    if args.grid != "auto":
+        return (parse_grid(args.grid) if args.grid else default_grid(world)), None
+    if dims["mlp"] != "dense" or dims.get("model", "gpt") != "gpt":
+        raise ValueError(f"--grid auto plans par4d's dense GPT only; give --grid for --mlp phantom or "
+                         f"--model {dims.get('model', 'gpt')}")
+    if planner is None:
+        raise ValueError("--grid auto needs the planner (par4d train passes par4d.plan.choose.planned_grid)")
+    return planner(world, machine=args.machine, inside=inside, report=say,
+                        **{k: dims[k] for k in ("n_layer", "n_embd", "n_head", "seq_len", "batch_size")})
+
+
+def _new_config(args: argparse.Namespace, world: int, inside: bool, planner: Planner | None):
+    from par4d.launch import distributed_env
+    from par4d.train.config import TrainConfig
+    from par4d.train.loop import new_run_dir
+
+    chosen = {name: getattr(args, name) for name in FIXED + HONOURED if getattr(args, name) is not None}
+    model = chosen.get("model", default("model"))
+    unused = [name for name in UNUSED[model] if name in chosen]
+    if unused:
+        why = "the U-Net's sizes are --n-embd, --n-layer and --image-size" if model == "unet" else "it is for unet"
+        raise ValueError(f"--model {model}: {flag(unused[0])} {chosen[unused[0]]} does not apply ({why})")
+    init_from = _init_from(args.init_from)
+    if init_from is not None and model == "gpt":   # the shape is the saved model's unless a flag says otherwise
+        from par4d.train.hf import gpt_dims
+
+        chosen = dict(gpt_dims(init_from), **chosen)
+    dims = {name: chosen.get(name, default(name)) for name in FIXED}
+    grid, peak = _grid(args, world, inside, dims, planner)
+    # Launched here: name the new run now. Under torchrun/srun rank 0 names it later.
+    out = Path(args.out) if args.out else (None if distributed_env() else new_run_dir(grid))
+    if out is not None and not _restarted_in(out, inside):
+        from par4d.train.lock import LOCK
+
+        check_new_out(out, ignore=(LOCK,))   # a lock left by a run that ended before writing anything
+    steps = default("steps") if args.steps is None else args.steps
+    return TrainConfig(grid=grid, out=None if out is None else str(out), steps=steps, data=args.data,
+                       progress=not args.no_progress, peak_flops=peak, init_from=init_from, **chosen)
+
+
+def check_new_out(out: Path, ignore: tuple[str, ...] = ()) -> None:
+    """A new run's folder: missing, or an empty folder (``ignore``: but for these names)."""
+    if out.is_symlink() and not out.exists():
+        raise ValueError(f"--out {out} is a symbolic link to nothing; give a folder for the run")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give a folder for the run (nothing is overwritten)")
+    if out.exists() and any(p.name not in ignore for p in out.iterdir()):
+        raise ValueError(f"--out {out} already holds files; pass --resume {out} to continue that run, "
+                         f"or choose another --out (nothing is overwritten)")
+
+
+def _named(args: argparse.Namespace, name: str, value) -> str:
+    """How an error names a setting: the flag when the user gave it, else the run's own (a resume's saved value)."""
+    if getattr(args, name, None) is not None or not args.resume:
+        return f"{flag(name)} {value}"
+    return f"the run's {name} {value} (train_config in its meta.json)"
+
+
+def _restarted_in(out: Path, inside: bool) -> bool:
+    """Whether torchrun (or srun's requeue) restarted this job in its own run folder: the ranks
+    go on there from the newest intact checkpoint (par4d.train.loop)."""
+    from par4d.train.checkpoint import FOLDER
+    from par4d.train.loop import restart_count
+
+    return inside and restart_count() > 0 and ((out / FOLDER).is_dir() or (out / "metrics.jsonl").is_file())
+
+
+def _init_from(given: list[str] | None) -> str | None:
+    if given is None:
+        return None
+    kind, folder = given
+    if kind != "hf":
+        raise ValueError(f"--init-from {kind} {folder}: the format must be hf (a Hugging Face GPT-2 folder)")
+    if not Path(folder).is_dir():
+        raise ValueError(f"--init-from hf {folder}: no such folder")
+    return str(Path(folder).resolve())
+
+
+def _resumed_config(args: argparse.Namespace, world: int, inside: bool, resumed: tuple[Path, dict],
+                    planner: Planner | None):
+    """The saved run's config with what a resume may change: the grid, the step count, the HONOURED settings."""
+    from par4d.train.config import TrainConfig
+
+    run_dir = Path(args.resume)
+    folder, meta = resumed    # the newest intact checkpoint
+    # Runs saved before --model trained the GPT; before --image-size, a size they had no use for.
+    saved = {"model": "gpt", "image_size": default("image_size"), **meta["train_config"]}
+    for name in FIXED:
+        given = getattr(args, name)
+        if given is not None and given != saved[name]:
+            raise ValueError(f"--resume {run_dir}: {flag(name)} {given} differs from the run's {saved[name]}; "
+                             f"a resumed run keeps its model, batch and seed (start a new run to change them)")
+    if args.out is not None and Path(args.out).resolve() != run_dir.resolve():
+        raise ValueError(f"--resume {run_dir} continues in that folder; --out {args.out} names another "
+                         f"(drop --out, or copy the run there and resume the copy)")
+    if args.data is not None and (saved["data"] is None or Path(args.data).resolve() != Path(saved["data"])):
+        raise ValueError(f"--resume {run_dir}: --data {args.data} is not the run's data "
+                         f"({saved['data'] or 'the default data'}); a resumed run trains on the text it started on")
+    steps = args.steps if args.steps is not None else saved["steps"]
+    if steps <= meta["step"]:
+        raise ValueError(f"--resume {run_dir}: the checkpoint is at step {meta['step']}; "
+                         f"pass --steps greater than that (got {steps})")
+    honoured = {name: getattr(args, name) for name in HONOURED if getattr(args, name) is not None}
+    for name, value in honoured.items():
+        if value != saved[name]:
+            say(f"{flag(name)} {value} replaces the run's {saved[name]} from step {meta['step']}")
+    grid, peak = _grid(args, world, inside, saved, planner) if args.grid else (saved["grid"], None)
+    shards, kept = grid.get("z", 1) * grid.get("data", 1), saved.get("microbatches")
+    if (grid.get("pipe", 1) == 1 and "microbatches" not in honoured and kept is not None
+            and saved["batch_size"] % shards == 0 and kept > saved["batch_size"] // shards):
+        # The run's count is kept where it fits (gradient accumulation on any grid): not on this one.
+        say(f"the run's --microbatches {kept} exceeds the {saved['batch_size'] // shards} samples of a "
+             f"data x z shard on this grid: one microbatch per step (give --microbatches to choose)")
+        honoured["microbatches"] = None
+    if grid.get("pipe", 1) == 1 and "pipeline_limit" not in honoured:
+        honoured["pipeline_limit"] = None
+    if honoured.get("precision") == "fp32" and "offload_bsize" not in honoured:
+        honoured["offload_bsize"] = None    # an fp32 run keeps no separate masters to offload
+    try:
+        return TrainConfig(**dict(saved, **honoured, steps=steps, out=str(run_dir), resume=True, grid=grid,
+                                  progress=not args.no_progress, peak_flops=peak, checkpoint=str(folder)))
+    except ValueError as error:    # a saved value out of range: the file says it, not a flag
+        if any(f"--{name.replace('_', '-')}" in str(error) for name in vars(args) if getattr(args, name) is not None):
+            raise
+        raise ValueError(f"{folder / 'meta.json'}: the run's saved settings are refused: {error}") from None
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")

@@ -1,0 +1,63 @@
+"""The summary ``par4d train`` prints at the end of a run (rank 0's ``summary.json``, as a table)."""
+
+from __future__ import annotations
+
+
+def _resumed(summary: dict) -> str:
+    source = summary.get("resumed_from")
+    if not source:
+        return ""
+    from par4d.grid import describe
+
+    if summary.get("grid_changed"):
+        return f"  (resumed from step {source['step']} saved on grid {describe(source['grid'])}: the grid changed)"
+    return f"  (resumed from step {source['step']}, same grid)"
+
+
+def _every(blocks: int) -> str:
+    return f"every {blocks} blocks" if blocks else "none"
+
+
+def _communication(summary: dict) -> str:
+    issued, exposed, step = (summary[k] for k in ("comm_issued_s_per_step", "comm_exposed_s_per_step", "s_per_step"))
+    hidden = 100 * (1 - exposed / issued) if issued > 0 else 0.0
+    share = 100 * exposed / step if step > 0 else 0.0
+    return (f"in flight {issued * 1e3:.1f} ms, exposed (waited) {exposed * 1e3:.1f} ms per step on rank 0: "
+            f"{hidden:.0f}% hidden, exposed = {share:.0f}% of the step")
+
+
+def _model_line(summary: dict) -> str:
+    model = summary.get("model", "gpt")
+    if model == "unet":
+        return "unet: par4d's U-Net (par4d.nn.Conv2d), denoising generated images"
+    return "par4d's GPT" if model == "gpt" else f"{model}: Hugging Face's, made parallel by par4d.parallelize"
+
+
+def print_summary(summary: dict) -> None:
+    from par4d.grid import AXES
+
+    grid = " ".join(f"{a}={summary['grid'][a]}" for a in AXES)
+    text = summary["eq3_flops_per_s"] is not None    # the paper's GPT formulas (Eqs 2 and 3) apply
+    flops = f"{summary['model_flops_per_s'] / 1e9:.2f} GFLOP/s"
+    rows = [
+        ("grid", f"{grid}  ({summary['world_size']} ranks, {summary['device']}, {summary['backend']})"),
+        ("model", _model_line(summary)),
+        ("parameters", f"{summary['params']:,}"),
+        ("steps", f"{summary['start_step']} -> {summary['steps']}" + _resumed(summary)),
+        ("tokens/s" if text else "pixels/s", f"{summary['tokens_per_s']:,.0f}"),
+        ("model FLOP/s", f"{flops} (par4d's count; the paper's Eq 3: {summary['eq3_flops_per_s'] / 1e9:.2f} GFLOP/s)"
+                         if text else flops),
+        *([("300 B tokens", f"{summary['eq2_days_to_300b_tokens']:,.0f} days at this rate (the paper's Eq 2)")]
+          if text else []),
+        ("matmul peak", f"{summary['matmul_peak_flops_per_s'] / 1e9:.1f} GFLOP/s fp32 (measured at start-up)"),
+        ("% of peak", f"{summary['percent_of_peak']:.1f}%"),
+        ("overlap", f"{summary['overlap']}, recompute {_every(summary['recompute_every'])}"),
+        ("optimizer", summary["optimizer"]),
+        ("communication", _communication(summary)),
+        ("loss", f"{summary['initial_loss']:.3f} -> {summary['final_loss']:.3f} (train), "
+                 f"{summary['val_loss']:.3f} (validation)"),
+        ("run directory", summary["config"]["out"]),
+        *([("started from", summary["config"]["init_from"])] if summary["config"].get("init_from") else []),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print("\n".join(f"{k:<{width}}  {v}" for k, v in rows), flush=True)
