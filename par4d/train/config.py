@@ -186,6 +186,15 @@ class TrainConfig:
             return replace(Overlap(), cache_layers=0)
         return Overlap.parse(self.overlap)
 
+    def overlap_run(self) -> Overlap:
+        """The overlaps that run: ``--overlap``'s for par4d's GPT; a U-Net's or a Hugging Face model's layers
+        get the data-parallel one only (the layer runtime of OAR, ORS, OAG and the cache reaches par4d's GPT
+        alone so far), which the run says before it starts and its summary reports."""
+        settings = self.overlap_settings()
+        if self.model == "gpt":
+            return settings
+        return replace(Overlap.none(), data_parallel=settings.data_parallel, bucket_mb=settings.bucket_mb)
+
     def recompute_every(self) -> int:
         pipe = self.grid.get("pipe", 1)
         if pipe == 1:
