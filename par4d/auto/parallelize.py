@@ -44,11 +44,12 @@ import torch.nn.functional as F
 from par4d.auto.messages import Message, bytes_sent, layer_messages, record, sync_messages
 from par4d.grid import Grid
 from par4d.layout import Placement, Split, place, placement_of
+from par4d.nn.algorithm1 import Algorithm1
 from par4d.nn.batchnorm import BATCH_AXES, BatchNorm
 from par4d.nn.collectives import GatherFeatures, SplitFeatures, gather_shards
 from par4d.nn.conv import Conv2d
 from par4d.nn.embedding import Embedding
-from par4d.nn.linear import Linear, _Algorithm1
+from par4d.nn.linear import Linear
 
 TREATMENTS = ("normal", "transposed", "replicated")
 ELEMENTWISE = (nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Identity, nn.Dropout, nn.LeakyReLU)
@@ -110,7 +111,7 @@ class AutoLinear(Linear):
         if self.grid.size(self.in_axis, self.out_axis, "z") == 1:
             out = F.linear(inp, weight, self.bias)
         else:
-            out = _Algorithm1.apply(inp, weight, self.bias, self)
+            out = Algorithm1.apply(inp, weight, self.bias, self)
         return out if self.sharded_out else GatherFeatures.apply(out, self.grid, self.out_axis)
 
 

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch.nn.grad import conv2d_input, conv2d_weight
 
 from par4d.grid import Grid
+from par4d.nn.algorithm1 import Algorithm1, algorithm1_parameters
 from par4d.nn.base import ShardedModule
-from par4d.nn.linear import _Algorithm1, algorithm1_parameters
 
 
 class Conv2d(ShardedModule):
@@ -65,9 +65,9 @@ class Conv2d(ShardedModule):
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
         if self.grid.size(self.in_axis, self.out_axis, "z") == 1:
             return F.conv2d(inp, self.weight, self.bias, self.stride, self.padding)   # nothing to gather or sum
-        return _Algorithm1.apply(inp, self.weight, self.bias, self)
+        return Algorithm1.apply(inp, self.weight, self.bias, self)
 
-    # Algorithm 1's local arithmetic, a convolution (par4d.nn.linear._Algorithm1 runs the collectives).
+    # Algorithm 1's local arithmetic, a convolution (par4d.nn.algorithm1.Algorithm1 runs the collectives).
     def local_forward(self, inp: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.conv2d(inp, w, None, self.stride, self.padding).contiguous()   # all-reduced in place
 
