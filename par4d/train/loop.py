@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -58,9 +58,47 @@ def run(config: TrainConfig, stop: StopRequest) -> dict:
             lock.release()
 
 
+@dataclass
+class _Job:
+    """What a rank trains with, assembled by :func:`_setup`; ``start_step``: where it goes on from."""
+
+    config: TrainConfig
+    model: torch.nn.Module
+    precision: MixedPrecision | None
+    state: object                    # what is saved and stepped: the model, or mixed precision's fp32 masters
+    optimizer: torch.optim.Optimizer
+    batches: Batches | Images
+    source: str                      # where the batches come from (the corpus's path, or generated images)
+    start_step: int
+    resumed_from: dict | None        # the step and grid of the checkpoint resumed from
+    restart: int                     # the elastic agent's attempt
+
+
 def _run(config: TrainConfig, stop: StopRequest, grid, out: Path) -> dict:
-    rank0 = grid.rank == 0
+    job = _setup(config, grid, out)
     run = Folder(out)
+    # The machine's peak, best measured before the ranks exist (par4d's launcher does);
+    # under torchrun/srun rank 0 measures on every core while the others wait.
+    peak = job.config.peak_flops
+    if peak is None:
+        peak = on_rank0(lambda: measure_matmul_peak(threads=cpu_cores(), device=grid.device)) or 0.0
+    metrics = on_rank0(lambda: _open_metrics(run, job.start_step))
+    try:
+        measured = _train(job, grid, stop, metrics, out)
+    finally:
+        if metrics is not None:
+            metrics.close()
+    if isinstance(measured, dict):    # stopped by a signal: its step saved
+        grid.close()
+        return measured
+    val_loss = _evaluate(job.model, grid, job.batches, job.config.eval_batches, job.precision)
+    summary = on_rank0(lambda: _summarize(job, grid, run, measured, peak, val_loss)) or {}
+    grid.close()    # idle from here: a job that goes on (a test's pool of ranks) need not carry its groups
+    return summary
+
+
+def _setup(config: TrainConfig, grid, out: Path) -> _Job:
+    """The model, its optimizer and data on this rank, from a checkpoint where the run resumes."""
     restart = restart_count()
     if restart and checkpoint.has_checkpoint(out):
         # Restarted by the elastic agent after a rank died: go on from the newest intact checkpoint
@@ -73,10 +111,10 @@ def _run(config: TrainConfig, stop: StopRequest, grid, out: Path) -> dict:
         # so that this run's saves and rotation never count them as its newest.
         on_rank0(lambda: checkpoint.set_aside_newer(out, Path(config.checkpoint), _say))
 
-    model_config = config.model_config()
     model = build_model(config, grid)
     if config.init_from and not config.resume:   # a Hugging Face model's weights; each rank reads its shards
         load_hf(Path(config.init_from), grid, model)
+
     def adamw(params):
         return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
 
@@ -97,107 +135,113 @@ def _run(config: TrainConfig, stop: StopRequest, grid, out: Path) -> dict:
         where = f"from step {start_step}, its newest intact checkpoint" if resumed else "from the start (no checkpoint)"
         on_rank0(lambda: print(f"par4d train: restart {restart}: resuming {out} {where}", flush=True))
     resumed_from = None if resumed is None else {"step": resumed["step"], "grid": resumed["grid"]}
-    # The machine's peak, best measured before the ranks exist (par4d's launcher does);
-    # under torchrun/srun rank 0 measures on every core while the others wait.
-    peak = config.peak_flops
-    if peak is None:
-        peak = on_rank0(lambda: measure_matmul_peak(threads=cpu_cores(), device=grid.device)) or 0.0
-    metrics = on_rank0(lambda: _open_metrics(run, start_step))
-    progress = _progress_bar(config, grid, start_step) if rank0 else None
+    return _Job(config, model, precision, state, optimizer, batches, source, start_step, resumed_from, restart)
 
+
+@dataclass
+class _Measured:
+    """Per step: tokens/s, and rank 0's (seconds with a collective in flight, seconds waited, step seconds)."""
+
+    rates: list[float]
+    comm: list[tuple[float, float, float]]
+
+
+def _train(job: _Job, grid, stop: StopRequest, metrics, out: Path) -> _Measured | dict:
+    """The steps from ``job.start_step`` on, saving as the run says; what was measured, or (a signal stopped
+    the run, its step saved) ``{"stopped": ...}``."""
+    config, optimizer, precision, batches = job.config, job.optimizer, job.precision, job.batches
+    progress = _progress_bar(config, grid, job.start_step) if grid.rank == 0 else None
     tokens_per_step = batches.tokens_per_step
-    rates, steps_comm = [], []
+    measured = _Measured([], [])
     ledger = grid.ledger
     faults = Faults.from_env()
-    for step in range(start_step, config.steps):
-        began = time.perf_counter()
-        bytes_before = ledger.total_bytes()
-        lr = config.learning_rate(step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        x, y = _local(grid, batches, batches.train_batch(step), precision)
-        with ledger.capture() as entries:
-            loss = train_step(model, optimizer, grid, model, x, y, grad_clip=config.grad_clip,
-                              microbatches=config.microbatches, pipeline_limit=config.pipeline_limit,
-                              precision=precision)
-            mean_loss = global_mean(loss, grid).item()
-        if not math.isfinite(mean_loss):   # the same value on every rank: all stop here, none waits
-            raise FloatingPointError(
-                f"the loss is {mean_loss} at step {step + 1} (learning rate {lr:.3g}): the run stops here without "
-                f"recording it (try a lower --lr, or --grad-clip; a resume takes both)")
-        faults.after_step(grid.rank, step + 1, restart, stop)
-        seconds = time.perf_counter() - began
-        rates.append(tokens_per_step / seconds)
-        # Rank 0's communication: wall seconds with a collective in flight (issued), seconds waited (exposed).
-        comm = (in_flight_seconds(entries), sum(e.seconds for e in entries), seconds)
-        steps_comm.append(comm)
-        if rank0:
-            record = {"step": step + 1, "loss": mean_loss, "tokens_per_s": tokens_per_step / seconds,
-                      "s_per_step": seconds, "lr": lr, "comm_bytes": ledger.total_bytes() - bytes_before,
-                      "comm_issued_s": comm[0], "comm_exposed_s": comm[1]}
-            if grid.size("pipe") > 1:    # rank 0's point-to-point bytes sent to its pipeline neighbours
-                record["p2p_sent_bytes"] = sum(e.bytes for e in entries if e.kind == "send")
-            if precision is not None:    # fp16's loss scale, and the steps it skipped for inf/NaN gradients
-                record.update(loss_scale=precision.scale, skipped_steps=precision.skipped)
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
-            if progress is not None:
-                progress.set_postfix(loss=f"{mean_loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
-                progress.update(1)
-        signum = stop.agreed(grid.device) if step + 1 < config.steps else None   # the last step ends the run anyway
-        if signum or (config.save_every and (step + 1) % config.save_every == 0 and step + 1 < config.steps):
-            checkpoint.save(out, step + 1, grid, state, optimizer, _meta(config), config.keep)
-        if signum:   # a scheduler's preemption or Ctrl-C: this step is saved, the next run resumes here
-            if progress is not None:
-                progress.close()
+    try:
+        for step in range(job.start_step, config.steps):
+            began = time.perf_counter()
+            bytes_before = ledger.total_bytes()
+            lr = config.learning_rate(step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            x, y = _local(grid, batches, batches.train_batch(step), precision)
+            with ledger.capture() as entries:
+                loss = train_step(job.model, optimizer, grid, job.model, x, y, grad_clip=config.grad_clip,
+                                  microbatches=config.microbatches, pipeline_limit=config.pipeline_limit,
+                                  precision=precision)
+                mean_loss = global_mean(loss, grid).item()
+            if not math.isfinite(mean_loss):   # the same value on every rank: all stop here, none waits
+                raise FloatingPointError(
+                    f"the loss is {mean_loss} at step {step + 1} (learning rate {lr:.3g}): the run stops here "
+                    f"without recording it (try a lower --lr, or --grad-clip; a resume takes both)")
+            faults.after_step(grid.rank, step + 1, job.restart, stop)
+            seconds = time.perf_counter() - began
+            measured.rates.append(tokens_per_step / seconds)
+            # Rank 0's communication: wall seconds with a collective in flight (issued), seconds waited (exposed).
+            comm = (in_flight_seconds(entries), sum(e.seconds for e in entries), seconds)
+            measured.comm.append(comm)
             if metrics is not None:
-                metrics.close()
-            grid.close()
-            return {"stopped": {"signal": signal.Signals(signum).name, "step": step + 1, "run": str(out)}}
-    if progress is not None:
-        progress.close()
-    checkpoint.save(out, config.steps, grid, state, optimizer, _meta(config), config.keep)   # kept if saved already
-    val_loss = _evaluate(model, grid, batches, config.eval_batches, precision)
+                record = {"step": step + 1, "loss": mean_loss, "tokens_per_s": tokens_per_step / seconds,
+                          "s_per_step": seconds, "lr": lr, "comm_bytes": ledger.total_bytes() - bytes_before,
+                          "comm_issued_s": comm[0], "comm_exposed_s": comm[1]}
+                if grid.size("pipe") > 1:    # rank 0's point-to-point bytes sent to its pipeline neighbours
+                    record["p2p_sent_bytes"] = sum(e.bytes for e in entries if e.kind == "send")
+                if precision is not None:    # fp16's loss scale, and the steps it skipped for inf/NaN gradients
+                    record.update(loss_scale=precision.scale, skipped_steps=precision.skipped)
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
+                if progress is not None:
+                    progress.set_postfix(loss=f"{mean_loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                                         refresh=False)
+                    progress.update(1)
+            signum = stop.agreed(grid.device) if step + 1 < config.steps else None   # the last step ends it anyway
+            if signum or (config.save_every and (step + 1) % config.save_every == 0 and step + 1 < config.steps):
+                checkpoint.save(out, step + 1, grid, job.state, optimizer, _meta(config), config.keep)
+            if signum:   # a scheduler's preemption or Ctrl-C: this step is saved, the next run resumes here
+                return {"stopped": {"signal": signal.Signals(signum).name, "step": step + 1, "run": str(out)}}
+    finally:
+        if progress is not None:
+            progress.close()
+    checkpoint.save(out, config.steps, grid, job.state, optimizer, _meta(config), config.keep)   # kept if saved
+    return measured
 
+
+def _summarize(job: _Job, grid, run: Folder, measured: _Measured, peak: float, val_loss: float) -> dict:
+    """Rank 0: the run's summary (steady-state rates: the first step, with its one-time warm-up, left out),
+    written to summary.json with the loss plot."""
+    config, model = job.config, job.model
+    model_config = config.model_config()
     unet = config.model == "unet"
-
-    def finish() -> dict:
-        metrics.close()
-        history = _read_metrics(run)
-        steady = rates[1:] if len(rates) > 1 else rates   # the first step includes one-time warm-up
-        tokens_per_s = sum(steady) / len(steady) if steady else 0.0
-        # par4d's GPT: its config's count; a Hugging Face model: counted when it was built
-        flops_per_token = getattr(model, "flops_per_token", None) or model_config.flops_per_token()
-        flops = flops_per_token * tokens_per_s
-        steady_comm = steps_comm[1:] if len(steps_comm) > 1 else steps_comm
-        issued, exposed, step_s = (sum(c[i] for c in steady_comm) / max(1, len(steady_comm)) for i in range(3))
-        summary = {
-            "grid": grid.sizes, "world_size": grid.world_size, "device": grid.device.type,
-            "backend": dist.get_backend(), "model": config.model,
-            "params": getattr(model, "num_params", None) or model_config.num_params(),
-            "steps": config.steps, "start_step": start_step, "resumed_from": resumed_from,
-            "grid_changed": resumed_from is not None and resumed_from["grid"] != grid.sizes,
-            "tokens_per_s": tokens_per_s,
-            "model_flops_per_s": flops, "matmul_peak_flops_per_s": peak,
-            # The async-pipeline paper's Eq 3 (Narayanan's count) and Eq 2 (time to train on 300 B tokens):
-            # the language models' (None for the U-Net).
-            "eq3_flops_per_s": None if unet else model_config.narayanan_flops(config.batch_size) / step_s if step_s
-            else 0.0,
-            "eq2_days_to_300b_tokens": None if unet else 3e11 / tokens_per_step * step_s / 86400,
-            "percent_of_peak": 100 * flops / peak if peak else 0.0,
-            "overlap": config.overlap_run().describe(), "recompute_every": config.recompute_every(),
-            "optimizer": (precision.describe(config.grad_clip, config.overlap_settings().data_parallel)
-                          if precision is not None else "AdamW (fp32)"),
-            "s_per_step": step_s, "comm_issued_s_per_step": issued, "comm_exposed_s_per_step": exposed,
-            "initial_loss": history[0]["loss"], "final_loss": history[-1]["loss"],
-            "val_loss": val_loss, "data": source, "config": asdict(config),
-        }
-        run.write_text("summary.json", text=json.dumps(summary, indent=2))
-        _plot(run, "mean squared error" if unet else "nats/byte")
-        return summary
-
-    summary = on_rank0(finish) or {}
-    grid.close()    # idle from here: a job that goes on (a test's pool of ranks) need not carry its groups
+    history = _read_metrics(run)
+    steady = measured.rates[1:] if len(measured.rates) > 1 else measured.rates
+    tokens_per_s = sum(steady) / len(steady) if steady else 0.0
+    # par4d's GPT: its config's count; a Hugging Face model: counted when it was built
+    flops_per_token = getattr(model, "flops_per_token", None) or model_config.flops_per_token()
+    flops = flops_per_token * tokens_per_s
+    steady_comm = measured.comm[1:] if len(measured.comm) > 1 else measured.comm
+    issued, exposed, step_s = (sum(c[i] for c in steady_comm) / max(1, len(steady_comm)) for i in range(3))
+    resumed_from = job.resumed_from
+    summary = {
+        "grid": grid.sizes, "world_size": grid.world_size, "device": grid.device.type,
+        "backend": dist.get_backend(), "model": config.model,
+        "params": getattr(model, "num_params", None) or model_config.num_params(),
+        "steps": config.steps, "start_step": job.start_step, "resumed_from": resumed_from,
+        "grid_changed": resumed_from is not None and resumed_from["grid"] != grid.sizes,
+        "tokens_per_s": tokens_per_s,
+        "model_flops_per_s": flops, "matmul_peak_flops_per_s": peak,
+        # The async-pipeline paper's Eq 3 (Narayanan's count) and Eq 2 (time to train on 300 B tokens):
+        # the language models' (None for the U-Net).
+        "eq3_flops_per_s": None if unet else model_config.narayanan_flops(config.batch_size) / step_s if step_s
+        else 0.0,
+        "eq2_days_to_300b_tokens": None if unet else 3e11 / job.batches.tokens_per_step * step_s / 86400,
+        "percent_of_peak": 100 * flops / peak if peak else 0.0,
+        "overlap": config.overlap_run().describe(), "recompute_every": config.recompute_every(),
+        "optimizer": (job.precision.describe(config.grad_clip, config.overlap_settings().data_parallel)
+                      if job.precision is not None else "AdamW (fp32)"),
+        "s_per_step": step_s, "comm_issued_s_per_step": issued, "comm_exposed_s_per_step": exposed,
+        "initial_loss": history[0]["loss"], "final_loss": history[-1]["loss"],
+        "val_loss": val_loss, "data": job.source, "config": asdict(config),
+    }
+    run.write_text("summary.json", text=json.dumps(summary, indent=2))
+    _plot(run, "mean squared error" if unet else "nats/byte")
     return summary
 
 
