@@ -375,9 +375,10 @@ def _check_cover(key: str, shape: tuple[int, ...], found: list[Box], where: Path
                                  f"{[s for s, _ in b.full]}); each element must be saved exactly once")
 
 
-def _index(folder: Folder, files: dict[str, dict]) -> dict[str, dict]:
+def _index(folder: Folder, files: dict[str, dict], cover: bool = True) -> dict[str, dict]:
     """index.json's tensors, checked: shapes, dtypes, pieces in files of the manifest whose boxes
-    lie inside their tensor and cover it exactly once; the manifest lists no file the index leaves unused."""
+    lie inside their tensor and (``cover``) cover it exactly once; the manifest lists no file the index
+    leaves unused."""
     path = folder.path("index.json")
     index = folder.read_json("index.json")
     if not isinstance(index, dict) or index.get("format") != FORMAT or not isinstance(index.get("tensors"), dict):
@@ -406,7 +407,8 @@ def _index(folder: Folder, files: dict[str, dict]) -> dict[str, dict]:
                     raise ValueError(f"{path}: a piece of {key[:80]} has a box {json.dumps(box)[:80]} outside its "
                                      f"tensor {shape}")
                 found.append(checked)
-        _check_cover(key, tuple(shape), found, path)
+        if cover:
+            _check_cover(key, tuple(shape), found, path)
     unused = sorted(set(files) - set(ENTRY_FILES) - used)
     if unused:
         raise ValueError(f"{path}: manifest.json lists {', '.join(unused[:3])}, which no piece of the index uses")
@@ -430,17 +432,18 @@ def _meta(folder: Folder) -> dict:
     return meta
 
 
-def verify(source: Path | Folder, hashed: bool = True) -> Checkpoint:
+def verify(source: Path | Folder, hashed: bool = True, cover: bool = True) -> Checkpoint:
     """Check a checkpoint folder: every file the manifest lists has its size and (``hashed``) its
     SHA-256, and the index and meta are well formed (names inside the folder, the manifest's files
-    exactly the index's, every tensor covered exactly once). Raises ``ValueError`` naming the first
-    file that fails."""
+    exactly the index's, and, ``cover``, every tensor covered exactly once: a checkpoint verified in
+    full once need not be swept again by every rank that loads it). Raises ``ValueError`` naming the
+    first file that fails."""
     folder = source if isinstance(source, Folder) else Folder(source)
     try:
         files = _manifest(folder)
         for name, record in files.items():
             _check_file(folder, name, record, hashed)
-        tensors, meta = _index(folder, files), _meta(folder)
+        tensors, meta = _index(folder, files, cover), _meta(folder)
     except FolderError as error:
         raise ValueError(str(error)) from None
     except OSError as error:
@@ -532,6 +535,7 @@ class _Pieces:
     def __init__(self, checkpoint: Checkpoint, hashed: bool, opened: contextlib.ExitStack):
         self.checkpoint, self.hashed, self.opened = checkpoint, hashed, opened
         self.readers: dict[str, object] = {}
+        self.keys: dict[str, set[str]] = {}     # each file's tensor names, read once
 
     def _reader(self, name: str):
         if name not in self.readers:
@@ -540,6 +544,7 @@ class _Pieces:
             try:
                 path = self.opened.enter_context(folder.library_path(name))
                 self.readers[name] = self.opened.enter_context(safe_open(path, "pt"))
+                self.keys[name] = set(self.readers[name].keys())
             except (SafetensorError, OSError, FolderError) as error:
                 raise ValueError(f"checkpoint file {folder.path(name)} is not a readable safetensors file "
                                  f"({error})") from None
@@ -547,7 +552,7 @@ class _Pieces:
 
     def _check_piece(self, name: str, key: str, record: dict, piece: list[Box]) -> None:
         reader, where = self._reader(name), self.checkpoint.folder.path(name)
-        if key not in reader.keys():
+        if key not in self.keys[name]:
             raise ValueError(f"checkpoint file {where} has no tensor {key!r}, which index.json puts there")
         found = reader.get_slice(key)
         shape, dtype = tuple(found.get_shape()), found.get_dtype()
@@ -614,7 +619,7 @@ def load(run_dir: Path, grid: Grid, model: nn.Module, optimizer: torch.optim.Opt
     if folder is None:
         chosen, hashed = choose_checkpoint(run_dir), False
     else:
-        chosen, hashed = verify(_folder_of(run_dir, folder), hashed=False), not verified
+        chosen, hashed = verify(_folder_of(run_dir, folder), hashed=False, cover=not verified), not verified
         for name in ENTRY_FILES if hashed else ():
             _check_file(chosen.folder, name, chosen.files[name], hashed=True)
     phantom = getattr(getattr(model, "config", None), "mlp", None) == "phantom"

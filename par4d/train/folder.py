@@ -239,44 +239,38 @@ class Folder:
     def write_with(self, *parts: str, write: Callable[[BinaryIO], None], sync: bool = True) -> None:
         """Write ``parts`` whole or not at all: ``write(f)`` fills a temporary created beside it
         (``O_EXCL``: never an existing file or link), which is then renamed over ``parts``."""
-        temporary = f".{parts[-1]}.tmp"
-        with self._parent(parts, create=True) as parent:
-            try:
-                fd = os.open(temporary, _CREATE, 0o644, dir_fd=parent)
-            except FileExistsError:   # left by an interrupted write, or planted: removed, never written through
-                self._remove_entry(parent, temporary)
-                fd = os.open(temporary, _CREATE, 0o644, dir_fd=parent)
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    write(f)
-                    f.flush()
-                    if sync:
-                        os.fsync(f.fileno())
-                os.replace(temporary, parts[-1], src_dir_fd=parent, dst_dir_fd=parent)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(temporary, dir_fd=parent)
-                raise
-            if sync:
-                os.fsync(parent)
+        def fill(parent: int, temporary: str) -> None:
+            with os.fdopen(os.open(temporary, _CREATE, 0o644, dir_fd=parent), "wb") as f:
+                write(f)
+
+        self._replace(parts, fill, sync)
 
     def write_file(self, *parts: str, write: Callable[[str], None]) -> None:
         """Write ``parts`` whole or not at all with a library that writes a file by name
-        (``safetensors.save_file``): ``write(path)`` writes a temporary beside it, named through its
-        folder's ``/proc/self/fd`` entry so that no link on the way is followed; it is flushed to disk
-        and renamed over ``parts``."""
+        (``safetensors.save_file``): ``write(path)`` writes the temporary beside it, named through its
+        folder's ``/proc/self/fd`` entry so that no link on the way is followed."""
+        def fill(parent: int, temporary: str) -> None:
+            where = PROC_FD / str(parent) if PROC_FD.is_dir() else self.path(*parts[:-1])
+            write(str(where / temporary))
+
+        self._replace(parts, fill, sync=True)
+
+    def _replace(self, parts: tuple[str, ...], fill: Callable[[int, str], None], sync: bool) -> None:
+        """``fill(folder descriptor, name)`` writes a temporary beside ``parts`` (one left by an interrupted
+        write, or planted, is removed first, never written through); it must be a regular file, flushed to
+        disk (``sync``), and is renamed over ``parts``: a rename replaces a link there, never follows it."""
         temporary = f".{parts[-1]}.tmp"
         with self._parent(parts, create=True) as parent:
-            with contextlib.suppress(FileNotFoundError):   # left by an interrupted write, or planted
+            with contextlib.suppress(FileNotFoundError):
                 self._remove_entry(parent, temporary)
-            where = PROC_FD / str(parent) if PROC_FD.is_dir() else self.path(*parts[:-1])
             try:
-                write(str(where / temporary))
+                fill(parent, temporary)
                 fd = os.open(temporary, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=parent)
                 try:
                     if not stat.S_ISREG(os.fstat(fd).st_mode):
-                        raise FolderError(f"{self.path(*parts)}: the library wrote something else than a file")
-                    os.fsync(fd)
+                        raise FolderError(f"{self.path(*parts)}: what was written is not a regular file")
+                    if sync:
+                        os.fsync(fd)
                 finally:
                     os.close(fd)
                 os.replace(temporary, parts[-1], src_dir_fd=parent, dst_dir_fd=parent)
@@ -284,7 +278,8 @@ class Folder:
                 with contextlib.suppress(OSError):
                     os.unlink(temporary, dir_fd=parent)
                 raise
-            os.fsync(parent)
+            if sync:
+                os.fsync(parent)
 
     def write_bytes(self, *parts: str, data: bytes, sync: bool = True) -> None:
         self.write_with(*parts, write=lambda f: f.write(data), sync=sync)
