@@ -291,9 +291,10 @@ def _model_config(folder: Path, meta: dict) -> GPTConfig:
     except (TypeError, ValueError) as error:
         raise ValueError(f"{folder / 'meta.json'}: model_config is not a GPTConfig ({error})") from None
     from par4d.launch.machine import host_memory
+    from par4d.train.config import ABSURD_BYTES
 
     need, memory = 4 * config.num_params(), host_memory()   # export holds every parameter whole, in fp32
-    if need > (memory or 1 << 50):
+    if need > (memory or ABSURD_BYTES):
         raise ValueError(f"{folder / 'meta.json'}: model_config describes {config.num_params():,} parameters "
                          f"({need / 1e9:,.1f} GB whole), more than this machine's memory "
                          f"({(memory or 0) / 1e9:,.1f} GB)")
