@@ -76,7 +76,8 @@ class Handle:
 
 def _issue(grid: Grid, kind: str, axes: tuple[str, ...], message: torch.Tensor, run, async_op: bool, result):
     start = time.perf_counter()
-    entry = Entry(kind, axes, message.numel(), message.numel() * message.element_size(), issued_at=start)
+    entry = Entry(kind, axes, message.numel(), message.numel() * message.element_size(), issued_at=start,
+                  overlapped=async_op)
     grid.ledger.record(entry)
     work = run(async_op)
     if async_op:

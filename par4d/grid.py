@@ -23,7 +23,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from par4d.ledger import Ledger
-from par4d.overlap import Overlap
 
 
 class Axis(str, Enum):
@@ -123,7 +122,7 @@ class Grid:
 
     Build it with :func:`par4d.init`. ``size(axis)``, ``coord(axis)`` and
     ``group(*axes)`` answer for this rank; ``ledger`` records every collective
-    par4d issues on this grid; ``overlap`` is the default overlap of models built on it.
+    par4d issues on this grid. A model's policies (overlap, precision) are the model's, not the grid's.
     """
 
     sizes: dict[str, int]
@@ -131,7 +130,6 @@ class Grid:
     device: torch.device
     mesh: DeviceMesh | None
     ledger: Ledger = field(default_factory=Ledger)
-    overlap: Overlap = field(default_factory=Overlap)
     _groups: dict[tuple[str, ...], dist.ProcessGroup] = field(default_factory=dict, repr=False)
     _closed: bool = field(default=False, repr=False)
 
@@ -203,14 +201,14 @@ class Grid:
         return f"Grid({self.describe()}, rank={self.rank})"
 
 
-def build_grid(sizes: dict[str, int], device: torch.device, overlap: Overlap | None = None) -> Grid:
+def build_grid(sizes: dict[str, int], device: torch.device) -> Grid:
     """The grid of validated ``sizes`` over the job this process has joined (collective:
     every rank builds the same groups). :func:`par4d.init` checks first that every rank
     asks for the same shape; call this directly only where that is known (one process
     standing in for a whole job, as the planner's profiler does)."""
     names = tuple(reversed(AXES))  # outermost first: pipe, data, z, y, x
     mesh = init_device_mesh(device.type, tuple(sizes[a] for a in names), mesh_dim_names=names)
-    grid = Grid(sizes=dict(sizes), rank=dist.get_rank(), device=device, mesh=mesh, overlap=overlap or Overlap())
+    grid = Grid(sizes=dict(sizes), rank=dist.get_rank(), device=device, mesh=mesh)
     for axis in AXES:
         grid._groups[(axis,)] = mesh.get_group(axis)
     for combo in _COMBINED:

@@ -23,7 +23,9 @@ from dataclasses import dataclass
 @dataclass
 class Entry:
     """One collective: its kind, the axes it spans, its per-rank message, when it was issued
-    (``time.perf_counter()``), how long it was in flight and how long this rank waited."""
+    (``time.perf_counter()``), how long it was in flight and how long this rank waited;
+    ``overlapped``: issued without waiting (waited for later, by a handle: an overlap's, or
+    point-to-point), as opposed to waited for where issued."""
 
     kind: str
     axes: tuple[str, ...]
@@ -32,6 +34,7 @@ class Entry:
     seconds: float = 0.0
     issued_at: float = 0.0
     in_flight: float = 0.0
+    overlapped: bool = False
 
 
 @dataclass
@@ -41,6 +44,7 @@ class Total:
     bytes: int = 0
     seconds: float = 0.0
     in_flight: float = 0.0
+    overlapped: bool = False
 
 
 class Ledger:

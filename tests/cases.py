@@ -40,4 +40,32 @@ def float64() -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-__all__ = ["factorizations", "float64", "grid"]
+class RecordingAdamW(torch.optim.AdamW):
+    """AdamW that keeps a copy of every gradient it steps with (after the sync and clipping)."""
+
+    def __init__(self, params, **settings):
+        super().__init__(params, **settings)
+        self.grads: list[list[torch.Tensor | None]] = []
+
+    def step(self, closure=None):
+        self.grads.append([None if p.grad is None else p.grad.clone()
+                           for group in self.param_groups for p in group["params"]])
+        return super().step(closure)
+
+
+def assert_bitwise(what: str, ours, base) -> None:
+    """``ours`` equals ``base`` bit for bit (tensors, or nested lists of them; None where both have none)."""
+    if isinstance(base, list):
+        assert len(ours) == len(base), f"{what}: {len(ours)} items, the other run {len(base)}"
+        for i, (a, b) in enumerate(zip(ours, base)):
+            assert_bitwise(f"{what}[{i}]", a, b)
+        return
+    if base is None or ours is None:
+        assert ours is None and base is None, f"{what}: one side has no gradient"
+        return
+    if not torch.equal(ours, base):
+        diff = (ours.double() - base.double()).abs().max().item()
+        raise AssertionError(f"{what}: not bitwise equal (max |diff| {diff:.3g})")
+
+
+__all__ = ["RecordingAdamW", "assert_bitwise", "factorizations", "float64", "grid"]

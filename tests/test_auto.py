@@ -243,7 +243,7 @@ def test_gpt2_plan_keeps_conv1d_orientation():
     grid = par4d.Grid.virtual({"x": 2, "y": 1, "z": 2})
     model = par4d.parallelize(_gpt2(), grid, force={"*.attn.c_attn": "transposed"})
     fc = model.transformer.h[0].mlp.c_fc                           # Conv1D(3072-like): weight (in=32, out=128)
-    assert fc.stored_in_out and tuple(fc.weight.shape) == (32, 128 // 4)
+    assert fc.weight_layout == "in_out" and tuple(fc.weight.shape) == (32, 128 // 4)
     proj = next(t for t in model.par4d_plan if t.name == "transformer.h.0.attn.c_proj")
     assert proj.why == "a lone layer: transformer.h.0.attn.c_attn of its block is transposed"
     tied = next(t for t in model.par4d_plan if t.name == "lm_head")

@@ -27,18 +27,6 @@ OVERLAPPED = {0: "oar,ors,oag,dp", 1: "all"}     # recompute -> the overlaps tha
 SCALE = 2.0 ** 10   # fp16's loss scale here (its first, 2 ** 16, overflows this model's one-pass gradients)
 
 
-class _Recording(torch.optim.AdamW):
-    """AdamW that keeps a copy of every gradient it steps with (after the sync and clipping)."""
-
-    def __init__(self, params, **settings):
-        super().__init__(params, **settings)
-        self.grads: list[list[torch.Tensor]] = []
-
-    def step(self, closure=None):
-        self.grads.append([p.grad.clone() for group in self.param_groups for p in group["params"]])
-        return super().step(closure)
-
-
 def _batches(grid, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(0)
     tokens = [torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.block_size + 1), generator=gen)
@@ -48,7 +36,7 @@ def _batches(grid, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _train(grid, microbatches: int, overlap: str, recompute: int) -> dict:
     model = GPT(CONFIG, grid=grid, overlap=Overlap.parse(overlap), recompute=recompute)
-    optimizer = _Recording(model.parameters(), lr=1e-2, eps=1e-4)
+    optimizer = cases.RecordingAdamW(model.parameters(), lr=1e-2, eps=1e-4)
     losses, steps = [], []
     for x, y in _batches(grid, STEPS):
         with grid.ledger.capture() as entries:
@@ -92,7 +80,8 @@ def _unequal(ours: dict, base: dict) -> list[str]:
 def _fp16(grid, microbatches: int) -> dict:
     """One fp16 step (loss-scaled, fp32 masters): the masters' unscaled gradients and the loss."""
     model = GPT(CONFIG, grid=grid, overlap=Overlap.parse(OVERLAPPED[0]))
-    precision = MixedPrecision(model, grid, torch.float16, lambda params: _Recording(params, lr=1e-2, eps=1e-4))
+    precision = MixedPrecision(model, grid, torch.float16,
+                               lambda params: cases.RecordingAdamW(params, lr=1e-2, eps=1e-4))
     precision.scale = SCALE
     x, y = _batches(grid, 1)[0]
     loss = train_step(model, None, grid, model, x, y, grad_clip=0.5, microbatches=microbatches, precision=precision)

@@ -21,9 +21,10 @@ import torch.nn as nn
 
 from par4d.layout import shard_batch, shard_features
 from par4d.models import GPT, GPTConfig
-from par4d.nn import Linear, set_overlap
+from par4d.models.config import recompute_spacing
+from par4d.nn import Linear
 from par4d.optim.data_parallel import gradient_sync
-from par4d.overlap import NAMES, Overlap, recompute_spacing
+from par4d.overlap import NAMES, Overlap, set_overlap
 from par4d.train.step import train_step
 from tests import cases
 
@@ -34,26 +35,13 @@ SINGLES = [(), *((name,) for name in NAMES), NAMES]
 PAIRS = [names for names in EVERY_COMBINATION if len(names) <= 2] + [NAMES]
 
 
-class _Recording(torch.optim.AdamW):
-    """AdamW that keeps a copy of every gradient it steps with."""
-
-    def __init__(self, params, **settings):
-        super().__init__(params, **settings)
-        self.grads: list[list[torch.Tensor | None]] = []
-
-    def step(self, closure=None):
-        self.grads.append([None if p.grad is None else p.grad.clone()
-                           for group in self.param_groups for p in group["params"]])
-        return super().step(closure)
-
-
 def _overlap(names: tuple[str, ...]) -> Overlap:
     return Overlap.parse(",".join(names)) if names else Overlap.none()
 
 
 def _train(grid, names: tuple[str, ...], recompute: int) -> dict:
     model = GPT(CONFIG, grid=grid, overlap=_overlap(names), recompute=recompute)
-    optimizer = _Recording(model.parameters(), lr=1e-2, eps=1e-4)
+    optimizer = cases.RecordingAdamW(model.parameters(), lr=1e-2, eps=1e-4)
     gen = torch.Generator().manual_seed(0)
     losses = []
     with grid.ledger.capture() as entries:
@@ -69,20 +57,6 @@ def _train(grid, names: tuple[str, ...], recompute: int) -> dict:
             "deferred": runtime.deferred.deferred, "early": gradient_sync(model, grid).early_launches}
 
 
-def _same(what: str, ours, base) -> None:
-    if isinstance(base, list):
-        assert len(ours) == len(base), f"{what}: {len(ours)} items, synchronous path {len(base)}"
-        for i, (a, b) in enumerate(zip(ours, base)):
-            _same(f"{what}[{i}]", a, b)
-        return
-    if base is None or ours is None:
-        assert ours is None and base is None, f"{what}: one side has no gradient"
-        return
-    if not torch.equal(ours, base):
-        diff = (ours.double() - base.double()).abs().max().item()
-        raise AssertionError(f"{what}: not bitwise equal to the synchronous path (max |diff| {diff:.3g})")
-
-
 def _bitwise(sizes: dict, combinations: list[tuple[str, ...]]) -> dict:
     grid = cases.grid(**sizes)
     proven = {"prefetched": 0, "cache_hits": 0, "deferred": 0, "early": 0, "runs": 0}
@@ -95,7 +69,7 @@ def _bitwise(sizes: dict, combinations: list[tuple[str, ...]]) -> dict:
             run = _train(grid, names, recompute)
             where = f"{grid.describe()} overlap={','.join(names) or 'none'} recompute={recompute}"
             for key in ("losses", "grads", "params"):
-                _same(f"{where} {key}", run[key], base[key])
+                cases.assert_bitwise(f"{where} {key}", run[key], base[key])
             assert run["other_bytes"] == base["other_bytes"], f"{where}: bytes other than z all-gathers differ"
             cached = "cache" in names and recompute
             expected = no_recompute_gathers if cached else base["gather_bytes"]
@@ -152,7 +126,7 @@ def _wandering(sizes: dict, names: tuple[str, ...]) -> dict:
     results = []
     for overlap in (Overlap.none(), _overlap(names)):
         model = set_overlap(_Wandering(grid, width), overlap)
-        optimizer = _Recording(model.parameters(), lr=1e-2)
+        optimizer = cases.RecordingAdamW(model.parameters(), lr=1e-2)
         gen = torch.Generator().manual_seed(1)
         losses = []
         for _ in _Wandering.PLANS:
@@ -163,7 +137,7 @@ def _wandering(sizes: dict, names: tuple[str, ...]) -> dict:
                         "params": [p.detach().clone() for p in model.parameters()], "runtime": model.par4d_runtime})
     base, run = results
     for key in ("losses", "grads", "params"):
-        _same(f"{grid.describe()} wandering {key}", run[key], base[key])
+        cases.assert_bitwise(f"{grid.describe()} wandering {key}", run[key], base[key])
     gathers = run["runtime"].gathers
     return {"order_changes": gathers.order_changes, "prefetched": gathers.prefetched}
 
@@ -190,7 +164,7 @@ def _outside_the_step_and_after_a_failure(sizes: dict) -> dict:
     got = torch.autograd.grad(overlapped(x, y), weights)
     want = torch.autograd.grad(synchronous(x, y), [p for n, p in synchronous.named_parameters()
                                                    if n.endswith("qkv.weight")])
-    _same("autograd.grad with every overlap on", list(got), list(want))
+    cases.assert_bitwise("autograd.grad with every overlap on", list(got), list(want))
     assert all(p.grad is None for p in overlapped.parameters())
 
     def fail(grad):
@@ -210,7 +184,7 @@ def _outside_the_step_and_after_a_failure(sizes: dict) -> dict:
         losses = [train_step(model, optimizer, grid, model, x, y) for _ in range(2)]
         runs.append({"losses": losses, "params": [p.detach().clone() for p in model.parameters()]})
     for key in ("losses", "params"):
-        _same(f"after a failed step, {key}", runs[0][key], runs[1][key])
+        cases.assert_bitwise(f"after a failed step, {key}", runs[0][key], runs[1][key])
     return {"deferred": overlapped.par4d_runtime.deferred.deferred}
 
 

@@ -166,9 +166,8 @@ def _overlapped_step(sizes: dict) -> dict:
     """bf16, offloaded, no clipping: each all-reduce bucket is stepped while the later ones are
     in flight (Section V-C), and the masters and moments are bit for bit those of stepping after
     the whole all-reduce."""
-    from par4d.nn import set_overlap
     from par4d.optim.data_parallel import gradient_sync
-    from par4d.overlap import Overlap
+    from par4d.overlap import Overlap, set_overlap
 
     grid = cases.grid(**sizes)
     make = lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=1e-4)   # noqa: E731

@@ -501,7 +501,7 @@ def test_unet_trains_as_one_rank_and_resumes_on_another_grid(tmp_path, capsys, p
     assert _losses(split) == pytest.approx(_losses(alone), rel=1e-5)
     one = json.loads((alone / "summary.json").read_text())
     assert resumed["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5)
-    assert one["overlap"] == resumed["overlap"] == "dp"     # what ran: the layer overlaps reach par4d's GPT only
+    assert one["overlap"] == resumed["overlap"] == "oar,ors,oag,dp"   # what ran: all but the cache (no recompute)
     assert one["params"] == 19_220 and one["data"].startswith("generated images")
 
     for args, message in ((["--seq-len", "64"], "--model unet: --seq-len 64 does not apply (the U-Net's sizes"),
@@ -515,12 +515,14 @@ def test_unet_trains_as_one_rank_and_resumes_on_another_grid(tmp_path, capsys, p
     assert "--model gpt: --image-size 8 does not apply (it is for unet)" in capsys.readouterr().err
 
 
-def test_a_run_says_which_overlaps_do_not_reach_its_model_and_reports_what_ran(capsys):
-    """The layer overlaps (OAR, ORS, OAG, the cache) reach par4d's GPT only so far: asked of the U-Net or a
-    Hugging Face model, the run says so before it starts, and what it reports is what runs."""
-    config = _checked(*UNET, "--overlap", "oar,ors,dp", "--out", "unused", world=1)
-    assert "--model unet: --overlap oar,ors reaches par4d's GPT only so far; this run overlaps dp" in \
-        capsys.readouterr().out
-    assert config.overlap_run().names == ("dp",) and config.overlap_settings().names == ("oar", "ors", "dp")
-    gpt = _checked(*SMALL, "--overlap", "oar,ors,dp", "--out", "unused", world=1)
-    assert gpt.overlap_run().names == ("oar", "ors", "dp") and capsys.readouterr().out == ""
+def test_the_overlaps_asked_for_reach_every_model(capsys):
+    """The layer overlaps (OAR, ORS, OAG) reach the U-Net and the Hugging Face models as they reach par4d's
+    GPT (tests/test_overlap_models.py proves them bitwise): what is asked is what the model gets, silently."""
+    from par4d.grid import Grid
+    from par4d.train.model import build_model
+
+    for args in (UNET, ["--model", "hf-gpt2", *SMALL]):
+        config = _checked(*args, "--overlap", "oar,ors,dp", "--out", "unused", world=1)
+        assert config.overlap_settings().names == ("oar", "ors", "dp") and capsys.readouterr().out == ""
+        model = build_model(config, Grid.virtual({"x": 1, "y": 1, "z": 1, "data": 1, "pipe": 1}))
+        assert model.par4d_overlap == config.overlap_settings() and model.par4d_runtime is not None

@@ -3,6 +3,6 @@ counts the collectives a step of the result will run (messages.py), and
 :func:`load_safetensors` fills one built on the meta device shard by shard (load.py)."""
 
 from par4d.auto.load import load_safetensors
-from par4d.auto.parallelize import AutoConv2d, AutoEmbedding, AutoLinear, Treatment, parallelize
+from par4d.auto.parallelize import Treatment, parallelize
 
-__all__ = ["AutoConv2d", "AutoEmbedding", "AutoLinear", "Treatment", "load_safetensors", "parallelize"]
+__all__ = ["Treatment", "load_safetensors", "parallelize"]

@@ -99,9 +99,9 @@ def layer_messages(layer: nn.Module, seen: Seen, sizes: dict[str, int]) -> list[
     local_in, local_out = seen.in_elements / (rows * g_in), seen.out_elements / (rows * g_out)
     add("all_gather", "z", w)                                                        # Ŵ
     add("all_reduce", layer.in_axis, local_out)                                      # O's partial sums
-    add("all_gather", layer.out_axis, local_out, not getattr(layer, "sharded_out", True))   # to whole features
+    add("all_gather", layer.out_axis, local_out, layer.output_layout == "whole")   # to whole features
     add("all_reduce", layer.out_axis, local_in, seen.input_grad)                    # dL/dI's partial sums
-    add("all_gather", layer.in_axis, local_in, seen.input_grad and not getattr(layer, "sharded_in", True))
+    add("all_gather", layer.in_axis, local_in, seen.input_grad and layer.input_layout == "whole")
     add("reduce_scatter", "z", w * sizes["z"], grad_w)                              # dŴ
     return out
 

@@ -1,10 +1,11 @@
 """``par4d.parallelize(model, grid)``: Algorithm 1 for a model nobody here wrote.
 
 Every ``nn.Linear`` (and Hugging Face's ``Conv1D``, GPT-2's: a linear layer whose weight
-is stored (in, out)) becomes a :class:`par4d.nn.Linear`, every ``nn.Conv2d`` a
-:class:`par4d.nn.Conv2d` (channels in dim 1 play features) and every ``nn.Embedding`` a
-:class:`par4d.nn.Embedding` (rows over z, features over y), holding its shard of the same
-weight and bias, under the same name and in the same orientation. Every other parameter
+is stored (in, out), kept so: ``weight_layout="in_out"``) becomes a :class:`par4d.nn.Linear`,
+every ``nn.Conv2d`` a :class:`par4d.nn.Conv2d` (channels in dim 1 play features) and every
+``nn.Embedding`` a :class:`par4d.nn.Embedding` (rows over z, features over y), holding its
+shard of the same weight and bias, under the same name and in the same orientation: par4d's
+own layers, told their layouts in and out, not subclasses. Every other parameter
 stays whole on every rank (replicated: its gradient is summed over the batch's axes, z
 and data), and so does a layer whose weight is tied to another parameter (the plan says
 so). Samples are split over z and data as for par4d's own GPT (``layout.shard_batch``).
@@ -12,7 +13,7 @@ so). Samples are split over z and data as for par4d's own GPT (``layout.shard_ba
 Activations between blocks this module does not recognise are whole (every feature on
 every rank of x and y), which is correct for any model: a lone layer cuts its input's
 features for its in-axis (free) and all-gathers its output's over its out-axis
-(``SplitFeatures`` / ``GatherFeatures``); norms over features therefore stay whole, and batch
+(``input_layout`` / ``output_layout="whole"``); norms over features therefore stay whole, and batch
 norms become :class:`par4d.nn.BatchNorm` where samples are split (z*data > 1), whose statistics
 are all-reduced over z and data (the whole batch's, running ones included). Inside
 a recognised block activations stay sharded, as in the 4D paper's transposed
@@ -28,8 +29,11 @@ alternation, with no collective between its layers:
 
 A block with a layer forced or tied to another treatment is made of lone layers.
 
+The overlaps (``par4d.overlap.set_overlap``) reach these layers as they reach par4d's own:
+they are par4d's own.
+
 Not yet (docs/architecture.md): norms on sharded activations (the residual stream stays
-whole); models on the meta device; the overlap runtime for these layers.
+whole).
 """
 
 from __future__ import annotations
@@ -39,14 +43,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from par4d.auto.messages import Message, bytes_sent, layer_messages, record, sync_messages
 from par4d.grid import Grid
-from par4d.layout import Placement, Split, place, placement_of
-from par4d.nn.algorithm1 import Algorithm1
+from par4d.layout import Placement, place, placement_of
 from par4d.nn.batchnorm import BATCH_AXES, BatchNorm
-from par4d.nn.collectives import GatherFeatures, SplitFeatures, gather_shards
 from par4d.nn.conv import Conv2d
 from par4d.nn.embedding import Embedding
 from par4d.nn.linear import Linear
@@ -86,75 +87,22 @@ def _sizes(module: nn.Module) -> tuple[int, int]:
     return module.weight.shape[0], module.weight.shape[1]
 
 
-class AutoLinear(Linear):
-    """A par4d Linear standing where an ``nn.Linear`` or a ``Conv1D`` was: it takes whole
-    features unless ``sharded_in`` (the transposed half of a pair) and gives whole features
-    unless ``sharded_out`` (the normal half). ``stored_in_out``: the weight is kept as the
-    Conv1D's (in, out), cut as the transpose of a Linear's (Algorithm 1 gets its transpose,
-    a view)."""
-
-    sharded_in: bool = False
-    sharded_out: bool = False
-    stored_in_out: bool = False
-
-    def store_in_out(self) -> None:
-        """Keep the weight (in, out), as a Conv1D does, with the same shards transposed."""
-        local = self.weight.detach().t().contiguous()
-        self.weight = place(nn.Parameter(local), Placement((Split(1, self.out_axis, chunks=self.out_chunks),
-                                                            Split(0, self.in_axis), Split(1, "z")), grad_sum=("data",)))
-        self.stored_in_out = True
-
-    def forward(self, inp: torch.Tensor) -> torch.Tensor:
-        if not self.sharded_in:
-            inp = SplitFeatures.apply(inp, self.grid, self.in_axis)
-        weight = self.weight.t() if self.stored_in_out else self.weight     # (out, in) shard either way
-        if self.grid.size(self.in_axis, self.out_axis, "z") == 1:
-            out = F.linear(inp, weight, self.bias)
-        else:
-            out = Algorithm1.apply(inp, weight, self.bias, self)
-        return out if self.sharded_out else GatherFeatures.apply(out, self.grid, self.out_axis)
-
-
-class AutoConv2d(Conv2d):
-    """A par4d Conv2d standing where an ``nn.Conv2d`` was; whole channels (dim 1) in and out
-    unless ``sharded_in`` / ``sharded_out``, as :class:`AutoLinear`'s features."""
-
-    sharded_in: bool = False
-    sharded_out: bool = False
-
-    def forward(self, inp: torch.Tensor) -> torch.Tensor:
-        if not self.sharded_in:
-            inp = SplitFeatures.apply(inp.movedim(1, -1), self.grid, self.in_axis).movedim(-1, 1)
-        out = super().forward(inp.contiguous())
-        if self.sharded_out:
-            return out
-        return GatherFeatures.apply(out.movedim(1, -1), self.grid, self.out_axis).movedim(-1, 1)
-
-
-class AutoEmbedding(Embedding):
-    """A par4d Embedding standing where an ``nn.Embedding`` was: rows over z, features over y,
-    its output's features gathered (whole, as the layers after it expect)."""
-
-    padding_idx: int | None = None
-
-    def forward(self, indices: torch.Tensor) -> torch.Tensor:
-        if self.grid.size("y", "z") == 1:
-            return F.embedding(indices, self.weight, self.padding_idx)
-        table = gather_shards(self.weight, self.grid, "z")
-        return GatherFeatures.apply(F.embedding(indices, table, self.padding_idx), self.grid, self.axis)
-
-
-def _embedding(module: nn.Embedding, name: str, grid: Grid) -> AutoEmbedding:
+def _embedding(module: nn.Embedding, name: str, grid: Grid) -> Embedding:
     odd = [f"{k}={getattr(module, k)}" for k in ("max_norm", "scale_grad_by_freq", "sparse") if getattr(module, k)]
     if odd:
         raise ValueError(f"parallelize: {name} is nn.Embedding({', '.join(odd)}), which par4d's Embedding does not "
                          f"do (force it replicated to keep it whole)")
-    layer = AutoEmbedding(module.num_embeddings, module.embedding_dim, grid=grid, name=name, initialize=False)
-    layer.padding_idx = module.padding_idx
-    return layer
+    return Embedding(module.num_embeddings, module.embedding_dim, grid=grid, name=name, initialize=False,
+                     output_layout="whole", padding_idx=module.padding_idx)
 
 
-def _conv2d(module: nn.Conv2d, name: str, kind: str, grid: Grid) -> AutoConv2d:
+def _layouts(role: Role | None) -> dict[str, str]:
+    """A layer's layouts in and out: sharded inside a recognised block, whole at its edges and alone."""
+    return {"input_layout": "sharded" if role and role.sharded_in else "whole",
+            "output_layout": "sharded" if role and role.sharded_out else "whole"}
+
+
+def _conv2d(module: nn.Conv2d, name: str, kind: str, role: Role | None, grid: Grid) -> Conv2d:
     """The par4d convolution for ``module``; what it cannot represent raises, naming it."""
     square = [v[0] for v in (module.stride, module.padding) if isinstance(v, tuple) and len(set(v)) == 1]
     if (module.groups != 1 or module.dilation != (1, 1) or module.padding_mode != "zeros" or len(square) != 2):
@@ -162,8 +110,9 @@ def _conv2d(module: nn.Conv2d, name: str, kind: str, grid: Grid) -> AutoConv2d:
                          f"padding={module.padding}, stride={module.stride}, padding_mode={module.padding_mode!r}); "
                          f"par4d's Conv2d takes groups=1, no dilation, zero padding and equal strides and paddings "
                          f"(force it replicated to keep it whole)")
-    return AutoConv2d(module.in_channels, module.out_channels, module.kernel_size, square[0], square[1],
-                      module.bias is not None, kind == "transposed", grid=grid, name=name, initialize=False)
+    return Conv2d(module.in_channels, module.out_channels, module.kernel_size, square[0], square[1],
+                  module.bias is not None, kind == "transposed", grid=grid, name=name, initialize=False,
+                  **_layouts(role))
 
 
 @dataclass(frozen=True)
@@ -261,18 +210,13 @@ def _decide(name: str, module: nn.Module, roles: dict[str, Role], force: dict[st
 def _replacement(module: nn.Module, name: str, kind: str, role: Role | None, grid: Grid) -> nn.Module:
     """The par4d layer standing for ``module`` (its values are loaded next)."""
     if isinstance(module, nn.Conv2d):
-        layer = _conv2d(module, name, kind, grid)
-    elif isinstance(module, nn.Embedding):
+        return _conv2d(module, name, kind, role, grid)
+    if isinstance(module, nn.Embedding):
         return _embedding(module, name, grid)
-    else:
-        in_features, out_features = _sizes(module)
-        layer = AutoLinear(in_features, out_features, module.bias is not None, kind == "transposed", grid=grid,
-                           out_chunks=role.chunks if role else 1, name=name, initialize=False)
-        if not isinstance(module, nn.Linear):
-            layer.store_in_out()
-    if role is not None:
-        layer.sharded_out, layer.sharded_in = role.sharded_out, role.sharded_in
-    return layer
+    in_features, out_features = _sizes(module)
+    return Linear(in_features, out_features, module.bias is not None, kind == "transposed", grid=grid,
+                  out_chunks=role.chunks if role else 1, name=name, initialize=False, **_layouts(role),
+                  weight_layout="out_in" if isinstance(module, nn.Linear) else "in_out")
 
 
 def _batch_norms(model: nn.Module, grid: Grid, counted: bool) -> list[Treatment]:

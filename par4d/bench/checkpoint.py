@@ -268,8 +268,8 @@ def _other_weights(config: GPTConfig) -> GPTConfig:
 
 def _par4d_round(bench: CheckpointBench, folder: Path) -> tuple[dict, dict]:
     overlap = Overlap.none()       # the step before the save is not timed; no prefetch buffers in the way
-    grid = init(**bench.grid_from, overlap=overlap)
-    model = build_gpt(bench.config, grid)
+    grid = init(**bench.grid_from)
+    model = build_gpt(bench.config, grid, overlap=overlap)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     inputs, targets = _step_batch(bench.config, bench.world)
     train_step(model, optimizer, grid, model, shard_batch(grid, inputs), shard_batch(grid, targets))
@@ -283,8 +283,8 @@ def _par4d_round(bench: CheckpointBench, folder: Path) -> tuple[dict, dict]:
     del model, optimizer
     grid.close()
 
-    grid = init(**bench.grid_to, overlap=overlap)
-    model = build_gpt(_other_weights(bench.config), grid)
+    grid = init(**bench.grid_to)
+    model = build_gpt(_other_weights(bench.config), grid, overlap=overlap)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     reads, load = _Reads(), {}
     with _counting_reads(reads), _measured(load):

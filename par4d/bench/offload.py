@@ -45,10 +45,9 @@ from par4d.launch import distributed_env, init, join
 from par4d.launch.machine import threads_per_rank
 from par4d.layout import block, shard_batch
 from par4d.models import GPT, GPTConfig, ReferenceGPT
-from par4d.nn import set_overlap
 from par4d.optim.data_parallel import global_mean
 from par4d.optim.precision import MixedPrecision
-from par4d.overlap import Overlap
+from par4d.overlap import Overlap, set_overlap
 from par4d.train.model import build_gpt
 from par4d.train.step import train_step
 

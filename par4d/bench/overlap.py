@@ -40,9 +40,9 @@ from par4d.launch.machine import threads_per_rank
 from par4d.layout import shard_batch
 from par4d.ledger import in_flight_seconds
 from par4d.models import GPT, GPTConfig
-from par4d.nn import set_overlap
+from par4d.models.config import recompute_spacing
 from par4d.optim.data_parallel import gradient_sync
-from par4d.overlap import Overlap, recompute_spacing
+from par4d.overlap import Overlap, set_overlap
 from par4d.train.step import train_step
 
 ROWS = (("none", ()), ("+oar", ("oar",)), ("+ors", ("oar", "ors")), ("+oag", ("oar", "ors", "oag")),

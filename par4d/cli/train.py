@@ -4,7 +4,7 @@ launched or a torchrun/srun job joined, and the summary printed (:mod:`par4d.tra
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
+import signal
 from pathlib import Path
 
 from par4d.train.config import IMAGE_CHANNELS, MODELS
@@ -100,64 +100,30 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from par4d.launch import Interrupted, RankFailed, distributed_env, launch_local
+    from par4d.launch import Interrupted
     from par4d.plan.choose import planned_grid
-    from par4d.train.configure import check_new_out, configure, resumable, world_size
+    from par4d.train.configure import configure, resumable, world_size
     from par4d.train.faults import Faults
-    from par4d.train.loop import worker
+    from par4d.train.job import as_rank, local_ranks
 
-    if args.max_restarts < 0:
-        raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     resumed = resumable(args) if args.resume else None
     world, inside = world_size(args, resumed)
-    if inside and args.max_restarts:
-        raise ValueError("--max-restarts restarts par4d's own local ranks; under torchrun or srun give the "
-                         "launcher's own restart option (torchrun --max-restarts N) together with --out")
-    config = configure(args, world, inside, resumed, planned_grid)
+    config = configure(args, world, inside, resumed, planned_grid)   # every pre-start rule
     Faults.from_env()     # a malformed test hook fails here, not in every rank
-    if inside:   # the rank itself: its error is one line here too (torchrun adds its own report)
-        rank = distributed_env().rank
-        try:
-            summary = worker(config)
-        except Exception as error:
-            raise RankFailed(rank, _with_log(f"{type(error).__name__}: {error}", rank, config.out)) from None
-        return _finish(summary, quiet=rank != 0)
-    import os
+    if inside:            # this process is a rank of torchrun's or srun's job
+        from par4d.launch import distributed_env
 
-    from par4d.launch.machine import cpu_cores, measure_matmul_peak
-    from par4d.train.lock import HELD_ENV, LOCK, RunLock
-
-    with RunLock(config.out):    # one run per folder, from here until the ranks are gone
-        if not config.resume:    # empty when checked, but another run may have written there since
-            check_new_out(Path(config.out), ignore=(LOCK,))
-        if config.peak_flops is None:   # measured here, before the ranks exist, so nothing competes for the cores
-            config = replace(config, peak_flops=measure_matmul_peak(threads=cpu_cores()))
-        os.environ[HELD_ENV] = str(Path(config.out).resolve())    # the ranks inherit it
-        try:
-            results = launch_local(world, worker, (config, True), run_id="par4d-train",
-                                   max_restarts=args.max_restarts)
-        except RankFailed as error:
-            raise RankFailed(error.rank, _with_log(error.cause, error.rank, config.out)) from None
-        except Interrupted as error:   # this process got the signal; the ranks saved their step before exiting
-            return _stopped(error.signum, Path(config.out))
-        finally:
-            os.environ.pop(HELD_ENV, None)
-    return _finish(results[0])
-
-
-def _with_log(cause: str, rank: int, out: str | None) -> str:
-    from par4d.train.loop import failure_log
-
-    log = failure_log(Path(out), rank) if out else None
-    return f"{cause} (traceback in {log})" if log is not None and log.is_file() else cause
+        return _finish(as_rank(config), quiet=distributed_env().rank != 0)
+    try:
+        return _finish(local_ranks(config, world, args.max_restarts))
+    except Interrupted as error:   # this process got the signal; the ranks saved their step before exiting
+        return _stopped(error.signum, Path(config.out))
 
 
 def _finish(summary: dict, quiet: bool = False) -> int:
     """Print rank 0's summary (``quiet``: another rank's); a run a signal stopped early exits
     with 128 + the signal's number."""
     if "stopped" in summary:
-        import signal
-
         signum = signal.Signals[summary["stopped"]["signal"]]
         return 128 + signum if quiet else _stopped(signum, Path(summary["stopped"]["run"]))
     if summary and not quiet:
@@ -168,8 +134,6 @@ def _finish(summary: dict, quiet: bool = False) -> int:
 
 
 def _stopped(signum: int, out: Path) -> int:
-    import signal
-
     from par4d.train.checkpoint import latest, read_meta
 
     name = signal.Signals(signum).name

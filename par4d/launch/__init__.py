@@ -25,7 +25,6 @@ if TYPE_CHECKING:   # torch is imported where a rank joins a job: `par4d plan` n
     import torch
 
     from par4d.grid import Grid
-    from par4d.overlap import Overlap
 
 JOIN_TIMEOUT = timedelta(minutes=10)
 
@@ -255,11 +254,9 @@ def join(env: DistEnv | None) -> None:
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=JOIN_TIMEOUT)
 
 
-def init(x: int = 1, y: int = 1, z: int = 1, data: int = 1, pipe: int = 1, overlap: Overlap | None = None) -> Grid:
-    """Build the grid ``x * y * z * data * pipe`` over the current job.
-
-    ``overlap``: the overlap settings of models built on this grid (default
-    ``par4d.Overlap()``: every overlap on; ``Overlap.none()``: synchronous).
+def init(x: int = 1, y: int = 1, z: int = 1, data: int = 1, pipe: int = 1) -> Grid:
+    """Build the grid ``x * y * z * data * pipe`` over the current job. A model's overlaps are
+    its own (``par4d.overlap.set_overlap``; par4d's GPT and U-Net take ``overlap=``).
 
     Joins an existing torch.distributed job or initializes one from the
     environment (torchrun, srun, or par4d's launcher): gloo on CPU, NCCL where CUDA
@@ -278,7 +275,7 @@ def init(x: int = 1, y: int = 1, z: int = 1, data: int = 1, pipe: int = 1, overl
     sizes = validate_sizes(requested, world)
     join(env)
     _check_same_on_every_rank(sizes)
-    return build_grid(sizes, device(env), overlap)
+    return build_grid(sizes, device(env))
 
 
 def _check_same_on_every_rank(sizes: dict[str, int]) -> None:

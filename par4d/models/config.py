@@ -180,6 +180,39 @@ class GPTConfig:
         return None
 
 
+def recompute_spacing(n_blocks: int, total: int | None = None) -> int:
+    """The async-pipeline paper's spacing (Section V-A): recompute every ``a`` blocks, ``a``
+    the divisor of the block count closest to the square root of ``total`` (the model's
+    block count; default ``n_blocks``), the smaller on a tie. With a pipeline ``n_blocks``
+    is the blocks per stage."""
+    if n_blocks < 1:
+        raise ValueError(f"recompute spacing of {n_blocks} blocks: need at least one block")
+    divisors = [a for a in range(1, n_blocks + 1) if n_blocks % a == 0]
+    return min(divisors, key=lambda a: (abs(a - math.sqrt(total or n_blocks)), a))
+
+
+def parse_recompute(text: str | int | None, n_blocks: int, total: int | None = None) -> int:
+    """``none`` (0: no recomputation), ``auto`` (:func:`recompute_spacing`) or ``N``: every
+    N blocks, N a divisor of the block count (the CLI's ``--recompute``). With a pipeline,
+    ``n_blocks`` is what every stage's block count is a multiple of, ``total`` the model's."""
+    if text is None:
+        return 0
+    value = str(text).strip().lower()
+    if value == "none":
+        return 0
+    if value == "auto":
+        return recompute_spacing(n_blocks, total)
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"--recompute {text!r}: give none, auto, or a block count N >= 1")
+    every = int(value)
+    if n_blocks % every:
+        divisors = ", ".join(str(a) for a in range(1, n_blocks + 1) if n_blocks % a == 0)
+        what = f"the {n_blocks} blocks" if total is None else f"the pipeline stages' blocks (multiples of {n_blocks})"
+        raise ValueError(f"--recompute {every}: {what} do not split into segments of {every}; "
+                         f"give a divisor of {n_blocks}: {divisors}")
+    return every
+
+
 def init_tensor(config: GPTConfig, name: str, shape: tuple[int, ...]) -> torch.Tensor:
     """The initial value of parameter ``name``: a function of (seed, name) alone.
 

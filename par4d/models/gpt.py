@@ -24,10 +24,11 @@ import torch.nn.functional as F
 
 from par4d.grid import Grid
 from par4d.models.config import GPTConfig, init_tensor
-from par4d.nn import CausalSelfAttention, Embedding, LayerNorm, Linear, set_overlap, vocab_parallel_cross_entropy
+from par4d.nn import CausalSelfAttention, Embedding, LayerNorm, Linear, vocab_parallel_cross_entropy
 from par4d.nn.base import ShardedModule, full_state_dict, load_full_state_dict
 from par4d.nn.recompute import run_blocks
-from par4d.overlap import Overlap
+from par4d.overlap.apply import set_overlap
+from par4d.overlap.policy import Overlap
 
 MLPFactory = Callable[[GPTConfig, Grid, str], nn.Module]
 """``factory(config, grid, name)``: a block's MLP, residual layout (features over y) in and out."""
@@ -71,9 +72,10 @@ class GPT(nn.Module):
     ``mlp="phantom"`` needs :class:`par4d.phantom.PhantomMLP` (or build the model with
     :func:`par4d.train.model.build_gpt`, which picks the factory the config names).
 
-    ``overlap``: the overlaps of its collectives (default: the grid's, ``par4d.init(overlap=...)``).
+    ``overlap``: the overlaps of its collectives (None: every one, ``Overlap()``;
+    ``Overlap.none()``: synchronous); ``par4d.overlap.set_overlap`` changes them later.
     ``recompute``: recompute activations in segments of this many blocks (0: none; see
-    :func:`par4d.overlap.recompute_spacing` for the paper's choice).
+    :func:`par4d.models.config.recompute_spacing` for the paper's choice).
     """
 
     def __init__(self, config: GPTConfig, *, grid: Grid, mlp: MLPFactory | None = None,
@@ -105,7 +107,7 @@ class GPT(nn.Module):
             self.ln_f = LayerNorm(config.n_embd, grid=grid, name="ln_f")
             self.head = Linear(config.n_embd, config.vocab_size, bias=False, grid=grid, name="head",
                                initialize=False)
-        set_overlap(self, overlap if overlap is not None else grid.overlap)
+        set_overlap(self, overlap if overlap is not None else Overlap())
         if grid.device.type != "meta":
             self.load_reference_state({name: init_tensor(config, name, shape) for name, shape in self.full_shapes()})
 

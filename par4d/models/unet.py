@@ -29,6 +29,8 @@ from par4d import comm
 from par4d.grid import Grid
 from par4d.layout import shard_activation
 from par4d.nn.conv import Conv2d
+from par4d.overlap.apply import set_overlap
+from par4d.overlap.policy import Overlap
 
 
 @dataclass(frozen=True)
@@ -63,14 +65,17 @@ def _sized(config: UNetConfig) -> list[tuple[str, int, int, int, bool]]:
 
 class UNet(nn.Module):
     """par4d's U-Net on ``grid`` (see the module docstring); :meth:`loss` is the mean squared
-    error over this rank's samples, its value that of all their channels."""
+    error over this rank's samples, its value that of all their channels. ``overlap``: the
+    overlaps of its convolutions' collectives (None: every one, ``Overlap()``; ``Overlap.none()``:
+    synchronous)."""
 
-    def __init__(self, config: UNetConfig, *, grid: Grid):
+    def __init__(self, config: UNetConfig, *, grid: Grid, overlap: Overlap | None = None):
         super().__init__()
         self.config, self.grid = config, grid
         _assemble(self, {name: Conv2d(c_in, c_out, k, padding=k // 2, transposed=t, grid=grid, seed=config.seed + i,
                                       name=f"UNet.{name}")
                          for i, (name, c_in, c_out, k, t) in enumerate(_sized(config))})
+        set_overlap(self, overlap if overlap is not None else Overlap())
 
     def forward(self, images: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """The output, or given ``targets`` the loss (as par4d's GPT: what ``train_step`` calls)."""

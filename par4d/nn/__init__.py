@@ -5,9 +5,9 @@ from par4d.nn.base import ShardedModule, full_state_dict, load_full_state_dict
 from par4d.nn.batchnorm import BatchNorm
 from par4d.nn.conv import Conv2d
 from par4d.nn.embedding import Embedding
-from par4d.nn.linear import Linear, set_overlap
+from par4d.nn.linear import Linear
 from par4d.nn.loss import vocab_parallel_cross_entropy
 from par4d.nn.norm import LayerNorm
 
 __all__ = ["BatchNorm", "CausalSelfAttention", "Conv2d", "Embedding", "LayerNorm", "Linear", "ShardedModule",
-           "full_state_dict", "load_full_state_dict", "set_overlap", "vocab_parallel_cross_entropy"]
+           "full_state_dict", "load_full_state_dict", "vocab_parallel_cross_entropy"]

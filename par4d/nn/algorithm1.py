@@ -1,10 +1,20 @@
-"""Algorithm 1's collectives around any layer's local arithmetic, and its parameters' placement.
+"""Algorithm 1's collectives around any layer's local arithmetic, its parameters' placement,
+and the layouts of a layer's input and output.
 
-The autograd Function and the weight and bias set-up that :class:`par4d.nn.Linear`,
-:class:`par4d.nn.Conv2d` and the layers ``par4d.parallelize`` makes all share: a layer brings
-its local arithmetic (a matmul, a convolution) and its axes (``in_axis``, ``out_axis``); this
-module brings the all-gather over z, the all-reduces over the in- and out-axes and the
-reduce-scatter of the weight's gradient, with the overlap runtime's waits.
+The autograd Function and the weight and bias set-up that :class:`par4d.nn.Linear` and
+:class:`par4d.nn.Conv2d` share (and so every layer of par4d's models and every one
+``par4d.parallelize`` makes): a layer brings its local arithmetic (a matmul, a convolution) and
+its axes (``in_axis``, ``out_axis``); this module brings the all-gather over z, the all-reduces
+over the in- and out-axes and the reduce-scatter of the weight's gradient, with the overlap
+runtime's waits (``par4d.overlap``).
+
+**Layouts in and out**, as data on the layer (as torch's ``ColwiseParallel(input_layouts=,
+output_layouts=)``): ``"sharded"`` features are split over the layer's axis (its in-axis for the
+input, its out-axis for the output: how Algorithm 1 takes and leaves them, so a normal layer
+feeds a transposed one with no collective); ``"whole"`` features are on every rank of that axis,
+as a layer nobody parallelized takes and gives them: the input is cut (free) and the output
+all-gathered. **The weight's storage**: ``"out_in"`` as ``nn.Linear`` and ``nn.Conv2d`` keep it,
+or ``"in_out"`` as Hugging Face's ``Conv1D`` (GPT-2) does, cut as the transpose of the former's.
 """
 
 from __future__ import annotations
@@ -17,13 +27,79 @@ import torch.nn as nn
 from par4d import comm
 from par4d.layout import Placement, Split, place
 from par4d.nn.base import ShardedModule
+from par4d.nn.collectives import GatherFeatures, SplitFeatures
+
+LAYOUTS = ("sharded", "whole")
+"""A layer's input or output features: split over the layer's axis, or whole on every rank of it."""
+WEIGHT_LAYOUTS = ("out_in", "in_out")
+"""How a layer stores its weight: (out, in, ...) as ``nn.Linear``; (in, out) as Hugging Face's ``Conv1D``."""
+
+
+class Algorithm1Layer(ShardedModule):
+    """A layer whose weight Algorithm 1 splits: what :class:`Algorithm1` and the overlap runtime
+    ask of :class:`par4d.nn.Linear` and :class:`par4d.nn.Conv2d`.
+
+    Subclasses set ``grid``, ``in_axis`` / ``out_axis`` (:meth:`_set_layouts`), ``weight``
+    and ``bias`` (:func:`algorithm1_parameters`), and give the local arithmetic
+    (``local_forward``, ``local_input_grad``, ``local_weight_grad``, ``local_bias_grad``,
+    ``add_bias``); ``feature_dim`` is the activations' dim that the axes split.
+    """
+
+    runtime = None          # the model's overlap runtime (par4d.overlap.set_overlap); None: every wait where issued
+    feature_dim = -1        # features are the last dim (a convolution's channels: dim 1)
+    input_layout = output_layout = "sharded"
+    weight_layout = "out_in"
+
+    def _set_layouts(self, where: str, transposed: bool, input_layout: str, output_layout: str,
+                     weight_layout: str = "out_in") -> None:
+        """The axes (normal: in over y, out over x; transposed: swapped) and the layouts, checked."""
+        for what, value, valid in (("input_layout", input_layout, LAYOUTS), ("output_layout", output_layout, LAYOUTS),
+                                   ("weight_layout", weight_layout, WEIGHT_LAYOUTS)):
+            if value not in valid:
+                raise ValueError(f"{where}: {what}={value!r}; give one of {', '.join(map(repr, valid))}")
+        self.in_axis, self.out_axis = ("x", "y") if transposed else ("y", "x")
+        self.input_layout, self.output_layout, self.weight_layout = input_layout, output_layout, weight_layout
+
+    def weight_rows(self, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """``weight`` (default: this layer's) as Algorithm 1's Ŵ: (out / (G_out G_z), in / G_in, ...),
+        rows over z, which the all-gather concatenates (a transposed view if stored (in, out))."""
+        weight = self.weight if weight is None else weight
+        return weight.t() if self.weight_layout == "in_out" else weight
+
+    def take(self, inp: torch.Tensor) -> torch.Tensor:
+        """The input as Algorithm 1 takes it: whole features cut to this rank's block of the in-axis."""
+        if self.input_layout == "sharded":
+            return inp
+        if self.feature_dim == -1:
+            return SplitFeatures.apply(inp, self.grid, self.in_axis)
+        moved = SplitFeatures.apply(inp.movedim(self.feature_dim, -1), self.grid, self.in_axis)
+        return moved.movedim(-1, self.feature_dim).contiguous()
+
+    def give(self, out: torch.Tensor) -> torch.Tensor:
+        """The output as the layer's ``output_layout`` says: whole features all-gathered over the out-axis."""
+        if self.output_layout == "sharded":
+            return out
+        if self.feature_dim == -1:
+            return GatherFeatures.apply(out, self.grid, self.out_axis)
+        return GatherFeatures.apply(out.movedim(self.feature_dim, -1), self.grid, self.out_axis).movedim(
+            -1, self.feature_dim)
+
+    def layouts_repr(self) -> str:
+        """The layouts that are not the defaults, for ``extra_repr``."""
+        return "".join(f", {name}={getattr(self, name)!r}" for name, default in (
+            ("input_layout", "sharded"), ("output_layout", "sharded"), ("weight_layout", "out_in"))
+            if getattr(self, name) != default)
+
+    def local_only(self) -> bool:
+        """Whether the grid splits nothing of this layer (then torch's own layer runs: nothing to gather or sum)."""
+        return self.grid.size(self.in_axis, self.out_axis, "z") == 1
 
 
 class Algorithm1(torch.autograd.Function):
     """all-gather_z(Ŵ) + all-reduce over the in-axis in forward;
     all-reduce over the out-axis + reduce-scatter_z of dŴ in backward.
 
-    With the layer's runtime (:mod:`par4d.nn.runtime`) the gather may have been
+    With the layer's runtime (:mod:`par4d.overlap.runtime`) the gather may have been
     prefetched (OAG) or cached, the backward all-reduce is waited for after the weight
     gradient is computed (OAR), and the reduce-scatter after the whole backward pass
     (ORS). Only waits move: the arithmetic is the same in every case.
@@ -34,9 +110,10 @@ class Algorithm1(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, inp, w_shard, bias, layer: ShardedModule):
+    def forward(ctx, inp, w_shard, bias, layer: Algorithm1Layer):
         grid, runtime = layer.grid, layer.runtime
-        w = runtime.gathers.gather(w_shard) if runtime else comm.all_gather(grid, w_shard, "z")  # (n/G_out, k/G_in)
+        # W (n/G_out, k/G_in, ...), whichever way the weight is stored
+        w = runtime.gathers.gather(layer) if runtime else comm.all_gather(grid, layer.weight_rows(w_shard), "z")
         out = layer.local_forward(inp, w)                    # partial over in_axis
         comm.all_reduce(grid, out, layer.in_axis)            # O_{l,i}
         if bias is not None:
@@ -59,32 +136,40 @@ class Algorithm1(torch.autograd.Function):
         grad_w_shard = None
         if ctx.needs_input_grad[1]:
             grad_w = layer.local_weight_grad(grad_out, inp, w)  # partial over z
+            in_out = layer.weight_layout == "in_out"
             if overlap and overlap.reduce_scatter and runtime.deferred.armed and grid.size("z") > 1:
                 # ORS: autograd gets no gradient here; the runtime accumulates it after backward.
-                runtime.deferred.defer(layer.weight, comm.reduce_scatter(grid, grad_w, "z", async_op=True))
+                runtime.deferred.defer(layer.weight, comm.reduce_scatter(grid, grad_w, "z", async_op=True), in_out)
             else:
                 grad_w_shard = comm.reduce_scatter(grid, grad_w, "z")
+                grad_w_shard = grad_w_shard.t() if in_out else grad_w_shard
         grad_b = layer.local_bias_grad(grad_out) if ctx.has_bias else None  # partial over z and data
         if isinstance(pending_in, comm.Handle):
             pending_in.wait()
         return grad_in, grad_w_shard, grad_b, None
 
 
-def algorithm1_parameters(layer: ShardedModule, out_features: int, in_features: int, kernel: tuple[int, ...],
+def algorithm1_parameters(layer: Algorithm1Layer, out_features: int, in_features: int, kernel: tuple[int, ...],
                           bias: bool, out_chunks: int, seed: int, initialize: bool) -> None:
-    """Algorithm 1's weight and bias on ``layer`` (a :class:`Linear` or a Conv2d, its ``grid``,
-    ``in_axis`` and ``out_axis`` set): the weight's out-features (dim 0) cut per chunk over the
-    out-axis, its in-features (dim 1) over the in-axis, each block's rows over z (Ŵ), the
-    ``kernel`` dims whole; the bias per chunk over the out-axis. Initialised as ``nn.Linear``
+    """Algorithm 1's weight and bias on ``layer`` (its ``grid``, axes and layouts set): the
+    weight's out-features (dim 0) cut per chunk over the out-axis, its in-features (dim 1) over
+    the in-axis, each block's rows over z (Ŵ), the ``kernel`` dims whole (stored ``"in_out"``:
+    the transpose of that, dims swapped); the bias per chunk over the out-axis. Initialised as ``nn.Linear``
     and ``nn.Conv2d`` are (uniform within 1/sqrt(fan-in), drawn whole from ``seed``) unless
     the grid is virtual (meta: shapes only) or ``initialize`` is False (the caller loads next)."""
     grid = layer.grid
     g_in, g_out, g_z = grid.size(layer.in_axis), grid.size(layer.out_axis), grid.size("z")
     out_split = Split(0, layer.out_axis, chunks=out_chunks)
     # z sums Ŵ's gradient (the reduce-scatter); the bias is replicated over z and the in-axis.
-    layer.weight = place(nn.Parameter(torch.empty(out_features // (g_out * g_z), in_features // g_in, *kernel,
-                                                  device=grid.device)),
-                         Placement((out_split, Split(1, layer.in_axis), Split(0, "z")), grad_sum=("data",)))
+    rows, cols = out_features // (g_out * g_z), in_features // g_in
+    assert layer.weight_layout == "out_in" or not kernel, "a weight stored (in, out) is a matrix"
+    if layer.weight_layout == "in_out":     # (in, out): the same shards, transposed
+        layer.weight = place(nn.Parameter(torch.empty(cols, rows, device=grid.device)),
+                             Placement((Split(1, layer.out_axis, chunks=out_chunks), Split(0, layer.in_axis),
+                                        Split(1, "z")), grad_sum=("data",)))
+    else:
+        layer.weight = place(nn.Parameter(torch.empty(rows, cols, *kernel, device=grid.device)),
+                             Placement((out_split, Split(1, layer.in_axis), Split(0, "z")), grad_sum=("data",)))
     layer.bias = None
     if bias:
         layer.bias = place(nn.Parameter(torch.empty(out_features // g_out, device=grid.device)),
@@ -93,7 +178,8 @@ def algorithm1_parameters(layer: ShardedModule, out_features: int, in_features: 
         return
     generator = torch.Generator().manual_seed(seed)
     bound = 1 / math.sqrt(in_features * math.prod(kernel))
-    state = {"weight": torch.empty(out_features, in_features, *kernel).uniform_(-bound, bound, generator=generator)}
+    weight = torch.empty(out_features, in_features, *kernel).uniform_(-bound, bound, generator=generator)
+    state = {"weight": weight.t() if layer.weight_layout == "in_out" else weight}
     if bias:
         state["bias"] = torch.empty(out_features).uniform_(-bound, bound, generator=generator)
     layer.load_full_state(state)

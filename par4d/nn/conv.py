@@ -10,8 +10,8 @@ over the out-axis and reduce-scatters the weight gradient over z. A *transposed*
 swaps x and y, so a normal layer's output is a transposed layer's input, as for
 :class:`par4d.nn.Linear`. Activations are ``(B, C / G_in, H, W)``: channels are dim 1.
 
-Every collective here is waited for where it is issued (the overlaps of
-:mod:`par4d.nn.runtime` act on ``Linear`` only).
+The overlaps (``par4d.overlap``) act on it as on :class:`par4d.nn.Linear`: Algorithm 1's
+collectives and their waits are the same whatever the local arithmetic.
 """
 
 from __future__ import annotations
@@ -21,11 +21,10 @@ import torch.nn.functional as F
 from torch.nn.grad import conv2d_input, conv2d_weight
 
 from par4d.grid import Grid
-from par4d.nn.algorithm1 import Algorithm1, algorithm1_parameters
-from par4d.nn.base import ShardedModule
+from par4d.nn.algorithm1 import Algorithm1, Algorithm1Layer, algorithm1_parameters
 
 
-class Conv2d(ShardedModule):
+class Conv2d(Algorithm1Layer):
     """``nn.Conv2d`` (groups=1, zero padding, no dilation) with its weight split by Algorithm 1.
 
     Input ``(B, in_channels / G_in, H, W)``, samples split over data and z; output
@@ -36,19 +35,23 @@ class Conv2d(ShardedModule):
 
     Placement (:mod:`par4d.layout`): the weight's out-channels (dim 0) over the out-axis, then
     each block's over z (Ŵ); its in-channels (dim 1) over the in-axis; the bias over the
-    out-axis."""
+    out-axis.
 
-    runtime = None      # no overlap runtime (par4d.nn.runtime serves Linear only): every collective waited
+    ``input_layout`` / ``output_layout``: ``"sharded"`` (above) or ``"whole"`` channels on every
+    rank of the axis, as :class:`par4d.nn.Linear`'s features."""
+
+    feature_dim = 1     # channels
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int | tuple[int, int], stride: int = 1,
                  padding: int = 0, bias: bool = True, transposed: bool = False, *, grid: Grid, seed: int = 0,
-                 name: str = "Conv2d", initialize: bool = True):
+                 name: str = "Conv2d", initialize: bool = True, input_layout: str = "sharded",
+                 output_layout: str = "sharded"):
         super().__init__()
         kh, kw = (kernel_size, kernel_size) if isinstance(kernel_size, int) else kernel_size
-        self.in_axis, self.out_axis = ("x", "y") if transposed else ("y", "x")
-        g_in, g_out, g_z = grid.size(self.in_axis), grid.size(self.out_axis), grid.size("z")
         where = (f"{name}(in_channels={in_channels}, out_channels={out_channels}, kernel_size={(kh, kw)}, "
                  f"transposed={transposed})")
+        self._set_layouts(where, transposed, input_layout, output_layout)
+        g_in, g_out, g_z = grid.size(self.in_axis), grid.size(self.out_axis), grid.size("z")
         if min(in_channels, out_channels, kh, kw, stride) < 1 or padding < 0:
             raise ValueError(f"{where}: channels, kernel and stride must be >= 1 and padding >= 0 "
                              f"(stride={stride}, padding={padding})")
@@ -63,9 +66,12 @@ class Conv2d(ShardedModule):
         algorithm1_parameters(self, out_channels, in_channels, (kh, kw), bias, 1, seed, initialize)
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
-        if self.grid.size(self.in_axis, self.out_axis, "z") == 1:
-            return F.conv2d(inp, self.weight, self.bias, self.stride, self.padding)   # nothing to gather or sum
-        return Algorithm1.apply(inp, self.weight, self.bias, self)
+        inp = self.take(inp)
+        if self.local_only():
+            out = F.conv2d(inp, self.weight, self.bias, self.stride, self.padding)   # nothing to gather or sum
+        else:
+            out = Algorithm1.apply(inp, self.weight, self.bias, self)
+        return self.give(out)
 
     # Algorithm 1's local arithmetic, a convolution (par4d.nn.algorithm1.Algorithm1 runs the collectives).
     def local_forward(self, inp: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -86,4 +92,4 @@ class Conv2d(ShardedModule):
     def extra_repr(self) -> str:
         return (f"in_channels={self.in_channels}, out_channels={self.out_channels}, kernel_size={self.kernel_size}, "
                 f"stride={self.stride}, padding={self.padding}, transposed={self.transposed}, "
-                f"bias={self.bias is not None}, shard={tuple(self.weight.shape)}")
+                f"bias={self.bias is not None}, shard={tuple(self.weight.shape)}{self.layouts_repr()}")

@@ -17,10 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from par4d.grid import Grid
-from par4d.nn.algorithm1 import Algorithm1, algorithm1_parameters
-from par4d.nn.base import ShardedModule
-from par4d.nn.runtime import LayerRuntime
-from par4d.overlap import Overlap
+from par4d.nn.algorithm1 import Algorithm1, Algorithm1Layer, algorithm1_parameters
 
 if TYPE_CHECKING:
     from par4d.nn.gemm import GemmPlan
@@ -32,7 +29,7 @@ def _mm(gemm: GemmPlan | None, a: torch.Tensor, b: torch.Tensor, name: str) -> t
     return a @ b if gemm is None else gemm.mm(a, b, name).contiguous()
 
 
-class Linear(ShardedModule):
+class Linear(Algorithm1Layer):
     """``y = x A^T + b`` with A split by Algorithm 1 over the grid.
 
     Input ``(..., in_features / G_in)``, rows split over data and z; output
@@ -49,22 +46,27 @@ class Linear(ShardedModule):
     over the out-axis, its in-features (dim 1) over the in-axis, and each resulting block's
     rows over z (Algorithm 1's Ŵ); the bias's out-features per chunk over the out-axis.
 
+    ``input_layout`` / ``output_layout``: ``"sharded"`` (Algorithm 1's, above) or ``"whole"``
+    (every feature on every rank of the axis: cut on the way in, all-gathered on the way out), for
+    a layer between layers nobody parallelized; ``weight_layout="in_out"`` stores the weight
+    (in, out), as Hugging Face's ``Conv1D`` (:mod:`par4d.nn.algorithm1`).
+
     ``gemm``: a :class:`~par4d.nn.gemm.GemmPlan` for this layer's three matmuls, or None
     (plain ``a @ b``); :func:`tune` sets it on every Linear of a model.
 
-    ``runtime``: the overlaps of this layer's collectives, shared by the Linears of one
-    model (:func:`set_overlap` sets it); None: every collective is waited for where issued.
+    ``runtime``: the overlaps of this layer's collectives, shared by the layers of one
+    model (``par4d.overlap.set_overlap`` sets it); None: every collective is waited for where issued.
     """
 
     gemm: GemmPlan | None = None
-    runtime: LayerRuntime | None = None   # the model's overlap runtime (set_overlap); None: synchronous
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, transposed: bool = False, *,
-                 grid: Grid, out_chunks: int = 1, seed: int = 0, name: str = "Linear", initialize: bool = True):
+                 grid: Grid, out_chunks: int = 1, seed: int = 0, name: str = "Linear", initialize: bool = True,
+                 input_layout: str = "sharded", output_layout: str = "sharded", weight_layout: str = "out_in"):
         super().__init__()
-        self.in_axis, self.out_axis = ("x", "y") if transposed else ("y", "x")
-        g_in, g_out, g_z = grid.size(self.in_axis), grid.size(self.out_axis), grid.size("z")
         where = f"{name}(in_features={in_features}, out_features={out_features}, transposed={transposed})"
+        self._set_layouts(where, transposed, input_layout, output_layout, weight_layout)
+        g_in, g_out, g_z = grid.size(self.in_axis), grid.size(self.out_axis), grid.size("z")
         if in_features % g_in:
             raise ValueError(f"{where}: in_features={in_features} is not divisible by {self.in_axis}={g_in}")
         if out_features % (out_chunks * g_out):
@@ -78,9 +80,12 @@ class Linear(ShardedModule):
         algorithm1_parameters(self, out_features, in_features, (), bias, out_chunks, seed, initialize)
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
-        if self.gemm is None and self.grid.size(self.in_axis, self.out_axis, "z") == 1:
-            return F.linear(inp, self.weight, self.bias)   # nothing to gather or sum: PyTorch's fused layer
-        return Algorithm1.apply(inp, self.weight, self.bias, self)
+        inp = self.take(inp)
+        if self.gemm is None and self.local_only():
+            out = F.linear(inp, self.weight_rows(), self.bias)   # nothing to gather or sum: PyTorch's fused layer
+        else:
+            out = Algorithm1.apply(inp, self.weight, self.bias, self)
+        return self.give(out)
 
     # Algorithm 1's local arithmetic (Algorithm1 runs the collectives around it).
     def local_forward(self, inp: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -102,7 +107,7 @@ class Linear(ShardedModule):
         out += bias
 
     def full_weight(self, grad: bool = False) -> torch.Tensor:
-        """The full ``(out, in)`` weight (or its gradient) on every rank (collective)."""
+        """The full weight (or its gradient) as stored, ``(out, in)`` or ``(in, out)``, on every rank (collective)."""
         return self.full_tensor(self.weight, grad)
 
     def full_bias(self, grad: bool = False) -> torch.Tensor | None:
@@ -113,7 +118,8 @@ class Linear(ShardedModule):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"transposed={self.transposed}, bias={self.bias is not None}, shard={tuple(self.weight.shape)}")
+                f"transposed={self.transposed}, bias={self.bias is not None}, shard={tuple(self.weight.shape)}"
+                f"{self.layouts_repr()}")
 
 
 def tune(model: nn.Module, plan: GemmPlan | None) -> nn.Module:
@@ -122,26 +128,4 @@ def tune(model: nn.Module, plan: GemmPlan | None) -> nn.Module:
     for module in model.modules():
         if isinstance(module, Linear):
             module.gemm = plan
-    return model
-
-
-def set_overlap(model: nn.Module, settings: Overlap | None) -> nn.Module:
-    """Overlap the collectives of every par4d Linear of ``model`` as ``settings`` say (None:
-    synchronous), with one runtime for the whole model: each forward of ``model`` begins an
-    iteration of its recorded gather order (OAG). Returns the model."""
-    previous = getattr(model, "par4d_runtime", None)
-    if previous is not None and previous.hook is not None:
-        previous.hook.remove()
-    layers = [m for m in model.modules() if isinstance(m, Linear)]
-    grids = {id(layer.grid) for layer in layers}
-    if len(grids) > 1:
-        raise ValueError(f"set_overlap: the Linears of {type(model).__name__} live on {len(grids)} different grids; "
-                         f"one model's overlap runtime serves one grid")
-    runtime = None
-    if settings is not None and layers:
-        runtime = LayerRuntime(layers[0].grid, settings)
-        runtime.hook = model.register_forward_pre_hook(lambda module, args: runtime.gathers.begin())
-    for layer in layers:
-        layer.runtime = runtime
-    model.par4d_runtime, model.par4d_overlap = runtime, settings
     return model

@@ -2,7 +2,7 @@
 
 A network of blocks cut into segments of ``every`` blocks keeps only each segment's
 input during the forward pass and recomputes the segment's activations in backward.
-The async-pipeline paper's spacing (Section V-A; :func:`par4d.overlap.recompute_spacing`)
+The async-pipeline paper's spacing (Section V-A; :func:`par4d.models.config.recompute_spacing`)
 picks ``every`` as the divisor of the block count closest to its square root. The
 recomputed forward runs the same operations on the same values, so gradients are
 bit for bit those without recomputation (tested).
@@ -16,8 +16,6 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
-from par4d.nn.runtime import LayerRuntime
-
 
 def _run(blocks: Sequence[nn.Module], h: torch.Tensor) -> torch.Tensor:
     for block in blocks:
@@ -25,9 +23,10 @@ def _run(blocks: Sequence[nn.Module], h: torch.Tensor) -> torch.Tensor:
     return h
 
 
-def run_blocks(blocks: Sequence[nn.Module], h: torch.Tensor, every: int, runtime: LayerRuntime | None) -> torch.Tensor:
+def run_blocks(blocks: Sequence[nn.Module], h: torch.Tensor, every: int, runtime=None) -> torch.Tensor:
     """``h`` through ``blocks`` in order; with ``every`` > 0, each run of ``every`` blocks is one
-    recomputed segment (its weights gathered again or taken from ``runtime``'s cache)."""
+    recomputed segment (its weights gathered again or taken from the cache of ``runtime``, the
+    model's ``par4d.overlap`` LayerRuntime, if it has one)."""
     if every <= 0:
         return _run(blocks, h)
     if len(blocks) % every:

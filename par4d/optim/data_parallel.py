@@ -22,10 +22,10 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from par4d import comm
 from par4d.grid import TENSOR_AXES, Grid
 from par4d.layout import Placement, placement_of
-from par4d.overlap import BUCKET_MB, Overlap
+from par4d.overlap.policy import BUCKET_MB, Overlap
 
 if TYPE_CHECKING:
-    from par4d.nn.runtime import DeferredGrads
+    from par4d.overlap.runtime import DeferredGrads
 
 BUCKET_BYTES = int(BUCKET_MB * 2**20)
 FIRST_BUCKET_BYTES = 2**20   # DDP's first bucket: the last layers' gradients start their sum early
@@ -213,11 +213,12 @@ class GradientSync:
 
 def gradient_sync(model: nn.Module, grid: Grid) -> GradientSync:
     """The model's :class:`GradientSync`, built on first use with the model's overlap
-    settings (``par4d.nn.set_overlap``) or else the grid's (``par4d.init(overlap=...)``)."""
+    settings (``par4d.overlap.set_overlap``), or DDP's default for a model that has none (its
+    buckets all-reduced during backward, ``Overlap()``)."""
     if "par4d_overlap" in vars(model):    # set_overlap was called (None: synchronous)
         settings = model.par4d_overlap or Overlap.none()
     else:
-        settings = grid.overlap
+        settings = Overlap()
     runtime = getattr(model, "par4d_runtime", None)
     sync = getattr(model, "par4d_gradient_sync", None)
     deferred = runtime.deferred if runtime is not None else None

@@ -46,10 +46,12 @@ def batch(size: int = BATCH, seq_len: int = CONFIG.block_size) -> tuple[torch.Te
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def training_step(grid: Grid, batch_size: int = BATCH, seq_len: int = CONFIG.block_size) -> Callable[[], torch.Tensor]:
+def training_step(grid: Grid, batch_size: int = BATCH, seq_len: int = CONFIG.block_size,
+                  overlap: Overlap | None = None) -> Callable[[], torch.Tensor]:
     """One training step of the GPT on ``grid`` (forward, backward, gradient sync, AdamW) on a
-    global batch of ``batch_size`` sequences of ``seq_len`` tokens, as a function to call repeatedly."""
-    model = GPT(CONFIG, grid=grid)
+    global batch of ``batch_size`` sequences of ``seq_len`` tokens, as a function to call repeatedly;
+    ``overlap``: the GPT's (None: every overlap on)."""
+    model = GPT(CONFIG, grid=grid, overlap=overlap)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     inputs, targets = batch(batch_size, seq_len)
     x, y = shard_batch(grid, inputs), shard_batch(grid, targets)
@@ -82,8 +84,8 @@ def time_grid(sizes: dict[str, int], iters: int, batch_size: int = BATCH,
     """Seconds of ``iters`` training steps on grid ``sizes`` (global batch of ``batch_size``
     sequences of ``seq_len`` tokens), and the ledger bytes per step of this rank. Closes the
     grid: idle groups of earlier grids would slow the grids measured after them."""
-    grid = init(**sizes, overlap=overlap)      # None: par4d.Overlap(), every overlap on
-    step = training_step(grid, batch_size, seq_len)
+    grid = init(**sizes)
+    step = training_step(grid, batch_size, seq_len, overlap)      # None: par4d.Overlap(), every overlap on
     before = grid.ledger.total_bytes()
     times = time_iterations(step, iters)
     per_rank = (grid.ledger.total_bytes() - before) / (WARMUP + iters)

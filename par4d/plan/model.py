@@ -13,7 +13,7 @@ Three variants rank configurations:
   settings ``t_iter = t_compute + t_exposed``: each overlapped collective hidden
   behind the compute it overlaps with (:func:`exposed_comm`).
 
-A grid with ``pipe`` = P > 1 is a pipeline of P stages (par4d/pipeline.py): each term
+A grid with ``pipe`` = P > 1 is a pipeline of P stages (par4d/pipeline/): each term
 is the average stage's (1/P of the model), with M microbatches per step, the fill and
 drain bubble and the stages' point-to-point hand-offs (:func:`predict`).
 """

@@ -7,8 +7,8 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from par4d.models.config import GPTConfig
-from par4d.overlap import Overlap, parse_recompute
+from par4d.models.config import GPTConfig, parse_recompute
+from par4d.overlap import Overlap
 
 if TYPE_CHECKING:
     from par4d.models.unet import UNetConfig
@@ -185,15 +185,6 @@ class TrainConfig:
         if self.overlap.strip().lower() == "all" and self.recompute_every() == 0:
             return replace(Overlap(), cache_layers=0)
         return Overlap.parse(self.overlap)
-
-    def overlap_run(self) -> Overlap:
-        """The overlaps that run: ``--overlap``'s for par4d's GPT; a U-Net's or a Hugging Face model's layers
-        get the data-parallel one only (the layer runtime of OAR, ORS, OAG and the cache reaches par4d's GPT
-        alone so far), which the run says before it starts and its summary reports."""
-        settings = self.overlap_settings()
-        if self.model == "gpt":
-            return settings
-        return replace(Overlap.none(), data_parallel=settings.data_parallel, bucket_mb=settings.bucket_mb)
 
     def recompute_every(self) -> int:
         pipe = self.grid.get("pipe", 1)

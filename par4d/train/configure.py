@@ -97,6 +97,12 @@ def configure(args: argparse.Namespace, world: int, inside: bool, resumed: tuple
     from par4d.train.data import BUNDLED, read_corpus
     from par4d.train.model import build_model
 
+    restarts = args.max_restarts
+    if restarts < 0:
+        raise ValueError(f"--max-restarts must be >= 0, got {restarts}")
+    if inside and restarts:
+        raise ValueError("--max-restarts restarts par4d's own local ranks; under torchrun or srun give the "
+                         "launcher's own restart option (torchrun --max-restarts N) together with --out")
     if args.resume:
         config = _resumed_config(args, world, inside, resumed or resumable(args), planner)
     else:
@@ -119,10 +125,6 @@ def configure(args: argparse.Namespace, world: int, inside: bool, resumed: tuple
         from par4d.train.hf import check_hf
 
         check_hf(Path(config.init_from), config.model_config())    # names the file and every number that differs
-    dropped = [n for n in config.overlap_settings().names if n not in config.overlap_run().names]
-    if dropped and args.overlap is not None:
-        say(f"--model {config.model}: --overlap {','.join(dropped)} reaches par4d's GPT only so far; this run "
-            f"overlaps {config.overlap_run().describe()}")
     if config.model == "unet":   # its images are generated: no text to check
         return config
     label = None if args.data is not None or config.data is None else f"the run's data {config.data}"

@@ -44,7 +44,7 @@ def run(config: TrainConfig, stop: StopRequest) -> dict:
     """Train on this rank; rank 0 writes the run directory. Returns rank 0's summary
     (``stopped``: the signal and step, when a signal stopped the run early)."""
     torch.set_num_threads(_threads_per_rank())
-    grid = init(**config.grid, overlap=config.overlap_settings())
+    grid = init(**config.grid)
     if config.out is None:  # under torchrun/srun: rank 0 names the run, the others follow
         config = replace(config, out=on_rank0(lambda: str(new_run_dir(config.grid))))
         config = replace(config, out=_broadcast(config.out))
@@ -233,7 +233,7 @@ def _summarize(job: _Job, grid, run: Folder, measured: _Measured, peak: float, v
         else 0.0,
         "eq2_days_to_300b_tokens": None if unet else 3e11 / job.batches.tokens_per_step * step_s / 86400,
         "percent_of_peak": 100 * flops / peak if peak else 0.0,
-        "overlap": config.overlap_run().describe(), "recompute_every": config.recompute_every(),
+        "overlap": config.overlap_settings().describe(), "recompute_every": config.recompute_every(),
         "optimizer": (job.precision.describe(config.grad_clip, config.overlap_settings().data_parallel)
                       if job.precision is not None else "AdamW (fp32)"),
         "s_per_step": step_s, "comm_issued_s_per_step": issued, "comm_exposed_s_per_step": exposed,

@@ -14,14 +14,17 @@ import torch.nn.functional as F
 from par4d.auto import parallelize
 from par4d.grid import Grid
 from par4d.models import GPT, GPTConfig, ReferenceGPT, UNet
+from par4d.overlap import Overlap, set_overlap
 from par4d.phantom.mlp import PhantomMLP, PhantomMLPTwin
 from par4d.train.config import VOCAB_BYTES, TrainConfig
 
 
-def build_gpt(config: GPTConfig, grid: Grid, recompute: int = 0) -> GPT:
+def build_gpt(config: GPTConfig, grid: Grid, recompute: int = 0, overlap: Overlap | None = None) -> GPT:
     """par4d's GPT on ``grid``, its MLP the one ``config.mlp`` names (dense or phantom),
-    recomputing activations every ``recompute`` blocks (0: never); overlap as the grid says."""
-    return GPT(config, grid=grid, mlp=PhantomMLP if config.mlp == "phantom" else None, recompute=recompute)
+    recomputing activations every ``recompute`` blocks (0: never), overlapping as ``overlap``
+    says (None: every overlap on)."""
+    return GPT(config, grid=grid, mlp=PhantomMLP if config.mlp == "phantom" else None, recompute=recompute,
+               overlap=overlap)
 
 
 def build_reference(config: GPTConfig, init: bool = True) -> ReferenceGPT:
@@ -69,12 +72,23 @@ def _linear_weights(model: nn.Module) -> int:
 
 def build_model(config: TrainConfig, grid: Grid) -> nn.Module:
     """The model a run trains on ``grid``: par4d's GPT (``--model gpt``), or the Hugging Face
-    model made parallel by ``par4d.parallelize``, or par4d's U-Net. On a virtual grid (meta
-    device) only the shapes are built: what the CLI checks before any rank starts."""
+    model made parallel by ``par4d.parallelize``, or par4d's U-Net, with the overlaps
+    ``--overlap`` asks for. On a virtual grid (meta device) only the shapes are built: what the
+    CLI checks before any rank starts.
+
+    The order: the model's layers on the grid (recomputation is inside the GPT's forward), then
+    its overlaps, one runtime for all its Algorithm 1 layers (they must exist, and the recomputed
+    segments are where the cache acts); mixed precision and the data-parallel sync wrap the
+    finished model later (``loop``), since the sync's buckets follow the overlap settings."""
+    settings = config.overlap_settings()
     if config.model == "gpt":
-        return build_gpt(config.model_config(), grid, config.recompute_every())
+        return build_gpt(config.model_config(), grid, config.recompute_every(), settings)
     if config.model == "unet":
-        return UNet(config.model_config(), grid=grid)
+        return UNet(config.model_config(), grid=grid, overlap=settings)
+    return set_overlap(_hf_model(config, grid), settings)
+
+
+def _hf_model(config: TrainConfig, grid: Grid) -> CausalLM:
     with torch.device("meta" if grid.device.type == "meta" else "cpu"):
         lm = hf_lm(config)
     # Training FLOPs per token: 6 per matmul weight (forward and backward), plus attention's

@@ -1,6 +1,11 @@
 """The per-model runtime of the 4D paper's overlaps of Algorithm 1's z collectives
 (Section IV; docs/architecture.md, "Overlap"): OAG with the cache, and ORS.
 
+It serves any layer that runs :class:`par4d.nn.algorithm1.Algorithm1` (an
+:class:`~par4d.nn.algorithm1.Algorithm1Layer`: par4d's Linear and Conv2d, and so every layer of
+par4d's GPT and U-Net and every one ``par4d.parallelize`` makes), keyed by the layer, never by a
+tensor (a weight stored (in, out) is gathered through a fresh transposed view each time).
+
 :class:`WeightGathers` serves every z all-gather of a weight shard Ŵ:
 
 * **OAG**: the first iteration records the order in which the layers gather (their
@@ -44,12 +49,13 @@ from torch.autograd import Variable
 
 from par4d import comm
 from par4d.grid import Grid
-from par4d.overlap import Overlap
+from par4d.overlap.policy import Overlap
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
     from par4d.comm import Handle
+    from par4d.nn.algorithm1 import Algorithm1Layer
 
 
 class WeightGathers:
@@ -65,9 +71,9 @@ class WeightGathers:
         self.cache_hits = 0
         self.checkpointing = False    # inside a recomputed segment's first forward
         self.recomputing = False      # inside its recomputation (in backward)
-        self._orders: dict[bool, list[torch.Tensor]] = {}   # grad mode -> shards in gather order
+        self._orders: dict[bool, list[Algorithm1Layer]] = {}   # grad mode -> layers in gather order
         self._mode: bool | None = None                       # this iteration's grad mode; None: no iteration
-        self._seen: list[torch.Tensor] = []
+        self._seen: list[Algorithm1Layer] = []
         self._ahead: dict[int, Handle] = {}                  # position in the order -> prefetched gather
         self._diverged = False
         self._cache: OrderedDict[int, torch.Tensor] = OrderedDict()
@@ -90,37 +96,37 @@ class WeightGathers:
                                   "often gains less from OAG)", stacklevel=2)
         self._mode, self._seen, self._diverged = torch.is_grad_enabled(), [], False
 
-    def gather(self, shard: torch.Tensor) -> torch.Tensor:
-        """The full W of ``shard`` (all-gathered over z)."""
+    def gather(self, layer: Algorithm1Layer) -> torch.Tensor:
+        """The full W of ``layer``'s shard Ŵ (all-gathered over z), as rows (``weight_rows``)."""
         if self.grid.size("z") == 1:
-            return shard
+            return layer.weight_rows()
         if self.recomputing:
-            cached = self._cache.pop(id(shard), None)
+            cached = self._cache.pop(id(layer), None)
             if cached is not None:
                 self.cache_hits += 1
                 return cached
-        full = self._gather(shard)
+        full = self._gather(layer)
         if self.checkpointing and not self.recomputing and self.cache_layers != 0:
-            self._cache[id(shard)] = full
+            self._cache[id(layer)] = full
             while self.cache_layers is not None and len(self._cache) > self.cache_layers:
                 self._cache.popitem(last=False)    # keep the last ones: backward recomputes them first
         return full
 
-    def _gather(self, shard: torch.Tensor) -> torch.Tensor:
+    def _gather(self, layer: Algorithm1Layer) -> torch.Tensor:
         if self._mode is None or not self.prefetch:   # no iteration begun, or OAG off: nothing to record
-            return comm.all_gather(self.grid, shard, "z")
+            return comm.all_gather(self.grid, layer.weight_rows(), "z")
         position = len(self._seen)
-        self._seen.append(shard)
+        self._seen.append(layer)
         order = self._orders.get(self._mode)
         if order is None or self._diverged:
-            return comm.all_gather(self.grid, shard, "z")
-        if position >= len(order) or order[position] is not shard:
+            return comm.all_gather(self.grid, layer.weight_rows(), "z")
+        if position >= len(order) or order[position] is not layer:
             self._diverged = True     # every rank diverges here alike: the prefetched gathers all complete
             self._drain()
-            return comm.all_gather(self.grid, shard, "z")
+            return comm.all_gather(self.grid, layer.weight_rows(), "z")
         handle = self._ahead.pop(position, None)
         if handle is None:
-            handle = self._issue(shard)
+            handle = self._issue(layer)
         else:
             self.prefetched += 1
         for ahead in range(position + 1, min(position + 1 + self.prefetch, len(order))):
@@ -128,8 +134,8 @@ class WeightGathers:
                 self._ahead[ahead] = self._issue(order[ahead])
         return handle.wait()
 
-    def _issue(self, shard: torch.Tensor) -> Handle:
-        return comm.all_gather(self.grid, shard, "z", async_op=True)
+    def _issue(self, layer: Algorithm1Layer) -> Handle:
+        return comm.all_gather(self.grid, layer.weight_rows(), "z", async_op=True)
 
     def _drain(self) -> None:
         for handle in self._ahead.values():
@@ -165,7 +171,7 @@ class DeferredGrads:
 
     def __init__(self) -> None:
         self.armed = False
-        self._pending: list[tuple[torch.Tensor, Handle]] = []
+        self._pending: list[tuple[torch.Tensor, Handle, bool]] = []
         self._owed: set[int] = set()
         self._task: int | None = None     # the autograd graph task whose end runs finish()
         self.listeners: list[Callable[[list[torch.Tensor]], None]] = []
@@ -173,19 +179,20 @@ class DeferredGrads:
 
     def arm(self) -> None:
         """The next backward pass is one of the training step's: defer its reduce-scatters."""
-        for _, handle in self._pending:    # left by a backward that raised
+        for _, handle, _ in self._pending:    # left by a backward that raised
             handle.wait()
         self._pending, self._task = [], None
         self._owed.clear()
         self.armed = True
 
-    def defer(self, param: torch.Tensor, handle: Handle) -> None:
-        """Call from a backward function: ``handle``'s result is ``param``'s gradient."""
+    def defer(self, param: torch.Tensor, handle: Handle, transposed: bool = False) -> None:
+        """Call from a backward function: ``handle``'s result is ``param``'s gradient (its
+        transpose if ``transposed``: a weight stored (in, out))."""
         task = torch._C._current_graph_task_id()
         if task != self._task:            # once per backward pass, at its end
             Variable._execution_engine.queue_callback(self.finish)
             self._task = task
-        self._pending.append((param, handle))
+        self._pending.append((param, handle, transposed))
         self._owed.add(id(param))
         self.deferred += 1
 
@@ -199,8 +206,10 @@ class DeferredGrads:
         contributions to one parameter summed in arrival order, then added to ``.grad``."""
         pending, self._pending, self._task, self.armed = self._pending, [], None, False
         sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for param, handle in pending:
+        for param, handle, transposed in pending:
             grad = handle.wait()
+            if transposed:
+                grad = grad.t().contiguous()
             previous = sums.get(id(param))
             sums[id(param)] = (param, grad if previous is None else previous[1] + grad)
         for param, grad in sums.values():
@@ -214,7 +223,8 @@ class DeferredGrads:
 
 
 class LayerRuntime:
-    """What one model's Algorithm 1 layers share: its overlap settings, gathers, deferred grads."""
+    """What one model's Algorithm 1 layers share: its overlap settings, gathers, deferred grads
+    (:func:`par4d.overlap.apply.set_overlap` makes it and hands it to every layer)."""
 
     def __init__(self, grid: Grid, overlap: Overlap):
         self.overlap = overlap

@@ -1,0 +1,40 @@
+"""``set_overlap(model, settings)``: the one call that gives a model its overlaps.
+
+Every Algorithm 1 layer of the model (:class:`~par4d.nn.algorithm1.Algorithm1Layer`: par4d's
+Linear and Conv2d, whoever built them: par4d's GPT and U-Net, ``par4d.parallelize``, a user)
+gets one :class:`~par4d.overlap.runtime.LayerRuntime`, so the model's z all-gathers share one
+recorded order (OAG) and one cache, and its deferred reduce-scatters (ORS) one place where they
+are waited for. The data-parallel overlap (``dp``) reads the settings left on the model
+(``par4d_overlap``) when :func:`par4d.optim.data_parallel.gradient_sync` builds its buckets.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from par4d.nn.algorithm1 import Algorithm1Layer
+from par4d.overlap.policy import Overlap
+from par4d.overlap.runtime import LayerRuntime
+
+
+def set_overlap(model: nn.Module, settings: Overlap | None) -> nn.Module:
+    """Overlap the collectives of every Algorithm 1 layer of ``model`` as ``settings`` say (None:
+    synchronous), with one runtime for the whole model: each forward of ``model`` begins an
+    iteration of its recorded gather order (OAG). Calling it again replaces the runtime.
+    Returns the model."""
+    previous = getattr(model, "par4d_runtime", None)
+    if previous is not None and previous.hook is not None:
+        previous.hook.remove()
+    layers = [m for m in model.modules() if isinstance(m, Algorithm1Layer)]
+    grids = {id(layer.grid) for layer in layers}
+    if len(grids) > 1:
+        raise ValueError(f"set_overlap: the Algorithm 1 layers of {type(model).__name__} live on {len(grids)} "
+                         f"different grids; one model's overlap runtime serves one grid")
+    runtime = None
+    if settings is not None and layers:
+        runtime = LayerRuntime(layers[0].grid, settings)
+        runtime.hook = model.register_forward_pre_hook(lambda module, args: runtime.gathers.begin())
+    for layer in layers:
+        layer.runtime = runtime
+    model.par4d_runtime, model.par4d_overlap = runtime, settings
+    return model

@@ -1,0 +1,49 @@
+"""Where a checked run's ranks come from: this process as one rank of a torchrun or srun job,
+or local ranks started here (one run per folder, the machine's peak measured first).
+Either way a rank's failure is one line that names its traceback's log.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+
+from par4d.launch import RankFailed, distributed_env, launch_local
+from par4d.train.config import TrainConfig
+from par4d.train.configure import check_new_out
+from par4d.train.lock import HELD_ENV, LOCK, RunLock
+from par4d.train.loop import failure_log, worker
+
+
+def as_rank(config: TrainConfig) -> dict:
+    """Train as this rank of the launcher's job; its summary (rank 0's is whole)."""
+    rank = distributed_env().rank
+    try:
+        return worker(config)
+    except Exception as error:
+        raise RankFailed(rank, _with_log(f"{type(error).__name__}: {error}", rank, config.out)) from None
+
+
+def local_ranks(config: TrainConfig, world: int, max_restarts: int) -> dict:
+    """Start ``world`` local ranks and train; rank 0's summary. Raises ``Interrupted`` when this
+    process got a signal (the ranks saved their step before exiting)."""
+    from par4d.launch.machine import cpu_cores, measure_matmul_peak
+
+    with RunLock(config.out):    # one run per folder, from here until the ranks are gone
+        if not config.resume:    # empty when checked, but another run may have written there since
+            check_new_out(Path(config.out), ignore=(LOCK,))
+        if config.peak_flops is None:   # measured here, before the ranks exist, so nothing competes for the cores
+            config = replace(config, peak_flops=measure_matmul_peak(threads=cpu_cores()))
+        os.environ[HELD_ENV] = str(Path(config.out).resolve())    # the ranks inherit it
+        try:
+            return launch_local(world, worker, (config, True), run_id="par4d-train", max_restarts=max_restarts)[0]
+        except RankFailed as error:
+            raise RankFailed(error.rank, _with_log(error.cause, error.rank, config.out)) from None
+        finally:
+            os.environ.pop(HELD_ENV, None)
+
+
+def _with_log(cause: str, rank: int, out: str | None) -> str:
+    log = failure_log(Path(out), rank) if out else None
+    return f"{cause} (traceback in {log})" if log is not None and log.is_file() else cause
