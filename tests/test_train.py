@@ -515,7 +515,7 @@ def test_unet_trains_as_one_rank_and_resumes_on_another_grid(tmp_path, capsys, p
     assert "--model gpt: --image-size 8 does not apply (it is for unet)" in capsys.readouterr().err
 
 
-def test_the_overlaps_asked_for_reach_every_model(capsys):
+def test_the_overlaps_asked_for_reach_every_model_and_a_pipeline_reports_what_ran(capsys):
     """The layer overlaps (OAR, ORS, OAG) reach the U-Net and the Hugging Face models as they reach par4d's
     GPT (tests/test_overlap_models.py proves them bitwise): what is asked is what the model gets, silently."""
     from par4d.grid import Grid
@@ -526,3 +526,9 @@ def test_the_overlaps_asked_for_reach_every_model(capsys):
         assert config.overlap_settings().names == ("oar", "ors", "dp") and capsys.readouterr().out == ""
         model = build_model(config, Grid.virtual({"x": 1, "y": 1, "z": 1, "data": 1, "pipe": 1}))
         assert model.par4d_overlap == config.overlap_settings() and model.par4d_runtime is not None
+        assert config.overlap_run() == config.overlap_settings()
+    # A pipeline's stages run outside the model's forward and the armed backward: only OAR acts, and the run
+    # says so before it starts; what it reports is what ran.
+    piped = _checked(*SMALL, "--n-layer", "2", "--grid", "pipe=2", "--overlap", "all", "--out", "unused", world=2)
+    assert piped.overlap_run().names == ("oar",) and piped.overlap_settings().names == ("oar", "ors", "oag", "dp")
+    assert ("--grid pipe=2: --overlap ors,oag,dp do not act with a pipeline yet" in capsys.readouterr().out)

@@ -186,6 +186,16 @@ class TrainConfig:
             return replace(Overlap(), cache_layers=0)
         return Overlap.parse(self.overlap)
 
+    def overlap_run(self) -> Overlap:
+        """The overlaps that act in this run: ``--overlap``'s, but with a pipeline (pipe > 1) only OAR and
+        the cache, since its stages run outside the model's forward (no recorded gather order: no OAG) and
+        outside the training step's armed backward (no ORS, no buckets launched during backward). The run
+        says so before it starts (``par4d.train.configure``) and its summary reports these."""
+        settings = self.overlap_settings()
+        if self.grid.get("pipe", 1) == 1:
+            return settings
+        return replace(settings, reduce_scatter=False, all_gather=False, data_parallel=False)
+
     def recompute_every(self) -> int:
         pipe = self.grid.get("pipe", 1)
         if pipe == 1:

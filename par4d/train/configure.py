@@ -125,6 +125,11 @@ def configure(args: argparse.Namespace, world: int, inside: bool, resumed: tuple
         from par4d.train.hf import check_hf
 
         check_hf(Path(config.init_from), config.model_config())    # names the file and every number that differs
+    dropped = [n for n in config.overlap_settings().names if n not in config.overlap_run().names]
+    if dropped and args.overlap is not None:
+        say(f"--grid pipe={sizes['pipe']}: --overlap {','.join(dropped)} do not act with a pipeline yet (its "
+            f"stages run outside the model's forward and the step's armed backward); this run overlaps "
+            f"{config.overlap_run().describe()}")
     if config.model == "unet":   # its images are generated: no text to check
         return config
     label = None if args.data is not None or config.data is None else f"the run's data {config.data}"

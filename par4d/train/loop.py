@@ -233,7 +233,7 @@ def _summarize(job: _Job, grid, run: Folder, measured: _Measured, peak: float, v
         else 0.0,
         "eq2_days_to_300b_tokens": None if unet else 3e11 / job.batches.tokens_per_step * step_s / 86400,
         "percent_of_peak": 100 * flops / peak if peak else 0.0,
-        "overlap": config.overlap_settings().describe(), "recompute_every": config.recompute_every(),
+        "overlap": config.overlap_run().describe(), "recompute_every": config.recompute_every(),
         "optimizer": (job.precision.describe(config.grad_clip, config.overlap_settings().data_parallel)
                       if job.precision is not None else "AdamW (fp32)"),
         "s_per_step": step_s, "comm_issued_s_per_step": issued, "comm_exposed_s_per_step": exposed,
