@@ -44,7 +44,6 @@ class Total:
     bytes: int = 0
     seconds: float = 0.0
     in_flight: float = 0.0
-    overlapped: bool = False
 
 
 class Ledger:

@@ -191,11 +191,13 @@ def test_checkpoint_paths_are_confined_to_the_checkpoint(base, tmp_path, capsys,
     assert len(reports) == 1 and STEP4 in reports[0], reports
     assert main(["export", "--run", str(run), "--to", "hf", str(tmp_path / "hf")]) == 0    # from step 2
     assert f"checkpoint {STEP4} is unusable" in capsys.readouterr().err
-    if escape is not _link_step:    # a link the user names is the user's choice; inside it, nothing escapes
-        assert main(["export", "--run", str(step), "--to", "hf", str(tmp_path / "hf2")]) == 2
-        err = capsys.readouterr().err
-        assert err.startswith("par4d export: error:") and err.count("\n") == 1, err
-        assert not (tmp_path / "hf2").exists()
+    # Named directly, the checkpoint is reached from its run folder (the user's choice) as a resume reaches
+    # it: a step folder that is a link is refused as well.
+    assert main(["export", "--run", str(step), "--to", "hf", str(tmp_path / "hf2")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("par4d export: error:") and err.count("\n") == 1, err
+    assert escape is not _link_step or f"{step} is a symbolic link" in err, err
+    assert not (tmp_path / "hf2").exists()
 
 
 # -- data loss --------------------------------------------------------------------------------
@@ -252,6 +254,31 @@ def test_a_second_run_on_a_folder_in_use_is_refused_naming_the_holder(base, tmp_
                 with pytest.raises(AssertionError, match="is in use by another par4d run"):
                     _pooled(pool2, *args)
         assert {p.name for p in folder.iterdir()} <= before | {LOCK}
+
+
+def test_a_new_run_checks_its_folder_again_once_it_holds_the_lock(tmp_path):
+    """Between the check before launch and the lock, another run may have written there: a new run's lock
+    refuses a folder that holds anything but the lock, and gives the lock back; a resume's does not."""
+    folder = tmp_path / "run"
+    with RunLock(folder, new=True):      # missing: made, and empty but for the lock
+        pass
+    (folder / "metrics.jsonl").write_text("")
+    with pytest.raises(ValueError, match=f"--out {folder} already holds files"):
+        RunLock(folder, new=True)
+    with RunLock(folder):                 # the refused one gave the lock back; a resume takes it as it is
+        pass
+
+
+def test_a_folder_tells_a_link_on_the_way_from_a_file_on_the_way(tmp_path):
+    from par4d.train.folder import Folder
+
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "real").mkdir()
+    (tmp_path / "alink").symlink_to(tmp_path / "real")
+    folder = Folder(tmp_path)
+    assert [folder.kind("afile", "x"), folder.kind("alink", "x"), folder.sub("afile").kind(),
+            folder.sub("alink").kind(), folder.kind("real"), folder.kind("nothing")] == \
+        ["other", "link", "other", "link", "folder", None]
 
 
 def test_the_lock_of_a_killed_run_is_free(tmp_path):

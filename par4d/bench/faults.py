@@ -25,7 +25,6 @@ cost with torch.distributed.checkpoint's), so there is no separate torch row her
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import re
@@ -39,9 +38,12 @@ from pathlib import Path
 
 from par4d.bench.common import emit
 from par4d.train import checkpoint
+from par4d.train.configure import default
 from par4d.train.faults import FAULT_ENV
+from par4d.train.folder import Folder
+from par4d.train.loop import METRICS, SUMMARY, read_metrics
 
-KEEP = 2     # par4d train's default --keep: the intact checkpoints a run holds at its end
+KEEP = default("keep")     # the intact checkpoints a run holds at its end (par4d train's default --keep)
 
 RESTART = re.compile(r"restart (\d+): resuming .* from (?:step (\d+)|the start)")
 
@@ -100,7 +102,7 @@ def lost_checkpoints(run: Path, final_step: int, save_every: int, set_aside: int
             intact += 1
         except ValueError:
             pass
-    kept_aside = len(list(folder.glob("corrupt-step-*")))
+    kept_aside = len(list(folder.glob(f"{checkpoint.CORRUPT}step-*")))
     return len(expected) - intact + max(0, set_aside - kept_aside)
 
 
@@ -111,22 +113,30 @@ def _flip_newest(run: Path) -> int:
     data = bytearray(piece.read_bytes())
     data[len(data) // 2] ^= 1
     piece.write_bytes(bytes(data))
-    return int(newest.name.removeprefix("step-"))
+    return checkpoint.step_of(newest.name)
 
 
-def _resumed_from(stdout: str) -> int:
-    found = re.search(r"steps\s+(\d+) -> \d+", stdout)
-    return int(found.group(1)) if found else 0
+def _resumed_from(run: Path, result: subprocess.CompletedProcess) -> int | None:
+    """The step a resumed run went on from (its summary's), or None if it did not finish."""
+    return Folder(run).read_json(SUMMARY)["start_step"] if result.returncode == 0 else None
+
+
+def _redone(reached: int, resumed: int | None) -> int | None:
+    return None if resumed is None else reached - resumed
+
+
+def _steps_reached(run: Path) -> int:
+    return max((r["step"] for r in read_metrics(Folder(run))), default=0) if Folder(run).exists(METRICS) else 0
 
 
 def _corrupt_newest(args: argparse.Namespace, work: Path) -> dict:
     run, half = work / "corrupt", args.steps // 2
     _train(args, run, [], steps=half)
     flipped = _flip_newest(run)
-    seconds, result = _train(args, run, [], resume=True, check=False)
-    resumed = _resumed_from(result.stdout)
+    _, result = _train(args, run, [], resume=True, check=False)
+    resumed = _resumed_from(run, result)
     return {"finished": result.returncode == 0, "fault": f"bit flipped in step {flipped}",
-            "resumed_from": [resumed], "steps_redone": half - resumed,
+            "resumed_from": [resumed], "steps_redone": _redone(half, resumed),
             "lost": lost_checkpoints(run, args.steps, args.save_every, set_aside=1), "run": run}
 
 
@@ -146,17 +156,16 @@ def _disk_full(args: argparse.Namespace, work: Path, checkpoint_bytes: int) -> d
         run = mount / "run"
         _, failed = _train(args, run, [], check=False)
         message = failed.stderr.strip().splitlines()[-1] if failed.stderr.strip() else ""
-        reached = max((json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
-                       if line.strip()), default=0) if (run / "metrics.jsonl").is_file() else 0
+        reached = _steps_reached(run)
         _mount_tmpfs(mount, 64 * checkpoint_bytes + (64 << 20), remount=True)
-        seconds, result = _train(args, run, [], resume=True, check=False)
-        resumed = _resumed_from(result.stdout)
+        _, result = _train(args, run, [], resume=True, check=False)
+        resumed = _resumed_from(run, result)
         lost = lost_checkpoints(run, args.steps, args.save_every)
         finished = result.returncode == 0 and failed.returncode != 0
         kept = work / "disk-full"
         shutil.copytree(run, kept)
         return {"finished": finished, "fault": f"ENOSPC at step {reached}: {message[:160]}",
-                "resumed_from": [resumed], "steps_redone": reached - resumed, "lost": lost, "run": kept}
+                "resumed_from": [resumed], "steps_redone": _redone(reached, resumed), "lost": lost, "run": kept}
     finally:
         subprocess.run(["umount", mount], capture_output=True)
 
@@ -173,12 +182,11 @@ def _killed_in_save(args: argparse.Namespace, work: Path) -> dict:
     os.killpg(process.pid, signal.SIGKILL)
     process.communicate()
     mid_save = folder.is_dir() and not (folder / "manifest.json").is_file()
-    reached = target
-    seconds, result = _train(args, run, [], resume=True, check=False)
-    resumed = _resumed_from(result.stdout)
+    _, result = _train(args, run, [], resume=True, check=False)
+    resumed = _resumed_from(run, result)
     return {"finished": result.returncode == 0,
             "fault": f"SIGKILL {'during' if mid_save else 'just after'} the save of step {target}",
-            "resumed_from": [resumed], "steps_redone": reached - resumed,
+            "resumed_from": [resumed], "steps_redone": _redone(target, resumed),
             "lost": lost_checkpoints(run, args.steps, args.save_every), "run": run}
 
 
@@ -194,7 +202,7 @@ def _identical(a: Path, b: Path) -> bool:
 
 
 def _losses(run: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [record["loss"] for record in read_metrics(Folder(run))]
 
 
 def run_bench_faults(args: argparse.Namespace) -> int:

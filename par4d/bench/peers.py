@@ -46,7 +46,6 @@ from par4d.plan.measure import BATCH, CONFIG, WARMUP, batch, grids, time_grid, t
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-PEERS = KINDS
 NAMES = {"ddp": "torch DDP", "fsdp": "torch FSDP2", "hsdp": "torch HSDP", "tp": "torch FSDP2+TP"}
 COMM_BOUND_SHARE = 1 / 3   # DDP's exposed all-reduce share the comm-bound batch is meant to reach
 COMM_BOUND_SEQ_LEN = 32    # tokens per sequence of the comm-bound batch (one sequence per rank): module docstring
@@ -258,7 +257,7 @@ def peers_worker(settings: PeersSettings) -> list[dict]:
     rows = []
     for workload in workloads(settings.world):
         rows += [_bench_par4d(sizes, workload, settings) for sizes in grids(settings.world, batch=workload.sequences)]
-    for kind in PEERS:
+    for kind in KINDS:
         # One mesh per peer for both workloads, its groups destroyed after: DTensor caches sharding decisions,
         # meshes in them included, per *equal* mesh (same shape and names), so a second mesh like the first
         # would be handed the first one's destroyed groups.

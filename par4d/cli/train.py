@@ -8,7 +8,8 @@ import signal
 from pathlib import Path
 
 from par4d.train.config import IMAGE_CHANNELS, MODELS
-from par4d.train.configure import DEFAULT_NPROC, default, say
+from par4d.train.configure import DEFAULT_NPROC, default
+from par4d.train.report import say
 
 
 def _help(name: str, text: str = "") -> str:

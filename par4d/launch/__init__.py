@@ -149,10 +149,10 @@ def launch_local(nproc: int, entrypoint: Callable, args: Sequence, run_id: str =
         raise Interrupted(error.sigval) from None
 
 
-def children(parent: int | None = None) -> list[int]:
-    """Live child processes of ``parent`` (default: this one), from /proc (empty where there is none);
-    exited ones not yet reaped (zombies) and multiprocessing's resource tracker are left out."""
-    parent = os.getpid() if parent is None else parent
+def children() -> list[int]:
+    """Live child processes of this one, from /proc (empty where there is none); exited ones not yet
+    reaped (zombies) and multiprocessing's resource tracker are left out."""
+    parent = os.getpid()
     found = []
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
         if not entry.isdigit():

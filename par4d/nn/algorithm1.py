@@ -35,6 +35,12 @@ WEIGHT_LAYOUTS = ("out_in", "in_out")
 """How a layer stores its weight: (out, in, ...) as ``nn.Linear``; (in, out) as Hugging Face's ``Conv1D``."""
 
 
+def check_layout(where: str, what: str, value: str, valid: tuple[str, ...] = LAYOUTS) -> None:
+    """Raise a ValueError naming ``where`` unless ``value`` is one of ``valid``."""
+    if value not in valid:
+        raise ValueError(f"{where}: {what}={value!r}; give one of {', '.join(map(repr, valid))}")
+
+
 class Algorithm1Layer(ShardedModule):
     """A layer whose weight Algorithm 1 splits: what :class:`Algorithm1` and the overlap runtime
     ask of :class:`par4d.nn.Linear` and :class:`par4d.nn.Conv2d`.
@@ -53,18 +59,16 @@ class Algorithm1Layer(ShardedModule):
     def _set_layouts(self, where: str, transposed: bool, input_layout: str, output_layout: str,
                      weight_layout: str = "out_in") -> None:
         """The axes (normal: in over y, out over x; transposed: swapped) and the layouts, checked."""
-        for what, value, valid in (("input_layout", input_layout, LAYOUTS), ("output_layout", output_layout, LAYOUTS),
-                                   ("weight_layout", weight_layout, WEIGHT_LAYOUTS)):
-            if value not in valid:
-                raise ValueError(f"{where}: {what}={value!r}; give one of {', '.join(map(repr, valid))}")
+        check_layout(where, "input_layout", input_layout)
+        check_layout(where, "output_layout", output_layout)
+        check_layout(where, "weight_layout", weight_layout, WEIGHT_LAYOUTS)
         self.in_axis, self.out_axis = ("x", "y") if transposed else ("y", "x")
         self.input_layout, self.output_layout, self.weight_layout = input_layout, output_layout, weight_layout
 
-    def weight_rows(self, weight: torch.Tensor | None = None) -> torch.Tensor:
-        """``weight`` (default: this layer's) as Algorithm 1's Ŵ: (out / (G_out G_z), in / G_in, ...),
-        rows over z, which the all-gather concatenates (a transposed view if stored (in, out))."""
-        weight = self.weight if weight is None else weight
-        return weight.t() if self.weight_layout == "in_out" else weight
+    def weight_rows(self) -> torch.Tensor:
+        """The weight shard as Algorithm 1's Ŵ: (out / (G_out G_z), in / G_in, ...), rows over z,
+        which the all-gather concatenates (a transposed view if stored (in, out))."""
+        return self.weight.t() if self.weight_layout == "in_out" else self.weight
 
     def take(self, inp: torch.Tensor) -> torch.Tensor:
         """The input as Algorithm 1 takes it: whole features cut to this rank's block of the in-axis."""
@@ -112,8 +116,8 @@ class Algorithm1(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, w_shard, bias, layer: Algorithm1Layer):
         grid, runtime = layer.grid, layer.runtime
-        # W (n/G_out, k/G_in, ...), whichever way the weight is stored
-        w = runtime.gathers.gather(layer) if runtime else comm.all_gather(grid, layer.weight_rows(w_shard), "z")
+        # W (n/G_out, k/G_in, ...), whichever way the weight is stored (w_shard is layer.weight: passed for autograd)
+        w = runtime.gathers.gather(layer) if runtime else comm.all_gather(grid, layer.weight_rows(), "z")
         out = layer.local_forward(inp, w)                    # partial over in_axis
         comm.all_reduce(grid, out, layer.in_axis)            # O_{l,i}
         if bias is not None:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from par4d.grid import Grid
 from par4d.layout import Placement, Split, place
-from par4d.nn.algorithm1 import LAYOUTS
+from par4d.nn.algorithm1 import check_layout
 from par4d.nn.base import ShardedModule
 from par4d.nn.collectives import GatherFeatures, gather_shards
 
@@ -29,8 +29,7 @@ class Embedding(ShardedModule):
         super().__init__()
         g_axis, g_z = grid.size(axis), grid.size("z")
         where = f"{name}(num_embeddings={num_embeddings}, dim={dim})"
-        if output_layout not in LAYOUTS:
-            raise ValueError(f"{where}: output_layout={output_layout!r}; give one of {', '.join(map(repr, LAYOUTS))}")
+        check_layout(where, "output_layout", output_layout)
         self.output_layout, self.padding_idx = output_layout, padding_idx
         if dim % g_axis:
             raise ValueError(f"{where}: dim={dim} is not divisible by {axis}={g_axis}")
@@ -46,8 +45,8 @@ class Embedding(ShardedModule):
         self.load_full_state({"weight": torch.randn(num_embeddings, dim, generator=generator) * std})
 
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
-        if self.output_layout == "whole" and self.grid.size(self.axis, "z") == 1:
-            return F.embedding(indices, self.weight, self.padding_idx)     # nothing to gather
+        if self.grid.size(self.axis, "z") == 1:
+            return F.embedding(indices, self.weight, self.padding_idx)     # nothing to gather, either layout
         table = gather_shards(self.weight, self.grid, "z")   # (num_embeddings, dim / G_axis)
         out = F.embedding(indices, table, self.padding_idx)
         return GatherFeatures.apply(out, self.grid, self.axis) if self.output_layout == "whole" else out

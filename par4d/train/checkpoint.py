@@ -37,8 +37,10 @@ tensors with a JSON header, which is also what ``transformers`` reads.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
+import os
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -52,7 +54,8 @@ from safetensors.torch import save_file
 
 from par4d.grid import AXES, Grid
 from par4d.layout import Box, Placement, boxes, fill, overlap, placement_of, slice_reader
-from par4d.train.folder import Folder, FolderError
+from par4d.train.config import ABSURD_BYTES, is_count
+from par4d.train.folder import Folder, FolderError, fd_path, fd_sha256
 from par4d.train.rank0 import on_rank0
 
 FOLDER = "checkpoints"
@@ -65,6 +68,18 @@ WHOLE = Placement((), ())
 DTYPES = {"float32": "F32", "float64": "F64", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
           "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
 ENTRY_FILES = ("index.json", "meta.json")
+CORRUPT = "corrupt-"      # the prefix of a checkpoint set aside as unusable (set_aside_newer)
+
+
+def step_of(name: str) -> int | None:
+    """The step of a checkpoint folder's name (``step-<N>``), or None for any other name."""
+    match = STEP.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def _step_names(folder: Folder) -> dict[int, str]:
+    """Step -> name of every entry of ``folder`` named as a checkpoint (``step-<N>``), whatever it is."""
+    return {step: name for name in folder.names() if (step := step_of(name)) is not None}
 
 
 def step_name(step: int) -> str:
@@ -184,7 +199,11 @@ def save(run_dir: Path, step: int, grid: Grid, model: nn.Module, optimizer: torc
         except (SafetensorError, OSError) as error:   # disk full, quota: the earlier checkpoints are intact
             raise OSError(f"cannot write checkpoint file {target.path(file)} ({error}); the checkpoints before "
                           f"step {step} are intact: make room and --resume") from None
-        digest = {"file": file, "bytes": target.size(file), "sha256": target.sha256(file)}
+        fd = target.open_fd(file)
+        try:
+            digest = {"file": file, "bytes": os.fstat(fd).st_size, "sha256": fd_sha256(fd)}
+        finally:
+            os.close(fd)
     every = _gather((records, digest))
     layout = {key: record for stage in _gather(placements(grid, model)) for key, record in stage.items()}
 
@@ -194,11 +213,13 @@ def save(run_dir: Path, step: int, grid: Grid, model: nn.Module, optimizer: torc
             for key, record in rank_records.items():
                 entry = index.setdefault(key, {"shape": record["shape"], "dtype": record["dtype"], "pieces": []})
                 entry["pieces"].append(record["piece"])
-        target.write_text("index.json", text=json.dumps({"format": FORMAT, "tensors": index}))
-        target.write_text("meta.json", text=json.dumps(dict(meta, step=step, grid=grid.sizes, placements=layout),
-                                                       indent=2))
+        entries = {"index.json": json.dumps({"format": FORMAT, "tensors": index}),
+                   "meta.json": json.dumps(dict(meta, step=step, grid=grid.sizes, placements=layout), indent=2)}
         files = [d for _, d in every if d is not None]
-        files += [{"file": f, "bytes": target.size(f), "sha256": target.sha256(f)} for f in ENTRY_FILES]
+        for entry, text in entries.items():     # their records from the bytes written, not read back
+            data = text.encode()
+            target.write_bytes(entry, data=data)
+            files.append({"file": entry, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
         target.write_text("manifest.json", text=json.dumps({"format": FORMAT, "files": files}, indent=1))
         # The folder's entries and the new pointer are durable (write_text syncs both) before older
         # checkpoints are deleted.
@@ -225,12 +246,7 @@ def _free_name(folder: Folder, base: str) -> str:
 
 def _steps(folder: Folder) -> dict[int, str]:
     """Step -> name of the real checkpoint folders (``step-<N>``) in ``folder`` (links left out)."""
-    out = {}
-    for name in folder.names():
-        match = STEP.fullmatch(name)
-        if match and folder.kind(name) == "folder":
-            out[int(match.group(1))] = name
-    return out
+    return {step: name for step, name in _step_names(folder).items() if folder.kind(name) == "folder"}
 
 
 def _is_latest(run_dir: Path, name: str) -> bool:
@@ -251,7 +267,7 @@ def latest(run_dir: Path) -> Path:
         name = folder.read_text(LATEST, limit=256).strip()
     except ValueError as error:
         raise ValueError(f"{pointer} is unreadable ({error})") from None
-    if not STEP.fullmatch(name):
+    if step_of(name) is None:
         raise ValueError(f"{pointer} holds {name[:40]!r}, not the name of a checkpoint (step-<N>)")
     return folder.path(name)
 
@@ -259,7 +275,7 @@ def latest(run_dir: Path) -> Path:
 def has_checkpoint(run_dir: Path) -> bool:
     """Whether ``run_dir`` holds any checkpoint folder (intact or not: :func:`choose` tells)."""
     folder = Folder(run_dir).sub(FOLDER)
-    return folder.kind() == "folder" and any(STEP.fullmatch(name) for name in folder.names())
+    return folder.kind() == "folder" and bool(_step_names(folder))
 
 
 # -- verifying --------------------------------------------------------------------------
@@ -282,10 +298,6 @@ class Checkpoint:
         return self.meta["step"]
 
 
-def _is_count(value: object, low: int = 0) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
-
-
 def _manifest(folder: Folder) -> dict[str, dict]:
     path = folder.path("manifest.json")
     if folder.kind("manifest.json") is None:
@@ -302,7 +314,7 @@ def _manifest(folder: Folder) -> dict[str, dict]:
         raise ValueError(f"{path} is unreadable ({problem})")
     files = {}
     for record in manifest["files"]:
-        ok = (isinstance(record, dict) and isinstance(record.get("file"), str) and _is_count(record.get("bytes"))
+        ok = (isinstance(record, dict) and isinstance(record.get("file"), str) and is_count(record.get("bytes"))
               and isinstance(record.get("sha256"), str) and re.fullmatch(r"[0-9a-f]{64}", record["sha256"]))
         if not ok:
             raise ValueError(f"{path}: a malformed record {json.dumps(record)[:120]}")
@@ -321,14 +333,34 @@ def _manifest(folder: Folder) -> dict[str, dict]:
 
 def _check_file(folder: Folder, name: str, record: dict, hashed: bool) -> None:
     """``name``'s size (and, ``hashed``, SHA-256) against its manifest record; raises naming the file."""
-    path = folder.path(name)
     try:
-        size = folder.size(name)
-        if size == record["bytes"] and hashed:
-            digest = folder.sha256(name)
+        fd = _open_piece(folder, name)
     except FileNotFoundError:
-        size = None
+        fd = None
+    try:
+        _check_open(fd, folder.path(name), record, hashed)
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _open_piece(folder: Folder, name: str) -> int:
+    try:
+        return folder.open_fd(name)
+    except FileNotFoundError:
+        raise
     except (OSError, FolderError) as error:
+        raise ValueError(f"checkpoint file {folder.path(name)} is unreadable ({error})") from None
+
+
+def _check_open(fd: int | None, path: Path, record: dict, hashed: bool) -> None:
+    """The file open as ``fd`` (None: missing) against its manifest record: its size from the descriptor
+    first (a file of the wrong size is never hashed), then, ``hashed``, its SHA-256 through that descriptor."""
+    try:
+        size = None if fd is None else os.fstat(fd).st_size
+        if size == record["bytes"] and hashed:
+            digest = fd_sha256(fd)
+    except OSError as error:
         raise ValueError(f"checkpoint file {path} is unreadable ({error})") from None
     if size != record["bytes"]:
         raise ValueError(f"checkpoint file {path} is missing or has the wrong size "
@@ -346,8 +378,8 @@ def _box(record: object, shape: list[int]) -> Box | None:
     if len(full) != len(shape) or len(local) != len(shape):
         return None
     for extent, start, size in zip(full, local, shape):
-        if not (isinstance(extent, list) and len(extent) == 2 and _is_count(extent[0]) and _is_count(extent[1], 1)
-                and extent[0] + extent[1] <= size and (start is None or _is_count(start))):
+        if not (isinstance(extent, list) and len(extent) == 2 and is_count(extent[0]) and is_count(extent[1], 1)
+                and extent[0] + extent[1] <= size and (start is None or is_count(start))):
             return None
         if start is None and extent[1] != 1:
             return None
@@ -387,11 +419,11 @@ def _index(folder: Folder, files: dict[str, dict], cover: bool = True) -> dict[s
     used = set()
     for key, record in index["tensors"].items():
         if not (isinstance(record, dict) and isinstance(record.get("shape"), list)
-                and all(_is_count(n) for n in record["shape"]) and record.get("dtype") in DTYPES
+                and all(is_count(n) for n in record["shape"]) and record.get("dtype") in DTYPES
                 and isinstance(record.get("pieces"), list)):
             raise ValueError(f"{path}: {key[:80]} is malformed (shape, dtype or pieces)")
         shape, found = record["shape"], []
-        if math.prod(shape) > 1 << 50:
+        if math.prod(shape) > ABSURD_BYTES:
             raise ValueError(f"{path}: {key[:80]} has shape {shape}, larger than any tensor par4d saves")
         for piece in record["pieces"]:
             if not (isinstance(piece, dict) and isinstance(piece.get("boxes"), list)):
@@ -421,10 +453,10 @@ def _meta(folder: Folder) -> dict:
     meta = folder.read_json("meta.json")
     if not isinstance(meta, dict):
         raise ValueError(f"{path} holds a JSON {type(meta).__name__}, not an object")
-    if not _is_count(meta.get("step")):
+    if not is_count(meta.get("step")):
         raise ValueError(f"{path}: step is {json.dumps(meta.get('step'))[:40]}, not a count of steps")
     grid = meta.get("grid")
-    if not (isinstance(grid, dict) and set(grid) <= set(AXES) and all(_is_count(v, 1) for v in grid.values())):
+    if not (isinstance(grid, dict) and set(grid) <= set(AXES) and all(is_count(v, 1) for v in grid.values())):
         raise ValueError(f"{path}: grid is {json.dumps(grid)[:80]}, not axis sizes >= 1 of {', '.join(AXES)}")
     for key in ("train_config", "model_config", "placements"):
         if key in meta and not isinstance(meta[key], dict):
@@ -438,8 +470,8 @@ def verify(source: Path | Folder, hashed: bool = True, cover: bool = True) -> Ch
     exactly the index's, and, ``cover``, every tensor covered exactly once: a checkpoint verified in
     full once need not be swept again by every rank that loads it). Raises ``ValueError`` naming the
     first file that fails."""
-    folder = source if isinstance(source, Folder) else Folder(source)
     try:
+        folder = source if isinstance(source, Folder) else checkpoint_folder(source)
         files = _manifest(folder)
         for name, record in files.items():
             _check_file(folder, name, record, hashed)
@@ -456,8 +488,7 @@ def choose_checkpoint(run_dir: Path, report: Callable[[str], None] | None = None
     one skipped is reported (``report(line)``) with the file that failed. Raises if none is intact."""
     folder = Folder(run_dir).sub(FOLDER)
     problems = []
-    candidates = sorted(((int(m.group(1)), n) for n in folder.names() if (m := STEP.fullmatch(n))), reverse=True)
-    for _, name in candidates:
+    for _, name in sorted(_step_names(folder).items(), reverse=True):
         kind = folder.kind(name)
         try:
             if kind != "folder":
@@ -482,7 +513,7 @@ def _report_pointer(run_dir: Path, chosen: str, report: Callable[[str], None]) -
     except ValueError as error:
         report(f"{error}; the newest intact checkpoint is {chosen}")
         return
-    if named != chosen and STEP.fullmatch(named) and int(STEP.fullmatch(named).group(1)) < int(chosen[5:]):
+    if step_of(named) < step_of(chosen):      # latest() returns only a checkpoint's name
         report(f"{FOLDER}/{LATEST} names {named}, but {chosen} is newer and intact: resuming from {chosen}")
 
 
@@ -494,32 +525,19 @@ def choose(run_dir: Path, report: Callable[[str], None] | None = None) -> Path:
 def read_meta(checkpoint_dir: Path) -> dict:
     """The checked meta.json of a checkpoint folder (not verified against its manifest)."""
     try:
-        return _meta(Folder(checkpoint_dir))
+        return _meta(checkpoint_folder(checkpoint_dir))
     except FolderError as error:
         raise ValueError(str(error)) from None
-
-
-def check_resumable(run_dir: Path, steps: int | None = None, report=None) -> tuple[Path, dict]:
-    """(the checkpoint to resume from, its meta): the newest intact one of ``run_dir`` and,
-    given ``steps``, only if the run still has steps to take. Any grid may resume it (the
-    model's shapes must divide the new grid: the caller builds the model there first)."""
-    chosen = choose_checkpoint(run_dir, report)
-    if steps is not None and steps <= chosen.step:
-        raise ValueError(f"--resume {run_dir}: the checkpoint is at step {chosen.step}; "
-                         f"pass --steps greater than that (got {steps})")
-    return chosen.path, chosen.meta
 
 
 def set_aside_newer(run_dir: Path, chosen: Path, report: Callable[[str], None] | None = None) -> None:
     """Before a run resumes from ``chosen``: every checkpoint of a later step (none verified, or it
     were chosen) is renamed ``corrupt-step-<N>``, never deleted nor overwritten, and ``latest`` names
     ``chosen``. Saves and rotation then never take an unusable checkpoint for the newest one."""
-    folder = Folder(run_dir).sub(FOLDER)
-    step = int(STEP.fullmatch(chosen.name).group(1))
-    for name in folder.names():
-        match = STEP.fullmatch(name)
-        if match and int(match.group(1)) > step:
-            aside = _free_name(folder, f"corrupt-{name}")
+    folder, chosen_step = Folder(run_dir).sub(FOLDER), step_of(chosen.name)
+    for step, name in _step_names(folder).items():
+        if step > chosen_step:
+            aside = _free_name(folder, CORRUPT + name)
             folder.rename((name,), aside)
             if report is not None:
                 report(f"set aside {name} (unusable) as {FOLDER}/{aside}")
@@ -540,10 +558,16 @@ class _Pieces:
     def _reader(self, name: str):
         if name not in self.readers:
             folder = self.checkpoint.folder
-            _check_file(folder, name, self.checkpoint.files[name], self.hashed)
             try:
-                path = self.opened.enter_context(folder.library_path(name))
-                self.readers[name] = self.opened.enter_context(safe_open(path, "pt"))
+                fd = _open_piece(folder, name)
+            except FileNotFoundError:
+                fd = None
+            if fd is not None:
+                self.opened.callback(os.close, fd)
+            # The file checked is the file read: one descriptor, hashed, then opened by the library.
+            _check_open(fd, folder.path(name), self.checkpoint.files[name], self.hashed)
+            try:
+                self.readers[name] = self.opened.enter_context(safe_open(fd_path(fd, folder.path(name)), "pt"))
                 self.keys[name] = set(self.readers[name].keys())
             except (SafetensorError, OSError, FolderError) as error:
                 raise ValueError(f"checkpoint file {folder.path(name)} is not a readable safetensors file "
@@ -585,7 +609,8 @@ def pieces(checkpoint: Checkpoint, hashed: bool = True) -> Iterator[_Pieces]:
         yield _Pieces(checkpoint, hashed, opened)
 
 
-def _full_shape_problem(checkpoint: Checkpoint, key: str, full: tuple[int, ...], phantom: bool) -> str | None:
+def full_shape_problem(checkpoint: Checkpoint, key: str, full: tuple[int, ...], phantom: bool = False) -> str | None:
+    """Why ``checkpoint`` cannot give tensor ``key`` of shape ``full`` (missing, or saved at another shape), or None."""
     record = checkpoint.tensors.get(key)
     if record is None:
         return f"checkpoint {checkpoint.path} has no {key!r}"
@@ -596,12 +621,13 @@ def _full_shape_problem(checkpoint: Checkpoint, key: str, full: tuple[int, ...],
     return None
 
 
-def _folder_of(run_dir: Path, folder: Path) -> Folder:
-    """A checkpoint folder given by path: below the run's checkpoints, reached without links."""
-    folder = Path(folder)
-    if folder.parent == Path(run_dir) / FOLDER:
-        return Folder(run_dir).sub(FOLDER, folder.name)
-    return Folder(folder)
+def checkpoint_folder(path: str | Path) -> Folder:
+    """The checkpoint folder ``path`` (``RUN/checkpoints/step-<N>``) as its run's ``Folder`` reaches it:
+    the run folder is the user's choice, ``checkpoints`` and the step below it are never links."""
+    path = Path(path).absolute()
+    if path.parent.name != FOLDER or step_of(path.name) is None:
+        raise ValueError(f"{path} is not a checkpoint folder of a par4d run (RUN/{FOLDER}/step-<N>)")
+    return Folder(path.parent.parent).sub(FOLDER, path.name)
 
 
 @torch.no_grad()
@@ -619,7 +645,7 @@ def load(run_dir: Path, grid: Grid, model: nn.Module, optimizer: torch.optim.Opt
     if folder is None:
         chosen, hashed = choose_checkpoint(run_dir), False
     else:
-        chosen, hashed = verify(_folder_of(run_dir, folder), hashed=False, cover=not verified), not verified
+        chosen, hashed = verify(checkpoint_folder(folder), hashed=False, cover=not verified), not verified
         for name in ENTRY_FILES if hashed else ():
             _check_file(chosen.folder, name, chosen.files[name], hashed=True)
     phantom = getattr(getattr(model, "config", None), "mlp", None) == "phantom"
@@ -630,7 +656,7 @@ def load(run_dir: Path, grid: Grid, model: nn.Module, optimizer: torch.optim.Opt
                                           "exp_avg_sq": torch.zeros_like(param)}
     wanted = list(_tensors(grid, model, optimizer))
     for key, _, _, full in wanted:              # every shape first: nothing is filled from a wrong checkpoint
-        problem = _full_shape_problem(chosen, key, full, phantom)
+        problem = full_shape_problem(chosen, key, full, phantom)
         if problem:
             raise ValueError(problem)
     with pieces(chosen, hashed) as saved:

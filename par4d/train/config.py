@@ -151,8 +151,7 @@ class TrainConfig:
                 raise ValueError(f"{where}: {key} is {str(value)[:40]!r} ({type(value).__name__}), "
                                  f"not {kinds[key]}")
         grid = record.get("grid")
-        if not (isinstance(grid, dict) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1
-                                               for v in grid.values())):
+        if not (isinstance(grid, dict) and all(is_count(v, 1) for v in grid.values())):
             raise ValueError(f"{where}: grid is {str(grid)[:60]}, not axis sizes >= 1")
 
     def check_memory(self, world: int, ranks_here: int, memory: int | None) -> None:
@@ -221,6 +220,11 @@ class TrainConfig:
         if step < self.warmup:
             return self.lr * (step + 1) / self.warmup
         return self.lr * math.sqrt(self.warmup / (step + 1))
+
+
+def is_count(value: object, low: int = 0) -> bool:
+    """Whether ``value`` (read from JSON) is an integer >= ``low``, not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
 def _gb(count: int | None) -> str:

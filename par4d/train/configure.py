@@ -11,6 +11,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from par4d.train.config import UNUSED
+from par4d.train.lock import check_new_out
+from par4d.train.report import say
 
 DEFAULT_NPROC = 4   # local ranks when no launcher gives a world size (also calibrate's and bench grid's default)
 # A resumed run keeps these (they decide the model and its batches); it takes HONOURED ones when given.
@@ -26,13 +28,9 @@ def default(name: str):
     return TrainConfig.__dataclass_fields__[name].default
 
 
-def say(line: str) -> None:
-    print(f"par4d train: {line}", flush=True)   # flushed: the ranks started next write to the same stdout
-
-
 def resumable(args: argparse.Namespace) -> tuple[Path, dict]:
     """(the checkpoint a --resume goes on from, its meta): the newest intact one, each one skipped said why."""
-    from par4d.train.checkpoint import FOLDER, check_resumable
+    from par4d.train.checkpoint import FOLDER, choose_checkpoint
 
     run_dir = Path(args.resume)
     if not run_dir.is_dir():
@@ -42,17 +40,18 @@ def resumable(args: argparse.Namespace) -> tuple[Path, dict]:
     if args.init_from is not None:
         raise ValueError(f"--resume {run_dir} starts from the run's checkpoint; --init-from applies to a new run only")
     from par4d.train.folder import Folder
-    from par4d.train.loop import METRICS
+    from par4d.train.loop import METRICS, PLOT, SUMMARY
 
     files = Folder(run_dir)
     if files.kind(METRICS) not in (None, "file"):   # the one file a resume reads besides checkpoints
         raise ValueError(f"--resume {run_dir}: {run_dir / METRICS} is not a regular file (a link or a folder); "
                          f"par4d reads and writes only regular files inside a run folder")
-    for name in ("summary.json", "loss.png"):     # replaced at the end (a link among them too): not a folder
+    for name in (SUMMARY, PLOT):     # replaced at the end (a link among them too): not a folder
         if files.kind(name) not in (None, "file", "link"):
             raise ValueError(f"--resume {run_dir}: {run_dir / name} is not a file; the run writes its {name} "
                              f"there (move it away)")
-    folder, meta = check_resumable(run_dir, report=say)
+    chosen = choose_checkpoint(run_dir, report=say)     # any grid may resume it: the model is built there next
+    folder, meta = chosen.path, chosen.meta
     from par4d.train.config import TrainConfig
 
     TrainConfig.check_record(meta.get("train_config"), f"{folder / 'meta.json'}: train_config")
@@ -154,7 +153,6 @@ def _grid(args: argparse.Namespace, world: int, inside: bool, dims: dict, planne
 
 
 def _new_config(args: argparse.Namespace, world: int, inside: bool, planner: Planner | None):
-    from par4d.launch import distributed_env
     from par4d.train.config import TrainConfig
     from par4d.train.loop import new_run_dir
 
@@ -172,25 +170,12 @@ def _new_config(args: argparse.Namespace, world: int, inside: bool, planner: Pla
     dims = {name: chosen.get(name, default(name)) for name in FIXED}
     grid, peak = _grid(args, world, inside, dims, planner)
     # Launched here: name the new run now. Under torchrun/srun rank 0 names it later.
-    out = Path(args.out) if args.out else (None if distributed_env() else new_run_dir(grid))
+    out = Path(args.out) if args.out else (None if inside else new_run_dir(grid))
     if out is not None and not _restarted_in(out, inside):
-        from par4d.train.lock import LOCK
-
-        check_new_out(out, ignore=(LOCK,))   # a lock left by a run that ended before writing anything
+        check_new_out(out)     # checked again once the run holds the folder's lock (par4d.train.lock)
     steps = default("steps") if args.steps is None else args.steps
     return TrainConfig(grid=grid, out=None if out is None else str(out), steps=steps, data=args.data,
                        progress=not args.no_progress, peak_flops=peak, init_from=init_from, **chosen)
-
-
-def check_new_out(out: Path, ignore: tuple[str, ...] = ()) -> None:
-    """A new run's folder: missing, or an empty folder (``ignore``: but for these names)."""
-    if out.is_symlink() and not out.exists():
-        raise ValueError(f"--out {out} is a symbolic link to nothing; give a folder for the run")
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file; give a folder for the run (nothing is overwritten)")
-    if out.exists() and any(p.name not in ignore for p in out.iterdir()):
-        raise ValueError(f"--out {out} already holds files; pass --resume {out} to continue that run, "
-                         f"or choose another --out (nothing is overwritten)")
 
 
 def _named(args: argparse.Namespace, name: str, value) -> str:
@@ -204,9 +189,9 @@ def _restarted_in(out: Path, inside: bool) -> bool:
     """Whether torchrun (or srun's requeue) restarted this job in its own run folder: the ranks
     go on there from the newest intact checkpoint (par4d.train.loop)."""
     from par4d.train.checkpoint import FOLDER
-    from par4d.train.loop import restart_count
+    from par4d.train.loop import METRICS, restart_count
 
-    return inside and restart_count() > 0 and ((out / FOLDER).is_dir() or (out / "metrics.jsonl").is_file())
+    return inside and restart_count() > 0 and ((out / FOLDER).is_dir() or (out / METRICS).is_file())
 
 
 def _init_from(given: list[str] | None) -> str | None:
@@ -264,7 +249,7 @@ def _resumed_config(args: argparse.Namespace, world: int, inside: bool, resumed:
         return TrainConfig(**dict(saved, **honoured, steps=steps, out=str(run_dir), resume=True, grid=grid,
                                   progress=not args.no_progress, peak_flops=peak, checkpoint=str(folder)))
     except ValueError as error:    # a saved value out of range: the file says it, not a flag
-        if any(f"--{name.replace('_', '-')}" in str(error) for name in vars(args) if getattr(args, name) is not None):
+        if any(flag(name) in str(error) for name in vars(args) if getattr(args, name) is not None):
             raise
         raise ValueError(f"{folder / 'meta.json'}: the run's saved settings are refused: {error}") from None
 

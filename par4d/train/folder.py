@@ -35,7 +35,26 @@ PROC_FD = Path("/proc/self/fd")
 
 
 class FolderError(ValueError):
-    """A path inside a folder that is not a plain name, crosses a link, or is not a regular file."""
+    """A path inside a folder that is not a plain name, crosses a link (``link``), or is not a regular file."""
+
+    def __init__(self, message: str, link: bool = False):
+        super().__init__(message)
+        self.link = link
+
+
+def fd_sha256(fd: int) -> str:
+    """The SHA-256 of the file open as ``fd``, read from its start (its offset is left alone)."""
+    digest, offset = hashlib.sha256(), 0
+    while chunk := os.pread(fd, 1 << 20, offset):
+        digest.update(chunk)
+        offset += len(chunk)
+    return digest.hexdigest()
+
+
+def fd_path(fd: int, fallback: Path) -> str:
+    """A path naming the very file open as ``fd``, for a library that opens files by name: its
+    ``/proc/self/fd`` entry (``fallback``, the name it was opened by, where there is no /proc)."""
+    return str(PROC_FD / str(fd)) if PROC_FD.is_dir() else str(fallback)
 
 
 def check_name(name: object, what: str) -> str:
@@ -115,7 +134,7 @@ class Folder:
         where = self.root.joinpath(*below)
         if error.errno in (errno.ELOOP, errno.EMLINK) or where.is_symlink():
             return FolderError(f"{where} is a symbolic link; par4d reads and writes only regular files inside "
-                               f"{self.root}, never through a link (remove it)")
+                               f"{self.root}, never through a link (remove it)", link=True)
         if error.errno == errno.ENOTDIR:
             return FolderError(f"{where} is not a folder")
         error.filename = str(where)
@@ -136,7 +155,7 @@ class Folder:
         descriptor's ``/proc/self/fd`` entry (that very file, whatever the name points to later)."""
         fd = self.open_fd(*parts)
         try:
-            yield str(PROC_FD / str(fd)) if PROC_FD.is_dir() else str(self.path(*parts))
+            yield fd_path(fd, self.path(*parts))
         finally:
             os.close(fd)
 
@@ -161,14 +180,14 @@ class Folder:
             except (FileNotFoundError, NotADirectoryError):
                 return None
             except FolderError as error:
-                return "link" if "symbolic link" in str(error) else "other"
+                return "link" if error.link else "other"
         try:
             with self._parent(parts) as parent:
                 mode = os.stat(parts[-1], dir_fd=parent, follow_symlinks=False).st_mode
         except (FileNotFoundError, NotADirectoryError):
             return None
-        except FolderError:
-            return "link"
+        except FolderError as error:
+            return "link" if error.link else "other"
         return ("file" if stat.S_ISREG(mode) else "folder" if stat.S_ISDIR(mode)
                 else "link" if stat.S_ISLNK(mode) else "other")
 
@@ -215,11 +234,11 @@ class Folder:
                               f"({'nested too deep' if isinstance(error, RecursionError) else error})") from None
 
     def sha256(self, *parts: str) -> str:
-        digest = hashlib.sha256()
-        with self.open(*parts) as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                digest.update(chunk)
-        return digest.hexdigest()
+        fd = self.open_fd(*parts)
+        try:
+            return fd_sha256(fd)
+        finally:
+            os.close(fd)
 
     # -- writing -------------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ from par4d.grid import AXES, Grid
 from par4d.layout import Box, Placement, Reader, boxes, fill, slice_reader
 from par4d.models.config import GPTConfig
 from par4d.train import checkpoint
+from par4d.train.config import is_count
 from par4d.train.folder import Folder
 
 CONFIG_FILE = "config.json"
@@ -124,7 +125,7 @@ def gpt_dims(folder: Path) -> dict[str, int]:
     dims = {}
     for name, key in (("n_layer", "n_layer"), ("n_embd", "n_embd"), ("n_head", "n_head"), ("seq_len", "n_positions")):
         value = config.get(key, _HF_DEFAULTS[key])
-        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        if not is_count(value, 1):
             raise ValueError(f"{Path(folder) / CONFIG_FILE}: {key} is {json.dumps(value)[:40]}, not a size >= 1")
         dims[name] = value
     return dims
@@ -215,7 +216,7 @@ def check_hf(folder: Path, model_config: GPTConfig) -> dict:
 
 def _whole(shape: tuple[int, ...]) -> Box:
     """The box of a whole tensor of ``shape`` (a placement with no splits: one box)."""
-    return boxes(Placement((), ()), shape, {}, {})[0]
+    return boxes(checkpoint.WHOLE, shape, {}, {})[0]
 
 
 def _transposed_reader(reader, key: str) -> Reader:
@@ -269,8 +270,8 @@ def _check_out(out: Path, force: bool) -> None:
 def find_checkpoint(source: Path, report: Callable[[str], None] | None = None) -> checkpoint.Checkpoint:
     """The checkpoint ``source`` names, verified: a run folder's newest intact one (each one skipped is
     reported), or ``source`` itself when it is a ``checkpoints/step-N`` folder."""
-    if source.resolve().parent.name == checkpoint.FOLDER and source.name.startswith("step-"):
-        return checkpoint.verify(source)
+    if source.absolute().parent.name == checkpoint.FOLDER and checkpoint.step_of(source.name) is not None:
+        return checkpoint.verify(source)     # reached from its run folder: the step and checkpoints/ are no links
     if not source.is_dir():
         raise ValueError(f"--run {source} does not exist or is not a folder")
     if not (source / checkpoint.FOLDER).is_dir():
@@ -306,13 +307,10 @@ def _full_tensors(chosen: checkpoint.Checkpoint, shapes: dict[str, tuple[int, ..
     out = {}
     with checkpoint.pieces(chosen, hashed=False) as saved:
         for name, shape in shapes.items():
-            record = chosen.tensors.get(f"model/{name}")
-            if record is None:
-                raise ValueError(f"checkpoint {chosen.path} has no model/{name}")
-            if tuple(record["shape"]) != shape:
-                raise ValueError(f"checkpoint {chosen.path}: {name} has shape {tuple(record['shape'])}, its "
-                                 f"model_config gives {shape}")
-            full = torch.empty(shape, dtype=getattr(torch, record["dtype"]))
+            problem = checkpoint.full_shape_problem(chosen, f"model/{name}", shape)
+            if problem is not None:
+                raise ValueError(f"{problem} (from its model_config)")
+            full = torch.empty(shape, dtype=getattr(torch, chosen.tensors[f"model/{name}"]["dtype"]))
             saved.fill(f"model/{name}", full, [_whole(shape)])
             out[name] = full
     return out

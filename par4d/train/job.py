@@ -11,8 +11,7 @@ from pathlib import Path
 
 from par4d.launch import RankFailed, distributed_env, launch_local
 from par4d.train.config import TrainConfig
-from par4d.train.configure import check_new_out
-from par4d.train.lock import HELD_ENV, LOCK, RunLock
+from par4d.train.lock import HELD_ENV, RunLock
 from par4d.train.loop import failure_log, worker
 
 
@@ -30,9 +29,7 @@ def local_ranks(config: TrainConfig, world: int, max_restarts: int) -> dict:
     process got a signal (the ranks saved their step before exiting)."""
     from par4d.launch.machine import cpu_cores, measure_matmul_peak
 
-    with RunLock(config.out):    # one run per folder, from here until the ranks are gone
-        if not config.resume:    # empty when checked, but another run may have written there since
-            check_new_out(Path(config.out), ignore=(LOCK,))
+    with RunLock(config.out, new=not config.resume):    # one run per folder, until the ranks are gone
         if config.peak_flops is None:   # measured here, before the ranks exist, so nothing competes for the cores
             config = replace(config, peak_flops=measure_matmul_peak(threads=cpu_cores()))
         os.environ[HELD_ENV] = str(Path(config.out).resolve())    # the ranks inherit it

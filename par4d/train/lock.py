@@ -26,11 +26,25 @@ LOCK = ".lock"
 HELD_ENV = "PAR4D_RUN_LOCK_HELD"    # the run folder (absolute) whose lock the launching process holds
 
 
+def check_new_out(out: Path) -> None:
+    """A new run's folder: missing, or empty but for a lock (left by a run that ended before writing
+    anything, or held by this very launch)."""
+    if out.is_symlink() and not out.exists():
+        raise ValueError(f"--out {out} is a symbolic link to nothing; give a folder for the run")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give a folder for the run (nothing is overwritten)")
+    if out.exists() and any(p.name != LOCK for p in out.iterdir()):
+        raise ValueError(f"--out {out} already holds files; pass --resume {out} to continue that run, "
+                         f"or choose another --out (nothing is overwritten)")
+
+
 class RunLock:
     """The lock of run folder ``run`` (created if missing), taken without waiting; ``release``
-    (or leaving the ``with`` block) gives it back."""
+    (or leaving the ``with`` block) gives it back. ``new``: the run starts there, so once the lock
+    is held the folder must still hold nothing but it (another run may have written there since
+    the folder was checked before launch)."""
 
-    def __init__(self, run: str | Path):
+    def __init__(self, run: str | Path, new: bool = False):
         self.run = Path(run)
         fd = Folder(self.run).open_rw(LOCK)
         try:
@@ -44,6 +58,12 @@ class RunLock:
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since "
                       f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
         self._fd: int | None = fd
+        if new:
+            try:
+                check_new_out(self.run)
+            except ValueError:
+                self.release()
+                raise
 
     def release(self) -> None:
         if self._fd is not None:

@@ -30,6 +30,7 @@ from par4d.train.hf import load_hf
 from par4d.train.lock import RunLock, held_by_launcher
 from par4d.train.model import build_model
 from par4d.train.rank0 import on_rank0
+from par4d.train.report import say
 from par4d.train.step import train_step
 from par4d.train.stop import StopRequest
 
@@ -50,7 +51,8 @@ def run(config: TrainConfig, stop: StopRequest) -> dict:
         config = replace(config, out=_broadcast(config.out))
     out = Path(config.out)
     # One run per folder: rank 0 holds its lock unless the launching process does (par4d's launcher).
-    lock = on_rank0(lambda: None if held_by_launcher(out) else RunLock(out))
+    new = not config.resume and restart_count() == 0     # a restart goes on in its own folder
+    lock = on_rank0(lambda: None if held_by_launcher(out) else RunLock(out, new=new))
     try:
         return _run(config, stop, grid, out)
     finally:
@@ -109,7 +111,7 @@ def _setup(config: TrainConfig, grid, out: Path) -> _Job:
     if config.resume and config.checkpoint is not None:
         # Checkpoints newer than the one resumed from failed verification: renamed aside (never deleted),
         # so that this run's saves and rotation never count them as its newest.
-        on_rank0(lambda: checkpoint.set_aside_newer(out, Path(config.checkpoint), _say))
+        on_rank0(lambda: checkpoint.set_aside_newer(out, Path(config.checkpoint), say))
 
     model = build_model(config, grid)
     if config.init_from and not config.resume:   # a Hugging Face model's weights; each rank reads its shards
@@ -133,7 +135,7 @@ def _setup(config: TrainConfig, grid, out: Path) -> _Job:
     start_step = resumed["step"] if resumed else 0
     if restart:
         where = f"from step {start_step}, its newest intact checkpoint" if resumed else "from the start (no checkpoint)"
-        on_rank0(lambda: print(f"par4d train: restart {restart}: resuming {out} {where}", flush=True))
+        on_rank0(lambda: say(f"restart {restart}: resuming {out} {where}"))
     resumed_from = None if resumed is None else {"step": resumed["step"], "grid": resumed["grid"]}
     return _Job(config, model, precision, state, optimizer, batches, source, start_step, resumed_from, restart)
 
@@ -210,7 +212,7 @@ def _summarize(job: _Job, grid, run: Folder, measured: _Measured, peak: float, v
     config, model = job.config, job.model
     model_config = config.model_config()
     unet = config.model == "unet"
-    history = _read_metrics(run)
+    history = read_metrics(run)
     steady = measured.rates[1:] if len(measured.rates) > 1 else measured.rates
     tokens_per_s = sum(steady) / len(steady) if steady else 0.0
     # par4d's GPT: its config's count; a Hugging Face model: counted when it was built
@@ -240,22 +242,18 @@ def _summarize(job: _Job, grid, run: Folder, measured: _Measured, peak: float, v
         "initial_loss": history[0]["loss"], "final_loss": history[-1]["loss"],
         "val_loss": val_loss, "data": job.source, "config": asdict(config),
     }
-    run.write_text("summary.json", text=json.dumps(summary, indent=2))
-    _plot(run, "mean squared error" if unet else "nats/byte")
+    run.write_text(SUMMARY, text=json.dumps(summary, indent=2))
+    _plot(run, history, "mean squared error" if unet else "nats/byte")
     return summary
-
-
-def _say(line: str) -> None:
-    print(f"par4d train: {line}", flush=True)
 
 
 def _newest_intact(out: Path) -> str | None:
     """The checkpoint a restart resumes from; None when none is intact (the first save was
     interrupted): the run starts over."""
     try:
-        return str(checkpoint.choose(out, report=_say))
+        return str(checkpoint.choose(out, report=say))
     except ValueError as error:
-        _say(f"{error}; starting over")
+        say(f"{error}; starting over")
         return None
 
 
@@ -307,10 +305,10 @@ def new_run_dir(grid: dict[str, int]) -> Path:
     return path
 
 
-METRICS = "metrics.jsonl"
+METRICS, SUMMARY, PLOT = "metrics.jsonl", "summary.json", "loss.png"    # what a run writes besides checkpoints
 
 
-def _read_metrics(run: Folder) -> list[dict]:
+def read_metrics(run: Folder) -> list[dict]:
     """The records of ``metrics.jsonl``; a line that is not one (a write cut short by a kill) is skipped."""
     records = []
     for line in run.read_text(METRICS).splitlines():
@@ -326,7 +324,7 @@ def _read_metrics(run: Folder) -> list[dict]:
 def _open_metrics(run: Folder, start_step: int):
     """Open metrics.jsonl for appending after ``start_step``: records of steps past the
     checkpoint (written before an interruption) are dropped, since they are re-run."""
-    kept = [r for r in _read_metrics(run) if r["step"] <= start_step] if start_step and run.exists(METRICS) else []
+    kept = [r for r in read_metrics(run) if r["step"] <= start_step] if start_step and run.exists(METRICS) else []
     # replaced whole: a kill here leaves the old history
     run.write_text(METRICS, text="".join(json.dumps(record) + "\n" for record in kept))
     return run.append(METRICS)
@@ -336,13 +334,12 @@ def _meta(config: TrainConfig) -> dict:
     return {"train_config": asdict(config), "model_config": asdict(config.model_config())}
 
 
-def _plot(run: Folder, unit: str) -> None:
+def _plot(run: Folder, rows: list[dict], unit: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = _read_metrics(run)
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1.2)
     ax.set_xlabel("step")
@@ -350,7 +347,7 @@ def _plot(run: Folder, unit: str) -> None:
     ax.set_title(f"par4d train — {run.name}")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    run.write_with("loss.png", write=lambda f: fig.savefig(f, format="png", dpi=110), sync=False)
+    run.write_with(PLOT, write=lambda f: fig.savefig(f, format="png", dpi=110), sync=False)
     plt.close(fig)
 
 
