@@ -4,7 +4,9 @@ Message sizes follow the ring model (docs/architecture.md, "Collectives and the
 ledger"): ``elements`` is the per-rank message ``m`` — the input shard for an
 all-gather, the full input for a reduce-scatter, the buffer for an all-reduce or a
 broadcast. A collective over an axis of size 1 is a no-op and is not recorded (its
-(G - 1) factor is zero).
+(G - 1) factor is zero). Where the grid's group for the axes spans nodes, all-reduce,
+all-gather and reduce-scatter go in stages (par4d.staged; ``Grid.stages`` says when): the
+same result, one ledger entry per stage.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from par4d import staged
 from par4d.grid import coords_of, rank_of
 from par4d.ledger import Entry, Ledger
 
@@ -95,6 +98,10 @@ def all_reduce(grid: Grid, tensor: torch.Tensor, *axes: str, op=dist.ReduceOp.SU
     """Sum (or ``op``) ``tensor`` in place over ``axes``; returns it (or a Handle)."""
     if grid.size(*axes) == 1:
         return _nothing(grid, tensor, async_op)
+    staged_ok = tensor.is_contiguous() and op == dist.ReduceOp.SUM     # stages sum (a max runs flat)
+    stages = grid.stages(axes, tensor.numel() * tensor.element_size()) if staged_ok else None
+    if stages is not None:
+        return staged.all_reduce(grid, stages, tensor, tuple(axes), async_op)
     group = grid.group(*axes)
     return _issue(grid, "all_reduce", tuple(axes), tensor,
                   lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a), async_op, tensor)
@@ -106,6 +113,9 @@ def all_gather(grid: Grid, shard: torch.Tensor, axis: str, async_op: bool = Fals
     if size == 1:
         return _nothing(grid, shard, async_op)
     shard = shard.contiguous()
+    stages = grid.stages((axis,), shard.numel() * shard.element_size())
+    if stages is not None:
+        return staged.all_gather(grid, stages, shard, axis, async_op)
     out = shard.new_empty((shard.shape[0] * size, *shard.shape[1:]))
     group = grid.group(axis)
     return _issue(grid, "all_gather", (axis,), shard,
@@ -118,6 +128,9 @@ def reduce_scatter(grid: Grid, full: torch.Tensor, axis: str, async_op: bool = F
     if size == 1:
         return _nothing(grid, full, async_op)
     full = full.contiguous()
+    stages = grid.stages((axis,), full.numel() * full.element_size())
+    if stages is not None:
+        return staged.reduce_scatter(grid, stages, full, axis, async_op)
     out = full.new_empty((full.shape[0] // size, *full.shape[1:]))
     group = grid.group(axis)
     return _issue(grid, "reduce_scatter", (axis,), full,

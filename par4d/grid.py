@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from par4d.hierarchy import STAGE_MIN_BYTES, Split, check_mode, split
 from par4d.ledger import Ledger
 
 
@@ -123,6 +124,8 @@ class Grid:
     Build it with :func:`par4d.init`. ``size(axis)``, ``coord(axis)`` and
     ``group(*axes)`` answer for this rank; ``ledger`` records every collective
     par4d issues on this grid. A model's policies (overlap, precision) are the model's, not the grid's.
+    ``nodes``: each rank's node (None: not known, every collective flat); ``hierarchical``: which
+    collectives go in stages over groups that span nodes (par4d.hierarchy.MODES).
     """
 
     sizes: dict[str, int]
@@ -130,7 +133,11 @@ class Grid:
     device: torch.device
     mesh: DeviceMesh | None
     ledger: Ledger = field(default_factory=Ledger)
+    nodes: tuple[int, ...] | None = None
+    hierarchical: str = "auto"
     _groups: dict[tuple[str, ...], dist.ProcessGroup] = field(default_factory=dict, repr=False)
+    _stages: dict[tuple[str, ...], Stages] = field(default_factory=dict, repr=False)
+    _stager: object | None = field(default=None, repr=False)      # par4d.staged's thread, made on first use
     _closed: bool = field(default=False, repr=False)
 
     def size(self, *axes: str) -> int:
@@ -160,6 +167,23 @@ class Grid:
             raise ValueError(f"no process group for axes {key}; available: {sorted(self._groups)}")
         return self._groups[key]
 
+    def stages(self, axes: tuple[str, ...], nbytes: int) -> Stages | None:
+        """How a collective of ``nbytes`` per rank over ``axes`` goes in stages, or None: flat (the
+        group is inside one node, ``hierarchical`` is off, or, under auto, the message is small)."""
+        if self.hierarchical == "off":
+            return None
+        found = self._stages.get(check_axes(axes))
+        if found is None or (self.hierarchical == "auto" and (nbytes < STAGE_MIN_BYTES or not found.pays)):
+            return None
+        return found
+
+    def staged_axes(self) -> list[tuple[str, ...]]:
+        """The sets of axes whose collectives may go in stages (their groups span nodes, and under auto
+        staging measured faster)."""
+        if self.hierarchical == "off":
+            return []
+        return sorted(k for k, st in self._stages.items() if st.pays or self.hierarchical == "on")
+
     def group_ranks(self, *axes: str) -> list[int]:
         """Global ranks of ``group(*axes)``, in axis order (innermost fastest)."""
         key = check_axes(axes)
@@ -178,9 +202,13 @@ class Grid:
         """
         if self.mesh is None:
             return
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
         if dist.is_initialized():
             world = dist.group.WORLD
-            for group in {id(g): g for g in self._groups.values()}.values():
+            staged = [g for st in self._stages.values() for g in (st.node, st.link, st.node_out)]
+            for group in {id(g): g for g in [*self._groups.values(), *staged]}.values():
                 if group is world:
                     continue
                 try:
@@ -188,6 +216,7 @@ class Grid:
                 except ValueError:    # gone already: the job was left (destroy_process_group()) since
                     pass
         self._groups.clear()
+        self._stages.clear()
         self.mesh, self._closed = None, True
 
     @property
@@ -201,32 +230,80 @@ class Grid:
         return f"Grid({self.describe()}, rank={self.rank})"
 
 
-def build_grid(sizes: dict[str, int], device: torch.device) -> Grid:
+@dataclass(frozen=True)
+class Stages:
+    """A staged collective's groups for this rank: ``node`` and ``node_out`` (its group's ranks on its
+    node, twice) and ``link`` (its group's ranks at its position on every node), with the Split they
+    come from."""
+
+    split: Split
+    node: dist.ProcessGroup        # the node's reductions (par4d.staged's REDUCE lane)
+    link: dist.ProcessGroup
+    node_out: dist.ProcessGroup    # the node's gathers (the GATHER lane: each lane issues on a group of its own)
+    position: int                  # this rank's place in its node group
+    pays: bool = True        # under auto: staged measured faster than flat on this job (par4d.launch.init)
+
+
+def build_grid(sizes: dict[str, int], device: torch.device, nodes: tuple[int, ...] | None = None,
+               hierarchical: str = "auto") -> Grid:
     """The grid of validated ``sizes`` over the job this process has joined (collective:
     every rank builds the same groups). :func:`par4d.init` checks first that every rank
     asks for the same shape; call this directly only where that is known (one process
-    standing in for a whole job, as the planner's profiler does)."""
+    standing in for a whole job, as the planner's profiler does). ``nodes``: each rank's node
+    (par4d.hierarchy.node_indices); where groups span nodes, their stages' groups are built here
+    too (gloo only: on NCCL ``auto`` leaves the topology to NCCL and ``on`` is refused)."""
+    check_mode(hierarchical)
+    if hierarchical == "on" and device.type != "cpu":
+        raise ValueError(f"--hierarchical on: staged collectives run on gloo (CPU) only; on {device.type} "
+                         f"NCCL chooses its own topology-aware algorithms (use auto or off)")
     names = tuple(reversed(AXES))  # outermost first: pipe, data, z, y, x
     mesh = init_device_mesh(device.type, tuple(sizes[a] for a in names), mesh_dim_names=names)
-    grid = Grid(sizes=dict(sizes), rank=dist.get_rank(), device=device, mesh=mesh)
+    grid = Grid(sizes=dict(sizes), rank=dist.get_rank(), device=device, mesh=mesh, nodes=nodes,
+                hierarchical=hierarchical)
     for axis in AXES:
         grid._groups[(axis,)] = mesh.get_group(axis)
     for combo in _COMBINED:
         grid._groups[combo] = _combined_group(grid, combo)
+    if nodes is not None and device.type == "cpu" and hierarchical != "off":
+        made: dict[tuple, tuple[dist.ProcessGroup, ...]] = {}   # ("z",) and ("z", "data") at data=1 share groups
+        for key, found in staged_splits(grid.sizes, nodes).items():
+            cut = (found.node_groups, found.link_groups, found.node_groups)
+            if cut[:2] not in made:
+                made[cut[:2]] = tuple(dist.new_subgroups_by_enumeration([list(g) for g in groups])[0] for groups in cut)
+            mine = next(g for g in found.node_groups if grid.rank in g)
+            grid._stages[key] = Stages(found, *made[cut[:2]], mine.index(grid.rank))
+    if hierarchical == "on" and not grid._stages:
+        grid.close()
+        raise ValueError(f"--hierarchical on: no group of grid {describe(sizes)} spans nodes with 2 or more "
+                         f"of its ranks on each (ranks' nodes: {list(nodes or [])}); use auto or off")
     return grid
 
 
-def _combined_group(grid: Grid, axes: tuple[str, ...]) -> dist.ProcessGroup:
+def staged_splits(sizes: dict[str, int], nodes: tuple[int, ...]) -> dict[tuple[str, ...], Split]:
+    """The sets of axes with a process group whose groups span ``nodes`` in a way staging pays
+    (par4d.hierarchy.split), and how: what build_grid builds stage groups for."""
+    keys = sorted([(a,) for a in AXES] + list(_COMBINED))
+    found = {key: split(groups_of(validate_sizes(sizes, len(nodes)), key), nodes) for key in keys}
+    return {key: s for key, s in found.items() if s is not None}
+
+
+def groups_of(sizes: dict[str, int], axes: tuple[str, ...]) -> list[list[int]]:
+    """Every group of ``axes`` in the grid of ``sizes`` (the job partitioned), each in group order
+    (innermost axis fastest), the groups in order of their other coordinates."""
     others = [a for a in AXES if a not in axes]
     enumeration = []
-    for fixed in itertools.product(*(range(grid.sizes[a]) for a in others)):
-        base = dict(zip(others, fixed))
+    for fixed in itertools.product(*(range(sizes[a]) for a in reversed(others))):
+        base = dict(zip(reversed(others), fixed))
         members = []
-        for varying in itertools.product(*(range(grid.sizes[a]) for a in reversed(axes))):
+        for varying in itertools.product(*(range(sizes[a]) for a in reversed(axes))):
             coords = dict(base, **dict(zip(reversed(axes), varying)))
-            members.append(rank_of(coords, grid.sizes))
-        enumeration.append(sorted(members))
-    group, _ = dist.new_subgroups_by_enumeration(enumeration)
+            members.append(rank_of(coords, sizes))
+        enumeration.append(members)
+    return enumeration
+
+
+def _combined_group(grid: Grid, axes: tuple[str, ...]) -> dist.ProcessGroup:
+    group, _ = dist.new_subgroups_by_enumeration([sorted(g) for g in groups_of(grid.sizes, axes)])
     return group
 
 

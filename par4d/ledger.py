@@ -25,7 +25,9 @@ class Entry:
     """One collective: its kind, the axes it spans, its per-rank message, when it was issued
     (``time.perf_counter()``), how long it was in flight and how long this rank waited;
     ``overlapped``: issued without waiting (waited for later, by a handle: an overlap's, or
-    point-to-point), as opposed to waited for where issued."""
+    point-to-point), as opposed to waited for where issued; ``stage``: ``""`` for a flat collective,
+    ``"node"`` or ``"link"`` for a stage of a staged one (par4d.staged: one entry per stage, each
+    the collective that stage issues, over the axes the whole collective spans)."""
 
     kind: str
     axes: tuple[str, ...]
@@ -35,6 +37,7 @@ class Entry:
     issued_at: float = 0.0
     in_flight: float = 0.0
     overlapped: bool = False
+    stage: str = ""
 
 
 @dataclass
@@ -47,14 +50,14 @@ class Total:
 
 
 class Ledger:
-    """Running totals per (kind, axes), plus full entries while :meth:`capture` is on."""
+    """Running totals per (kind, axes, stage), plus full entries while :meth:`capture` is on."""
 
     def __init__(self) -> None:
-        self.totals: dict[tuple[str, tuple[str, ...]], Total] = defaultdict(Total)
+        self.totals: dict[tuple[str, tuple[str, ...], str], Total] = defaultdict(Total)
         self._captures: list[list[Entry]] = []
 
     def record(self, entry: Entry) -> None:
-        total = self.totals[(entry.kind, entry.axes)]
+        total = self.totals[(entry.kind, entry.axes, entry.stage)]
         total.count += 1
         total.elements += entry.elements
         total.bytes += entry.bytes
@@ -67,7 +70,7 @@ class Ledger:
         recorded (async handles wait later)."""
         entry.seconds += seconds
         entry.in_flight += in_flight
-        total = self.totals[(entry.kind, entry.axes)]
+        total = self.totals[(entry.kind, entry.axes, entry.stage)]
         total.seconds += seconds
         total.in_flight += in_flight
 

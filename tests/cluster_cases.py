@@ -33,3 +33,21 @@ def fail_on_rank_1_in_a_collective():
         raise SystemExit(3)
     dist.all_reduce(torch.ones(1))     # rank 0 waits here for a peer that is gone
     return "unreachable"
+
+
+def staged_all_reduce():
+    """data=4 over 2 emulated nodes of 2: the nodes found from the namespaces, the data group staged."""
+    import os
+
+    import par4d
+    from par4d import comm
+
+    grid = par4d.init(data=int(os.environ["WORLD_SIZE"]), hierarchical="on")
+    t = torch.arange(300_001, dtype=torch.float64) * (grid.rank + 1)     # whole numbers: any order, same bits
+    with grid.ledger.capture() as entries:
+        comm.all_reduce(grid, t, "data")
+    expected = torch.arange(300_001, dtype=torch.float64) * sum(r + 1 for r in range(grid.world_size))
+    result = {"nodes": grid.nodes, "staged": grid.staged_axes(), "exact": torch.equal(t, expected),
+              "stages": [(e.kind, e.stage) for e in entries]}
+    grid.close()
+    return result

@@ -29,6 +29,16 @@ def test_job_across_two_nodes_and_cleanup():
 
 
 @needs_root
+def test_nodes_found_and_collectives_staged_across_them():
+    result = launch_cluster(ClusterSpec(2, 2, "1gbit"), cluster_cases.staged_all_reduce, ())[0]
+    assert result["nodes"] == (0, 0, 1, 1)          # two namespaces, two ranks in each
+    assert ("data",) in result["staged"]
+    assert result["exact"]
+    assert result["stages"] == [("reduce_scatter", "node"), ("all_reduce", "link"), ("all_gather", "node")]
+    assert leftover_namespaces(include_live=True) == []
+
+
+@needs_root
 def test_cleanup_when_a_rank_fails():
     with pytest.raises(RuntimeError, match=r"ranks \[1\] failed"):
         with EmulatedCluster(ClusterSpec(2, 1, "1gbit")) as cluster:

@@ -4,6 +4,7 @@ sum a number over ranks, and write its rows as JSON lines."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -48,6 +49,23 @@ def sum_over_ranks(value: float) -> float:
     return t.item()
 
 
+def link_bytes(step: Callable[[], object], calls: int = 2) -> float | None:
+    """Bytes all nodes sent over their links per call of ``step`` (each node's interface counter,
+    read by its first rank; TCP/IP headers included), or None off an emulated cluster."""
+    from par4d.launch.cluster import link_sent_bytes
+
+    first = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    dist.barrier()
+    before = link_sent_bytes()
+    for _ in range(calls):
+        step()
+    dist.barrier()
+    after = link_sent_bytes()
+    if before is None or after is None:
+        return None
+    return sum_over_ranks(float(after - before) if first else 0.0) / calls
+
+
 def emit(rows: list[dict], out: str | None, as_json: bool) -> bool:
     """Write ``rows`` as JSON lines to ``out`` (if given) and, with ``as_json``, to stdout;
     returns ``as_json`` (the caller prints its table otherwise). The CLI has refused an existing ``out`` unless
@@ -71,7 +89,7 @@ def grid_row(name: str, sizes: dict[str, int], times: list[float], bytes_per_ite
     s = statistics.median(times)
     tokens = BATCH * CONFIG.block_size / s
     flops = CONFIG.flops_per_token() * tokens
-    return {"framework": "par4d" if name == "par4d" else "torch", "name": name,
+    return {"framework": "par4d" if name.startswith("par4d") else "torch", "name": name,
             "grid": " ".join(f"{a}={sizes.get(a, 1)}" for a in ("x", "y", "z", "data")),
             "s_per_iter": s, "tokens_per_s": tokens, "percent_of_peak": 100 * flops / peak,
             "bytes_per_iter": int(bytes_per_iter), "bytes_source": bytes_source, "iters": len(times)}

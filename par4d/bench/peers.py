@@ -4,10 +4,14 @@ Rows, all in one job on the same ranks, one after another: PyTorch DDP, FSDP2
 (``fully_shard`` per block and root), HSDP (FSDP2 on a 2D mesh: sharded inside a node,
 replicated across nodes; without ``--nodes`` a (2, nproc/2) mesh), FSDP2 + DTensor
 tensor parallelism (TP inside a node, FSDP across; without ``--nodes`` TP over 2 ranks),
-and par4d on every grid that divides the model and batch. Each rank trains on its own
-block of the global batch, as ``par4d bench grid`` does; the ranks of one TP group share
-a block. Columns and byte counts are bench grid's (``bench.common.grid_row``), plus ``ratio_to_best_peer``:
-a row's s/iter over the fastest torch row's of the same workload.
+each also with the knob a user would turn (KNOBS), and par4d on every grid that divides
+the model and batch, with its collectives flat and, where a group spans nodes, staged
+(``par4d +hierarchical``). Each rank trains on its own block of the global batch, as
+``par4d bench grid`` does; the ranks of one TP group share a block. Columns and byte
+counts are bench grid's (``bench.common.grid_row``), plus ``ratio_to_best_peer`` (a row's
+s/iter over the fastest torch row's of the same workload), ``floor_s_per_iter`` (the limit
+for the setting: :func:`add_floor`) and, across emulated nodes, ``link_bytes_per_iter``
+(what the nodes' interfaces sent).
 
 Two workloads, both always run:
 
@@ -35,18 +39,30 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from par4d.bench.common import check_cluster, emit, grid_row, launch, sum_over_ranks, where
+from par4d.bench.common import check_cluster, emit, grid_row, launch, link_bytes, sum_over_ranks, where
 from par4d.bench.torch_peers import KINDS, C10dBytes, destroy_groups, peer_mesh, tp_shape
-from par4d.launch import distributed_env, join
+from par4d.grid import staged_splits, validate_sizes
+from par4d.launch import distributed_env, init, join
+from par4d.launch.cluster import link_bits_per_second
 from par4d.launch.machine import cpu_cores, measure_matmul_peak, threads_per_rank
 from par4d.layout import block
 from par4d.models import ReferenceGPT
-from par4d.plan.measure import BATCH, CONFIG, WARMUP, batch, grids, time_grid, time_iterations
+from par4d.plan.measure import BATCH, CONFIG, WARMUP, batch, grids, time_iterations, training_step
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 NAMES = {"ddp": "torch DDP", "fsdp": "torch FSDP2", "hsdp": "torch HSDP", "tp": "torch FSDP2+TP"}
+# The knob a user would turn for a small model whose sync is exposed: DDP's buckets cut smaller, so the
+# all-reduce starts earlier in backward; FSDP2's gathered weights kept for backward (no second all-gather).
+KNOBS: dict[str, list[dict]] = {"ddp": [{}, {"bucket_cap_mb": 1}], "fsdp": [{}, {"reshard_after_forward": False}],
+                                "hsdp": [{}, {"reshard_after_forward": False}], "tp": [{}]}
+
+
+def peer_name(kind: str, knob: dict) -> str:
+    extra = {"bucket_cap_mb": "{} MB buckets", "reshard_after_forward": "reshard {}"}
+    words = [extra[k].format(v) for k, v in knob.items()]
+    return NAMES[kind] + (f" ({', '.join(words)})" if words else "")
 COMM_BOUND_SHARE = 1 / 3   # DDP's exposed all-reduce share the comm-bound batch is meant to reach
 COMM_BOUND_SEQ_LEN = 32    # tokens per sequence of the comm-bound batch (one sequence per rank): module docstring
 
@@ -58,9 +74,15 @@ class PeersSettings:
     iters: int
     peak_flops: float
 
+    link: str = "1gbit"
+
     @property
     def world(self) -> int:
         return self.nproc * (self.nodes or 1)
+
+    def node_of_ranks(self) -> tuple[int, ...]:
+        """Each rank's node (the emulated cluster puts ranks on nodes in order)."""
+        return tuple(rank // self.nproc for rank in range(self.world))
 
 
 @dataclass(frozen=True)
@@ -164,15 +186,15 @@ class _Peer:
     data_index: int                   # ... and this rank trains on this one
 
 
-def _build(kind: str, mesh: DeviceMesh | None, settings: PeersSettings) -> _Peer:
+def _build(kind: str, knob: dict, mesh: DeviceMesh | None, settings: PeersSettings) -> _Peer:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from torch.nn.parallel import DistributedDataParallel
 
-    world, rank = settings.world, dist.get_rank()
+    world, rank, name = settings.world, dist.get_rank(), peer_name(kind, knob)
     model = ReferenceGPT(CONFIG)
     if mesh is None:
-        return _Peer(NAMES[kind], DistributedDataParallel(model), {"data": world}, world, rank)
+        return _Peer(name, DistributedDataParallel(model, **knob), {"data": world}, world, rank)
     if kind == "tp":
         dp, tp = mesh.shape
         plan = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
@@ -180,15 +202,15 @@ def _build(kind: str, mesh: DeviceMesh | None, settings: PeersSettings) -> _Peer
         for layer in model.blocks:
             layer.attn = TPAttention(layer.attn, tp)
             parallelize_module(layer, mesh["tp"], plan)
-        shard_mesh, peer = mesh["dp"], _Peer(NAMES[kind], model, {"x": tp, "z": dp}, dp, rank // tp)
+        shard_mesh, peer = mesh["dp"], _Peer(name, model, {"x": tp, "z": dp}, dp, rank // tp)
     elif kind == "hsdp":
         replicate, shard = mesh.shape
-        shard_mesh, peer = mesh, _Peer(NAMES[kind], model, {"z": shard, "data": replicate}, world, rank)
+        shard_mesh, peer = mesh, _Peer(name, model, {"z": shard, "data": replicate}, world, rank)
     else:
-        shard_mesh, peer = mesh, _Peer(NAMES[kind], model, {"z": world}, world, rank)
+        shard_mesh, peer = mesh, _Peer(name, model, {"z": world}, world, rank)
     for layer in model.blocks:
-        fully_shard(layer, mesh=shard_mesh)
-    fully_shard(model, mesh=shard_mesh)
+        fully_shard(layer, mesh=shard_mesh, **knob)
+    fully_shard(model, mesh=shard_mesh, **knob)
     return peer
 
 
@@ -202,10 +224,30 @@ def _for_workload(row: dict, workload: Workload, peak_flops: float) -> dict:
     return row
 
 
-def _bench_par4d(sizes: dict[str, int], workload: Workload, settings: PeersSettings) -> dict:
-    times, per_rank = time_grid(sizes, settings.iters, workload.sequences, workload.seq_len)
-    row = grid_row("par4d", sizes, times, sum_over_ranks(per_rank), settings.peak_flops, "ledger")
+def _bench_par4d(sizes: dict[str, int], workload: Workload, settings: PeersSettings, hierarchical: str) -> dict:
+    grid = init(**sizes, hierarchical=hierarchical)
+    step = training_step(grid, workload.sequences, workload.seq_len)       # every overlap on
+    before = grid.ledger.total_bytes()
+    times = time_iterations(step, settings.iters)
+    per_rank = (grid.ledger.total_bytes() - before) / (WARMUP + settings.iters)
+    link = link_bytes(step)
+    staged = [",".join(axes) for axes in grid.staged_axes()]
+    grid.close()     # idle groups of earlier grids would slow the grids measured after them
+    name = "par4d" if hierarchical == "off" else "par4d +hierarchical"   # staged_axes: what auto kept staged
+    row = grid_row(name, sizes, times, sum_over_ranks(per_rank), settings.peak_flops, "ledger")
+    row.update(hierarchical=hierarchical, staged_axes=staged, link_bytes_per_iter=link)
     return _for_workload(row, workload, settings.peak_flops)
+
+
+def _par4d_rows(workload: Workload, settings: PeersSettings) -> list[dict]:
+    """Every grid with its collectives flat; again with them staged where the grid has a group that spans nodes
+    (a row per switch: what staging alone buys)."""
+    rows = []
+    for sizes in grids(settings.world, batch=workload.sequences):
+        rows.append(_bench_par4d(sizes, workload, settings, "off"))
+        if settings.nodes and staged_splits(validate_sizes(sizes, settings.world), settings.node_of_ranks()):
+            rows.append(_bench_par4d(sizes, workload, settings, "auto"))
+    return rows
 
 
 def _in_turns(steps: list[Callable[[], object]], iters: int) -> list[list[float]]:
@@ -216,8 +258,8 @@ def _in_turns(steps: list[Callable[[], object]], iters: int) -> list[list[float]
     return [[t for k, t in enumerate(times) if (WARMUP + k) % len(steps) == j] for j in range(len(steps))]
 
 
-def _bench_torch(kind: str, mesh: DeviceMesh | None, workload: Workload, settings: PeersSettings) -> dict:
-    peer = _build(kind, mesh, settings)
+def _bench_torch(kind: str, knob: dict, mesh: DeviceMesh | None, workload: Workload, settings: PeersSettings) -> dict:
+    peer = _build(kind, knob, mesh, settings)
     model = peer.model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     inputs, targets = batch(workload.sequences, workload.seq_len)
@@ -239,13 +281,15 @@ def _bench_torch(kind: str, mesh: DeviceMesh | None, workload: Workload, setting
         per_rank, source = sum(p.numel() * p.element_size() for p in model.parameters()), "gradient bytes"
         times, local = _in_turns([step, lambda: step(sync=False)], settings.iters)
         exposed = statistics.median(times) - statistics.median(local)
-        extra = {"exposed_comm_s": exposed, "exposed_comm_share": exposed / statistics.median(times)}
+        extra = {"exposed_comm_s": exposed, "exposed_comm_share": exposed / statistics.median(times),
+                 "compute_s": statistics.median(local)}
     else:
         times = time_iterations(step, settings.iters)
         counter = _PeerBytes()   # one more, untimed iteration: the dispatch hook costs time
         with counter:
             step()
         per_rank, source = counter.bytes, "c10d dispatch"
+    extra["link_bytes_per_iter"] = link_bytes(step)      # untimed iterations, synchronized (DDP's too)
     row = grid_row(peer.name, peer.sizes, times, sum_over_ranks(per_rank), settings.peak_flops, source)
     return _for_workload(dict(row, **extra), workload, settings.peak_flops)
 
@@ -256,21 +300,44 @@ def peers_worker(settings: PeersSettings) -> list[dict]:
     torch.set_num_threads(threads_per_rank(settings.world))
     rows = []
     for workload in workloads(settings.world):
-        rows += [_bench_par4d(sizes, workload, settings) for sizes in grids(settings.world, batch=workload.sequences)]
+        rows += _par4d_rows(workload, settings)
     for kind in KINDS:
         # One mesh per peer for both workloads, its groups destroyed after: DTensor caches sharding decisions,
         # meshes in them included, per *equal* mesh (same shape and names), so a second mesh like the first
         # would be handed the first one's destroyed groups.
         mesh = peer_mesh(kind, settings.world, settings.nproc, settings.nodes)
-        rows += [_bench_torch(kind, mesh, workload, settings) for workload in workloads(settings.world)]
+        rows += [_bench_torch(kind, knob, mesh, workload, settings)
+                 for knob in KNOBS[kind] for workload in workloads(settings.world)]
         if mesh is not None:
             destroy_groups(mesh)
     order = [workload.name for workload in workloads(settings.world)]
     rows.sort(key=lambda r: order.index(r["workload"]))     # stable: per workload, par4d rows, then torch's
     for row in rows:
         row["matmul_peak_gflops"] = settings.peak_flops / 1e9
+    add_floor(rows, settings)
     dist.destroy_process_group()
     return rows
+
+
+def floor_link_seconds(settings: PeersSettings) -> float:
+    """The least time the link takes per iteration for data parallelism: each node sends
+    ``2 (nodes - 1) / nodes`` of the gradient bytes over its link (and receives as much), at the link's rate;
+    0 on local ranks."""
+    if not settings.nodes or settings.nodes < 2:
+        return 0.0
+    gradient_bytes = CONFIG.num_params() * 4       # fp32
+    return 2 * (settings.nodes - 1) / settings.nodes * gradient_bytes * 8 / link_bits_per_second(settings.link)
+
+
+def add_floor(rows: list[dict], settings: PeersSettings) -> None:
+    """Every row's ``floor_s_per_iter``: the compute of one rank's share (DDP's step under ``no_sync()``, on the
+    same ranks at once: the cores shared as in every row) plus :func:`floor_link_seconds`."""
+    for workload in {r["workload"] for r in rows}:
+        ddp = next(r for r in rows if r["workload"] == workload and r["name"] == NAMES["ddp"])
+        floor = ddp["compute_s"] + floor_link_seconds(settings)
+        for r in rows:
+            if r["workload"] == workload:
+                r["floor_s_per_iter"] = floor
 
 
 def add_ratios(rows: list[dict]) -> list[dict]:
@@ -301,13 +368,18 @@ def markdown(rows: list[dict]) -> str:
     def fmt(value: float | None, spec: str) -> str:
         return "" if value is None else format(value, spec)
 
-    lines = ["| name | grid (x y z data) | s/iter (median) | x best peer | tokens/s | % of peak | MB/iter | "
-             "bytes from | DDP exposed comm s |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+    def mb(value: float | None) -> str:
+        return "" if value is None else f"{value / 1e6:.2f}"
+
+    lines = ["| name | grid (x y z data) | s/iter (median) | x best peer | x floor | tokens/s | % of peak | MB/iter | "
+             "bytes from | link MB/iter | DDP exposed comm s |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
     for r in rows:
+        floor = r["s_per_iter"] / r["floor_s_per_iter"] if r.get("floor_s_per_iter") else None
         lines.append(f"| {r['name']} | {r['grid']} | {r['s_per_iter']:.3f} | {fmt(r['ratio_to_best_peer'], '.2f')} | "
-                     f"{r['tokens_per_s']:,.0f} | {r['percent_of_peak']:.1f} | {r['bytes_per_iter'] / 1e6:.2f} | "
-                     f"{r['bytes_source']} | {fmt(r.get('exposed_comm_s'), '.3f')} |")
+                     f"{fmt(floor, '.2f')} | {r['tokens_per_s']:,.0f} | {r['percent_of_peak']:.1f} | "
+                     f"{r['bytes_per_iter'] / 1e6:.2f} | {r['bytes_source']} | {mb(r.get('link_bytes_per_iter'))} | "
+                     f"{fmt(r.get('exposed_comm_s'), '.3f')} |")
     return "\n".join(lines)
 
 
@@ -315,7 +387,7 @@ def run_bench_peers(args: argparse.Namespace) -> int:
     validate(args.nproc, args.nodes, args.iters)
     check_cluster(args.nproc, args.nodes, args.link)
     # The peak is measured before the ranks exist, so nothing competes for the cores.
-    settings = PeersSettings(args.nproc, args.nodes, args.iters, measure_matmul_peak(threads=cpu_cores()))
+    settings = PeersSettings(args.nproc, args.nodes, args.iters, measure_matmul_peak(threads=cpu_cores()), args.link)
     rows = add_ratios(launch(peers_worker, (settings,), args.nproc, args.nodes, args.link, "par4d-bench-peers"))
     if emit(rows, args.out, args.json):
         sys.stdout.flush()
@@ -331,7 +403,9 @@ def run_bench_peers(args: argparse.Namespace) -> int:
         low = (f"; below {COMM_BOUND_SHARE:.0%}: not communication-bound on these ranks"
                if w.name == "comm-bound" and ddp["exposed_comm_share"] < COMM_BOUND_SHARE else "")
         print(f"\nDDP's exposed all-reduce: {ddp['exposed_comm_s']:.3f} s of {ddp['s_per_iter']:.3f} s/iter "
-              f"({ddp['exposed_comm_share']:.0%}{low})")
+              f"({ddp['exposed_comm_share']:.0%}{low}). The floor: {ddp['floor_s_per_iter']:.3f} s/iter (one rank's "
+              f"compute, DDP under no_sync(), {ddp['compute_s']:.3f} s, plus the least link time, "
+              f"{floor_link_seconds(settings):.3f} s)")
     print()
     for w in workloads(settings.world):
         print(summary(rows, w.name))

@@ -69,6 +69,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     steps.add_argument("--overlap", default=None, metavar="all|none|LIST",
                        help=_help("overlap", "overlap communication with compute: all, none, or a comma list of "
                                              "oar,ors,oag,cache,dp (cache needs --recompute)"))
+    steps.add_argument("--hierarchical", choices=["auto", "on", "off"], default=None,
+                       help=_help("hierarchical", "collectives over groups that span nodes in stages (inside the node, "
+                                                  "across the link once, inside again; gloo): auto where a probe at "
+                                                  "start measures them faster, on everywhere, off never"))
     steps.add_argument("--recompute", default=None, metavar="none|auto|N",
                        help=_help("recompute", "recompute activations in backward every N blocks; auto: the divisor "
                                                "of the block count closest to its square root"))

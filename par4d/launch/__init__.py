@@ -254,18 +254,22 @@ def join(env: DistEnv | None) -> None:
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=JOIN_TIMEOUT)
 
 
-def init(x: int = 1, y: int = 1, z: int = 1, data: int = 1, pipe: int = 1) -> Grid:
+def init(x: int = 1, y: int = 1, z: int = 1, data: int = 1, pipe: int = 1, hierarchical: str = "auto") -> Grid:
     """Build the grid ``x * y * z * data * pipe`` over the current job. A model's overlaps are
     its own (``par4d.overlap.set_overlap``; par4d's GPT and U-Net take ``overlap=``).
 
     Joins an existing torch.distributed job or initializes one from the
     environment (torchrun, srun, or par4d's launcher): gloo on CPU, NCCL where CUDA
-    is present. The shape is validated on every rank before any collective.
+    is present. The shape is validated on every rank before any collective. Every rank
+    tells its node (host and network namespace); collectives over groups that span nodes
+    go in stages as ``hierarchical`` says (par4d.hierarchy.MODES).
     """
     import torch.distributed as dist
 
     from par4d.grid import build_grid, validate_sizes
+    from par4d.hierarchy import check_mode, node_indices, node_key
 
+    check_mode(hierarchical)
     requested = {"x": x, "y": y, "z": z, "data": data, "pipe": pipe}
     env = distributed_env()
     if dist.is_initialized():
@@ -274,21 +278,72 @@ def init(x: int = 1, y: int = 1, z: int = 1, data: int = 1, pipe: int = 1) -> Gr
         world = env.world_size if env is not None else 1
     sizes = validate_sizes(requested, world)
     join(env)
-    _check_same_on_every_rank(sizes)
-    return build_grid(sizes, device(env))
+    keys = _check_same_on_every_rank(sizes, hierarchical, node_key())
+    grid = build_grid(sizes, device(env), node_indices(keys), hierarchical)
+    if hierarchical == "auto":
+        _measure_stages(grid)
+    return grid
 
 
-def _check_same_on_every_rank(sizes: dict[str, int]) -> None:
-    """Ranks that ask for different grids would build mismatched groups and hang."""
+PROBE_ELEMENTS = 1 << 18      # 1 MB of fp32: enough for the link's rate to show (~10 ms a try at 1 Gbit/s)
+PROBE_TRIES = 5
+PROBE_MARGIN = 1.1    # staged is kept unless measured 10% slower than flat: a probe on busy cores is noisy, and
+                      # where staging loses (fast links) it lost by 1.5x and more here
+
+
+def _measure_stages(grid: Grid) -> None:
+    """Under ``--hierarchical auto``, keep staging a group's collectives only where a staged all-reduce
+    of PROBE_ELEMENTS was not slower than the flat one (by PROBE_MARGIN) on this job: fast links and busy
+    cores can make the node stages cost more than the link bytes they save. Each side's best of
+    PROBE_TRIES; the slowest rank's times decide, so every rank decides alike. The probes stay out of
+    the grid's ledger."""
+    import dataclasses
+    import functools
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from par4d import staged
+    from par4d.ledger import Ledger
+
+    ledger, grid.ledger = grid.ledger, Ledger()
+    try:
+        for key, stages in sorted(grid._stages.items()):
+            tensor, group = torch.ones(PROBE_ELEMENTS, device=grid.device), grid.group(*key)
+            seconds = []
+            flat = functools.partial(dist.all_reduce, tensor, group=group)
+            for run in (flat, functools.partial(staged.all_reduce, grid, stages, tensor, key, False)):
+                best = float("inf")
+                for _ in range(PROBE_TRIES):
+                    start = time.perf_counter()
+                    run()
+                    best = min(best, time.perf_counter() - start)
+                seconds.append(best)
+            slowest = torch.tensor(seconds, dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            grid._stages[key] = dataclasses.replace(stages, pays=bool(slowest[1] < PROBE_MARGIN * slowest[0]))
+    finally:
+        grid.ledger = ledger
+
+
+def _check_same_on_every_rank(sizes: dict[str, int], hierarchical: str, node: str) -> list[str]:
+    """Ranks that ask for different grids would build mismatched groups and hang. Returns every
+    rank's ``node``, gathered in the same collective."""
     import torch.distributed as dist
 
     from par4d.grid import describe
 
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, sizes)
+    dist.all_gather_object(every, (sizes, hierarchical, node))
+    modes = {mode for _, mode, _ in every}
+    if len(modes) > 1:
+        raise ValueError(f"ranks asked par4d.init for different --hierarchical settings: {sorted(modes)}")
+    every, keys = [s for s, _, _ in every], [k for _, _, k in every]
     if any(other != sizes for other in every):
         shapes: dict[str, list[int]] = {}
         for rank, other in enumerate(every):
             shapes.setdefault(describe(other), []).append(rank)
         listing = "; ".join(f"ranks {ranks}: {shape}" for shape, ranks in shapes.items())
         raise ValueError(f"ranks asked par4d.init for different grids ({listing})")
+    return keys

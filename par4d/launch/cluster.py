@@ -60,6 +60,29 @@ class ClusterSpec:
         return self.nodes * self.ranks_per_node
 
 
+_UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}
+
+
+def link_bits_per_second(link: str) -> float:
+    """``1gbit`` -> 1e9 (tc's decimal units, as ClusterSpec accepts them)."""
+    rate = link.lower().rstrip("ps").rstrip("/")
+    for unit, scale in _UNITS.items():
+        if rate.endswith(unit):
+            return float(rate[: -len(unit)]) * scale
+    raise ValueError(f"--link {link!r}: give a rate like 1gbit or 500mbit")
+
+
+def link_sent_bytes() -> int | None:
+    """Bytes this node has sent over its link (eth0's counter, TCP/IP headers included), or None
+    outside an emulated cluster."""
+    if "PAR4D_CLUSTER_NODES" not in os.environ:
+        return None
+    try:
+        return int(Path("/sys/class/net/eth0/statistics/tx_bytes").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def _run(*cmd: str) -> None:
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode:

@@ -80,11 +80,12 @@ def time_iterations(step: Callable[[], object], iters: int) -> list[float]:
 
 
 def time_grid(sizes: dict[str, int], iters: int, batch_size: int = BATCH,
-              seq_len: int = CONFIG.block_size, overlap: Overlap | None = None) -> tuple[list[float], float]:
+              seq_len: int = CONFIG.block_size, overlap: Overlap | None = None,
+              hierarchical: str = "auto") -> tuple[list[float], float]:
     """Seconds of ``iters`` training steps on grid ``sizes`` (global batch of ``batch_size``
     sequences of ``seq_len`` tokens), and the ledger bytes per step of this rank. Closes the
     grid: idle groups of earlier grids would slow the grids measured after them."""
-    grid = init(**sizes)
+    grid = init(**sizes, hierarchical=hierarchical)
     step = training_step(grid, batch_size, seq_len, overlap)      # None: par4d.Overlap(), every overlap on
     before = grid.ledger.total_bytes()
     times = time_iterations(step, iters)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from par4d.hierarchy import check_mode
 from par4d.models.config import GPTConfig, parse_recompute
 from par4d.overlap import Overlap
 
@@ -54,6 +55,7 @@ class TrainConfig:
     progress: bool = True
     peak_flops: float | None = None  # measured by the launching process; None: rank 0 measures
     overlap: str = "all"             # --overlap: all, none, or a comma list of par4d.overlap.NAMES
+    hierarchical: str = "auto"       # --hierarchical: auto, on or off (par4d.hierarchy.MODES)
     recompute: str = "none"          # --recompute: none, auto, or every N blocks
     keep: int = 2                    # --keep: checkpoints kept
     checkpoint: str | None = None    # on --resume: the checkpoint folder chosen (verified) before the ranks start
@@ -65,6 +67,7 @@ class TrainConfig:
     init_from: str | None = None     # --init-from hf DIR: a GPT-2 model folder (absolute) the run's weights start from
 
     def __post_init__(self) -> None:
+        check_mode(self.hierarchical)
         for name in ("steps", "batch_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")

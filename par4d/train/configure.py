@@ -17,8 +17,8 @@ from par4d.train.report import say
 DEFAULT_NPROC = 4   # local ranks when no launcher gives a world size (also calibrate's and bench grid's default)
 # A resumed run keeps these (they decide the model and its batches); it takes HONOURED ones when given.
 FIXED = ("model", "batch_size", "seq_len", "n_layer", "n_embd", "n_head", "mlp", "phantom_k", "image_size", "seed")
-HONOURED = ("lr", "grad_clip", "save_every", "keep", "overlap", "recompute", "microbatches", "pipeline_limit",
-            "precision", "grad_reduce", "offload_bsize")
+HONOURED = ("lr", "grad_clip", "save_every", "keep", "overlap", "hierarchical", "recompute", "microbatches",
+            "pipeline_limit", "precision", "grad_reduce", "offload_bsize")
 Planner = Callable[..., tuple[dict, "float | None"]]   # par4d.plan.choose.planned_grid's signature
 
 

@@ -45,7 +45,7 @@ def run(config: TrainConfig, stop: StopRequest) -> dict:
     """Train on this rank; rank 0 writes the run directory. Returns rank 0's summary
     (``stopped``: the signal and step, when a signal stopped the run early)."""
     torch.set_num_threads(_threads_per_rank())
-    grid = init(**config.grid)
+    grid = init(**config.grid, hierarchical=config.hierarchical)
     if config.out is None:  # under torchrun/srun: rank 0 names the run, the others follow
         config = replace(config, out=on_rank0(lambda: str(new_run_dir(config.grid))))
         config = replace(config, out=_broadcast(config.out))
