@@ -9,7 +9,7 @@ from par4d.overlap import NAMES
 
 
 def test_rows_add_one_switch_each_in_the_papers_order():
-    assert [name for name, _ in ROWS] == ["none", "+oar", "+ors", "+oag", "+cache", "all"]
+    assert [name for name, _ in ROWS] == ["none", "+oar", "+ors", "+oag", "+cache", "+dp", "all"]
     assert [switches for _, switches in ROWS] == [NAMES[:i] for i in range(len(NAMES) + 1)]
 
 
@@ -43,7 +43,8 @@ def test_table_and_figure(tmp_path):
              "exposed_comm_s": 0.5 - 0.08 * i, "in_flight_s": 0.5, "speedup": 1.0 / (1.0 - 0.1 * i),
              "exposed_share": (0.5 - 0.08 * i) / (1.0 - 0.1 * i)} for i, (name, s) in enumerate(ROWS)]
     table = markdown(rows)
-    assert "| all | oar,ors,oag,cache,dp | 0.500 | 2.00x | 0.100 | 20% | 0.500 |" in table
+    assert "| +dp | oar,ors,oag,cache,dp | 0.500 | 2.00x | 0.100 | 20% | 0.500 |" in table
+    assert "| all | oar,ors,oag,cache,dp,xy | 0.400 | 2.50x | 0.020 | 5% | 0.500 |" in table
     plot({"test": rows}, str(tmp_path / "fig.png"))
     assert (tmp_path / "fig.png").stat().st_size > 5000
 

@@ -1,9 +1,10 @@
 """Overlap reorders waits, never arithmetic.
 
-Every combination of the overlap switches (OAR, ORS, OAG, cache, data-parallel sync),
-with recomputation off and on, trains bit for bit as the synchronous path does:
+Every combination of the overlap switches (OAR, ORS, OAG, cache, data-parallel sync, xy),
+with recomputation off and on, trains bit for bit as the synchronous path (with the same
+row chunks: xy cuts the rows of the x/y all-reduces, which is arithmetic) does:
 losses, every gradient after the data-parallel sync, every parameter after 3 AdamW
-steps (``torch.equal``, no tolerance). All 32 combinations on x=2,z=2; every pair of
+steps (``torch.equal``, no tolerance). All 64 combinations on x=2,z=2; every pair of
 switches on z=2,data=2; each switch alone and all together on x=2,y=2,z=2 and
 x=2,z=2,data=2 (8 ranks). (Each collective costs ~1 ms of latency on this machine's
 gloo: the suite stays fast by covering pairs, where switches interact, on the rest.)
@@ -14,6 +15,7 @@ gathers.
 """
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -25,6 +27,7 @@ from par4d.models.config import recompute_spacing
 from par4d.nn import Linear
 from par4d.optim.data_parallel import gradient_sync
 from par4d.overlap import NAMES, Overlap, set_overlap
+from par4d.overlap.policy import XY_CHUNKS
 from par4d.train.step import train_step
 from tests import cases
 
@@ -39,8 +42,9 @@ def _overlap(names: tuple[str, ...]) -> Overlap:
     return Overlap.parse(",".join(names)) if names else Overlap.none()
 
 
-def _train(grid, names: tuple[str, ...], recompute: int) -> dict:
-    model = GPT(CONFIG, grid=grid, overlap=_overlap(names), recompute=recompute)
+def _train(grid, names: tuple[str, ...], recompute: int, row_chunks: int | None = None) -> dict:
+    overlap = _overlap(names) if row_chunks is None else replace(_overlap(names), row_chunks=row_chunks)
+    model = GPT(CONFIG, grid=grid, overlap=overlap, recompute=recompute)
     optimizer = cases.RecordingAdamW(model.parameters(), lr=1e-2, eps=1e-4)
     gen = torch.Generator().manual_seed(0)
     losses = []
@@ -53,6 +57,8 @@ def _train(grid, names: tuple[str, ...], recompute: int) -> dict:
     return {"losses": losses, "grads": optimizer.grads, "params": [p.detach().clone() for p in model.parameters()],
             "gather_bytes": sum(e.bytes for e in entries if e.kind == "all_gather" and e.axes == ("z",)),
             "other_bytes": sum(e.bytes for e in entries if not (e.kind == "all_gather" and e.axes == ("z",))),
+            "xy_chunked": sum(1 for e in entries if e.kind == "all_reduce" and e.axes in (("x",), ("y",))),
+            "xy_async": sum(1 for e in entries if e.overlapped and e.axes in (("x",), ("y",))),
             "prefetched": runtime.gathers.prefetched, "cache_hits": runtime.gathers.cache_hits,
             "deferred": runtime.deferred.deferred, "early": gradient_sync(model, grid).early_launches}
 
@@ -62,15 +68,23 @@ def _bitwise(sizes: dict, combinations: list[tuple[str, ...]]) -> dict:
     proven = {"prefetched": 0, "cache_hits": 0, "deferred": 0, "early": 0, "runs": 0}
     no_recompute_gathers = None
     for recompute in (0, recompute_spacing(CONFIG.n_layer)):
-        base = _train(grid, (), recompute)
+        # The synchronous path with the combination's row chunks (xy cuts rows: policy.py, xy).
+        chunked = {_overlap(n).row_chunks for n in combinations}
+        bases = {chunks: _train(grid, (), recompute, chunks) for chunks in chunked}
         if recompute == 0:
-            no_recompute_gathers = base["gather_bytes"]
+            no_recompute_gathers = bases[1 if 1 in bases else XY_CHUNKS]["gather_bytes"]
         for names in combinations:
+            base = bases[_overlap(names).row_chunks]
             run = _train(grid, names, recompute)
             where = f"{grid.describe()} overlap={','.join(names) or 'none'} recompute={recompute}"
             for key in ("losses", "grads", "params"):
                 cases.assert_bitwise(f"{where} {key}", run[key], base[key])
             assert run["other_bytes"] == base["other_bytes"], f"{where}: bytes other than z all-gathers differ"
+            assert run["xy_chunked"] == base["xy_chunked"], f"{where}: x/y all-reduces {run['xy_chunked']}"
+            if "xy" in names and grid.size("x", "y") > 1:    # xy did something: rows cut, sums issued without a wait
+                assert run["xy_async"] > 0 == base["xy_async"], f"{where}: {run['xy_async']} x/y sums overlapped"
+                if 1 in bases:
+                    assert run["xy_chunked"] > bases[1]["xy_chunked"], f"{where}: rows not cut"
             cached = "cache" in names and recompute
             expected = no_recompute_gathers if cached else base["gather_bytes"]
             assert run["gather_bytes"] == expected, f"{where}: z all-gather bytes {run['gather_bytes']} != {expected}"

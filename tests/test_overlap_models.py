@@ -3,7 +3,7 @@
 The Hugging Face GPT-2 and Llama (their layers made par4d's by ``parallelize``) and par4d's
 U-Net (its Conv2d layers), built as ``par4d train --model ...`` builds them
 (``par4d.train.model.build_model``), train bit for bit alike with ``--overlap all`` and
-``--overlap none`` on x=2,y=2,z=2: losses, every gradient after the data-parallel sync and
+``--overlap none`` (with all's row chunks: xy cuts rows, which is arithmetic) on x=2,y=2,z=2: losses, every gradient after the data-parallel sync and
 clipping, every parameter after 3 AdamW steps (``torch.equal``). The ledger shows the overlaps
 at work: the same collectives with the same bytes in both runs, but in the overlapped one the
 weight-gradient reduce-scatters over z are issued without a wait (ORS: exactly those the runtime
@@ -13,6 +13,7 @@ issued.
 """
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -20,6 +21,8 @@ import torch
 from par4d.layout import shard_batch
 from par4d.models.unet import shard_images
 from par4d.optim.data_parallel import gradient_sync
+from par4d.overlap import Overlap, set_overlap
+from par4d.overlap.policy import XY_CHUNKS
 from par4d.train.config import IMAGE_CHANNELS, VOCAB_BYTES, TrainConfig
 from par4d.train.model import build_model
 from par4d.train.step import train_step
@@ -47,6 +50,8 @@ def _train(model_name: str, overlap: str) -> dict:
     config = TrainConfig(grid=GRID, out=None, model=model_name, batch_size=BATCH, overlap=overlap,
                          **SIZES[model_name])
     model = build_model(config, grid)
+    if overlap == "none":     # the synchronous path with all's row chunks (xy cuts rows: arithmetic)
+        set_overlap(model, replace(Overlap.none(), row_chunks=XY_CHUNKS))
     optimizer = cases.RecordingAdamW(model.parameters(), lr=1e-2, eps=1e-4)
     losses = []
     with grid.ledger.capture() as entries:

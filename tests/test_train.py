@@ -501,7 +501,7 @@ def test_unet_trains_as_one_rank_and_resumes_on_another_grid(tmp_path, capsys, p
     assert _losses(split) == pytest.approx(_losses(alone), rel=1e-5)
     one = json.loads((alone / "summary.json").read_text())
     assert resumed["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5)
-    assert one["overlap"] == resumed["overlap"] == "oar,ors,oag,dp"   # what ran: all but the cache (no recompute)
+    assert one["overlap"] == resumed["overlap"] == "oar,ors,oag,dp,xy"   # all but the cache (no recompute)
     assert one["params"] == 19_220 and one["data"].startswith("generated images")
 
     for args, message in ((["--seq-len", "64"], "--model unet: --seq-len 64 does not apply (the U-Net's sizes"),
@@ -527,8 +527,9 @@ def test_the_overlaps_asked_for_reach_every_model_and_a_pipeline_reports_what_ra
         model = build_model(config, Grid.virtual({"x": 1, "y": 1, "z": 1, "data": 1, "pipe": 1}))
         assert model.par4d_overlap == config.overlap_settings() and model.par4d_runtime is not None
         assert config.overlap_run() == config.overlap_settings()
-    # A pipeline's stages run outside the model's forward and the armed backward: only OAR acts, and the run
+    # A pipeline's stages run outside the model's forward and the armed backward: only OAR and xy act, and the run
     # says so before it starts; what it reports is what ran.
     piped = _checked(*SMALL, "--n-layer", "2", "--grid", "pipe=2", "--overlap", "all", "--out", "unused", world=2)
-    assert piped.overlap_run().names == ("oar",) and piped.overlap_settings().names == ("oar", "ors", "oag", "dp")
+    assert piped.overlap_run().names == ("oar", "xy")
+    assert piped.overlap_settings().names == ("oar", "ors", "oag", "dp", "xy")
     assert ("--grid pipe=2: --overlap ors,oag,dp do not act with a pipeline yet" in capsys.readouterr().out)

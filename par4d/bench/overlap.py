@@ -46,8 +46,9 @@ from par4d.overlap import Overlap, set_overlap
 from par4d.train.step import train_step
 
 ROWS = (("none", ()), ("+oar", ("oar",)), ("+ors", ("oar", "ors")), ("+oag", ("oar", "ors", "oag")),
-        ("+cache", ("oar", "ors", "oag", "cache")), ("all", ("oar", "ors", "oag", "cache", "dp")))
-"""Fig. 3's order: each row adds one switch to the row above."""
+        ("+cache", ("oar", "ors", "oag", "cache")), ("+dp", ("oar", "ors", "oag", "cache", "dp")),
+        ("all", ("oar", "ors", "oag", "cache", "dp", "xy")))
+"""Fig. 3's order, then par4d's own: each row adds one switch to the row above (``all`` adds xy)."""
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                        help=_help("grad_clip", "clip the global gradient norm to this (0: off)"))
     steps.add_argument("--overlap", default=None, metavar="all|none|LIST",
                        help=_help("overlap", "overlap communication with compute: all, none, or a comma list of "
-                                             "oar,ors,oag,cache,dp (cache needs --recompute)"))
+                                             "oar,ors,oag,cache,dp,xy (cache needs --recompute)"))
     steps.add_argument("--hierarchical", choices=["auto", "on", "off"], default=None,
                        help=_help("hierarchical", "collectives over groups that span nodes in stages (inside the node, "
                                                   "across the link once, inside again; gloo): auto where a probe at "

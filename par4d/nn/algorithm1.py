@@ -118,8 +118,8 @@ class Algorithm1(torch.autograd.Function):
         grid, runtime = layer.grid, layer.runtime
         # W (n/G_out, k/G_in, ...), whichever way the weight is stored (w_shard is layer.weight: passed for autograd)
         w = runtime.gathers.gather(layer) if runtime else comm.all_gather(grid, layer.weight_rows(), "z")
-        out = layer.local_forward(inp, w)                    # partial over in_axis
-        comm.all_reduce(grid, out, layer.in_axis)            # O_{l,i}
+        # O_{l,i}: partial over in_axis, summed there (xy: chunk by chunk, each sum behind the next chunk's matmul)
+        out = _in_chunks(layer, layer.in_axis, lambda part: layer.local_forward(part, w), inp)
         if bias is not None:
             layer.add_bias(out, bias)                        # after the sum: bias counted once
         ctx.save_for_backward(inp, w)                        # the paper caches I and W
@@ -134,9 +134,10 @@ class Algorithm1(torch.autograd.Function):
         overlap = runtime.overlap if runtime else None
         grad_in = pending_in = None
         if ctx.needs_input_grad[0]:                          # not for a network's input
-            grad_in = layer.local_input_grad(grad_out, w, inp)
-            # partial over out_axis; OAR: summed while the weight gradient is computed
-            pending_in = comm.all_reduce(grid, grad_in, layer.out_axis, async_op=bool(overlap and overlap.all_reduce))
+            # partial over out_axis; OAR: summed while the weight gradient is computed (xy: by chunks of rows)
+            grad_in, pending_in = _in_chunks(layer, layer.out_axis,
+                                             lambda part, rows: layer.local_input_grad(part, w, rows), grad_out, inp,
+                                             defer=bool(overlap and overlap.all_reduce))
         grad_w_shard = None
         if ctx.needs_input_grad[1]:
             grad_w = layer.local_weight_grad(grad_out, inp, w)  # partial over z
@@ -148,9 +149,53 @@ class Algorithm1(torch.autograd.Function):
                 grad_w_shard = comm.reduce_scatter(grid, grad_w, "z")
                 grad_w_shard = grad_w_shard.t() if in_out else grad_w_shard
         grad_b = layer.local_bias_grad(grad_out) if ctx.has_bias else None  # partial over z and data
-        if isinstance(pending_in, comm.Handle):
-            pending_in.wait()
+        for handle in pending_in or ():
+            handle.wait()
         return grad_in, grad_w_shard, grad_b, None
+
+
+def _rows(layer: Algorithm1Layer, t: torch.Tensor, chunks: int) -> list[torch.Tensor]:
+    """``t`` cut into ``chunks`` runs of rows (every dim but the features: a Linear's tokens, a
+    convolution's images), the empty ones left out."""
+    flat = t.reshape(-1, t.shape[-1]) if layer.feature_dim == -1 else t
+    return [part for part in flat.tensor_split(chunks) if part.shape[0]]
+
+
+def _in_chunks(layer: Algorithm1Layer, axis: str, compute, t: torch.Tensor, also: torch.Tensor | None = None,
+               defer: bool = False):
+    """``compute`` (a local matmul) summed over ``axis``: whole, or, with the layer's overlap runtime's
+    ``row_chunks`` > 1, by chunks of ``t``'s rows (and ``also``'s, cut alike), each chunk's all-reduce
+    waited for after the next chunk's matmul under ``xy`` and where issued without it. Forward
+    (``also`` None): returns the sum. Backward: returns (the sum, the handles still to wait for), where
+    ``defer`` (OAR) leaves every chunk's for the caller. Every rank of ``axis`` holds the same rows, so
+    all issue the same chunks."""
+    overlap = layer.runtime.overlap if layer.runtime else None
+    chunks = overlap.row_chunks if overlap else 1
+    backward = also is not None
+    if chunks == 1 or layer.grid.size(axis) == 1:
+        out = compute(t, also) if backward else compute(t)
+        pending = comm.all_reduce(layer.grid, out, axis, async_op=defer)
+        return (out, [pending] if defer else []) if backward else out
+    parts = _rows(layer, t, chunks)
+    others = _rows(layer, also, chunks) if backward else [None] * len(parts)
+    whole, start, handles = None, 0, []
+    for part, other in zip(parts, others):
+        out = compute(part, other) if backward else compute(part)
+        if whole is None:     # the chunks' sums are made in place in the whole's rows: nothing to copy after the waits
+            whole = out.new_empty((t.numel() // t.shape[-1] if layer.feature_dim == -1 else t.shape[0], *out.shape[1:]))
+        rows = whole[start:start + out.shape[0]]
+        rows.copy_(out)
+        start += out.shape[0]
+        handles.append(comm.all_reduce(layer.grid, rows, axis, async_op=overlap.xy or defer))
+        if overlap.xy and not defer and len(handles) > 1:
+            handles[-2].wait()                   # the previous chunk's sum ran behind this chunk's matmul
+    whole = whole.reshape(*t.shape[:-1], whole.shape[-1]) if layer.feature_dim == -1 else whole
+    waiting = [h for h in handles if not isinstance(h, torch.Tensor)]
+    if backward and defer:
+        return whole, waiting
+    for handle in waiting:
+        handle.wait()
+    return (whole, []) if backward else whole
 
 
 def algorithm1_parameters(layer: Algorithm1Layer, out_features: int, in_features: int, kernel: tuple[int, ...],

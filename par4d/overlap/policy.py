@@ -15,6 +15,13 @@ every combination trains bit for bit as the synchronous path does (tested).
   weights gathered by the first forward, for up to this many layers (None: all; 0: off).
 * ``data_parallel``: gradient buckets of ``bucket_mb`` MB are all-reduced over their
   partial axes from gradient hooks, as each bucket becomes ready during backward.
+* ``xy``: the all-reduces over x and y (the forward one of every layer over its in-axis, the
+  backward one over its out-axis) go in ``row_chunks`` chunks of the activation's rows, each
+  waited for after the next chunk's matmul (as DeepSpeed's Domino splits a layer's batch).
+  Cutting rows changes arithmetic (which rounding a ring gives an element depends on where it
+  sits in the message), so ``row_chunks`` is a setting of its own: ``--overlap`` with ``xy`` sets
+  it to XY_CHUNKS, without ``xy`` to 1, and every combination trains bit for bit as the
+  synchronous path with the same ``row_chunks`` does.
 
 No torch here: the CLI parses and checks these before any rank starts.
 """
@@ -23,10 +30,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-NAMES = ("oar", "ors", "oag", "cache", "dp")
-"""The switches of ``par4d train --overlap LIST``, in the order of the paper's Fig. 3."""
+NAMES = ("oar", "ors", "oag", "cache", "dp", "xy")
+"""The switches of ``par4d train --overlap LIST``: the paper's Fig. 3 order, then par4d's own."""
 
-_FIELD = {"oar": "all_reduce", "ors": "reduce_scatter", "oag": "all_gather", "dp": "data_parallel"}
+_FIELD = {"oar": "all_reduce", "ors": "reduce_scatter", "oag": "all_gather", "dp": "data_parallel", "xy": "xy"}
+XY_CHUNKS = 2      # row chunks of the x/y all-reduces under ``xy``
 BUCKET_MB = 25.0   # DDP's default bucket size
 
 
@@ -41,6 +49,8 @@ class Overlap:
     cache_layers: int | None = None
     data_parallel: bool = True
     bucket_mb: float = BUCKET_MB
+    xy: bool = True
+    row_chunks: int = XY_CHUNKS
 
     def __post_init__(self) -> None:
         if self.prefetch < 1:
@@ -49,11 +59,13 @@ class Overlap:
             raise ValueError(f"Overlap(cache_layers={self.cache_layers}): must be >= 0 (None: every layer)")
         if not self.bucket_mb > 0:
             raise ValueError(f"Overlap(bucket_mb={self.bucket_mb}): bucket size must be > 0 MB")
+        if self.row_chunks < 1:
+            raise ValueError(f"Overlap(row_chunks={self.row_chunks}): must be >= 1 (1: rows not cut)")
 
     @classmethod
     def none(cls) -> Overlap:
         """The synchronous path: every collective waited for where it is issued."""
-        return cls(**{field: False for field in _FIELD.values()}, cache_layers=0)
+        return cls(**{field: False for field in _FIELD.values()}, cache_layers=0, row_chunks=1)
 
     @classmethod
     def parse(cls, text: str) -> Overlap:
@@ -68,7 +80,8 @@ class Overlap:
         if unknown or not names:
             raise ValueError(f"--overlap {text!r}: unknown {', '.join(map(repr, unknown)) or 'empty list'}; "
                              f"give all, none, or a comma list of {', '.join(NAMES)}")
-        return cls(**{_FIELD[n]: n in names for n in _FIELD}, cache_layers=None if "cache" in names else 0)
+        return cls(**{_FIELD[n]: n in names for n in _FIELD}, cache_layers=None if "cache" in names else 0,
+                   row_chunks=XY_CHUNKS if "xy" in names else 1)
 
     @property
     def names(self) -> tuple[str, ...]:

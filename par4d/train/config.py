@@ -189,10 +189,11 @@ class TrainConfig:
         return Overlap.parse(self.overlap)
 
     def overlap_run(self) -> Overlap:
-        """The overlaps that act in this run: ``--overlap``'s, but with a pipeline (pipe > 1) only OAR and
-        the cache, since its stages run outside the model's forward (no recorded gather order: no OAG) and
-        outside the training step's armed backward (no ORS, no buckets launched during backward). The run
-        says so before it starts (``par4d.train.configure``) and its summary reports these."""
+        """The overlaps that act in this run: ``--overlap``'s, but with a pipeline (pipe > 1) only OAR, xy
+        and the cache (inside each layer's own forward and backward), since its stages run outside the
+        model's forward (no recorded gather order: no OAG) and outside the training step's armed backward
+        (no ORS, no buckets launched during backward). The run says so before it starts
+        (``par4d.train.configure``) and its summary reports these."""
         settings = self.overlap_settings()
         if self.grid.get("pipe", 1) == 1:
             return settings
