@@ -20,8 +20,9 @@ $(STAMP): pyproject.toml requirements.txt
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
+# The demo runs the grid the planner picks for this machine (it calibrates first and says why).
 demo: $(STAMP)
-	$(VENV)/bin/par4d train
+	$(VENV)/bin/par4d train --grid auto
 
 test: $(STAMP)
 	$(PY) -m ruff check par4d tests

@@ -137,7 +137,7 @@ class Grid:
     hierarchical: str = "auto"
     _groups: dict[tuple[str, ...], dist.ProcessGroup] = field(default_factory=dict, repr=False)
     _stages: dict[tuple[str, ...], Stages] = field(default_factory=dict, repr=False)
-    _stager: object | None = field(default=None, repr=False)      # par4d.staged's thread, made on first use
+    _stager: object | None = field(default=None, repr=False)      # par4d.staged's lanes, made on first use
     _closed: bool = field(default=False, repr=False)
 
     def size(self, *axes: str) -> int:
@@ -202,12 +202,13 @@ class Grid:
         """
         if self.mesh is None:
             return
+        stuck = False
         if self._stager is not None:
-            self._stager.close()
+            stuck = not self._stager.close()     # a lane still inside a collective (a peer gone): its groups stay
             self._stager = None
         if dist.is_initialized():
             world = dist.group.WORLD
-            staged = [g for st in self._stages.values() for g in (st.node, st.link, st.node_out)]
+            staged = [] if stuck else [g for st in self._stages.values() for g in (st.node, st.link, st.node_out)]
             for group in {id(g): g for g in [*self._groups.values(), *staged]}.values():
                 if group is world:
                     continue
@@ -240,7 +241,6 @@ class Stages:
     node: dist.ProcessGroup        # the node's reductions (par4d.staged's REDUCE lane)
     link: dist.ProcessGroup
     node_out: dist.ProcessGroup    # the node's gathers (the GATHER lane: each lane issues on a group of its own)
-    position: int                  # this rank's place in its node group
     pays: bool = True        # under auto: staged measured faster than flat on this job (par4d.launch.init)
 
 
@@ -270,8 +270,7 @@ def build_grid(sizes: dict[str, int], device: torch.device, nodes: tuple[int, ..
             cut = (found.node_groups, found.link_groups, found.node_groups)
             if cut[:2] not in made:
                 made[cut[:2]] = tuple(dist.new_subgroups_by_enumeration([list(g) for g in groups])[0] for groups in cut)
-            mine = next(g for g in found.node_groups if grid.rank in g)
-            grid._stages[key] = Stages(found, *made[cut[:2]], mine.index(grid.rank))
+            grid._stages[key] = Stages(found, *made[cut[:2]])
     if hierarchical == "on" and not grid._stages:
         grid.close()
         raise ValueError(f"--hierarchical on: no group of grid {describe(sizes)} spans nodes with 2 or more "

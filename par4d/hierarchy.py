@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 MODES = ("auto", "on", "off")
 """``--hierarchical``: ``auto`` stages collectives of at least STAGE_MIN_BYTES over groups that span
-nodes (on gloo; NCCL picks topology-aware algorithms itself), ``on`` stages every one of them (and
-says so when no group spans nodes), ``off`` runs every collective flat."""
+nodes where a probe at start measures it pays (on gloo; NCCL picks topology-aware algorithms itself),
+``on`` stages every one of them (and refuses a grid where no group spans nodes), ``off`` runs every
+collective flat."""
 
 STAGE_MIN_BYTES = 64 * 1024
 """Below this a staged collective's three latencies cost more than the link bytes it saves (the
@@ -53,10 +54,10 @@ class Split:
     """The staging of every group of one set of axes: ``nodes`` (K) node parts of ``per_node`` (L)
     ranks in each group. ``node_groups`` and ``link_groups`` enumerate the whole job (what
     ``new_subgroups_by_enumeration`` takes): a node group is the ranks of one group on one node,
-    a link group the ranks of one group at the same position on every node. ``order``: block
-    ``l * K + k`` of a staged reduce-scatter's input (and of a staged all-gather's output) is the
-    block of the group member at position ``l`` on node part ``k``, in group order; None where
-    that is group order already."""
+    a link group the ranks of one group at the same position on every node, each in ascending rank
+    order. ``order``: block ``l * K + k`` of a staged reduce-scatter's input (and of a staged
+    all-gather's output) is the block of the group member at place ``k`` of link group ``l``, in
+    group order; None where that is group order already."""
 
     nodes: int
     per_node: int
@@ -69,7 +70,9 @@ def split(groups: Sequence[Sequence[int]], nodes: Sequence[int]) -> Split | None
     """How ``groups`` (the partition of the job by one set of axes, each in group order) stage over
     ``nodes`` (each rank's node), or None when staging saves nothing (a group inside one node, or one
     rank per node) or the groups are not alike (node parts of unequal size, or groups cut differently:
-    every rank must issue the same stages)."""
+    every rank must issue the same stages). Stage groups are listed in ascending rank order, as torch
+    numbers a group's ranks, so a rank's place in its node group and in its link group is its place
+    in the sorted list."""
     shapes, node_groups, link_groups = set(), [], []
     order = None
     for group in groups:
@@ -81,14 +84,17 @@ def split(groups: Sequence[Sequence[int]], nodes: Sequence[int]) -> Split | None
             return None
         per_node = sizes.pop()
         shapes.add((len(parts), per_node))
-        indices = list(parts.values())           # node parts in order of first appearance
-        mine = tuple(i for position in range(per_node) for i in (part[position] for part in indices))
+        members = [sorted(part, key=lambda i: group[i]) for part in parts.values()]
+        mine = []
+        for position in range(per_node):
+            across = sorted((part[position] for part in members), key=lambda i: group[i])
+            link_groups.append(tuple(group[i] for i in across))
+            mine += across          # block position * K + k: the k-th lowest rank of link group ``position``
+        node_groups += [tuple(group[i] for i in part) for part in members]
         if order is None:
-            order = mine
-        elif order != mine:
+            order = tuple(mine)
+        elif order != tuple(mine):
             return None
-        node_groups += [tuple(group[i] for i in part) for part in indices]
-        link_groups += [tuple(group[part[position]] for part in indices) for position in range(per_node)]
     if len(shapes) != 1:
         return None
     k, per_node = shapes.pop()

@@ -78,16 +78,20 @@ class Stager:
 
     def __init__(self) -> None:
         self._lanes: list[queue.SimpleQueue[_Step | None]] = [queue.SimpleQueue() for _ in range(3)]
-        self._threads = [threading.Thread(target=self._serve, args=(lane,), name=f"par4d-stager-{lane}", daemon=True)
-                         for lane in self._lanes]
+        self._threads = [threading.Thread(target=self._serve, args=(lane,), name=f"par4d-stager-{index}", daemon=True)
+                         for index, lane in enumerate(self._lanes)]
+        # After a failed stage this rank is out of step with its peers on the stage groups: every later step
+        # fails at once with the same error instead of issuing collectives its peers no longer match.
+        self.broken: BaseException | None = None
         for thread in self._threads:
             thread.start()
 
-    @staticmethod
-    def _serve(lane: queue.SimpleQueue) -> None:
+    def _serve(self, lane: queue.SimpleQueue) -> None:
         while (step := lane.get()) is not None:
             step.ready.wait()
             job = step.job
+            if job.error is None and self.broken is not None:
+                job.error = self.broken
             if job.error is None:
                 try:
                     start = time.perf_counter()
@@ -96,7 +100,7 @@ class Stager:
                     span = job.spans[step.lane]
                     span[0], span[1] = min(span[0], start), max(span[1], time.perf_counter())
                 except BaseException as error:    # handed to the waiting caller
-                    job.error = error
+                    job.error = self.broken = error
             if step.next is not None:
                 step.next.ready.set()
             else:
@@ -111,18 +115,23 @@ class Stager:
             for step in steps:
                 self._lanes[step.lane].put(step)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 10.0) -> bool:
+        """Stop the lanes once their queued steps are done; False if one is still running after ``timeout``
+        seconds (stuck in a collective whose peers are gone: its groups must not be destroyed under it)."""
         for lane in self._lanes:
             lane.put(None)
+        deadline = time.monotonic() + timeout
         for thread in self._threads:
-            thread.join(timeout=60)
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        return not any(thread.is_alive() for thread in self._threads)
 
 
 class StagedHandle:
     """A staged collective in flight: ``done``, ``block`` and ``wait`` as ``comm.Handle``'s. ``wait``
     books each stage's entry: in flight from its first start to its last end, and the part of this
-    rank's wait it owns (stages overlap: each moment goes to the earliest stage not finished yet; a
-    wait before any stage began goes to the first); the parts add up to the wait."""
+    rank's wait it owns (stages overlap: each moment goes to the earliest stage not finished yet; the
+    rest of the wait, before any stage began or between them, goes to the first); the parts add up to
+    the wait."""
 
     def __init__(self, job: _Job, ledger: Ledger, entries: list[tuple[int, Entry]], result: torch.Tensor,
                  finish: Callable[[], torch.Tensor] | None = None):
@@ -141,11 +150,11 @@ class StagedHandle:
         start = time.perf_counter()
         self._job.finished.wait()
         end = time.perf_counter()
-        self._waited = True
         first = self._entries[0][1]
-        if self._job.error is not None:
+        if self._job.error is not None:      # raised on every wait: the result is not the sum
             raise RuntimeError(f"a staged {first.kind} over {first.axes} failed: {self._job.error}") \
                 from self._job.error
+        self._waited = True
         spans = [self._job.spans[lane] for lane, _ in self._entries]
         owned, since = [], float("-inf")
         for a, b in spans:
@@ -154,6 +163,7 @@ class StagedHandle:
         inside = [max(0.0, min(end, b) - max(start, a)) for a, b in owned]
         inside[0] += max(0.0, (end - start) - sum(inside))
         for (_, entry), (a, b), seconds in zip(self._entries, spans, inside):
+            entry.issued_at = a          # a stage is in flight from its lane's first start (in_flight_seconds)
             self._ledger.waited(entry, seconds, b - a)
         if self._finish is not None:
             self.result = self._finish()

@@ -23,9 +23,14 @@ def test_split_of_a_group_across_two_nodes():
     found = _split({"data": 4}, ("data",), TWO_BY_TWO)
     assert (found.nodes, found.per_node) == (2, 2)
     assert found.node_groups == ((0, 1), (2, 3)) and found.link_groups == ((0, 2), (1, 3))
-    assert found.order == (0, 2, 1, 3)      # block l*K + k: member at position l of node k
+    assert found.order == (0, 2, 1, 3)      # block l*K + k: the k-th rank of link group l
     interleaved = _split({"data": 4}, ("data",), (0, 1, 0, 1))
     assert interleaved.node_groups == ((0, 2), (1, 3)) and interleaved.order is None
+    # Rank 3 sits second on node 0 and rank 2 second on node 1: their link group is (2, 3) in torch's (sorted)
+    # numbering, so block 1*2 + 0 is rank 2's and block 1*2 + 1 rank 3's.
+    mirrored = _split({"data": 4}, ("data",), (0, 1, 1, 0))
+    assert mirrored.node_groups == ((0, 3), (1, 2)) and mirrored.link_groups == ((0, 1), (2, 3))
+    assert mirrored.order is None
 
 
 def test_no_split_where_staging_saves_nothing_or_groups_differ():
@@ -83,7 +88,8 @@ def _staged_collectives(sizes: dict, nodes: tuple, axis: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("nodes", [TWO_BY_TWO, (0, 1, 0, 1)], ids=["node-major", "interleaved"])
+@pytest.mark.parametrize("nodes", [TWO_BY_TWO, (0, 1, 0, 1), (0, 1, 1, 0)],
+                         ids=["node-major", "interleaved", "mirrored"])
 def test_staged_collectives_are_exact(pool4, nodes):
     for rank, out in enumerate(pool4.run(_staged_collectives, {"z": 4}, nodes, "z")):
         assert {k: v for k, v in out.items() if k != "entries"} == {

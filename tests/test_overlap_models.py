@@ -3,13 +3,13 @@
 The Hugging Face GPT-2 and Llama (their layers made par4d's by ``parallelize``) and par4d's
 U-Net (its Conv2d layers), built as ``par4d train --model ...`` builds them
 (``par4d.train.model.build_model``), train bit for bit alike with ``--overlap all`` and
-``--overlap none`` (with all's row chunks: xy cuts rows, which is arithmetic) on x=2,y=2,z=2: losses, every gradient after the data-parallel sync and
-clipping, every parameter after 3 AdamW steps (``torch.equal``). The ledger shows the overlaps
-at work: the same collectives with the same bytes in both runs, but in the overlapped one the
-weight-gradient reduce-scatters over z are issued without a wait (ORS: exactly those the runtime
-deferred), and so are input-gradient all-reduces (OAR), weight all-gathers over z (OAG) and the
-data-parallel buckets during backward; the synchronous run waits for every layer collective where it is
-issued.
+``--overlap none`` (with all's row chunks: xy cuts rows, which is arithmetic) on x=2,y=2,z=2:
+losses, every gradient after the data-parallel sync and clipping, every parameter after 3 AdamW
+steps (``torch.equal``). The ledger shows the overlaps at work: the same collectives with the
+same bytes in both runs, but in the overlapped one the weight-gradient reduce-scatters over z are
+issued without a wait (ORS: exactly those the runtime deferred), and so are input-gradient
+all-reduces (OAR), weight all-gathers over z (OAG) and the data-parallel buckets during backward;
+the synchronous run waits for every layer collective where it is issued.
 """
 
 from collections import Counter

@@ -172,11 +172,11 @@ def _in_chunks(layer: Algorithm1Layer, axis: str, compute, t: torch.Tensor, also
     overlap = layer.runtime.overlap if layer.runtime else None
     chunks = overlap.row_chunks if overlap else 1
     backward = also is not None
-    if chunks == 1 or layer.grid.size(axis) == 1:
+    parts = _rows(layer, t, chunks) if chunks > 1 and layer.grid.size(axis) > 1 else []
+    if len(parts) < 2:                 # one chunk (or no rows): nothing to hide a sum behind
         out = compute(t, also) if backward else compute(t)
         pending = comm.all_reduce(layer.grid, out, axis, async_op=defer)
         return (out, [pending] if defer else []) if backward else out
-    parts = _rows(layer, t, chunks)
     others = _rows(layer, also, chunks) if backward else [None] * len(parts)
     whole, start, handles = None, 0, []
     for part, other in zip(parts, others):

@@ -43,11 +43,47 @@ def planned_grid(world: int, *, machine: str | None, inside: bool, n_layer: int,
                    vocab=VOCAB_BYTES)
     # par4d train's default: every overlap but the cache (it runs without recomputation by default)
     ranked, excluded = rank_configurations(spec, world, profile, "full", checkpointing=False,
-                                           overlap=Overlap.parse("oar,ors,oag,dp"))
+                                           overlap=Overlap.parse("oar,ors,oag,dp,xy"))
     if not ranked:
         reasons = "; ".join(sorted({p.excluded for p in excluded}))
         raise ValueError(f"--grid auto: no grid of {world} ranks runs this model ({reasons})")
+    ranked = settle_ties(ranked)
     best = ranked[0]
-    report(f"--grid auto chose x={best.sizes['x']} y={best.sizes['y']} z={best.sizes['z']} data={best.sizes['data']} "
-           f"(predicted {best.t_iter:.3f} s/step; {len(ranked)} grids ranked on {profile.name})")
+    report(f"--grid auto chose {_grid(best)} on {profile.name}: " + why(ranked))
     return {a: s for a, s in best.sizes.items() if s > 1} or {"x": 1}, peak
+
+
+TIE = 0.02
+"""Predicted steps within 2% are a tie: closer than the model's own error (docs/planner.md)."""
+
+
+def settle_ties(ranked: list) -> list:
+    """``ranked`` (fastest first) with the grids that tie the first put in order of the communication they
+    predict, least first: hidden communication is not free (on CPUs its copies and sums take the cores the
+    compute needs; everywhere it takes memory bandwidth), and the model does not charge for it."""
+    if not ranked:
+        return ranked
+    tied = [p for p in ranked if p.t_iter <= ranked[0].t_iter * (1 + TIE)]
+    rest = [p for p in ranked if p.t_iter > ranked[0].t_iter * (1 + TIE)]
+    return sorted(tied, key=lambda p: p.t_comm) + rest
+
+
+def _grid(pred) -> str:
+    return " ".join(f"{a}={pred.sizes[a]}" for a in ("x", "y", "z", "data"))
+
+
+def why(ranked: list) -> str:
+    """Why the first of ``ranked`` (after :func:`settle_ties`) won, in one line: its predicted step, split into
+    compute and the communication left exposed, against the runner-up's; a tie says it was settled by the
+    communication."""
+    best = ranked[0]
+    exposed = best.t_exposed if best.t_exposed is not None else best.t_comm
+    line = (f"predicted {best.t_iter:.3f} s/step ({best.t_compute:.3f} s compute, {exposed:.3f} s of "
+            f"{best.t_comm:.3f} s communication left exposed)")
+    if len(ranked) > 1:
+        second = ranked[1]
+        line += f"; next {_grid(second)} at {second.t_iter:.3f} s/step ({second.t_iter / best.t_iter:.2f}x"
+        if second.t_iter <= best.t_iter * (1 + TIE):
+            line += f", a tie: {best.t_comm:.3f} s of communication against {second.t_comm:.3f} s"
+        line += ")"
+    return line + f"; {len(ranked)} grids ranked"

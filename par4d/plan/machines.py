@@ -16,10 +16,13 @@ figures (link bandwidths, documented per field). User profiles are TOML files:
     bytes_per_element = 2      # 2 for bf16/fp16 training, 4 for fp32
     all_gather_scale = 1.0     # optional: all-gather / reduce-scatter bandwidth
     reduce_scatter_scale = 1.0 #   relative to all-reduce (full model only)
+    staged = false             # optional: collectives over groups that span nodes go in stages
+                               #   (par4d's gloo path, --hierarchical auto; NCCL's own algorithms: false)
 
 Every value is checked when the profile loads, and the error names the file and the key: numbers are finite and
-not booleans, counts (devices_per_node, bytes_per_element) are whole, all are > 0 except latencies (>= 0) and
-efficiency is at most 1; an unknown key in [machine] is an error. Other tables (calibrate's [fit]) are notes.
+not booleans (``staged`` is one), counts (devices_per_node, bytes_per_element) are whole, all are > 0 except
+latencies (>= 0) and efficiency is at most 1; an unknown key in [machine] is an error. Other tables
+(calibrate's [fit]) are notes.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class Machine:
     # implementations that reach the model; gloo on CPU measures well below).
     all_gather_scale: float = 1.0
     reduce_scatter_scale: float = 1.0
+    staged: bool = False     # par4d stages collectives over groups that span nodes (docs/architecture.md)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -63,7 +67,8 @@ class Machine:
             if value is None:      # an optional field left out (TOML has no null)
                 continue
             # json's string escapes are TOML's basic-string escapes: a name with quotes still loads
-            lines.append(f"{key} = {json.dumps(value, ensure_ascii=False) if isinstance(value, str) else repr(value)}")
+            text = json.dumps(value, ensure_ascii=False) if isinstance(value, (str, bool)) else repr(value)
+            lines.append(f"{key} = {text}")     # json's true/false and string escapes are TOML's
         return "\n".join(lines) + "\n"
 
 
@@ -71,12 +76,15 @@ class Machine:
 COUNTS = ("devices_per_node", "bytes_per_element")
 AT_LEAST_ZERO = ("latency", "latency_inter")   # 0 = the paper's model (no per-step latency)
 OPTIONAL = ("latency_inter",)           # None: not given
+BOOLS = ("staged",)
 
 
 def _problem(key: str, value) -> str | None:
     """What is wrong with ``value`` for the Machine field ``key`` ("key must be ..., got ..."), or None."""
     if key == "name":
         return None if isinstance(value, str) and value else f"name must be a non-empty string, got {value!r}"
+    if key in BOOLS:
+        return None if isinstance(value, bool) else f"{key} must be true or false, got {value!r}"
     # bool is an int subclass (TOML true would read as 1): refused before the number checks.
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return f"{key} must be a number, got {value!r}"

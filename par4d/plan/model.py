@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from par4d.hierarchy import STAGE_MIN_BYTES
 from par4d.ledger import ring_terms
 from par4d.overlap import Overlap
 from par4d.plan.machines import Machine
@@ -80,9 +81,64 @@ def latencies(sizes: dict[str, int], machine: Machine) -> dict[str, float]:
     return out
 
 
-ROLES = ("gather", "forward", "input_grad", "reduce_scatter", "backward", "sync")
+def group_placement(sizes: dict[str, int], group: tuple[str, ...], devices_per_node: int) -> tuple[int, int, int]:
+    """(inner, L, K) of a group of consecutive axes: the ranks between two of its members (the product of
+    the inner axes' sizes), its members per node and the nodes it spans (ranks fill nodes in order)."""
+    axes = AXES5 if "pipe" in sizes else AXES4
+    first = axes.index(group[0])
+    inner = math.prod(sizes[a] for a in axes[:first])
+    ranks = math.prod(sizes[a] for a in group)
+    per_node = max(1, min(ranks, devices_per_node // inner)) if inner < devices_per_node else 1
+    if devices_per_node % inner or ranks % per_node:    # groups straddle nodes unevenly: nothing stages
+        per_node = 1
+    return inner, per_node, -(-ranks // per_node)
+
+
+def staged_time(kind: str, group: tuple[str, ...], sizes: dict[str, int], message_bytes: float,
+                machine: Machine, scale: float = 1.0) -> float | None:
+    """Seconds of ``kind`` over ``group`` in par4d's stages (docs/architecture.md, "Staged collectives"),
+    or None where its groups do not span nodes with 2 or more members on each: inside the node at
+    β_intra, across at β_inter shared by the rings on the node's link (the L link-stage rings of every
+    one of the ``inner`` groups a node holds, as Eq 10 shares it)."""
+    inner, per_node, nodes = group_placement(sizes, group, machine.devices_per_node)
+    if per_node < 2 or nodes < 2:
+        return None
+    # ``scale``: the flat collective's measured all-gather / reduce-scatter bandwidth scale, on every stage alike
+    link = machine.beta_inter / min(machine.devices_per_node, inner * per_node) * scale
+    intra = machine.beta_intra * scale
+    near = machine.latency
+    far = machine.latency if machine.latency_inter is None else machine.latency_inter
+    m = message_bytes
+    if kind == "all_reduce":
+        return (ring_time("reduce_scatter", per_node, m, intra, near)
+                + ring_time("all_reduce", nodes, m / per_node, link, far)
+                + ring_time("all_gather", per_node, m / per_node, intra, near))
+    if kind == "reduce_scatter":
+        return (ring_time("reduce_scatter", per_node, m, intra, near)
+                + ring_time("reduce_scatter", nodes, m / per_node, link, far))
+    if kind == "all_gather":      # m: the rank's shard
+        return (ring_time("all_gather", nodes, m, link, far)
+                + ring_time("all_gather", per_node, m * nodes, intra, near))
+    raise ValueError(f"unknown collective {kind!r}")
+
+
+def collective_time(kind: str, group: tuple[str, ...], sizes: dict[str, int], message_bytes: float, beta: float,
+                    latency: float, machine: Machine | None) -> float:
+    """A ring collective's seconds (Eqs 1-3 at ``beta`` and ``latency``), or, on a machine whose groups across
+    nodes go in stages (``machine.staged``: par4d's gloo path under --hierarchical auto), the staged one's
+    where it is faster (as auto's probe keeps the faster one) and the message is not one auto leaves flat."""
+    flat = ring_time(kind, math.prod(sizes[a] for a in group), message_bytes, beta, latency)
+    scale = 1.0 if machine is None or kind == "all_reduce" else (
+        machine.all_gather_scale if kind == "all_gather" else machine.reduce_scatter_scale)
+    staged = staged_time(kind, group, sizes, message_bytes, machine, scale) \
+        if machine is not None and machine.staged and message_bytes >= STAGE_MIN_BYTES else None
+    return flat if staged is None else min(flat, staged)
+
+
+ROLES = ("gather", "in_sum", "forward", "input_grad", "reduce_scatter", "backward", "sync")
 """Where a collective sits in an iteration, which decides what it can hide behind:
-``gather`` (Ŵ's z all-gather: OAG, behind forward compute), ``forward`` (never hidden),
+``gather`` (Ŵ's z all-gather: OAG, behind forward compute), ``in_sum`` (a layer's forward sum over its
+in-axis: xy, behind the next row chunk's matmul), ``forward`` (the other forward collectives: never hidden),
 ``input_grad`` (dL/dI's all-reduce: OAR, behind the weight-gradient matmul),
 ``reduce_scatter`` (dŴ's: ORS, behind the rest of backward), ``backward`` (never
 hidden), ``sync`` (the data-parallel sums: behind backward with the dp overlap)."""
@@ -104,14 +160,15 @@ def layer_terms(layer: Layer, sizes: dict[str, int], beta: dict[str, float], byt
     g_in, g_out = sizes[in_axis], sizes[out_axis]
     b, k, n = bytes_per_element, layer.k, layer.n
     m = layer.m / gd                                                # rows of one data-parallel replica
+    def t(kind: str, axis: str, message: float, scale: float = 1.0) -> float:
+        return collective_time(kind, (axis,), sizes, message, beta[axis] * scale, alpha[axis], machine)
+
     times = {
-        ("z", "gather"): ring_time("all_gather", gz, k * n / (gx * gy * gz) * b, beta["z"] * ag, alpha["z"]),
-        ("z", "reduce_scatter"): ring_time("reduce_scatter", gz, k * n / (gx * gy) * b, beta["z"] * rs, alpha["z"]),
-        (in_axis, "forward"): ring_time("all_reduce", g_in, m * n / (gz * g_out) * b, beta[in_axis], alpha[in_axis]),
-        (out_axis, "input_grad"): ring_time("all_reduce", g_out, m * k / (gz * g_in) * b, beta[out_axis],
-                                            alpha[out_axis]),
-        ("data", "sync"): ring_time("all_reduce", gd, k * n / (gx * gy * gz) * b, beta["data"], alpha["data"])
-        if data_ar else 0.0,
+        ("z", "gather"): t("all_gather", "z", k * n / (gx * gy * gz) * b, ag),
+        ("z", "reduce_scatter"): t("reduce_scatter", "z", k * n / (gx * gy) * b, rs),
+        (in_axis, "in_sum"): t("all_reduce", in_axis, m * n / (gz * g_out) * b),
+        (out_axis, "input_grad"): t("all_reduce", out_axis, m * k / (gz * g_in) * b),
+        ("data", "sync"): t("all_reduce", "data", k * n / (gx * gy * gz) * b) if data_ar else 0.0,
     }
     return {key: t * layer.count for key, t in times.items()}
 
@@ -131,9 +188,10 @@ def exposed_comm(roles: dict[str, float], t_compute: float, overlap: Overlap | N
     """Seconds of communication an iteration waits for, given its time per role (:data:`ROLES`).
 
     Synchronous (``overlap`` None or all off): every second. Overlapped, hidden behind the
-    compute it overlaps with, not summed (Section IV of the 4D paper; par4d's dp overlap):
+    compute it overlaps with, not summed (Section IV of the 4D paper; par4d's dp and xy overlaps):
     forward compute (a third of the step's, a quarter with recomputation) hides the
-    prefetched gathers but the first; backward compute hides the input-gradient
+    prefetched gathers but the first, then (xy) the layers' forward sums of all row chunks but
+    the last (``in_sum``); backward compute hides the input-gradient
     all-reduces (OAR: at most the weight-gradient half of it), the deferred reduce-scatters
     (ORS: all but the last layer's), the data-parallel buckets (all but the last) and,
     under recomputation, the recomputed gathers (none with the cache). What does not fit
@@ -144,18 +202,23 @@ def exposed_comm(roles: dict[str, float], t_compute: float, overlap: Overlap | N
     regather = 0.0 if (not checkpointing or "cache" in on) else gather
     t_forward = t_compute / (4 if checkpointing else 3)
     t_backward = t_compute - t_forward
-    exposed = roles["forward"] + roles["backward"]
+    exposed = roles["forward"] + roles["backward"]       # never hidden
+    spare = t_forward                     # forward compute not yet hiding anything
     if "oag" in on and gathers:
         exposed += gather / gathers + max(0.0, gather * (1 - 1 / gathers) - t_forward)
+        spare -= min(t_forward, gather * (1 - 1 / gathers))
     else:
         exposed += gather
+    # xy: each chunk's sum but the last behind the next chunk's matmul (the forward's spare compute; in
+    # backward the input-gradient matmul, half of it, where OAR does not already hide the sums).
+    cut = 1 - 1 / overlap.row_chunks if "xy" in on else 0.0
+    exposed += roles["in_sum"] - min(roles["in_sum"] * cut, max(0.0, spare) * cut)
     hideable, tails = 0.0, 0.0
-    if "oar" in on:
-        hidden = min(grad_in, t_backward / 2)
-        exposed += grad_in - hidden
-        hideable += hidden
-    else:
-        exposed += grad_in
+    # OAR: behind the weight-gradient half of backward; xy alone: all chunks' sums but the last behind the
+    # input-gradient matmuls. Either way backward compute the later overlaps can no longer use.
+    hidden = min(grad_in, t_backward / 2) if "oar" in on else min(grad_in * cut, t_backward / 2 * cut)
+    exposed += grad_in - hidden
+    hideable += hidden
     if "ors" in on and gathers:
         hideable += rs * (1 - 1 / gathers)
         tails += rs / gathers
@@ -341,7 +404,8 @@ def predict(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Mach
             for axis in axis_group:
                 ranks *= sizes[axis]
             slowest = min(beta[a] for a in axis_group) * scale[kind]
-            t = ring_time(kind, ranks, elements * b, slowest, max(alpha[a] for a in axis_group)) * count
+            t = collective_time(kind, tuple(axis_group), sizes, elements * b, slowest,
+                                max(alpha[a] for a in axis_group), machine) * count
             axes[axis_group[-1]] += t
             roles[role] += t
             if "data" in axis_group and kind == "all_reduce" and ranks > 1:

@@ -27,8 +27,9 @@ from par4d.plan.model import Prediction, factorizations, memory_bytes, predict, 
 from par4d.plan.workload import GPTSpec, ModuleWorkload
 
 # The overlap sets the search tries, fastest first (the cache needs recomputation).
-WITH_RECOMPUTE = (Overlap.parse("oar,ors,oag,dp,cache"), Overlap.parse("oar,ors,oag,dp"), Overlap.parse("oar,ors,dp"))
-WITHOUT_RECOMPUTE = (Overlap.parse("oar,ors,oag,dp"),)
+WITH_RECOMPUTE = (Overlap.parse("oar,ors,oag,dp,cache,xy"), Overlap.parse("oar,ors,oag,dp,xy"),
+                  Overlap.parse("oar,ors,dp,xy"))
+WITHOUT_RECOMPUTE = (Overlap.parse("oar,ors,oag,dp,xy"),)
 
 
 @dataclass(frozen=True)
