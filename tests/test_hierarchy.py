@@ -142,3 +142,13 @@ def test_gpt_trains_through_staged_collectives_3d(pool8):
     """x inside a node, the batch axes (z, data) across two nodes of 4."""
     sizes = dict(x=2, z=2, data=2)
     _check_staged(pool8.run(_gpt_staged, sizes, (0,) * 4 + (1,) * 4), sizes, BATCH_AXES)
+
+
+def test_train_refuses_hierarchical_on_for_its_own_local_ranks():
+    """Before any rank starts: par4d's local ranks share one node, so `on` could stage nothing."""
+    from par4d.cli import _parser
+    from par4d.train.configure import configure
+
+    args = _parser().parse_args(["train", "--grid", "data=4", "--hierarchical", "on", "--out", "unused"])
+    with pytest.raises(ValueError, match="--hierarchical on stages collectives over groups that span nodes"):
+        configure(args, 4, inside=False)

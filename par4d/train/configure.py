@@ -107,6 +107,9 @@ def configure(args: argparse.Namespace, world: int, inside: bool, resumed: tuple
     else:
         config = _new_config(args, world, inside, planner)
     sizes = validate_sizes(config.grid, world)
+    if config.hierarchical == "on" and not inside:
+        raise ValueError("--hierarchical on stages collectives over groups that span nodes; par4d's own local ranks "
+                         "share one node (run under par4d cluster, torchrun or srun across nodes, or use auto)")
     env = distributed_env()
     config.check_memory(world, env.local_world_size if env else world, host_memory())   # before any model is built
     last_stage = world - world // sizes["pipe"]        # the first rank of the last pipeline stage (head, loss)
