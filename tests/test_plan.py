@@ -293,6 +293,7 @@ def _profile(tmp_path, line: str):
     ("name = 3", "machine.name must be a non-empty string, got 3"),
     ('peak_flops = "fast"', "machine.peak_flops must be a number, got 'fast'"),
     ("gpus_per_node = 4", "unknown keys ['gpus_per_node'] in [machine]"),
+    ("staged = 1", "machine.staged must be true or false, got 1"),
 ])
 def test_machine_profile_values_are_checked(tmp_path, line, message):
     path = _profile(tmp_path, line)
@@ -316,6 +317,8 @@ def test_machine_profiles_that_load(tmp_path):
     assert machine.devices_per_node == 4 and type(machine.devices_per_node) is int
     assert load_machine(str(_profile(tmp_path, "latency = 0"))).latency == 0
     assert load_machine(str(_profile(tmp_path, "peak_flops = 312"))).peak_flops == 312
+    staged = load_machine(str(_profile(tmp_path, "staged = true")))      # and it writes back as TOML's true
+    assert staged.staged is True and "staged = true" in staged.to_toml()
     # The profiles in docs/ (written by par4d calibrate, with their [fit] tables) load.
     bundled = sorted((Path(__file__).parent.parent / "docs" / "profiles").glob("*.toml"))
     assert len(bundled) >= 4
