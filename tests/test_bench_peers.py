@@ -13,8 +13,8 @@ from par4d.plan.measure import CONFIG
 
 
 @pytest.mark.parametrize(("nproc", "nodes", "iters", "numbers"), [
-    (0, None, 8, "got 0, 8"),
-    (4, None, 0, "got 4, 0"),
+    (0, None, 8, "got 0, 8, 1"),
+    (4, None, 0, "got 4, 0, 1"),
     (4, 0, 8, "got 0"),
     (3, None, 8, "--nproc 3"),                 # HSDP's (2, nproc/2) mesh
     (8, 2, 8, "TP over 8 ranks"),               # TP inside a node of 8 ranks, 4 heads
@@ -157,3 +157,19 @@ def test_a_dangling_link_counts_as_an_existing_file(tmp_path):
     with pytest.raises(ValueError, match="already exists; pass --force"):
         check_new_file(link, "--out", force=False)
     check_new_file(link, "--out", force=True)
+
+
+def test_rounds_pool_a_rows_iterations():
+    """A row timed in two rounds: the median over both rounds' iterations, throughput recounted, DDP's exposed
+    all-reduce from the pooled times with and without sync."""
+    first = {"s_per_iter": 2.0, "tokens_per_s": 10.0, "percent_of_peak": 4.0, "times": [1.0, 2.0, 3.0],
+             "local_times": [0.5, 0.5, 0.5], "name": "torch DDP"}
+    second = dict(first, s_per_iter=5.0, tokens_per_s=4.0, percent_of_peak=1.6, times=[5.0, 6.0, 4.0],
+                  local_times=[1.5, 1.5, 1.5])
+    row = peers.pooled([first, second])
+    assert row["s_per_iter"] == 3.5 and row["iters"] == 6 and row["rounds"] == 2
+    assert row["tokens_per_s"] == pytest.approx(4.0 * 5.0 / 3.5)        # the last round's, recounted
+    assert row["compute_s"] == 1.0 and row["exposed_comm_s"] == 2.5
+    assert "times" not in row and "local_times" not in row
+    with pytest.raises(ValueError, match="--rounds must be >= 1"):
+        validate(4, None, 8, 0)

@@ -73,8 +73,8 @@ class PeersSettings:
     nodes: int | None       # None: local ranks, no emulated cluster
     iters: int
     peak_flops: float
-
     link: str = "1gbit"
+    rounds: int = 1         # par4d's rows and DDP's timed this many times, in alternating order, times pooled
 
     @property
     def world(self) -> int:
@@ -102,10 +102,10 @@ def workloads(world: int) -> list[Workload]:
     return [Workload("demo", BATCH, CONFIG.block_size), Workload("comm-bound", world, COMM_BOUND_SEQ_LEN)]
 
 
-def validate(nproc: int, nodes: int | None, iters: int) -> None:
+def validate(nproc: int, nodes: int | None, iters: int, rounds: int = 1) -> None:
     """Every check that can fail, on the arguments alone: a bad shape must not surface as a hang mid-job."""
-    if nproc < 1 or iters < 1:
-        raise ValueError(f"--nproc and --iters must be >= 1 (got {nproc}, {iters})")
+    if nproc < 1 or iters < 1 or rounds < 1:
+        raise ValueError(f"--nproc, --iters and --rounds must be >= 1 (got {nproc}, {iters}, {rounds})")
     if nodes is not None and nodes < 1:
         raise ValueError(f"--nodes must be >= 1 (got {nodes})")
     world = nproc * (nodes or 1)
@@ -235,7 +235,7 @@ def _bench_par4d(sizes: dict[str, int], workload: Workload, settings: PeersSetti
     grid.close()     # idle groups of earlier grids would slow the grids measured after them
     name = "par4d" if hierarchical == "off" else "par4d +hierarchical"   # staged_axes: what auto kept staged
     row = grid_row(name, sizes, times, sum_over_ranks(per_rank), settings.peak_flops, "ledger")
-    row.update(hierarchical=hierarchical, staged_axes=staged, link_bytes_per_iter=link)
+    row.update(hierarchical=hierarchical, staged_axes=staged, link_bytes_per_iter=link, times=times)
     return _for_workload(row, workload, settings.peak_flops)
 
 
@@ -282,7 +282,7 @@ def _bench_torch(kind: str, knob: dict, mesh: DeviceMesh | None, workload: Workl
         times, local = _in_turns([step, lambda: step(sync=False)], settings.iters)
         exposed = statistics.median(times) - statistics.median(local)
         extra = {"exposed_comm_s": exposed, "exposed_comm_share": exposed / statistics.median(times),
-                 "compute_s": statistics.median(local)}
+                 "compute_s": statistics.median(local), "local_times": local}
     else:
         times = time_iterations(step, settings.iters)
         counter = _PeerBytes()   # one more, untimed iteration: the dispatch hook costs time
@@ -290,6 +290,7 @@ def _bench_torch(kind: str, knob: dict, mesh: DeviceMesh | None, workload: Workl
             step()
         per_rank, source = counter.bytes, "c10d dispatch"
     extra["link_bytes_per_iter"] = link_bytes(step)      # untimed iterations, synchronized (DDP's too)
+    extra["times"] = times
     row = grid_row(peer.name, peer.sizes, times, sum_over_ranks(per_rank), settings.peak_flops, source)
     return _for_workload(dict(row, **extra), workload, settings.peak_flops)
 
@@ -298,15 +299,23 @@ def peers_worker(settings: PeersSettings) -> list[dict]:
     join(distributed_env())    # the emulated cluster starts bare ranks; under torchrun this joins its job
     # Every rank of every (emulated) node shares this machine's cores.
     torch.set_num_threads(threads_per_rank(settings.world))
-    rows = []
-    for workload in workloads(settings.world):
-        rows += _par4d_rows(workload, settings)
-    for kind in KINDS:
+    # par4d's rows and DDP's (the peer with par4d's best grid's algorithm, and no mesh) in rounds, the order
+    # reversed every other round: the row timed first after a change of model ran up to 6% slower here.
+    runs = ([lambda w=w: _par4d_rows(w, settings) for w in workloads(settings.world)]
+            + [lambda w=w, knob=knob: [_bench_torch("ddp", knob, None, w, settings)]
+               for knob in KNOBS["ddp"] for w in workloads(settings.world)])
+    timed: dict[tuple[str, str, str], list[dict]] = {}
+    for turn in range(settings.rounds):
+        for run in runs if turn % 2 == 0 else runs[::-1]:
+            for row in run():
+                timed.setdefault((row["workload"], row["name"], row["grid"]), []).append(row)
+    rows = [pooled(parts) for parts in timed.values()]
+    for kind in (k for k in KINDS if k != "ddp"):
         # One mesh per peer for both workloads, its groups destroyed after: DTensor caches sharding decisions,
         # meshes in them included, per *equal* mesh (same shape and names), so a second mesh like the first
         # would be handed the first one's destroyed groups.
         mesh = peer_mesh(kind, settings.world, settings.nproc, settings.nodes)
-        rows += [_bench_torch(kind, knob, mesh, workload, settings)
+        rows += [pooled([_bench_torch(kind, knob, mesh, workload, settings)])
                  for knob in KNOBS[kind] for workload in workloads(settings.world)]
         if mesh is not None:
             destroy_groups(mesh)
@@ -317,6 +326,22 @@ def peers_worker(settings: PeersSettings) -> list[dict]:
     add_floor(rows, settings)
     dist.destroy_process_group()
     return rows
+
+
+def pooled(parts: list[dict]) -> dict:
+    """One row from the same row timed in several rounds: every round's iterations pooled (the median over all),
+    the throughput recounted, DDP's exposed all-reduce from the pooled times with and without sync."""
+    times = [t for part in parts for t in part["times"]]
+    local = [t for part in parts for t in part.get("local_times", [])]
+    row = {k: v for k, v in parts[-1].items() if k not in ("times", "local_times")}
+    s = statistics.median(times)
+    for key in ("tokens_per_s", "percent_of_peak"):
+        row[key] *= row["s_per_iter"] / s
+    row.update(s_per_iter=s, iters=len(times), rounds=len(parts))
+    if local:
+        row.update(compute_s=statistics.median(local), exposed_comm_s=s - statistics.median(local),
+                   exposed_comm_share=(s - statistics.median(local)) / s)
+    return row
 
 
 def floor_link_seconds(settings: PeersSettings) -> float:
@@ -384,17 +409,18 @@ def markdown(rows: list[dict]) -> str:
 
 
 def run_bench_peers(args: argparse.Namespace) -> int:
-    validate(args.nproc, args.nodes, args.iters)
+    validate(args.nproc, args.nodes, args.iters, args.rounds)
     check_cluster(args.nproc, args.nodes, args.link)
     # The peak is measured before the ranks exist, so nothing competes for the cores.
-    settings = PeersSettings(args.nproc, args.nodes, args.iters, measure_matmul_peak(threads=cpu_cores()), args.link)
+    settings = PeersSettings(args.nproc, args.nodes, args.iters, measure_matmul_peak(threads=cpu_cores()), args.link,
+                             args.rounds)
     rows = add_ratios(launch(peers_worker, (settings,), args.nproc, args.nodes, args.link, "par4d-bench-peers"))
     if emit(rows, args.out, args.json):
         sys.stdout.flush()
         return 0
     print(f"GPT {CONFIG.n_layer} layers x {CONFIG.n_embd} wide, {CONFIG.num_params():,} params, "
-          f"{where(args.nproc, args.nodes, args.link)}, "
-          f"median of {args.iters} iterations; matmul peak {rows[0]['matmul_peak_gflops']:.0f} GFLOP/s fp32")
+          f"{where(args.nproc, args.nodes, args.link)}, median of {args.iters} iterations (par4d's rows and DDP's: "
+          f"x {args.rounds} rounds); matmul peak {rows[0]['matmul_peak_gflops']:.0f} GFLOP/s fp32")
     for w in workloads(settings.world):
         mine = [r for r in rows if r["workload"] == w.name]
         print(f"\n### {w.name}: global batch {w.sequences} x {w.seq_len} tokens\n")

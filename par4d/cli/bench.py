@@ -54,6 +54,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     peers = sub.add_parser("peers", help="par4d vs PyTorch DDP, FSDP2, HSDP and FSDP2+TP, demo and comm-bound batch")
     _ranks(peers)
     peers.add_argument("--iters", type=int, default=8, help="timed iterations per row (after 2 warm-up)")
+    peers.add_argument("--rounds", type=int, default=2,
+                       help="rounds over par4d's rows and DDP's, in alternating order (each row's times pooled)")
     _output(peers)
     overlap = sub.add_parser("overlap", help="each overlap's gain in the order of the 4D paper's Fig. 3 "
                                              "(none, +oar, +ors, +oag, +cache, all)")
