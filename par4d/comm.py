@@ -27,9 +27,6 @@ if TYPE_CHECKING:
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 """The ring collectives of the communication model (what calibration measures)."""
 
-# torch 2.13 renamed the single-tensor collectives; older releases (>= 2.4) have the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class Handle:
@@ -119,7 +116,7 @@ def all_gather(grid: Grid, shard: torch.Tensor, axis: str, async_op: bool = Fals
     out = shard.new_empty((shard.shape[0] * size, *shard.shape[1:]))
     group = grid.group(axis)
     return _issue(grid, "all_gather", (axis,), shard,
-                  lambda a: _all_gather_single(out, shard, group=group, async_op=a), async_op, out)
+                  lambda a: staged.all_gather_single(out, shard, group=group, async_op=a), async_op, out)
 
 
 def reduce_scatter(grid: Grid, full: torch.Tensor, axis: str, async_op: bool = False):
@@ -134,7 +131,7 @@ def reduce_scatter(grid: Grid, full: torch.Tensor, axis: str, async_op: bool = F
     out = full.new_empty((full.shape[0] // size, *full.shape[1:]))
     group = grid.group(axis)
     return _issue(grid, "reduce_scatter", (axis,), full,
-                  lambda a: _reduce_scatter_single(out, full, group=group, async_op=a), async_op, out)
+                  lambda a: staged.reduce_scatter_single(out, full, group=group, async_op=a), async_op, out)
 
 
 def broadcast(grid: Grid, tensor: torch.Tensor, *axes: str) -> torch.Tensor:

@@ -281,8 +281,8 @@ def build_grid(sizes: dict[str, int], device: torch.device, nodes: tuple[int, ..
 def staged_splits(sizes: dict[str, int], nodes: tuple[int, ...]) -> dict[tuple[str, ...], Split]:
     """The sets of axes with a process group whose groups span ``nodes`` in a way staging pays
     (par4d.hierarchy.split), and how: what build_grid builds stage groups for."""
-    keys = sorted([(a,) for a in AXES] + list(_COMBINED))
-    found = {key: split(groups_of(validate_sizes(sizes, len(nodes)), key), nodes) for key in keys}
+    keys, full = sorted([(a,) for a in AXES] + list(_COMBINED)), validate_sizes(sizes, len(nodes))
+    found = {key: split(groups_of(full, key), nodes) for key in keys}
     return {key: s for key, s in found.items() if s is not None}
 
 

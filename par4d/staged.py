@@ -36,8 +36,9 @@ from par4d.ledger import Entry, Ledger
 if TYPE_CHECKING:
     from par4d.grid import Grid, Stages
 
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch 2.13 renamed the single-tensor collectives; older releases (>= 2.4) have the old names (comm uses these too).
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 REDUCE, LINK, GATHER = 0, 1, 2      # lanes: inside the node (reductions), across the link, inside (gathers)
 
@@ -225,7 +226,7 @@ def all_reduce(grid: Grid, stages: Stages, tensor: torch.Tensor, axes: tuple[str
 
     def gather(c: int) -> Callable[[], None]:
         def run() -> None:
-            _all_gather_single(parts[c], mine[c], group=stages.node_out)
+            all_gather_single(parts[c], mine[c], group=stages.node_out)
             if not exact:
                 a, b = ends(c)
                 tensor.view(-1)[a:b].copy_(padded[a:b])
@@ -262,7 +263,7 @@ def reduce_scatter(grid: Grid, stages: Stages, full: torch.Tensor, axis: str, as
 
     return _issue(grid, (axis,), [(REDUCE, "reduce_scatter", full.numel()), (LINK, "reduce_scatter", mine.numel())],
                   full.element_size(),
-                  [[(REDUCE, reduce), (LINK, lambda: _reduce_scatter_single(out, mine, group=stages.link))]],
+                  [[(REDUCE, reduce), (LINK, lambda: reduce_scatter_single(out, mine, group=stages.link))]],
                   out, async_op)
 
 
@@ -271,8 +272,8 @@ def all_gather(grid: Grid, stages: Stages, shard: torch.Tensor, axis: str, async
     split = stages.split
     across = shard.new_empty((shard.shape[0] * split.nodes, *shard.shape[1:]))
     gathered = shard.new_empty((across.shape[0] * split.per_node, *shard.shape[1:]))
-    steps = [[(LINK, lambda: _all_gather_single(across, shard, group=stages.link)),
-              (GATHER, lambda: _all_gather_single(gathered, across, group=stages.node_out))]]
+    steps = [[(LINK, lambda: all_gather_single(across, shard, group=stages.link)),
+              (GATHER, lambda: all_gather_single(gathered, across, group=stages.node_out))]]
     return _issue(grid, (axis,), [(LINK, "all_gather", shard.numel()), (GATHER, "all_gather", across.numel())],
                   shard.element_size(), steps, gathered, async_op,
                   finish=None if split.order is None else lambda: _blocks(gathered, split.order, inverse=True))

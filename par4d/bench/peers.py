@@ -42,12 +42,12 @@ import torch.nn.functional as F
 from par4d.bench.common import check_cluster, emit, grid_row, launch, link_bytes, sum_over_ranks, where
 from par4d.bench.torch_peers import KINDS, C10dBytes, destroy_groups, peer_mesh, tp_shape
 from par4d.grid import staged_splits, validate_sizes
-from par4d.launch import distributed_env, init, join
+from par4d.launch import distributed_env, join
 from par4d.launch.cluster import link_bits_per_second
 from par4d.launch.machine import cpu_cores, measure_matmul_peak, threads_per_rank
 from par4d.layout import block
 from par4d.models import ReferenceGPT
-from par4d.plan.measure import BATCH, CONFIG, WARMUP, batch, grids, time_iterations, training_step
+from par4d.plan.measure import BATCH, CONFIG, WARMUP, batch, grids, measure_grid, time_iterations
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -225,14 +225,9 @@ def _for_workload(row: dict, workload: Workload, peak_flops: float) -> dict:
 
 
 def _bench_par4d(sizes: dict[str, int], workload: Workload, settings: PeersSettings, hierarchical: str) -> dict:
-    grid = init(**sizes, hierarchical=hierarchical)
-    step = training_step(grid, workload.sequences, workload.seq_len)       # every overlap on
-    before = grid.ledger.total_bytes()
-    times = time_iterations(step, settings.iters)
-    per_rank = (grid.ledger.total_bytes() - before) / (WARMUP + settings.iters)
-    link = link_bytes(step)
-    staged = [",".join(axes) for axes in grid.staged_axes()]
-    grid.close()     # idle groups of earlier grids would slow the grids measured after them
+    times, per_rank, (link, staged) = measure_grid(
+        sizes, settings.iters, workload.sequences, workload.seq_len, hierarchical=hierarchical,
+        then=lambda grid, step: (link_bytes(step), [",".join(axes) for axes in grid.staged_axes()]))
     name = "par4d" if hierarchical == "off" else "par4d +hierarchical"   # staged_axes: what auto kept staged
     row = grid_row(name, sizes, times, sum_over_ranks(per_rank), settings.peak_flops, "ledger")
     row.update(hierarchical=hierarchical, staged_axes=staged, link_bytes_per_iter=link, times=times)

@@ -308,8 +308,12 @@ def _measure_stages(grid: Grid) -> None:
     from par4d.ledger import Ledger
 
     ledger, grid.ledger = grid.ledger, Ledger()
+    decided: dict[int, bool] = {}      # by link group: ("z",) and ("z", "data") at data=1 share their stages
     try:
         for key, stages in sorted(grid._stages.items()):
+            if id(stages.link) in decided:
+                grid._stages[key] = dataclasses.replace(stages, pays=decided[id(stages.link)])
+                continue
             tensor, group = torch.ones(PROBE_ELEMENTS, device=grid.device), grid.group(*key)
             seconds = []
             flat = functools.partial(dist.all_reduce, tensor, group=group)
@@ -322,7 +326,8 @@ def _measure_stages(grid: Grid) -> None:
                 seconds.append(best)
             slowest = torch.tensor(seconds, dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            grid._stages[key] = dataclasses.replace(stages, pays=bool(slowest[1] < PROBE_MARGIN * slowest[0]))
+            decided[id(stages.link)] = bool(slowest[1] < PROBE_MARGIN * slowest[0])
+            grid._stages[key] = dataclasses.replace(stages, pays=decided[id(stages.link)])
     finally:
         grid.ledger = ledger
 

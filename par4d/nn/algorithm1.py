@@ -181,7 +181,8 @@ def _in_chunks(layer: Algorithm1Layer, axis: str, compute, t: torch.Tensor, also
     whole, start, handles = None, 0, []
     for part, other in zip(parts, others):
         out = compute(part, other) if backward else compute(part)
-        if whole is None:     # the chunks' sums are made in place in the whole's rows: nothing to copy after the waits
+        if whole is None:     # each chunk is copied into its rows of the whole and summed there in place (one copy,
+                              # as torch.cat would make; nothing to assemble after the waits)
             whole = out.new_empty((t.numel() // t.shape[-1] if layer.feature_dim == -1 else t.shape[0], *out.shape[1:]))
         rows = whole[start:start + out.shape[0]]
         rows.copy_(out)

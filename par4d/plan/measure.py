@@ -80,15 +80,25 @@ def time_iterations(step: Callable[[], object], iters: int) -> list[float]:
 
 
 def time_grid(sizes: dict[str, int], iters: int, batch_size: int = BATCH,
-              seq_len: int = CONFIG.block_size, overlap: Overlap | None = None,
-              hierarchical: str = "auto") -> tuple[list[float], float]:
+              seq_len: int = CONFIG.block_size, overlap: Overlap | None = None) -> tuple[list[float], float]:
     """Seconds of ``iters`` training steps on grid ``sizes`` (global batch of ``batch_size``
-    sequences of ``seq_len`` tokens), and the ledger bytes per step of this rank. Closes the
-    grid: idle groups of earlier grids would slow the grids measured after them."""
+    sequences of ``seq_len`` tokens), and the ledger bytes per step of this rank."""
+    times, per_rank, _ = measure_grid(sizes, iters, batch_size, seq_len, overlap)
+    return times, per_rank
+
+
+def measure_grid(sizes: dict[str, int], iters: int, batch_size: int = BATCH, seq_len: int = CONFIG.block_size,
+                 overlap: Overlap | None = None, hierarchical: str = "auto",
+                 then: Callable[[Grid, Callable[[], torch.Tensor]], object] | None = None
+                 ) -> tuple[list[float], float, object]:
+    """:func:`time_grid`'s times and bytes, on a grid built with ``hierarchical``, and what ``then(grid, step)``
+    returns after the timing (None without it: a benchmark's own look at the grid). Closes the grid: idle
+    groups of earlier grids would slow the grids measured after them."""
     grid = init(**sizes, hierarchical=hierarchical)
     step = training_step(grid, batch_size, seq_len, overlap)      # None: par4d.Overlap(), every overlap on
     before = grid.ledger.total_bytes()
     times = time_iterations(step, iters)
     per_rank = (grid.ledger.total_bytes() - before) / (WARMUP + iters)
+    extra = then(grid, step) if then is not None else None
     grid.close()
-    return times, per_rank
+    return times, per_rank, extra
