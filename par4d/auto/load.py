@@ -13,8 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from safetensors import safe_open
-
+from par4d.auto.pretrained import opened, weight_files
 from par4d.grid import AXES, Grid
 from par4d.layout import Placement, boxes, fill, place, placement_of, slice_reader
 from par4d.nn.base import ShardedModule
@@ -23,52 +22,76 @@ from par4d.nn.base import ShardedModule
 @torch.no_grad()
 def load_safetensors(model: nn.Module, path: str | Path, grid: Grid) -> None:
     """Fill every parameter of ``model`` (made by ``par4d.parallelize`` on ``grid``) and every
-    buffer the file holds from ``path``, keyed as the unparallelized model's ``state_dict``.
-    Parameters still on the meta device are made on ``grid.device`` first (tied ones stay
-    tied). Not collective: each rank reads its own slices.
+    buffer the file holds from ``path``, keyed as the unparallelized model's ``state_dict``:
+    one safetensors file, or a Hugging Face model folder's weights (one file, or shards named by
+    ``model.safetensors.index.json``: :mod:`par4d.auto.pretrained`). Parameters still on the meta
+    device are made on ``grid.device`` first (tied ones stay tied, read under whichever of their
+    names the file holds, as ``save_pretrained`` keeps only one). Values are cast to the
+    parameter's dtype (bf16 weights into an fp32 model). Not collective: each rank reads its own
+    slices.
 
     A parameter the file lacks, or holds at another shape, raises ``ValueError`` naming it,
     before anything is read; so does a buffer left on the meta device that the file does
     not hold, unless the model knows how to compute it (a Hugging Face model's
     ``_init_weights``: rotary frequencies, for one)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"load_safetensors: no such file {path}")
+    files = weight_files(path)
     coords = {a: grid.coord(a) for a in AXES}
-    with safe_open(str(path), "pt") as f:
-        keys = set(f.keys())
-        wanted = _wanted(model, grid)
-        problems = [f"{name} is not in the file" for name in wanted if name not in keys]
-        problems += [f"{name} has shape {tuple(f.get_slice(name).get_shape())} in the file, the model "
-                     f"{full}" for name, (_, _, full) in wanted.items()
-                     if name in keys and tuple(f.get_slice(name).get_shape()) != full]
-        if problems:
-            raise ValueError(f"load_safetensors: {path}: {problems[0]}" +
-                             (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+    with opened(files) as handles:
+        shapes = {key: tuple(handles[key].get_slice(key).get_shape()) for key in handles}
+        sources = _sources(model, grid, shapes, path)
         made: dict[int, nn.Parameter] = {}
-        for name, (module, attribute, full) in wanted.items():
-            param = getattr(module, attribute)
-            if id(param) not in made:
-                made[id(param)] = _filled(param, f, name, full, grid, coords)
-            setattr(module, attribute, made[id(param)])
+        new: set[int] = set()
+        for prefix, module in model.named_modules(remove_duplicate=False):
+            for attribute, param in list(module.named_parameters(recurse=False)):
+                if id(param) in new:
+                    continue                  # a module met twice: its parameter is made already
+                if id(param) not in made:
+                    key = sources[id(param)]
+                    made[id(param)] = _filled(param, handles[key], key, shapes[key], grid, coords)
+                    new.add(id(made[id(param)]))
+                setattr(module, attribute, made[id(param)])
         for prefix, module in model.named_modules():
             for attribute, buffer in list(module.named_buffers(recurse=False)):
                 name = f"{prefix}.{attribute}" if prefix else attribute
-                if name in keys:
-                    value = f.get_tensor(name)
+                if name in handles:
+                    value = handles[name].get_tensor(name)
                     setattr(module, attribute, value.to(grid.device) if buffer.is_meta else buffer.copy_(value))
     _computed_buffers(model, grid)
 
 
-def _wanted(model: nn.Module, grid: Grid) -> dict[str, tuple[nn.Module, str, tuple[int, ...]]]:
-    """{state-dict name: (its module, attribute, full shape)} of every parameter, tied ones under each name."""
-    out = {}
+def check_weights(model: nn.Module, path: str | Path) -> None:
+    """Raise what :func:`load_safetensors` would about ``model`` (unparallelized, on the meta
+    device) and ``path``: a parameter missing or at another shape. Reads headers only."""
+    files = weight_files(path)
+    with opened(files) as handles:
+        _sources(model, None, {key: tuple(handles[key].get_slice(key).get_shape()) for key in handles}, path)
+
+
+def _sources(model: nn.Module, grid: Grid | None, shapes: dict[str, tuple[int, ...]], path) -> dict[int, str]:
+    """{id of each parameter: the key the file holds it under}; raises for the first one missing or
+    at another shape than the model's (full, on ``grid``)."""
+    sources = {}
+    for param_id, (names, full) in _wanted(model, grid).items():
+        held = [n for n in names if n in shapes]
+        if not held:
+            tied = f" (nor {', '.join(names[1:])}, tied to it)" if len(names) > 1 else ""
+            raise ValueError(f"load_safetensors: {path}: {names[0]} is not in the file{tied}")
+        if shapes[held[0]] != full:
+            raise ValueError(f"load_safetensors: {path}: {held[0]} has shape {shapes[held[0]]} in the file, "
+                             f"the model {full}")
+        sources[param_id] = held[0]
+    return sources
+
+
+def _wanted(model: nn.Module, grid: Grid | None) -> dict[int, tuple[list[str], tuple[int, ...]]]:
+    """{id of each parameter: (its state-dict names, tied ones all, in order; its full shape)}."""
+    out: dict[int, tuple[list[str], tuple[int, ...]]] = {}
     for prefix, module in model.named_modules(remove_duplicate=False):
         for attribute, param in module.named_parameters(recurse=False):
             placement = placement_of(param)
             sharded = isinstance(module, ShardedModule) and placement is not None
             full = placement.full_shape(tuple(param.shape), grid) if sharded else tuple(param.shape)
-            out[f"{prefix}.{attribute}" if prefix else attribute] = (module, attribute, full)
+            out.setdefault(id(param), ([], full))[0].append(f"{prefix}.{attribute}" if prefix else attribute)
     return out
 
 

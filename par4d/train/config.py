@@ -64,7 +64,8 @@ class TrainConfig:
     grad_reduce: str = "fp32"        # --grad-reduce: sum gradients over data x z in fp32 or in the compute dtype
     microbatches: int | None = None  # --microbatches: per step and rank (None: pipe; pipe = 1: accumulation)
     pipeline_limit: int | None = None  # --pipeline-limit: microbatches the first stage keeps in flight (None: pipe)
-    init_from: str | None = None     # --init-from hf DIR: a GPT-2 model folder (absolute) the run's weights start from
+    init_from: str | None = None     # --init-from hf DIR: a model folder (absolute) the run's weights start from
+    hf_config: dict | None = None    # --model hf-*: with --init-from, the folder's config.json (the model's shape)
 
     def __post_init__(self) -> None:
         check_mode(self.hierarchical)
@@ -77,11 +78,13 @@ class TrainConfig:
             given = [flag for flag, on in ((f"--grid pipe={self.grid.get('pipe', 1)}", self.grid.get("pipe", 1) > 1),
                                             (f"--mlp {self.mlp}", self.mlp != "dense"),
                                             (f"--recompute {self.recompute}", self.recompute != "none"),
-                                            (f"--init-from hf {self.init_from}", self.init_from is not None)) if on]
+                                            (f"--init-from hf {self.init_from}",
+                                             self.init_from is not None and self.model == "unet")) if on]
             if given:
-                which = "the U-Net" if self.model == "unet" else "a Hugging Face model"
-                raise ValueError(f"--model {self.model}: {given[0]} is for par4d's GPT (--model gpt); {which} "
-                                 f"trains without a pipeline, phantom MLPs, recomputation or --init-from")
+                which = ("the U-Net trains without a pipeline, phantom MLPs, recomputation or --init-from"
+                         if self.model == "unet" else
+                         "a Hugging Face model trains without a pipeline, phantom MLPs or recomputation")
+                raise ValueError(f"--model {self.model}: {given[0]} is for par4d's GPT (--model gpt); {which}")
         if self.model == "unet":
             self._check_unet()
         if self.precision not in ("fp32", "bf16", "fp16"):

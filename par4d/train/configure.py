@@ -19,6 +19,7 @@ DEFAULT_NPROC = 4   # local ranks when no launcher gives a world size (also cali
 FIXED = ("model", "batch_size", "seq_len", "n_layer", "n_embd", "n_head", "mlp", "phantom_k", "image_size", "seed")
 HONOURED = ("lr", "grad_clip", "save_every", "keep", "overlap", "hierarchical", "recompute", "microbatches",
             "pipeline_limit", "precision", "grad_reduce", "offload_bsize")
+HF_NAMES = {"n_layer": "num_hidden_layers", "n_embd": "hidden_size", "n_head": "num_attention_heads"}
 Planner = Callable[..., tuple[dict, "float | None"]]   # par4d.plan.choose.planned_grid's signature
 
 
@@ -123,10 +124,18 @@ def configure(args: argparse.Namespace, world: int, inside: bool, resumed: tuple
     if sizes["pipe"] > 1 and not (config.microbatches or sizes["pipe"]) <= per_rank:
         raise ValueError(f"{_named(args, 'microbatches', config.microbatches or sizes['pipe'])} exceeds the "
                          f"{per_rank} sequences per rank ({batch} / (data * z))")
-    if config.init_from and not config.resume:
+    if config.init_from and not config.resume and config.model == "gpt":
         from par4d.train.hf import check_hf
 
         check_hf(Path(config.init_from), config.model_config())    # names the file and every number that differs
+    elif config.init_from and not config.resume:
+        import torch
+
+        from par4d.auto.load import check_weights
+        from par4d.train.model import hf_lm
+
+        with torch.device("meta"):
+            check_weights(hf_lm(config), config.init_from)   # every weight there, at its shape
     dropped = [n for n in config.overlap_settings().names if n not in config.overlap_run().names]
     if dropped and args.overlap is not None:
         say(f"--grid pipe={sizes['pipe']}: --overlap {','.join(dropped)} do not act with a pipeline yet (its "
@@ -166,10 +175,13 @@ def _new_config(args: argparse.Namespace, world: int, inside: bool, planner: Pla
         why = "the U-Net's sizes are --n-embd, --n-layer and --image-size" if model == "unet" else "it is for unet"
         raise ValueError(f"--model {model}: {flag(unused[0])} {chosen[unused[0]]} does not apply ({why})")
     init_from = _init_from(args.init_from)
+    hf_config = None
     if init_from is not None and model == "gpt":   # the shape is the saved model's unless a flag says otherwise
         from par4d.train.hf import gpt_dims
 
         chosen = dict(gpt_dims(init_from), **chosen)
+    elif init_from is not None and model != "unet":   # a Hugging Face model's shape is its folder's
+        chosen, hf_config = _pretrained(model, init_from, chosen)
     dims = {name: chosen.get(name, default(name)) for name in FIXED}
     grid, peak = _grid(args, world, inside, dims, planner)
     # Launched here: name the new run now. Under torchrun/srun rank 0 names it later.
@@ -178,7 +190,35 @@ def _new_config(args: argparse.Namespace, world: int, inside: bool, planner: Pla
         check_new_out(out)     # checked again once the run holds the folder's lock (par4d.train.lock)
     steps = default("steps") if args.steps is None else args.steps
     return TrainConfig(grid=grid, out=None if out is None else str(out), steps=steps, data=args.data,
-                       progress=not args.no_progress, peak_flops=peak, init_from=init_from, **chosen)
+                       progress=not args.no_progress, peak_flops=peak, init_from=init_from, hf_config=hf_config,
+                       **chosen)
+
+
+def _pretrained(model: str, folder: str, chosen: dict) -> tuple[dict, dict]:
+    """(the settings with the pretrained model's sizes, its config.json): a size flag that differs is
+    refused, and so is a --seq-len beyond its positions or a vocabulary smaller than the bytes."""
+    from par4d.train.config import VOCAB_BYTES
+    from par4d.train.model import pretrained_shape
+
+    dims, hf_config = pretrained_shape(model, folder)
+    where = Path(folder) / "config.json"
+    for name in ("n_layer", "n_embd", "n_head"):
+        if name in chosen and chosen[name] != dims[name]:
+            raise ValueError(f"{flag(name)} {chosen[name]}, but {where} gives the model {HF_NAMES[name]} "
+                             f"{dims[name]}: a pretrained model keeps its shape (leave {flag(name)} out)")
+    seq_len = chosen.get("seq_len", default("seq_len"))
+    if seq_len > dims["positions"]:
+        raise ValueError(f"--seq-len {seq_len} exceeds the {dims['positions']} positions of the model in {where}")
+    if dims["vocab"] < VOCAB_BYTES:
+        raise ValueError(f"{where}: vocab_size {dims['vocab']} is below the {VOCAB_BYTES} byte tokens par4d trains "
+                         f"on")
+    dropped = {k: v for k, v in hf_config.items() if k.endswith(("dropout", "pdrop")) and isinstance(v, (int, float))
+               and not isinstance(v, bool) and v > 0}
+    if dropped:    # each rank would draw its own masks on activations its axis holds whole
+        say(f"{where}: {', '.join(f'{k}={v}' for k, v in sorted(dropped.items()))} set to 0: par4d trains without "
+            f"dropout (ranks holding the same activations would draw different masks)")
+    hf_config = dict(hf_config, **{k: 0.0 for k in dropped})
+    return dict(chosen, **{k: dims[k] for k in ("n_layer", "n_embd", "n_head")}), hf_config
 
 
 def _named(args: argparse.Namespace, name: str, value) -> str:
@@ -202,7 +242,7 @@ def _init_from(given: list[str] | None) -> str | None:
         return None
     kind, folder = given
     if kind != "hf":
-        raise ValueError(f"--init-from {kind} {folder}: the format must be hf (a Hugging Face GPT-2 folder)")
+        raise ValueError(f"--init-from {kind} {folder}: the format must be hf (a Hugging Face model folder)")
     if not Path(folder).is_dir():
         raise ValueError(f"--init-from hf {folder}: no such folder")
     return str(Path(folder).resolve())

@@ -334,6 +334,13 @@ class Folder:
         with self._parent(parts) as parent:
             os.rename(parts[-1], new_name, src_dir_fd=parent, dst_dir_fd=parent)
 
+    def remove_file(self, *parts: str) -> None:
+        """Delete the file ``parts`` (a link is removed, not followed); a folder there is refused."""
+        with self._parent(parts) as parent:
+            if stat.S_ISDIR(os.stat(parts[-1], dir_fd=parent, follow_symlinks=False).st_mode):
+                raise IsADirectoryError(errno.EISDIR, "a folder, not a file", str(self.path(*parts)))
+            os.unlink(parts[-1], dir_fd=parent)
+
     def remove_tree(self, *parts: str) -> None:
         """Delete the real folder ``parts`` and everything in it; links in it are removed, not followed."""
         with self._parent(parts) as parent:

@@ -21,7 +21,9 @@ before any rank starts.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,6 +41,7 @@ from par4d.train.folder import Folder
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
 
 # Module names of a par4d block (as ReferenceGPT names them) -> GPT-2's; the four Linears are Conv1D there.
 _BLOCK = {"ln1": "ln_1", "attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj", "ln2": "ln_2",
@@ -264,7 +267,7 @@ def _check_out(out: Path, force: bool) -> None:
     entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if entries and not force:
         raise ValueError(f"--to hf {out} is not empty ({len(entries)} entries, e.g. {entries[0]}); pass --force to "
-                         f"overwrite its {CONFIG_FILE} and {WEIGHTS_FILE}, or choose a new or empty folder")
+                         f"replace its {CONFIG_FILE} and weights files, or choose a new or empty folder")
 
 
 def find_checkpoint(source: Path, report: Callable[[str], None] | None = None) -> checkpoint.Checkpoint:
@@ -291,15 +294,19 @@ def _model_config(folder: Path, meta: dict) -> GPTConfig:
         config = GPTConfig(**record)
     except (TypeError, ValueError) as error:
         raise ValueError(f"{folder / 'meta.json'}: model_config is not a GPTConfig ({error})") from None
+    _check_memory(folder / "meta.json", config.num_params())
+    return config
+
+
+def _check_memory(where: Path, params: int) -> None:
+    """Refuse a model whose parameters, whole in fp32 (as export holds them), exceed this machine's memory."""
     from par4d.launch.machine import host_memory
     from par4d.train.config import ABSURD_BYTES
 
-    need, memory = 4 * config.num_params(), host_memory()   # export holds every parameter whole, in fp32
+    need, memory = 4 * params, host_memory()
     if need > (memory or ABSURD_BYTES):
-        raise ValueError(f"{folder / 'meta.json'}: model_config describes {config.num_params():,} parameters "
-                         f"({need / 1e9:,.1f} GB whole), more than this machine's memory "
-                         f"({(memory or 0) / 1e9:,.1f} GB)")
-    return config
+        raise ValueError(f"{where}: the model has {params:,} parameters ({need / 1e9:,.1f} GB whole), more than "
+                         f"this machine's memory ({(memory or 0) / 1e9:,.1f} GB)")
 
 
 def _full_tensors(chosen: checkpoint.Checkpoint, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
@@ -316,38 +323,103 @@ def _full_tensors(chosen: checkpoint.Checkpoint, shapes: dict[str, tuple[int, ..
     return out
 
 
+MAX_SHARD_BYTES = 5 * 10**9   # per weights file, as transformers' save_pretrained once defaulted to ("5GB")
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
 @torch.no_grad()
-def export_hf(source: Path, out: Path, force: bool = False,
-              report: Callable[[str], None] | None = None) -> tuple[Path, dict]:
-    """Write the model of a par4d checkpoint as a ``transformers`` GPT2LMHeadModel folder ``out``
-    (``config.json`` and ``model.safetensors``); returns (the checkpoint exported, its meta).
+def export_hf(source: Path, out: Path, force: bool = False, report: Callable[[str], None] | None = None,
+              shard_bytes: int = MAX_SHARD_BYTES) -> tuple[Path, dict]:
+    """Write the model of a par4d checkpoint as a ``transformers`` model folder ``out``: ``config.json``
+    and the weights as ``save_pretrained`` writes them (``model.safetensors``, or files of at most
+    ``shard_bytes`` named by ``model.safetensors.index.json``); returns (the checkpoint exported, its meta).
+    par4d's GPT becomes a GPT2LMHeadModel; a run of ``--model hf-llama`` / ``hf-gpt2`` its own model
+    again, under its own names (a tied head is written once, as ``save_pretrained`` does).
 
     ``source``: a run folder (its newest intact checkpoint; each one skipped is ``report``-ed) or one of its
     ``checkpoints/step-N`` folders. One process, no ``torch.distributed``. Refused, before anything is
-    written: ``out`` not empty without ``force`` (which replaces those two files and leaves the others),
-    a folder that is not a par4d run, a damaged checkpoint, a phantom-MLP run."""
+    written: ``out`` not empty without ``force`` (which replaces config.json and the weights files, those
+    of an earlier export included, and leaves the others), a folder that is not a par4d run, a damaged
+    checkpoint, a U-Net or phantom-MLP run."""
     source, out = Path(source), Path(out)
+    if not is_count(shard_bytes, 1):
+        raise ValueError(f"the largest weights file must be >= 1 byte, got {shard_bytes}")
     _check_out(out, force)
     chosen = find_checkpoint(source, report)
     folder, meta = chosen.path, chosen.meta
     trained = meta.get("train_config", {}).get("model", "gpt")
-    if trained != "gpt":
-        what = "par4d's U-Net, not a language model" if trained == "unet" else "a Hugging Face model already"
-        raise ValueError(f"run {source} trained --model {trained}, {what}: export is for "
-                         f"par4d's GPT (--model gpt); its checkpoint holds the model's own parameter names")
-    config = _model_config(folder, meta)
-    _check_dense(config, f"run {source} (checkpoint {folder.name})")
-    full = _full_tensors(chosen, param_shapes(config))
-    tensors = {}
-    for name, tensor in full.items():
-        key, transposed = hf_key(name)
-        tensors[key] = (tensor.T if transposed else tensor).contiguous()
-    metadata = {"format": "pt", "par4d_step": str(meta.get("step"))}   # "format": what transformers checks
-    text = json.dumps(hf_config(config, full["wte.weight"].dtype), indent=2) + "\n"
-    written = Folder(out)    # each file whole or not at all, never through a link planted there
+    if trained == "unet":
+        raise ValueError(f"run {source} trained --model unet, par4d's U-Net, not a language model: export is for "
+                         f"par4d's GPT and the Hugging Face models (--model gpt, hf-gpt2, hf-llama)")
+    if trained == "gpt":
+        config = _model_config(folder, meta)
+        _check_dense(config, f"run {source} (checkpoint {folder.name})")
+        full = _full_tensors(chosen, param_shapes(config))
+        tensors = {}
+        for name, tensor in full.items():
+            key, transposed = hf_key(name)
+            tensors[key] = (tensor.T if transposed else tensor).contiguous()
+        text = json.dumps(hf_config(config, full["wte.weight"].dtype), indent=2) + "\n"
+    else:
+        tensors, text = _lm_tensors(chosen, source)
+    _write_weights(out, tensors, text, {"format": "pt", "par4d_step": str(meta.get("step"))}, shard_bytes)
+    return folder, meta
+
+
+def _lm_tensors(chosen: checkpoint.Checkpoint, source: Path) -> tuple[dict[str, torch.Tensor], str]:
+    """(state dict, config.json) of a run's Hugging Face model: the checkpoint's ``lm.*`` parameters under
+    the model's own names, the config it was built from."""
+    from par4d.train.config import TrainConfig
+    from par4d.train.model import hf_lm
+
+    where = chosen.path / "meta.json"
+    record = chosen.meta.get("train_config")
+    TrainConfig.check_record(record, f"{where}: train_config")
     try:
-        written.write_file(WEIGHTS_FILE, write=lambda path: save_file(tensors, path, metadata=metadata))
+        config = TrainConfig(**record)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{where}: train_config is not a run's settings ({error})") from None
+    with torch.device("meta"):
+        lm = hf_lm(config)
+    shapes = {f"lm.{name}": tuple(p.shape) for name, p in lm.named_parameters()}   # a tied head once
+    _check_memory(where, sum(math.prod(s) for s in shapes.values()))
+    full = _full_tensors(chosen, shapes)
+    tensors = {name.removeprefix("lm."): t.contiguous() for name, t in full.items()}
+    settings = lm.config.to_diff_dict()
+    dtype = _dtype_name(next(iter(full.values())).dtype)
+    settings.update(architectures=[type(lm).__name__], dtype=dtype)
+    settings.pop("torch_dtype", None)
+    return tensors, json.dumps(settings, indent=2, sort_keys=True) + "\n"
+
+
+def _write_weights(out: Path, tensors: dict[str, torch.Tensor], text: str, metadata: dict[str, str],
+                   shard_bytes: int) -> None:
+    """``config.json`` and the weights into ``out`` as ``save_pretrained`` lays them out, each file whole
+    or not at all and never through a link planted there; weights files of an earlier export that this
+    one does not write are removed (they would be read with the new ones)."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = tensor
+        size += nbytes
+    names = ([WEIGHTS_FILE] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    written = Folder(out)
+    try:
+        stale = [n for n in (written.names() if out.is_dir() else [])
+                 if (n in (WEIGHTS_FILE, INDEX_FILE) or _SHARD.fullmatch(n)) and n not in names]
+        for name in stale:
+            written.remove_file(name)
+        for name, shard in zip(names, shards):
+            written.write_file(name, write=lambda path, shard=shard: save_file(shard, path, metadata=metadata))
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                     "weight_map": {key: name for name, shard in zip(names, shards) for key in shard}}
+            written.write_text(INDEX_FILE, text=json.dumps(index, indent=2, sort_keys=True) + "\n")
         written.write_text(CONFIG_FILE, text=text)
     except OSError as error:
         raise ValueError(f"--to hf {out}: cannot write {error.filename or out} ({error.strerror})") from None
-    return folder, meta

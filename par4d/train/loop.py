@@ -114,8 +114,8 @@ def _setup(config: TrainConfig, grid, out: Path) -> _Job:
         on_rank0(lambda: checkpoint.set_aside_newer(out, Path(config.checkpoint), say))
 
     model = build_model(config, grid)
-    if config.init_from and not config.resume:   # a Hugging Face model's weights; each rank reads its shards
-        load_hf(Path(config.init_from), grid, model)
+    if config.init_from and not config.resume and config.model == "gpt":   # GPT-2's weights; each rank reads its
+        load_hf(Path(config.init_from), grid, model)                      # shards (a Hugging Face model loaded its own)
 
     def adamw(params):
         return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))

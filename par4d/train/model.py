@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from par4d.auto import parallelize
+from par4d.auto import load_safetensors, parallelize
 from par4d.grid import Grid
 from par4d.models import GPT, GPTConfig, ReferenceGPT, UNet
 from par4d.overlap import Overlap, set_overlap
@@ -47,22 +47,53 @@ class CausalLM(nn.Module):
         return logits if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+def hf_model_config(config: TrainConfig):
+    """The ``transformers`` config of the run's Hugging Face model: the pretrained folder's
+    (``config.hf_config``, kept in the run), else one at the run's sizes over the byte vocabulary."""
+    from transformers import AutoConfig, GPT2Config, LlamaConfig
+
+    if config.hf_config is not None:
+        settings = dict(config.hf_config)
+        return AutoConfig.for_model(settings.pop("model_type"), **settings)
+    if config.model == "hf-gpt2":
+        return GPT2Config(vocab_size=VOCAB_BYTES, n_positions=config.seq_len, n_embd=config.n_embd,
+                          n_layer=config.n_layer, n_head=config.n_head, resid_pdrop=0.0, embd_pdrop=0.0,
+                          attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return LlamaConfig(vocab_size=VOCAB_BYTES, hidden_size=config.n_embd, intermediate_size=4 * config.n_embd,
+                       num_hidden_layers=config.n_layer, num_attention_heads=config.n_head,
+                       num_key_value_heads=config.n_head // 2 if config.n_head % 2 == 0 else config.n_head,
+                       max_position_embeddings=config.seq_len, bos_token_id=0, eos_token_id=0)
+
+
+def pretrained_shape(model: str, folder: str) -> tuple[dict[str, int], dict]:
+    """(``n_layer``, ``n_embd``, ``n_head``, ``positions``, ``vocab``; its ``config.json``) of the model in
+    ``folder`` that ``--model`` ``model`` starts from, its folder checked (:func:`par4d.auto.pretrained.read_pretrained`)."""
+    from transformers import AutoConfig
+
+    from par4d.auto.pretrained import read_pretrained
+
+    pretrained = read_pretrained(folder, model)
+    settings = dict(pretrained.config)
+    try:
+        hf = AutoConfig.for_model(settings.pop("model_type"), **settings)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{pretrained.folder / 'config.json'} is not a {pretrained.model_type} config ({error})") \
+            from None
+    dims = {"n_layer": hf.num_hidden_layers, "n_embd": hf.hidden_size, "n_head": hf.num_attention_heads,
+            "positions": hf.max_position_embeddings, "vocab": hf.vocab_size}
+    return dims, pretrained.config
+
+
 def hf_lm(config: TrainConfig) -> nn.Module:
-    """The Hugging Face model ``config.model`` names, at the run's sizes, in fp32, its
-    initial weights drawn from ``config.seed`` (the same on every rank)."""
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    """The Hugging Face model ``config.model`` names, at the run's sizes (or its pretrained folder's),
+    in fp32, its initial weights drawn from ``config.seed`` (the same on every rank)."""
+    from transformers import AutoModelForCausalLM, GPT2LMHeadModel, LlamaForCausalLM
 
     torch.manual_seed(config.seed)          # transformers draws initial weights from torch's generator
-    if config.model == "hf-gpt2":
-        hf = GPT2Config(vocab_size=VOCAB_BYTES, n_positions=config.seq_len, n_embd=config.n_embd,
-                        n_layer=config.n_layer, n_head=config.n_head, resid_pdrop=0.0, embd_pdrop=0.0,
-                        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-        return GPT2LMHeadModel(hf).float()
-    hf = LlamaConfig(vocab_size=VOCAB_BYTES, hidden_size=config.n_embd, intermediate_size=4 * config.n_embd,
-                     num_hidden_layers=config.n_layer, num_attention_heads=config.n_head,
-                     num_key_value_heads=config.n_head // 2 if config.n_head % 2 == 0 else config.n_head,
-                     max_position_embeddings=config.seq_len, bos_token_id=0, eos_token_id=0)
-    return LlamaForCausalLM(hf).float()
+    hf = hf_model_config(config)
+    if config.hf_config is not None:
+        return AutoModelForCausalLM.from_config(hf).float()
+    return (GPT2LMHeadModel if config.model == "hf-gpt2" else LlamaForCausalLM)(hf).float()
 
 
 def _linear_weights(model: nn.Module) -> int:
@@ -89,11 +120,17 @@ def build_model(config: TrainConfig, grid: Grid) -> nn.Module:
 
 
 def _hf_model(config: TrainConfig, grid: Grid) -> CausalLM:
-    with torch.device("meta" if grid.device.type == "meta" else "cpu"):
+    """Made parallel from the meta device where its weights come from a pretrained folder (no rank
+    holds the model whole: each reads its own slices), else built whole and cut."""
+    pretrained = config.init_from is not None and not config.resume and grid.device.type != "meta"
+    with torch.device("meta" if grid.device.type == "meta" or pretrained else "cpu"):
         lm = hf_lm(config)
     # Training FLOPs per token: 6 per matmul weight (forward and backward), plus attention's
     # scores (the GPT's count, the same for both: causal attention over seq_len tokens).
     attention = config.model_config().attention_flops_per_token(recompute=False)
     flops = 6 * _linear_weights(lm) + attention
     params = sum(p.numel() for p in lm.parameters())
-    return CausalLM(parallelize(lm, grid), flops, params)
+    lm = parallelize(lm, grid)
+    if pretrained:
+        load_safetensors(lm, config.init_from, grid)
+    return CausalLM(lm, flops, params)
