@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+
 from par4d.auto.pretrained import opened, weight_files
 from par4d.grid import AXES, Grid
 from par4d.layout import Placement, boxes, fill, place, placement_of, slice_reader
@@ -41,7 +42,7 @@ def load_safetensors(model: nn.Module, path: str | Path, grid: Grid) -> None:
         sources = _sources(model, grid, shapes, path)
         made: dict[int, nn.Parameter] = {}
         new: set[int] = set()
-        for prefix, module in model.named_modules(remove_duplicate=False):
+        for _, module in model.named_modules(remove_duplicate=False):
             for attribute, param in list(module.named_parameters(recurse=False)):
                 if id(param) in new:
                     continue                  # a module met twice: its parameter is made already

@@ -67,7 +67,8 @@ def hf_model_config(config: TrainConfig):
 
 def pretrained_shape(model: str, folder: str) -> tuple[dict[str, int], dict]:
     """(``n_layer``, ``n_embd``, ``n_head``, ``positions``, ``vocab``; its ``config.json``) of the model in
-    ``folder`` that ``--model`` ``model`` starts from, its folder checked (:func:`par4d.auto.pretrained.read_pretrained`)."""
+    ``folder`` that ``--model`` ``model`` starts from, the folder checked first
+    (:func:`par4d.auto.pretrained.read_pretrained`)."""
     from transformers import AutoConfig
 
     from par4d.auto.pretrained import read_pretrained
