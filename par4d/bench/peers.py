@@ -155,7 +155,7 @@ class TPAttention(nn.Module):
         return self.proj(att.transpose(1, 2).reshape(batch_, seq, width))
 
 
-class _PeerBytes(C10dBytes):
+class PeerBytes(C10dBytes):
     """bench grid's c10d counter, plus the functional collectives DTensor issues (TP). Ops on
     DTensors are passed back (NotImplemented, as torch's CommDebugMode does), so DTensor runs
     them with this mode still on and the collectives they turn into are seen here."""
@@ -280,7 +280,7 @@ def _bench_torch(kind: str, knob: dict, mesh: DeviceMesh | None, workload: Workl
                  "compute_s": statistics.median(local), "local_times": local}
     else:
         times = time_iterations(step, settings.iters)
-        counter = _PeerBytes()   # one more, untimed iteration: the dispatch hook costs time
+        counter = PeerBytes()   # one more, untimed iteration: the dispatch hook costs time
         with counter:
             step()
         per_rank, source = counter.bytes, "c10d dispatch"

@@ -56,6 +56,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     peers.add_argument("--iters", type=int, default=8, help="timed iterations per row (after 2 warm-up)")
     peers.add_argument("--rounds", type=int, default=2,
                        help="rounds over par4d's rows and DDP's, in alternating order (each row's times pooled)")
+    peers.add_argument("--model", default="gpt", choices=("gpt", "hf-llama", "hf-gpt2"),
+                       help="gpt: par4d's own GPT; hf-llama, hf-gpt2: Hugging Face's, through par4d.parallelize, "
+                            "against DDP, FSDP2, HSDP and (Llama) FSDP2 + TP with torch's Llama plan")
     _output(peers)
     overlap = sub.add_parser("overlap", help="each overlap's gain in the order of the 4D paper's Fig. 3 "
                                              "(none, +oar, +ors, +oag, +cache, all)")
@@ -149,6 +152,10 @@ def run(args: argparse.Namespace) -> int:
 
         return run_bench_checkpoint(args)
     if args.bench == "peers":
+        if args.model != "gpt":
+            from par4d.bench.hf_peers import run_bench_hf_peers
+
+            return run_bench_hf_peers(args)
         from par4d.bench.peers import run_bench_peers
 
         return run_bench_peers(args)

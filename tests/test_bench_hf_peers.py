@@ -1,0 +1,55 @@
+"""``par4d bench peers --model hf-llama|hf-gpt2``: its arguments checked before any rank starts, the grids it
+times, and torch's peers (FSDP2, HSDP, FSDP2 + TP with the standard Llama plan) computing the model's own loss."""
+
+import pytest
+
+from par4d.bench import hf_peers
+from par4d.bench.peers import PeersSettings
+from par4d.cli import main
+from par4d.plan.model import factorizations
+
+
+@pytest.mark.parametrize(("model", "nproc", "nodes", "numbers"), [
+    ("hf-bert", 4, None, "--model hf-bert"),
+    ("hf-llama", 3, None, "--nproc 3"),
+    ("hf-llama", 8, 2, "TP over 8 ranks (the ranks of a node) does not divide the model's 4 query and 2 key/value"),
+    ("hf-gpt2", 6, None, "32 sequences does not divide over 6 ranks"),
+])
+def test_bad_arguments_name_the_numbers(model, nproc, nodes, numbers):
+    with pytest.raises(ValueError, match=numbers.replace("(", r"\(").replace(")", r"\)")):
+        hf_peers.validate(model, nproc, nodes, 1, 1)
+
+
+def test_cli_reports_bad_input_before_any_rank_starts(capsys):
+    assert main(["bench", "peers", "--model", "hf-llama", "--nproc", "3", "--iters", "1"]) == 2
+    assert "--nproc 3" in capsys.readouterr().err
+
+
+def test_the_grids_are_those_parallelize_can_cut():
+    """4 ranks: the model divides on every (x, y, z, data); 3 sequences leave only the grids with z * data 1."""
+    assert hf_peers._grids("hf-llama", 4, 32) == factorizations(4)
+    assert hf_peers._grids("hf-llama", 4, 3) == [g for g in factorizations(4) if g["z"] * g["data"] == 1]
+    assert {tuple(g.values()) for g in hf_peers._grids("hf-llama", 4, 4)} == {
+        tuple(g.values()) for g in hf_peers._grids("hf-llama", 4, 32)}
+    assert all(g["x"] * g["y"] * g["z"] * g["data"] == 4 for g in hf_peers._grids("hf-gpt2", 4, 32))
+
+
+def _peer_loss(kind: str, model: str) -> tuple[float, float]:
+    """(the peer's loss on its block of the batch, the unparallelized model's on the same block)."""
+    from par4d.bench.torch_peers import destroy_groups, peer_mesh
+    from par4d.layout import block
+
+    settings = PeersSettings(nproc=4, nodes=None, iters=1, peak_flops=1.0)
+    mesh = peer_mesh(kind, 4, 4, None)
+    net, _, parts, index = hf_peers._build_peer(kind, {}, mesh, model, settings)
+    x, y = hf_peers.batch(8, 16)
+    rows = block(8, parts, index)
+    loss = hf_peers._loss(net, x[rows], y[rows]).item()
+    destroy_groups(mesh)
+    return loss, hf_peers._loss(hf_peers.build_lm(model), x[rows], y[rows]).item()
+
+
+@pytest.mark.parametrize(("kind", "model"), [("tp", "hf-llama"), ("fsdp", "hf-llama"), ("hsdp", "hf-gpt2")])
+def test_torchs_peers_compute_the_models_own_loss(pool4, kind, model):
+    for loss, reference in pool4.run(_peer_loss, kind, model):
+        assert loss == pytest.approx(reference, rel=1e-6)
