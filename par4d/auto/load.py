@@ -39,25 +39,63 @@ def load_safetensors(model: nn.Module, path: str | Path, grid: Grid) -> None:
     coords = {a: grid.coord(a) for a in AXES}
     with opened(files) as handles:
         shapes = {key: tuple(handles[key].get_slice(key).get_shape()) for key in handles}
-        sources = _sources(model, grid, shapes, path)
-        made: dict[int, nn.Parameter] = {}
-        new: set[int] = set()
-        for _, module in model.named_modules(remove_duplicate=False):
-            for attribute, param in list(module.named_parameters(recurse=False)):
-                if id(param) in new:
-                    continue                  # a module met twice: its parameter is made already
-                if id(param) not in made:
-                    key = sources[id(param)]
-                    made[id(param)] = _filled(param, handles[key], key, shapes[key], grid, coords)
-                    new.add(id(made[id(param)]))
-                setattr(module, attribute, made[id(param)])
+        _fill(model, _sources(model, grid, shapes, path), handles, shapes, grid, coords)
         for prefix, module in model.named_modules():
             for attribute, buffer in list(module.named_buffers(recurse=False)):
                 name = f"{prefix}.{attribute}" if prefix else attribute
                 if name in handles:
                     value = handles[name].get_tensor(name)
                     setattr(module, attribute, value.to(grid.device) if buffer.is_meta else buffer.copy_(value))
-    _computed_buffers(model, grid)
+    compute_buffers(model, grid)
+
+
+class _Whole:
+    """Whole tensors in memory, read as ``safe_open`` handles are (:func:`par4d.layout.slice_reader`)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def get_slice(self, key: str) -> torch.Tensor:
+        return self.tensors[key]
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        return self.tensors[key]
+
+
+@torch.no_grad()
+def fill_parameters(model: nn.Module, grid: Grid, tensors: dict[str, torch.Tensor]) -> None:
+    """Fill the parameters of ``model`` (made by ``par4d.parallelize`` on ``grid``) that ``tensors`` names
+    (whole tensors, keyed as the unparallelized model's ``state_dict``; a tied parameter under any of its
+    names), each rank keeping its shards; parameters on the meta device are made first. The others are
+    left as they are: a model is filled a block at a time (:mod:`par4d.auto.init`)."""
+    wanted = _wanted(model, grid)
+    owner = {name: param_id for param_id, (names, _) in wanted.items() for name in names}
+    unknown = sorted(set(tensors) - set(owner))
+    if unknown:
+        raise ValueError(f"fill_parameters: {unknown[0]} is not a parameter of {type(model).__name__}")
+    sources = {owner[name]: name for name in tensors}
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    for param_id, key in sources.items():
+        if shapes[key] != wanted[param_id][1]:
+            raise ValueError(f"fill_parameters: {key} has shape {shapes[key]}, the model {wanted[param_id][1]}")
+    whole = _Whole(tensors)
+    _fill(model, sources, {key: whole for key in tensors}, shapes, grid, {a: grid.coord(a) for a in AXES})
+
+
+def _fill(model: nn.Module, sources: dict[int, str], handles: dict, shapes: dict[str, tuple[int, ...]], grid: Grid,
+          coords: dict[str, int]) -> None:
+    """Each parameter ``sources`` names (by id: its key) filled from its handle, tied ones kept tied."""
+    made: dict[int, nn.Parameter] = {}
+    new: set[int] = set()
+    for _, module in model.named_modules(remove_duplicate=False):
+        for attribute, param in list(module.named_parameters(recurse=False)):
+            if id(param) in new or (id(param) not in made and id(param) not in sources):
+                continue                  # made already (a module met twice), or not one to fill
+            if id(param) not in made:
+                key = sources[id(param)]
+                made[id(param)] = _filled(param, handles[key], key, shapes[key], grid, coords)
+                new.add(id(made[id(param)]))
+            setattr(module, attribute, made[id(param)])
 
 
 def check_weights(model: nn.Module, path: str | Path) -> None:
@@ -113,7 +151,7 @@ def _filled(param: nn.Parameter, f, name: str, full: tuple[int, ...], grid: Grid
     return target
 
 
-def _computed_buffers(model: nn.Module, grid: Grid) -> None:
+def compute_buffers(model: nn.Module, grid: Grid) -> None:
     """Buffers still on the meta device (not saved: computed in the model's constructor) are
     made on the grid's device and computed by the model's own initialisation, if it has one."""
     left = [(n, m) for n, m in model.named_modules() if any(b.is_meta for b in m.buffers(recurse=False))]

@@ -7,11 +7,14 @@ layers are built on top of them), so the training floor, which knows both, does.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from par4d.auto import load_safetensors, parallelize
+from par4d.auto.init import initialize
 from par4d.grid import Grid
 from par4d.models import GPT, GPTConfig, ReferenceGPT, UNet
 from par4d.overlap import Overlap, set_overlap
@@ -86,8 +89,9 @@ def pretrained_shape(model: str, folder: str) -> tuple[dict[str, int], dict]:
 
 
 def hf_lm(config: TrainConfig) -> nn.Module:
-    """The Hugging Face model ``config.model`` names, at the run's sizes (or its pretrained folder's),
-    in fp32, its initial weights drawn from ``config.seed`` (the same on every rank)."""
+    """The Hugging Face model ``config.model`` names, at the run's sizes (or its pretrained folder's), in
+    fp32. A run builds it on the meta device (its values come from par4d.auto.init or a folder); built
+    elsewhere, its weights are transformers' own draws after ``torch.manual_seed(config.seed)``."""
     from transformers import AutoModelForCausalLM, GPT2LMHeadModel, LlamaForCausalLM
 
     torch.manual_seed(config.seed)          # transformers draws initial weights from torch's generator
@@ -121,17 +125,19 @@ def build_model(config: TrainConfig, grid: Grid) -> nn.Module:
 
 
 def _hf_model(config: TrainConfig, grid: Grid) -> CausalLM:
-    """Made parallel from the meta device where its weights come from a pretrained folder (no rank
-    holds the model whole: each reads its own slices), else built whole and cut."""
-    pretrained = config.init_from is not None and not config.resume and grid.device.type != "meta"
-    with torch.device("meta" if grid.device.type == "meta" or pretrained else "cpu"):
-        lm = hf_lm(config)
+    """Built on the meta device and made parallel, then filled shard by shard: from the pretrained folder
+    (each rank reads its slices), or by the model's own initialisation a block at a time from the run's
+    seed (:mod:`par4d.auto.init`); no rank holds the model whole. On a virtual grid only the shapes."""
+    with torch.device("meta"):
+        twin = hf_lm(config)
     # Training FLOPs per token: 6 per matmul weight (forward and backward), plus attention's
     # scores (the GPT's count, the same for both: causal attention over seq_len tokens).
     attention = config.model_config().attention_flops_per_token(recompute=False)
-    flops = 6 * _linear_weights(lm) + attention
-    params = sum(p.numel() for p in lm.parameters())
-    lm = parallelize(lm, grid)
-    if pretrained:
+    flops = 6 * _linear_weights(twin) + attention
+    params = sum(p.numel() for p in twin.parameters())
+    lm = parallelize(copy.deepcopy(twin), grid)
+    if grid.device.type != "meta" and config.init_from is not None and not config.resume:
         load_safetensors(lm, config.init_from, grid)
+    elif grid.device.type != "meta":        # (a resume's checkpoint overwrites these values next)
+        initialize(lm, twin, grid, config.seed)
     return CausalLM(lm, flops, params)
