@@ -219,7 +219,8 @@ def _bench_par4d(model: str, sizes: dict, workload: Workload, settings: PeersSet
 
     before = grid.ledger.total_bytes()
     timed = _time(step, net, optimizer, settings.iters)
-    per_rank = (grid.ledger.total_bytes() - before) / (1 + WARMUP + settings.iters)   # first, warm-up, timed
+    steps = 1 + WARMUP + settings.iters + 1        # the first, warm-up, timed, and MemTracker's (_time)
+    per_rank = (grid.ledger.total_bytes() - before) / steps
     link, staged = link_bytes(step), [",".join(axes) for axes in grid.staged_axes()]
     grid.close()
     name = "par4d" if hierarchical == "off" else "par4d +hierarchical"
