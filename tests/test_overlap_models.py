@@ -45,10 +45,10 @@ def _batches(config: TrainConfig, grid) -> list[tuple[torch.Tensor, torch.Tensor
     return [(shard_batch(grid, t[:, :-1]), shard_batch(grid, t[:, 1:])) for t in tokens]
 
 
-def _train(model_name: str, overlap: str) -> dict:
+def _train(model_name: str, overlap: str, recompute: str = "none") -> dict:
     grid = cases.grid(**GRID)
     config = TrainConfig(grid=GRID, out=None, model=model_name, batch_size=BATCH, overlap=overlap,
-                         **SIZES[model_name])
+                         recompute=recompute, **SIZES[model_name])
     model = build_model(config, grid)
     if overlap == "none":     # the synchronous path with all's row chunks (xy cuts rows: arithmetic)
         set_overlap(model, replace(Overlap.none(), row_chunks=XY_CHUNKS))
@@ -63,6 +63,7 @@ def _train(model_name: str, overlap: str) -> dict:
             "overlapped": Counter((e.kind, e.axes) for e in entries if e.overlapped),
             "deferred": runtime.deferred.deferred if runtime else 0,
             "prefetched": runtime.gathers.prefetched if runtime else 0,
+            "cache_hits": runtime.gathers.cache_hits if runtime else 0,
             "early": gradient_sync(model, grid).early_launches}
 
 
@@ -90,3 +91,22 @@ def test_overlap_all_is_bitwise_none_on_x2_y2_z2(pool8, model_name):
         # dp: gradient buckets summed over z during backward.
         assert result["early"] > 0 and any(kind == "all_reduce" and "z" in axes for kind, axes in overlapped), \
             overlapped
+
+
+def _recomputed(model_name: str) -> dict:
+    base, run = _train(model_name, "none"), _train(model_name, "all", recompute="auto")
+    for key in ("losses", "grads", "params"):
+        cases.assert_bitwise(f"{model_name} --recompute auto --overlap all against none: {key}", run[key], base[key])
+    gathers = [sum(n for (kind, axes, _), n in r["collectives"].items() if kind == "all_gather" and axes == ("z",))
+               for r in (base, run)]
+    return {"cache_hits": run["cache_hits"], "gathers": gathers}
+
+
+@pytest.mark.parametrize("model_name", ["hf-gpt2", "hf-llama"])
+def test_recomputed_hugging_face_layers_train_bit_for_bit_with_the_cache(pool8, model_name):
+    """``--recompute auto`` on a Hugging Face model: transformers' gradient checkpointing of every decoder
+    layer, the gathered weights of each layer's first forward kept for its recomputation (the cache, in
+    ``all`` with recomputation): the same bits as without either, and no weight gathered twice over z (the
+    recomputed forward sums its outputs over x and y again)."""
+    for result in pool8.run(_recomputed, model_name, timeout=600):
+        assert result["cache_hits"] > 0 and result["gathers"][0] == result["gathers"][1] > 0, result

@@ -470,16 +470,31 @@ def test_hugging_face_models_train_as_one_rank(tmp_path, capsys, pool4):
                                                  "--steps", "6", "--no-progress", world=4))[0]
     assert resumed["grid_changed"] and resumed["start_step"] == 4
     assert _losses(runs["llama-4"]) == pytest.approx(_losses(runs["llama-1"]), rel=1e-5)
-    with pytest.raises(ValueError, match="trained --model hf-gpt2, a Hugging Face model already"):
-        from par4d.train.hf import export_hf
+    # Exported as its own GPT-2 and started from on one rank: its first loss is what transformers computes
+    import torch
+    from transformers import GPT2LMHeadModel
 
-        export_hf(runs["gpt2-4"], tmp_path / "exported")
+    from par4d.train.data import Batches, as_tokens, read_corpus
+
+    exported, again = tmp_path / "exported", tmp_path / "again"
+    assert main(["export", "--run", str(runs["gpt2-4"]), "--to", "hf", str(exported)]) == 0
+    _alone(_checked("--model", "hf-gpt2", "--init-from", "hf", str(exported), "--nproc", "1", "--batch-size", "8",
+                    "--seq-len", "16", "--steps", "1", "--seed", "5", "--no-progress", "--out", str(again), world=1))
+    model = GPT2LMHeadModel.from_pretrained(exported).eval()
+    inputs, targets = Batches(as_tokens(read_corpus(None, 16)), 16, 8, seed=5).train_batch(0)
+    with torch.no_grad():
+        want = torch.nn.functional.cross_entropy(model(inputs).logits.reshape(-1, 256), targets.reshape(-1)).item()
+    assert _losses(again)[0] == pytest.approx(want, abs=1e-5)
 
 
 def test_hugging_face_models_refuse_what_is_for_the_gpt(tmp_path, capsys):
     assert main(["train", "--model", "hf-llama", "--grid", "pipe=2", "--nproc", "2", *SMALL,
                  "--out", str(tmp_path / "run")]) == 2
     assert "--model hf-llama: --grid pipe=2 is for par4d's GPT (--model gpt)" in capsys.readouterr().err
+    assert main(["train", "--model", "hf-llama", "--recompute", "2", "--nproc", "1", *SMALL, "--n-layer", "4",
+                 "--out", str(tmp_path / "run")]) == 2
+    assert "--recompute 2: a Hugging Face model recomputes each decoder layer on its own" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
 
 
 UNET = ["--model", "unet", "--n-embd", "16", "--n-layer", "2", "--image-size", "8", "--batch-size", "8",

@@ -77,13 +77,13 @@ class TrainConfig:
         if self.model != "gpt":
             given = [flag for flag, on in ((f"--grid pipe={self.grid.get('pipe', 1)}", self.grid.get("pipe", 1) > 1),
                                             (f"--mlp {self.mlp}", self.mlp != "dense"),
-                                            (f"--recompute {self.recompute}", self.recompute != "none"),
+                                            (f"--recompute {self.recompute}",
+                                             self.recompute != "none" and self.model == "unet"),
                                             (f"--init-from hf {self.init_from}",
                                              self.init_from is not None and self.model == "unet")) if on]
             if given:
                 which = ("the U-Net trains without a pipeline, phantom MLPs, recomputation or --init-from"
-                         if self.model == "unet" else
-                         "a Hugging Face model trains without a pipeline, phantom MLPs or recomputation")
+                         if self.model == "unet" else "a Hugging Face model trains without a pipeline or phantom MLPs")
                 raise ValueError(f"--model {self.model}: {given[0]} is for par4d's GPT (--model gpt); {which}")
         if self.model == "unet":
             self._check_unet()
@@ -203,6 +203,12 @@ class TrainConfig:
         return replace(settings, reduce_scatter=False, all_gather=False, data_parallel=False)
 
     def recompute_every(self) -> int:
+        if self.model in ("hf-gpt2", "hf-llama"):    # transformers checkpoints each decoder layer on its own
+            every = parse_recompute(self.recompute, self.n_layer)
+            if every > 1 and self.recompute.strip().lower() != "auto":
+                raise ValueError(f"--recompute {self.recompute}: a Hugging Face model recomputes each decoder layer "
+                                 f"on its own (transformers' gradient checkpointing); give none, auto or 1")
+            return min(every, 1)
         pipe = self.grid.get("pipe", 1)
         if pipe == 1:
             return parse_recompute(self.recompute, self.n_layer)

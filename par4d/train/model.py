@@ -46,7 +46,7 @@ class CausalLM(nn.Module):
         self.lm, self.flops_per_token, self.num_params = lm, flops_per_token, num_params
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        logits = self.lm(input_ids=idx).logits
+        logits = self.lm(input_ids=idx, use_cache=False).logits     # training: no key/value cache
         return logits if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
@@ -121,7 +121,12 @@ def build_model(config: TrainConfig, grid: Grid) -> nn.Module:
         return build_gpt(config.model_config(), grid, config.recompute_every(), settings)
     if config.model == "unet":
         return UNet(config.model_config(), grid=grid, overlap=settings)
-    return set_overlap(_hf_model(config, grid), settings)
+    model = set_overlap(_hf_model(config, grid), settings)
+    if config.recompute_every():            # every decoder layer, its gathered weights cached by the runtime (cache)
+        runtime = model.par4d_runtime
+        context = {"context_fn": runtime.gathers.checkpoint_contexts} if runtime is not None else {}
+        model.lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False, **context})
+    return model
 
 
 def _hf_model(config: TrainConfig, grid: Grid) -> CausalLM:
