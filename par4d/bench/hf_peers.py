@@ -209,7 +209,7 @@ def _bench_par4d(model: str, sizes: dict, workload: Workload, settings: PeersSet
     grid = init(**sizes, hierarchical=hierarchical)
     lm = build_lm(model)
     flops = flops_per_token(lm, workload.seq_len)
-    net = CausalLM(set_overlap(parallelize(lm, grid), Overlap()), flops, 0)
+    net = set_overlap(CausalLM(parallelize(lm, grid), flops, 0), Overlap())   # as par4d train builds it
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
     inputs, targets = batch(workload.sequences, workload.seq_len)
     x, y = shard_batch(grid, inputs), shard_batch(grid, targets)
