@@ -62,8 +62,10 @@ def test_every_grid_gets_the_whole_models_initial_values(pool8, pool4, family):
 
 def test_values_follow_the_seed_not_the_order_of_building():
     twin = _make("llama")
-    torch.manual_seed(123)        # the global generator's state does not matter
+    torch.manual_seed(123)        # the global generator's state does not matter, and is left as it was
+    state = torch.random.get_rng_state()
     first = initial_state(twin, seed=5)
+    assert torch.equal(torch.random.get_rng_state(), state)
     again = initial_state(copy.deepcopy(twin), seed=5)
     other = initial_state(twin, seed=6)
     assert all(torch.equal(first[n], again[n]) for n in first)

@@ -38,9 +38,10 @@ def initialize(model: nn.Module, twin: nn.Module, grid: Grid, seed: int) -> int:
     :func:`initial_state`'s values, a block at a time; ``twin``, the unparallelized model on the meta device,
     is not changed. Returns the most bytes held whole at once (a block's)."""
     most = 0
-    for values in _block_values(twin, seed):
-        most = max(most, sum(t.numel() * t.element_size() for t in values.values()))
-        fill_parameters(model, grid, values)
+    with torch.random.fork_rng(devices=[]):   # the caller's generator state is left as it was
+        for values in _block_values(twin, seed):
+            most = max(most, sum(t.numel() * t.element_size() for t in values.values()))
+            fill_parameters(model, grid, values)
     compute_buffers(model, grid)
     return most
 
@@ -50,8 +51,9 @@ def initial_state(twin: nn.Module, seed: int) -> dict[str, torch.Tensor]:
     """Every parameter of the unparallelized model ``twin`` (on the meta device) whole, as :func:`initialize`
     gives it to the parallel model (tied ones under their first name)."""
     state: dict[str, torch.Tensor] = {}
-    for values in _block_values(twin, seed):
-        state.update({name: t.clone() for name, t in values.items()})
+    with torch.random.fork_rng(devices=[]):
+        for values in _block_values(twin, seed):
+            state.update({name: t.clone() for name, t in values.items()})
     return state
 
 

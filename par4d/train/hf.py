@@ -361,12 +361,12 @@ def export_hf(source: Path, out: Path, force: bool = False, report: Callable[[st
             tensors[key] = (tensor.T if transposed else tensor).contiguous()
         text = json.dumps(hf_config(config, full["wte.weight"].dtype), indent=2) + "\n"
     else:
-        tensors, text = _lm_tensors(chosen, source)
+        tensors, text = _lm_tensors(chosen)
     _write_weights(out, tensors, text, {"format": "pt", "par4d_step": str(meta.get("step"))}, shard_bytes)
     return folder, meta
 
 
-def _lm_tensors(chosen: checkpoint.Checkpoint, source: Path) -> tuple[dict[str, torch.Tensor], str]:
+def _lm_tensors(chosen: checkpoint.Checkpoint) -> tuple[dict[str, torch.Tensor], str]:
     """(state dict, config.json) of a run's Hugging Face model: the checkpoint's ``lm.*`` parameters under
     the model's own names, the config it was built from."""
     from par4d.train.config import TrainConfig
