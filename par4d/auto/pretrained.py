@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
@@ -26,21 +25,6 @@ INDEX_FILE = "model.safetensors.index.json"
 PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 # par4d train --model -> the Hugging Face model types it starts from
 FAMILIES = {"hf-llama": ("llama", "mistral", "qwen2"), "hf-gpt2": ("gpt2",)}
-
-
-@dataclass(frozen=True)
-class Pretrained:
-    """What a model folder holds: its config, and per tensor the file, shape and dtype."""
-
-    folder: Path
-    config: dict
-    files: dict[str, Path]
-    shapes: dict[str, tuple[int, ...]]
-    dtypes: dict[str, str]
-
-    @property
-    def model_type(self) -> str:
-        return self.config["model_type"]
 
 
 def read_config(folder: Path) -> dict:
@@ -94,10 +78,11 @@ def _weight_files(folder: Path) -> dict[str, Path] | Path:
     raise ValueError(f"{folder} has neither {SINGLE_FILE} nor {INDEX_FILE}: no weights to start from")
 
 
-def read_pretrained(folder: str | Path, model: str) -> Pretrained:
+def read_pretrained(folder: str | Path, model: str) -> dict:
     """Check that ``folder`` holds a model ``par4d train --model`` ``model`` starts from (its type one of
-    :data:`FAMILIES`; safetensors weights, floating point) and read its headers. Needs no
-    ``torch.distributed``: call it before any rank starts. Raises ``ValueError`` naming the file."""
+    :data:`FAMILIES`; safetensors weights, floating point, every tensor the index lists where it says)
+    from its headers; returns its ``config.json``. Needs no ``torch.distributed``: call it before any
+    rank starts. Raises ``ValueError`` naming the file."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ValueError(f"{folder} is not a folder (a Hugging Face model folder has {CONFIG_FILE} and safetensors)")
@@ -110,16 +95,14 @@ def read_pretrained(folder: str | Path, model: str) -> Pretrained:
     keys_of: dict[Path, list[str]] = {}
     for key, path in (found.items() if isinstance(found, dict) else []):
         keys_of.setdefault(path, []).append(key)
-    files, shapes, dtypes = {}, {}, {}
+    files, dtypes = {}, {}
     for path in (sorted(keys_of) if isinstance(found, dict) else [found]):
         if not path.is_file():
             raise ValueError(f"{folder / INDEX_FILE} names {path.name}, which is not in {folder}")
         try:
             with safe_open(str(path), "pt") as f:
                 held = list(f.keys())
-                for key in held:
-                    piece = f.get_slice(key)
-                    shapes[key], dtypes[key] = tuple(piece.get_shape()), piece.get_dtype()
+                dtypes.update({key: f.get_slice(key).get_dtype() for key in held})
         except (SafetensorError, OSError) as error:
             raise ValueError(f"{path} is not a readable safetensors file ({error})") from None
         listed = keys_of.get(path, held)
@@ -130,7 +113,7 @@ def read_pretrained(folder: str | Path, model: str) -> Pretrained:
     odd = sorted(k for k in files if not dtypes[k].startswith(("F", "BF")) and not _buffer(k))
     if odd:
         raise ValueError(f"{files[odd[0]]}: {odd[0]} has dtype {dtypes[odd[0]]}, not a floating-point type")
-    return Pretrained(folder, config, files, shapes, dtypes)
+    return config
 
 
 def _buffer(key: str) -> bool:

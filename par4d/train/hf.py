@@ -32,6 +32,7 @@ import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from par4d.auto.pretrained import read_config
 from par4d.grid import AXES, Grid
 from par4d.layout import Box, Placement, Reader, boxes, fill, slice_reader
 from par4d.models.config import GPTConfig
@@ -108,23 +109,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 # -- checking a folder ---------------------------------------------------------------
 
-def _read_config(folder: Path) -> dict:
-    path = folder / CONFIG_FILE
-    if not path.is_file():
-        raise ValueError(f"{path} is missing: {folder} is not a Hugging Face model folder")
-    try:
-        config = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError, RecursionError) as error:
-        raise ValueError(f"{path} is not JSON ({error})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path} holds a JSON {type(config).__name__}, not an object")
-    return config
-
-
 def gpt_dims(folder: Path) -> dict[str, int]:
     """The shape of par4d's GPT that ``folder``'s GPT-2 model has, in ``par4d train``'s terms
     (``n_layer``, ``n_embd``, ``n_head``, ``seq_len``): what a run started from it defaults to."""
-    config = _read_config(Path(folder))
+    config = read_config(Path(folder))
     dims = {}
     for name, key in (("n_layer", "n_layer"), ("n_embd", "n_embd"), ("n_head", "n_head"), ("seq_len", "n_positions")):
         value = config.get(key, _HF_DEFAULTS[key])
@@ -205,7 +193,7 @@ def check_hf(folder: Path, model_config: GPTConfig) -> dict:
     if not folder.is_dir():
         raise ValueError(f"{folder} is not a folder (a Hugging Face model folder has {CONFIG_FILE} and {WEIGHTS_FILE})")
     _check_dense(model_config, "the par4d model")
-    config = _read_config(folder)
+    config = read_config(folder)
     if config.get("model_type") != "gpt2":
         raise ValueError(f"{folder / CONFIG_FILE}: model_type is {config.get('model_type')!r}, par4d reads 'gpt2'")
     problems = _config_problems(config, model_config)

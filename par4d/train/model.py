@@ -8,6 +8,7 @@ layers are built on top of them), so the training floor, which knows both, does.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -76,25 +77,22 @@ def pretrained_shape(model: str, folder: str) -> tuple[dict[str, int], dict]:
 
     from par4d.auto.pretrained import read_pretrained
 
-    pretrained = read_pretrained(folder, model)
-    settings = dict(pretrained.config)
+    config = read_pretrained(folder, model)
+    settings = dict(config)
     try:
         hf = AutoConfig.for_model(settings.pop("model_type"), **settings)
     except (TypeError, ValueError) as error:
-        raise ValueError(f"{pretrained.folder / 'config.json'} is not a {pretrained.model_type} config ({error})") \
-            from None
+        raise ValueError(f"{Path(folder) / 'config.json'} is not a {config['model_type']} config ({error})") from None
     dims = {"n_layer": hf.num_hidden_layers, "n_embd": hf.hidden_size, "n_head": hf.num_attention_heads,
             "positions": hf.max_position_embeddings, "vocab": hf.vocab_size}
-    return dims, pretrained.config
+    return dims, config
 
 
 def hf_lm(config: TrainConfig) -> nn.Module:
     """The Hugging Face model ``config.model`` names, at the run's sizes (or its pretrained folder's), in
-    fp32. A run builds it on the meta device (its values come from par4d.auto.init or a folder); built
-    elsewhere, its weights are transformers' own draws after ``torch.manual_seed(config.seed)``."""
+    fp32. Built on the meta device: its values come from a folder or from :mod:`par4d.auto.init`."""
     from transformers import AutoModelForCausalLM, GPT2LMHeadModel, LlamaForCausalLM
 
-    torch.manual_seed(config.seed)          # transformers draws initial weights from torch's generator
     hf = hf_model_config(config)
     if config.hf_config is not None:
         return AutoModelForCausalLM.from_config(hf).float()
