@@ -130,14 +130,18 @@ def test_a_link_where_a_resume_reads_is_refused_before_any_rank_starts(base, tmp
 def test_export_never_writes_through_links_planted_in_its_folder(base, tmp_path, capsys):
     out = tmp_path / "hf"
     assert main(["export", "--run", str(base), "--to", "hf", str(out)]) == 0
+    # ... nor through an index or a shard an earlier export would have left (removed as links, not followed)
     planted = [out / "config.json.tmp", out / ".config.json.tmp", out / ".model.safetensors.tmp",
-               out / "config.json", out / "model.safetensors"]
+               out / "config.json", out / "model.safetensors", out / "model.safetensors.index.json",
+               out / "model-00002-of-00002.safetensors"]
     for path, victim in zip(planted, _victims(tmp_path, len(planted))):
         _link(path, victim)
     before = _outside(tmp_path, out)
     assert main(["export", "--run", str(base), "--to", "hf", str(out), "--force"]) == 0
     assert _outside(tmp_path, out) == before
     assert _regular(out / "config.json") and _regular(out / "model.safetensors")
+    stale = [out / "model.safetensors.index.json", out / "model-00002-of-00002.safetensors"]
+    assert not any(path.is_symlink() or path.exists() for path in stale)     # one file now: the links are gone
     assert json.loads((out / "config.json").read_text())["model_type"] == "gpt2"
 
 
