@@ -4,7 +4,9 @@
 of :class:`Split` steps, each cutting one tensor dim over one grid axis, applied in
 order (an earlier split is the outer one: Algorithm 1's weight is cut into out-feature
 blocks over x, and each block into z shards), and the axes over which the gradient left
-by backward is still a partial sum (``grad_sum``). :func:`shard` and :func:`unshard`
+by backward is still a partial sum (``grad_sum``), and, for a weight tied across pipeline
+stages (a language model's embedding on the first stage, its head on the last), the stage
+that holds the other copy (``pipe_peer``). :func:`shard` and :func:`unshard`
 follow a placement both ways; layers, checkpoints and the single-device twins use
 nothing else (docs/architecture.md, "Layouts").
 
@@ -52,6 +54,10 @@ class Placement:
 
     splits: tuple[Split, ...]
     grad_sum: tuple[str, ...]
+    # A copy on two pipeline stages (a tied weight): the other stage is this many stages along pipe. Their
+    # gradients are summed (par4d.optim.data_parallel); the earlier stage's copy (pipe_peer > 0) is the one
+    # norms count and checkpoints write. 0: on one stage only.
+    pipe_peer: int = 0
 
     def __post_init__(self) -> None:
         check_axes(self.grad_sum)
@@ -79,12 +85,13 @@ class Placement:
     def as_dict(self) -> dict:
         """A JSON-able record (checkpoints keep it: what resharding needs)."""
         return {"splits": [[s.dim, s.axis, s.chunks, s.stacked] for s in self.splits],
-                "grad_sum": list(self.grad_sum)}
+                "grad_sum": list(self.grad_sum), **({"pipe_peer": self.pipe_peer} if self.pipe_peer else {})}
 
     @classmethod
     def from_dict(cls, record: dict) -> Placement:
         """Inverse of :meth:`as_dict`."""
-        return cls(tuple(Split(*split) for split in record["splits"]), tuple(record["grad_sum"]))
+        return cls(tuple(Split(*split) for split in record["splits"]), tuple(record["grad_sum"]),
+                   record.get("pipe_peer", 0))
 
 
 def place(param: nn.Parameter, placement: Placement) -> nn.Parameter:

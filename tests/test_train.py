@@ -450,18 +450,24 @@ def test_mixed_precision_run_resumes_in_another_precision(tmp_path, capsys, pool
 
 
 def test_hugging_face_models_train_as_one_rank(tmp_path, capsys, pool4):
-    """`--model hf-gpt2` on x=2,z=2 and `--model hf-llama` on x=2,y=2, resumed on z=2,data=2:
-    the losses of the one-rank runs to fp32 rounding (par4d.parallelize inside the loop;
-    its checkpoint moves between grids like the GPT's). One rank runs in this process, 4 on the pool."""
+    """`--model hf-gpt2` on x=2,z=2 and on pipe=2,x=2 (its head tied to the embeddings on both stages) resumed
+    on x=2,z=2, and `--model hf-llama` on x=2,y=2, resumed on z=2,data=2: the losses of the one-rank runs to
+    fp32 rounding (par4d.parallelize inside the loop; its checkpoint moves between grids like the GPT's). One
+    rank runs in this process, 4 on the pool."""
     common = ["--n-layer", "2", "--n-embd", "32", "--n-head", "4", "--batch-size", "8", "--seq-len", "16",
               "--no-progress"]
-    runs = {name: tmp_path / name for name in ("gpt2-1", "gpt2-4", "llama-1", "llama-4")}
-    _alone(_checked("--model", "hf-gpt2", "--nproc", "1", *common, "--steps", "4", "--out", str(runs["gpt2-1"]),
+    runs = {name: tmp_path / name for name in ("gpt2-1", "gpt2-4", "gpt2-piped", "llama-1", "llama-4")}
+    _alone(_checked("--model", "hf-gpt2", "--nproc", "1", *common, "--steps", "6", "--out", str(runs["gpt2-1"]),
                     world=1))
     assert "hf-gpt2: Hugging Face's, made parallel by par4d.parallelize" in capsys.readouterr().out
     pool4.run(_train_in_pool, _checked("--model", "hf-gpt2", "--grid", "x=2,z=2", *common, "--steps", "4",
                                        "--out", str(runs["gpt2-4"]), world=4))
-    assert _losses(runs["gpt2-4"]) == pytest.approx(_losses(runs["gpt2-1"]), rel=1e-5)
+    assert _losses(runs["gpt2-4"]) == pytest.approx(_losses(runs["gpt2-1"])[:4], rel=1e-5)
+    pool4.run(_train_in_pool, _checked("--model", "hf-gpt2", "--grid", "pipe=2,x=2", *common, "--steps", "4",
+                                       "--out", str(runs["gpt2-piped"]), world=4))
+    pool4.run(_train_in_pool, _checked("--resume", str(runs["gpt2-piped"]), "--grid", "x=2,z=2", "--steps", "6",
+                                       "--no-progress", world=4))
+    assert _losses(runs["gpt2-piped"]) == pytest.approx(_losses(runs["gpt2-1"]), rel=1e-5)
     _alone(_checked("--model", "hf-llama", "--nproc", "1", *common, "--steps", "6", "--out", str(runs["llama-1"]),
                     world=1))
     pool4.run(_train_in_pool, _checked("--model", "hf-llama", "--grid", "x=2,y=2", *common, "--steps", "4",
@@ -488,9 +494,12 @@ def test_hugging_face_models_train_as_one_rank(tmp_path, capsys, pool4):
 
 
 def test_hugging_face_models_refuse_what_is_for_the_gpt(tmp_path, capsys):
-    assert main(["train", "--model", "hf-llama", "--grid", "pipe=2", "--nproc", "2", *SMALL,
+    assert main(["train", "--model", "hf-llama", "--grid", "pipe=4", "--nproc", "4", *SMALL, "--n-layer", "2",
                  "--out", str(tmp_path / "run")]) == 2
-    assert "--model hf-llama: --grid pipe=2 is for par4d's GPT (--model gpt)" in capsys.readouterr().err
+    assert "pipe=4: each stage needs at least one of the n_layer=2 blocks" in capsys.readouterr().err
+    assert main(["train", "--model", "hf-llama", "--mlp", "phantom", "--nproc", "1", *SMALL,
+                 "--out", str(tmp_path / "run")]) == 2
+    assert "--model hf-llama: --mlp phantom is for par4d's GPT (--model gpt)" in capsys.readouterr().err
     assert main(["train", "--model", "hf-llama", "--recompute", "2", "--nproc", "1", *SMALL, "--n-layer", "4",
                  "--out", str(tmp_path / "run")]) == 2
     assert "--recompute 2: a Hugging Face model recomputes each decoder layer on its own" in capsys.readouterr().err

@@ -36,12 +36,15 @@ from par4d.grid import Grid
 def initialize(model: nn.Module, twin: nn.Module, grid: Grid, seed: int) -> int:
     """Fill ``model`` (``twin`` made parallel on ``grid`` by ``par4d.parallelize``, on the meta device) with
     :func:`initial_state`'s values, a block at a time; ``twin``, the unparallelized model on the meta device,
-    is not changed. Returns the most bytes held whole at once (a block's)."""
+    is not changed; a pipeline stage of it (``par4d.auto.stages``) gets the values of the parameters it
+    holds, and the blocks of other stages are not made. Returns the most bytes held whole at once (a
+    block's)."""
     most = 0
+    held = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     with torch.random.fork_rng(devices=[]):   # the caller's generator state is left as it was
-        for values in _block_values(twin, seed):
+        for values in _block_values(twin, seed, held):
             most = max(most, sum(t.numel() * t.element_size() for t in values.values()))
-            fill_parameters(model, grid, values)
+            fill_parameters(model, grid, {name: t for name, t in values.items() if name in held})
     compute_buffers(model, grid)
     return most
 
@@ -61,8 +64,10 @@ def _seed(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1
 
 
-def _block_values(twin: nn.Module, seed: int) -> Iterator[dict[str, torch.Tensor]]:
-    """{name: whole value} of each block's (or lone module's) parameters, once each is initialised."""
+def _block_values(twin: nn.Module, seed: int, held: set[str] | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    """{name: whole value} of each block's (or lone module's) parameters, once each is initialised; blocks
+    with none of the parameters ``held`` (None: all) are skipped (each module's values depend on its name
+    alone, so the others' are the same)."""
     walked = copy.deepcopy(twin)
     for item in [*walked.modules(), *walked.parameters()]:
         if hasattr(item, "_is_hf_initialized"):
@@ -73,9 +78,14 @@ def _block_values(twin: nn.Module, seed: int) -> Iterator[dict[str, torch.Tensor
     canonical = {name: first.setdefault(id(p), name)    # since moving a module between devices makes new
                  for name, p in walked.named_parameters(remove_duplicate=False)}    # parameter objects
     done: set[str] = set()                    # parameters given already (tied ones keep their first values)
+    elsewhere = set() if held is None else {   # blocks of another pipeline stage
+        id(b) for b in blocks.values()
+        if not any(f"{names[id(b)]}.{n}" in held for n, _ in b.named_parameters(remove_duplicate=False))}
     entered = None
     for module, init in _post_order(walked):
         block = blocks.get(id(module))        # None: a module outside the blocks, made whole on its own
+        if id(block) in elsewhere:
+            continue
         if block is None:
             module.to_empty(device="cpu", recurse=False)
         elif block is not entered:

@@ -27,6 +27,36 @@ class LinearShape(NamedTuple):
     count: int
 
 
+def balanced_stages(costs: list[float], stages: int, first: float = 0.0, last: float = 0.0) -> list[range]:
+    """The blocks of each of ``stages`` pipeline stages: contiguous runs, at least one block each,
+    that minimise the largest stage's cost, block i costing ``costs[i]``, the first stage also
+    ``first`` (the embeddings) and the last also ``last`` (the head and the loss). Ties go to the
+    earliest boundary. Dynamic programming over (stages, blocks); each run's cost summed correctly
+    rounded (``math.fsum``), so equal costs tie exactly wherever the runs lie."""
+    n = len(costs)
+    if not 1 <= stages <= n:
+        raise ValueError(f"pipe={stages}: each stage needs at least one of the n_layer={n} blocks")
+    run = [[math.fsum(costs[j:m]) for m in range(n + 1)] for j in range(n + 1)]   # run[j][m]: blocks j .. m-1
+    # best[k][m]: the least possible largest-stage cost of the first m blocks in k stages
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for m in range(k, n + 1):
+            for j in range(k - 1, m):       # the last of these k stages holds blocks j .. m-1
+                cost = (run[j][m] + (first if k == 1 else 0.0)
+                        + (last if k == stages and m == n else 0.0))
+                worst = max(best[k - 1][j], cost)
+                if worst < best[k][m]:
+                    best[k][m], cut[k][m] = worst, j
+    bounds, m = [], n
+    for k in range(stages, 0, -1):
+        bounds.append(range(cut[k][m], m))
+        m = cut[k][m]
+    return bounds[::-1]
+
+
 @dataclass(frozen=True)
 class GPTConfig:
     """A GPT-2 style decoder: learned positions, pre-LN blocks, GELU MLP, untied head, no dropout.
@@ -139,23 +169,7 @@ class GPTConfig:
             raise ValueError(f"pipe={stages}: each stage needs at least one of the n_layer={self.n_layer} blocks")
         head = 3 * 2 * self.n_embd * self.vocab_size
         block = (self.flops_per_token() - head) / self.n_layer
-        # best[k][n]: the least possible largest-stage cost of the first n blocks in k stages
-        inf = float("inf")
-        best = [[inf] * (self.n_layer + 1) for _ in range(stages + 1)]
-        cut = [[0] * (self.n_layer + 1) for _ in range(stages + 1)]
-        best[0][0] = 0.0
-        for k in range(1, stages + 1):
-            for n in range(k, self.n_layer + 1):
-                for m in range(k - 1, n):   # the last of these k stages holds blocks m .. n-1
-                    cost = (n - m) * block + (head if k == stages and n == self.n_layer else 0)
-                    worst = max(best[k - 1][m], cost)
-                    if worst < best[k][n]:
-                        best[k][n], cut[k][n] = worst, m
-        bounds, n = [], self.n_layer
-        for k in range(stages, 0, -1):
-            bounds.append(range(cut[k][n], n))
-            n = cut[k][n]
-        return bounds[::-1]
+        return balanced_stages([block] * self.n_layer, stages, last=head)
 
     def grid_problem(self, sizes: dict[str, int]) -> str | None:
         """Why par4d's GPT cannot be built on grid ``sizes`` (axes x, y, z), or None.

@@ -6,7 +6,9 @@ partial over the axes in its :class:`~par4d.layout.Placement`'s ``grad_sum``. Th
 module sums the rest (bucketed: one all-reduce per group of axes and bucket, overlapped
 with backward when the overlap settings say so) and divides by the number of batch
 shards G_data * G_z, so every gradient equals the single-device gradient of the mean
-loss over the global batch.
+loss over the global batch. A weight tied across pipeline stages (``Placement.pipe_peer``: a
+language model's embedding on the first stage, its head on the last) then gets the other
+stage's gradient added, as autograd adds the two uses of one tensor.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
     from par4d.overlap.runtime import DeferredGrads
 
 BUCKET_BYTES = int(BUCKET_MB * 2**20)
+TIED_TAG = 4                 # point-to-point tag of tied weights' gradients (the pipeline's are 2 and 3)
 FIRST_BUCKET_BYTES = 2**20   # DDP's first bucket: the last layers' gradients start their sum early
 
 
@@ -92,6 +95,8 @@ class GradientSync:
                 # share buckets (and all-reduces) with the weights there, as in DDP.
                 grouped[tuple(a for a in placement.grad_sum if grid.size(a) > 1)].append(param)
         self.scale = 1.0 / grid.size("z", "data")
+        # Weights tied across pipeline stages: yielded last, once the other stage's gradient is added.
+        self.tied = [p for p in model.parameters() if p.requires_grad and placement_of(p).pipe_peer]
         self.scaled_only = grouped.pop((), [])
         self.groups = {axes: [_Bucket(b) for b in _buckets(ps, bucket_bytes)] for axes, ps in sorted(grouped.items())}
         self._armed = False
@@ -194,7 +199,8 @@ class GradientSync:
             for param in self.scaled_only:
                 if param.grad is not None:
                     param.grad.mul_(self.scale)
-        done = [p for p in self.scaled_only if p.grad is not None]
+        tied = {id(p) for p in self.tied}
+        done = [p for p in self.scaled_only if p.grad is not None and id(p) not in tied]
         if done:
             yield done
         for buckets in self.groups.values():
@@ -204,11 +210,29 @@ class GradientSync:
                     bucket.flat.mul_(self.scale)
                     for grad, synced in zip(bucket.grads, _unflatten_dense_tensors(bucket.flat, bucket.grads)):
                         grad.copy_(synced)
-                done = [p for p in bucket.params if p.grad is not None]
+                done = [p for p in bucket.params if p.grad is not None and id(p) not in tied]
                 bucket.ready.clear()
                 bucket.flat, bucket.grads, bucket.handle = None, [], None
                 if done:
                     yield done
+        if self.tied:
+            yield self._add_across_stages()
+
+    def _add_across_stages(self) -> list[nn.Parameter]:
+        """Each weight tied across pipeline stages, its gradient plus the other stage's copy's: a + b on
+        one stage, b + a on the other, the same bits (both copies then step alike)."""
+        for param in self.tied:
+            if param.grad is None:          # unused on this stage this step: its share is zero
+                param.grad = torch.zeros_like(param)
+        received = [torch.empty_like(p.grad) for p in self.tied]
+        handles = [comm.send(self.grid, p.grad, "pipe", placement_of(p).pipe_peer, TIED_TAG) for p in self.tied]
+        handles += [comm.recv(self.grid, r, "pipe", placement_of(p).pipe_peer, TIED_TAG)
+                    for p, r in zip(self.tied, received)]
+        for handle in handles:
+            handle.wait()
+        for param, other in zip(self.tied, received):
+            param.grad.add_(other)
+        return self.tied
 
 
 def gradient_sync(model: nn.Module, grid: Grid) -> GradientSync:
@@ -257,15 +281,17 @@ def grad_norm(model: nn.Module, grid: Grid) -> torch.Tensor:
     """The global 2-norm of the model's gradients (float64, shape (1,)), each shard counted
     once: a gradient replicated over tensor axes (x, y, z) it is not sharded on is divided by
     that replication, the sum of squares all-reduced over (x, y, z), then over the pipeline's
-    stages; data replicas are identical. Half gradients are summed in fp32 (no overflow)."""
+    stages (a weight tied across stages counted on the earlier one); data replicas are identical.
+    Half gradients are summed in fp32 (no overflow)."""
     total = torch.zeros(1, dtype=torch.float64, device=grid.device)
     for name, param in model.named_parameters():
         placement = _placement(name, param)
-        if param.grad is None:
+        if param.grad is None or placement.pipe_peer < 0:
             continue
         copies = grid.size(*[a for a in TENSOR_AXES if a not in placement.sharded])
         # The shard's norm without a float64 copy of the gradient, summed in float64.
-        total += torch.linalg.vector_norm(param.grad, dtype=torch.float32).double().square() / copies
+        wide = torch.promote_types(param.grad.dtype, torch.float32)    # half in fp32; float64 kept
+        total += torch.linalg.vector_norm(param.grad, dtype=wide).double().square() / copies
     comm.all_reduce(grid, total, "x", "y", "z")
     comm.all_reduce(grid, total, "pipe")        # each stage holds its own layers
     return total.sqrt()

@@ -43,7 +43,7 @@ import math
 import os
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -117,8 +117,10 @@ def _coords(grid: Grid) -> dict[str, int]:
 
 def _owns(grid: Grid, placement: Placement) -> bool:
     """Whether this rank writes its piece: it is coordinate 0 of every axis the piece is copied
-    over (pipe is not one: a parameter lives on one pipeline stage only)."""
-    return all(grid.coord(a) == 0 for a in AXES if a not in placement.sharded and a != "pipe")
+    over (pipe is not one: a parameter lives on one pipeline stage, but for a weight tied across
+    stages, which the earlier stage's copy writes)."""
+    return placement.pipe_peer >= 0 and all(grid.coord(a) == 0 for a in AXES
+                                            if a not in placement.sharded and a != "pipe")
 
 
 def _tensors(grid: Grid, model: nn.Module, optimizer: torch.optim.Optimizer):
@@ -133,8 +135,8 @@ def _tensors(grid: Grid, model: nn.Module, optimizer: torch.optim.Optimizer):
             value = optimizer.state.get(param, {}).get(slot)
             if value is None:
                 continue
-            if slot == "step":
-                yield f"optim/{name}/{slot}", value, WHOLE, ()
+            if slot == "step":               # (a weight tied across stages: written by the earlier one)
+                yield f"optim/{name}/{slot}", value, replace(WHOLE, pipe_peer=placement.pipe_peer), ()
             else:
                 yield f"optim/{name}/{slot}", value, placement, full
     for name, buffer in _buffers(model):

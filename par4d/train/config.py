@@ -75,7 +75,8 @@ class TrainConfig:
         if self.model not in MODELS:
             raise ValueError(f"--model {self.model!r}: give one of {', '.join(MODELS)}")
         if self.model != "gpt":
-            given = [flag for flag, on in ((f"--grid pipe={self.grid.get('pipe', 1)}", self.grid.get("pipe", 1) > 1),
+            given = [flag for flag, on in ((f"--grid pipe={self.grid.get('pipe', 1)}",
+                                             self.grid.get("pipe", 1) > 1 and self.model == "unet"),
                                             (f"--mlp {self.mlp}", self.mlp != "dense"),
                                             (f"--recompute {self.recompute}",
                                              self.recompute != "none" and self.model == "unet"),
@@ -83,7 +84,7 @@ class TrainConfig:
                                              self.init_from is not None and self.model == "unet")) if on]
             if given:
                 which = ("the U-Net trains without a pipeline, phantom MLPs, recomputation or --init-from"
-                         if self.model == "unet" else "a Hugging Face model trains without a pipeline or phantom MLPs")
+                         if self.model == "unet" else "a Hugging Face model trains without phantom MLPs")
                 raise ValueError(f"--model {self.model}: {given[0]} is for par4d's GPT (--model gpt); {which}")
         if self.model == "unet":
             self._check_unet()

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from par4d.auto import load_safetensors, parallelize
 from par4d.auto.init import initialize
+from par4d.auto.stages import Stage, cut_stage, tie_across_stages
 from par4d.grid import Grid
 from par4d.models import GPT, GPTConfig, ReferenceGPT, UNet
 from par4d.overlap import Overlap, set_overlap
@@ -40,15 +41,37 @@ class CausalLM(nn.Module):
     """A Hugging Face causal language model as the training loop calls a model:
     ``forward(idx, targets)`` is the mean cross-entropy over this rank's tokens (``targets``
     are already the next tokens), without targets the logits. ``flops_per_token`` and
-    ``num_params`` are the whole model's (counted before it was parallelized)."""
+    ``num_params`` are the whole model's (counted before it was parallelized).
 
-    def __init__(self, lm: nn.Module, flops_per_token: float, num_params: int):
+    On a grid with pipe > 1, ``lm`` is this rank's stage (:mod:`par4d.auto.stages`) and the pipeline
+    runs it (``stage_forward``, ``stream_shape``, ``first``, ``last``: as par4d's GPT)."""
+
+    def __init__(self, lm: nn.Module, flops_per_token: float, num_params: int, stage: Stage | None = None):
         super().__init__()
         self.lm, self.flops_per_token, self.num_params = lm, flops_per_token, num_params
+        self.stage = stage or Stage(0, 1, range(lm.config.num_hidden_layers))
+        self.first, self.last = self.stage.first, self.stage.last
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        logits = self.lm(input_ids=idx, use_cache=False).logits     # training: no key/value cache
+        if not (self.first and self.last):
+            raise ValueError(f"this model is pipeline stage {self.stage.index} of {self.stage.stages}: train it "
+                             f"with par4d.train.step.train_step (the pipeline runs its stages)")
+        return self.stage_forward(idx, targets)
+
+    def stage_forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """This stage's part of the forward: token ids in on the first stage, else the residual stream from
+        the stage before (whole features); the stream out, or on the last stage the logits or, with
+        ``targets``, the mean cross-entropy over its tokens."""
+        given = {"input_ids": inputs} if self.first else {"inputs_embeds": inputs}
+        if not self.last:                   # its final norm is the identity (par4d.auto.stages)
+            return self.lm.base_model(**given, use_cache=False).last_hidden_state
+        logits = self.lm(**given, use_cache=False).logits     # training: no key/value cache
         return logits if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def stream_shape(self, rows: int, seq: int) -> tuple[tuple[int, ...], torch.dtype]:
+        """The residual stream between stages for ``rows`` sequences of ``seq`` tokens: whole features on
+        every rank of a stage (norms over them are whole), in the parameters' dtype."""
+        return (rows, seq, self.lm.config.hidden_size), next(self.parameters()).dtype
 
 
 def hf_model_config(config: TrainConfig):
@@ -119,7 +142,7 @@ def build_model(config: TrainConfig, grid: Grid) -> nn.Module:
         return build_gpt(config.model_config(), grid, config.recompute_every(), settings)
     if config.model == "unet":
         return UNet(config.model_config(), grid=grid, overlap=settings)
-    model = set_overlap(_hf_model(config, grid), settings)
+    model = set_overlap(_hf_model(config, grid), config.overlap_run())
     if config.recompute_every():            # every decoder layer, its gathered weights cached by the runtime (cache)
         runtime = model.par4d_runtime
         context = {"context_fn": runtime.gathers.checkpoint_contexts} if runtime is not None else {}
@@ -138,9 +161,12 @@ def _hf_model(config: TrainConfig, grid: Grid) -> CausalLM:
     attention = config.model_config().attention_flops_per_token(recompute=False)
     flops = 6 * _linear_weights(twin) + attention
     params = sum(p.numel() for p in twin.parameters())
-    lm = parallelize(copy.deepcopy(twin), grid)
+    lm = copy.deepcopy(twin)
+    stage = cut_stage(lm, grid)             # pipe > 1: this rank's decoder layers, names kept
+    lm = parallelize(lm, grid)
+    tie_across_stages(lm, stage)            # a head tied to the embeddings, on the first and last stage
     if grid.device.type != "meta" and config.init_from is not None and not config.resume:
         load_safetensors(lm, config.init_from, grid)
     elif grid.device.type != "meta":        # (a resume's checkpoint overwrites these values next)
         initialize(lm, twin, grid, config.seed)
-    return CausalLM(lm, flops, params)
+    return CausalLM(lm, flops, params, stage)
