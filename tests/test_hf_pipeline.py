@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import par4d
-from par4d.grid import Grid
 from par4d.auto.stages import Absent, Elsewhere, cut_stage, stage_layers, tie_across_stages
+from par4d.grid import Grid
 from par4d.layout import placement_of, shard_batch
 from par4d.nn import full_state_dict
 from par4d.optim.data_parallel import global_mean, grad_norm, sync_gradients
@@ -138,4 +138,5 @@ def test_a_stage_keeps_names_and_replaces_what_lives_elsewhere():
     assert isinstance(lm.model.embed_tokens, Absent)
     with pytest.raises(RuntimeError, match="model.embed_tokens lives on pipeline stage 0"):
         lm.model.embed_tokens(torch.zeros(1, dtype=torch.long))
-    assert sorted(n.split(".")[2] for n, _ in lm.named_parameters() if n.startswith("model.layers")) == ["2"] * 9 + ["3"] * 9
+    layers = sorted(n.split(".")[2] for n, _ in lm.named_parameters() if n.startswith("model.layers"))
+    assert layers == ["2"] * 9 + ["3"] * 9
