@@ -154,14 +154,16 @@ LLAMA_GRIDS = [dict(x=2, z=2), dict(x=2, y=2), dict(y=2, data=2)]
 @pytest.mark.parametrize("sizes", LLAMA_GRIDS, ids=["x2z2", "x2y2", "y2d2"])
 def test_llama_4_ranks(pool4, sizes):
     """Attention's heads split over x (4 query and 2 key/value heads: grouped-query attention),
-    the gated MLP a pair, the embeddings sharded, the norms whole."""
+    the gated MLP a pair, the embeddings sharded; the norms whole, or where y > 1 split over y with the
+    residual stream (par4d.auto.stream)."""
     plan = dict(_check(pool4.run(_matches, sizes, "llama"))["plan"])
     layer = "model.layers.0"
     assert {plan[f"{layer}.self_attn.{n}"] for n in ("q_proj", "k_proj", "v_proj")} == {"normal"}
     assert plan[f"{layer}.self_attn.o_proj"] == "transposed"
     assert plan[f"{layer}.mlp.gate_proj"] == plan[f"{layer}.mlp.up_proj"] == "normal"
     assert plan[f"{layer}.mlp.down_proj"] == "transposed" and plan["lm_head"] == "normal"
-    assert plan["model.embed_tokens"] == "normal" and plan[f"{layer}.input_layernorm"] == "replicated"
+    norms = "sharded" if sizes.get("y", 1) > 1 else "replicated"
+    assert plan["model.embed_tokens"] == "normal" and plan[f"{layer}.input_layernorm"] == plan["model.norm"] == norms
 
 
 @pytest.mark.parametrize("sizes", LLAMA_GRIDS, ids=["x2z2", "x2y2", "y2d2"])
@@ -173,6 +175,8 @@ def test_gpt2_4_ranks(pool4, sizes):
     assert plan["transformer.h.0.mlp.c_fc"] == "normal" and plan["transformer.h.0.mlp.c_proj"] == "transposed"
     assert plan["transformer.h.0.attn.c_attn"] == "normal" and plan["transformer.h.0.attn.c_proj"] == "transposed"
     assert plan["lm_head"] == plan["transformer.wte"] == "replicated" and plan["transformer.wpe"] == "normal"
+    norms = "sharded" if sizes.get("y", 1) > 1 else "replicated"
+    assert plan["transformer.h.0.ln_1"] == plan["transformer.ln_f"] == norms
 
 
 @pytest.mark.parametrize("sizes", [dict(x=2, z=2), dict(y=2, data=2)], ids=["x2z2", "y2d2"])
@@ -223,6 +227,52 @@ def test_the_plan_counts_every_collective_of_a_step(pool8, which):
     what one training step moved on x=2,y=2,z=2 (where every collective of Algorithm 1 runs)."""
     for r in pool8.run(_counted, dict(x=2, y=2, z=2), which):
         assert r["planned"] == r["measured"] and r["measured"], r
+
+
+def _gathered_over_y(sizes: dict, which: str, shard_stream: bool) -> dict:
+    """Elements one step all-gathers over y on this rank, and how many parts the stream is cut in."""
+    grid = cases.grid(**sizes)
+    model = par4d.parallelize({"llama": _llama, "gpt2": _gpt2}[which](), grid, shard_stream=shard_stream)
+    x, y = _llama_batch(torch.Generator().manual_seed(1))
+    with grid.ledger.capture() as entries:
+        _run(model, shard_batch(grid, x), shard_batch(grid, y)).backward()
+    return {"y": sum(e.elements for e in entries if e.kind == "all_gather" and e.axes == ("y",)),
+            "stream": model.par4d_stream}
+
+
+def test_the_residual_stream_is_sharded_over_y(pool4):
+    """On x=2,y=2 the stream between blocks is features over y, as par4d's GPT's: the Llama never
+    all-gathers over y in a step (RMSNorm all-reduces its sums of squares); GPT-2's whole (tied) embedding
+    and head gather its 8 x 6 x 32 / 2 stream blocks once each (the embedding's gradient, the head's
+    input), and each of its 5 LayerNorms gathers (mean, M2) of 48 rows. Kept whole, both gather more."""
+    for which, gathered in (("llama", 0), ("gpt2", 2 * 8 * 6 * 32 // 2 + 5 * 2 * 48)):
+        for r in pool4.run(_gathered_over_y, dict(x=2, y=2), which, True):
+            assert r == {"y": gathered, "stream": 2}, (which, r)
+        for r in pool4.run(_gathered_over_y, dict(x=2, y=2), which, False):
+            assert r["stream"] == 1 and r["y"] > gathered, (which, r)
+
+
+def test_the_stream_stays_whole_where_par4d_does_not_know_every_use_of_it():
+    from par4d.auto.stream import stream_problem
+
+    grid = par4d.Grid.virtual({"x": 2, "y": 2, "z": 1})
+
+    def built(**kwargs):
+        with torch.device("meta"):
+            return par4d.parallelize(_llama(), grid, **kwargs)
+
+    kinds = {t.name: t.kind for t in built().par4d_plan}
+    assert built().par4d_stream == 2 and kinds["model.norm"] == kinds["model.layers.1.input_layernorm"] == "sharded"
+    forced = built(force={"model.layers.0.mlp.down_proj": "replicated"})
+    assert forced.par4d_stream == 1 and {t.name: t.kind for t in forced.par4d_plan}["model.norm"] == "replicated"
+    assert built(shard_stream=False).par4d_stream == 1
+    assert par4d.parallelize(_Plain(), grid).par4d_stream == 1           # not a model par4d knows the stream of
+    with torch.device("meta"):
+        lm = _llama()
+    layers = [(n, m) for n, m in lm.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
+    assert stream_problem(lm, par4d.Grid.virtual({"x": 2, "y": 1, "z": 1}), layers, set(), False).startswith("y=1")
+    assert stream_problem(lm, grid, layers, set(), False) == ("model.layers.0.self_attn.q_proj is a lone layer "
+                                                              "inside a block (whole features in and out)")
 
 
 def test_bad_input_is_named():

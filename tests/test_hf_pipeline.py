@@ -81,7 +81,8 @@ def _matches(sizes: dict, which: str, microbatches: int) -> dict:
                 if n in mine and not torch.allclose(after[n], p, rtol=1e-5, atol=1e-5)]
         peers = {n: placement_of(p).pipe_peer for n, p in model.lm.named_parameters() if placement_of(p).pipe_peer}
         return {"stage": grid.coord("pipe"), "mine": sorted(mine), "far": far, "norms": norms,
-                "layers": list(model.stage.layers), "order": stats.order, "peers": peers}
+                "layers": list(model.stage.layers), "order": stats.order, "peers": peers,
+                "width": model.stream_shape(1, 1)[0][-1]}
 
 
 def _check(results: list[dict], which: str) -> None:
@@ -109,6 +110,7 @@ def test_pipe2_x2_z2(pool8, which):
 def test_4_ranks(pool4, sizes, which):
     results = pool4.run(_matches, sizes, which, 2)
     _check(results, "llama" if which == "llama-tied" else which)
+    assert {r["width"] for r in results} == {32 // sizes.get("y", 1)}    # the stream between stages: over y
     if which == "llama-tied":             # the middle stages hold neither the embedding nor the head
         held = {r["stage"]: r["mine"] for r in results}
         assert not any("embed" in n or "lm_head" in n for s in (1, 2) for n in held[s])

@@ -21,6 +21,7 @@ from torch.func import functional_call
 from par4d.layout import placement_of
 from par4d.ledger import ring_terms
 from par4d.nn.embedding import Embedding
+from par4d.nn.norm import LayerNorm
 
 Message = tuple[str, tuple[str, ...], int]
 """(collective, grid axes, per-rank elements)."""
@@ -90,7 +91,7 @@ def layer_messages(layer: nn.Module, seen: Seen, sizes: dict[str, int]) -> list[
     if isinstance(layer, Embedding):
         if sizes["y"] * sizes["z"] > 1:
             add("all_gather", "z", w)
-            add("all_gather", "y", seen.out_elements / (rows * sizes["y"]))
+            add("all_gather", "y", seen.out_elements / (rows * sizes["y"]), layer.output_layout == "whole")
             add("reduce_scatter", "z", w * sizes["z"], grad_w)
         return out
     g_in, g_out = sizes[layer.in_axis], sizes[layer.out_axis]
@@ -104,6 +105,19 @@ def layer_messages(layer: nn.Module, seen: Seen, sizes: dict[str, int]) -> list[
     add("all_gather", layer.in_axis, local_in, seen.input_grad and layer.input_layout == "whole")
     add("reduce_scatter", "z", w * sizes["z"], grad_w)                              # dŴ
     return out
+
+
+def norm_messages(norm: nn.Module, seen: Seen, sizes: dict[str, int]) -> list[Message]:
+    """The collectives of one step of a par4d norm over features split over its axis, per row of this
+    rank's input: an RMSNorm all-reduces a sum of squares in forward and its gradient in backward; a
+    LayerNorm all-gathers (mean, M2) in forward and all-reduces two sums in backward."""
+    if sizes[norm.axis] == 1:
+        return []
+    rows = sizes["data"] * sizes["z"] if seen.per_sample else 1
+    n = seen.in_elements // (rows * norm.dim)           # this rank's rows (tokens)
+    if isinstance(norm, LayerNorm):
+        return [("all_gather", (norm.axis,), 2 * n), ("all_reduce", (norm.axis,), 2 * n)]
+    return [("all_reduce", (norm.axis,), n)] + ([("all_reduce", (norm.axis,), n)] if seen.input_grad else [])
 
 
 def sync_messages(model: nn.Module, sizes: dict[str, int]) -> list[Message]:

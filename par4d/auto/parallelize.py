@@ -10,10 +10,12 @@ stays whole on every rank (replicated: its gradient is summed over the batch's a
 and data), and so does a layer whose weight is tied to another parameter (the plan says
 so). Samples are split over z and data as for par4d's own GPT (``layout.shard_batch``).
 
-Activations between blocks this module does not recognise are whole (every feature on
-every rank of x and y), which is correct for any model: a lone layer cuts its input's
-features for its in-axis (free) and all-gathers its output's over its out-axis
-(``input_layout`` / ``output_layout="whole"``); norms over features therefore stay whole, and batch
+Activations between blocks are whole (every feature on every rank of x and y), which is correct
+for any model: a lone layer cuts its input's features for its in-axis (free) and all-gathers its
+output's over its out-axis (``input_layout`` / ``output_layout="whole"``); norms over features
+therefore stay whole. The exception is the residual stream of a causal language model whose every use
+par4d knows (Llama, Mistral, Qwen2, GPT-2) on a grid with y > 1: there the stream is sharded over y
+between blocks, as in par4d's GPT, and its norms are par4d's (:mod:`par4d.auto.stream`). Batch
 norms become :class:`par4d.nn.BatchNorm` where samples are split (z*data > 1), whose statistics
 are all-reduced over z and data (the whole batch's, running ones included). Inside
 a recognised block activations stay sharded, as in the 4D paper's transposed
@@ -31,20 +33,18 @@ A block with a layer forced or tied to another treatment is made of lone layers.
 
 The overlaps (``par4d.overlap.set_overlap``) reach these layers as they reach par4d's own:
 they are par4d's own.
-
-Not yet (docs/architecture.md): norms on sharded activations (the residual stream stays
-whole).
 """
 
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
 
-from par4d.auto.messages import Message, bytes_sent, layer_messages, record, sync_messages
+from par4d.auto.messages import Message, bytes_sent, layer_messages, norm_messages, record, sync_messages
+from par4d.auto.stream import gather_input, is_norm, split_output, stream_norm, stream_problem
 from par4d.grid import Grid
 from par4d.layout import Placement, place, placement_of
 from par4d.nn.batchnorm import BATCH_AXES, BatchNorm
@@ -63,6 +63,8 @@ ATTENTION = {name: (("q_proj", "k_proj", "v_proj"), "o_proj") for name in ("Llam
 ATTENTION["GPT2Attention"] = (("c_attn",), "c_proj")
 REPLICATED = Placement((), grad_sum=("z", "data"))
 NORM_WHY = "a norm over features, which are whole between blocks: kept whole (its gradient summed over z and data)"
+STREAM_NORM_WHY = ("a norm over the residual stream, whose features are split over y between blocks: its weight "
+                   "split so, its statistics summed over y")
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,7 @@ class Treatment:
     """One layer of the plan: its name, what it became and why."""
 
     name: str
-    kind: str          # normal, transposed or replicated
+    kind: str          # normal, transposed or replicated; sharded: a norm over the stream's features over y
     why: str
     shard: tuple[int, ...] | None = None
     messages: tuple[Message, ...] = ()    # its collectives in one step (given an example batch)
@@ -87,13 +89,13 @@ def _sizes(module: nn.Module) -> tuple[int, int]:
     return module.weight.shape[0], module.weight.shape[1]
 
 
-def _embedding(module: nn.Embedding, name: str, grid: Grid) -> Embedding:
+def _embedding(module: nn.Embedding, name: str, grid: Grid, output_layout: str) -> Embedding:
     odd = [f"{k}={getattr(module, k)}" for k in ("max_norm", "scale_grad_by_freq", "sparse") if getattr(module, k)]
     if odd:
         raise ValueError(f"parallelize: {name} is nn.Embedding({', '.join(odd)}), which par4d's Embedding does not "
                          f"do (force it replicated to keep it whole)")
     return Embedding(module.num_embeddings, module.embedding_dim, grid=grid, name=name, initialize=False,
-                     output_layout="whole", padding_idx=module.padding_idx)
+                     output_layout=output_layout, padding_idx=module.padding_idx)
 
 
 def _layouts(role: Role | None) -> dict[str, str]:
@@ -207,16 +209,30 @@ def _decide(name: str, module: nn.Module, roles: dict[str, Role], force: dict[st
     return "normal", "a lone layer: whole features in and out"
 
 
-def _replacement(module: nn.Module, name: str, kind: str, role: Role | None, grid: Grid) -> nn.Module:
-    """The par4d layer standing for ``module`` (its values are loaded next)."""
+def _replacement(module: nn.Module, name: str, kind: str, role: Role | None, grid: Grid, stream: bool) -> nn.Module:
+    """The par4d layer standing for ``module`` (its values are loaded next). ``stream``: the residual
+    stream is sharded over y, so embeddings write it so and a lone layer (the head) reads it so."""
     if isinstance(module, nn.Conv2d):
         return _conv2d(module, name, kind, role, grid)
     if isinstance(module, nn.Embedding):
-        return _embedding(module, name, grid)
+        return _embedding(module, name, grid, "sharded" if stream else "whole")
     in_features, out_features = _sizes(module)
+    layouts = _layouts(role)
+    if stream and role is None:
+        layouts["input_layout"] = "sharded"
     return Linear(in_features, out_features, module.bias is not None, kind == "transposed", grid=grid,
-                  out_chunks=role.chunks if role else 1, name=name, initialize=False, **_layouts(role),
+                  out_chunks=role.chunks if role else 1, name=name, initialize=False, **layouts,
                   weight_layout="out_in" if isinstance(module, nn.Linear) else "in_out")
+
+
+def _streamed(role: Role) -> Role:
+    """A block's role when the residual stream is sharded over y: its first layers (normal) take the
+    stream's features over y as they are, its last (transposed) leave theirs over y."""
+    if role.kind == "normal" and not role.sharded_in:
+        return replace(role, sharded_in=True)
+    if role.kind == "transposed" and not role.sharded_out:
+        return replace(role, sharded_out=True)
+    return role
 
 
 def _batch_norms(model: nn.Module, grid: Grid, counted: bool) -> list[Treatment]:
@@ -249,10 +265,6 @@ def _batch_norms(model: nn.Module, grid: Grid, counted: bool) -> list[Treatment]
     return rows
 
 
-def _is_norm(module: nn.Module) -> bool:
-    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
-
-
 def _forced(name: str, force: dict[str, str]) -> str | None:
     hits = [kind for pattern, kind in force.items() if fnmatch.fnmatchcase(name, pattern)]
     return hits[-1] if hits else None
@@ -260,7 +272,7 @@ def _forced(name: str, force: dict[str, str]) -> str | None:
 
 @torch.no_grad()
 def parallelize(model: nn.Module, grid: Grid, *, force: dict[str, str] | None = None,
-                example: tuple | dict | None = None, report: bool = False) -> nn.Module:
+                example: tuple | dict | None = None, report: bool = False, shard_stream: bool = True) -> nn.Module:
     """Replace ``model``'s ``nn.Linear`` layers (in place) by par4d's, keeping names and values;
     returns the model, whose ``par4d_plan`` lists every layer's :class:`Treatment`.
 
@@ -269,8 +281,10 @@ def parallelize(model: nn.Module, grid: Grid, *, force: dict[str, str] | None = 
     ``example``: the inputs of one step's whole batch, ``model(*example)`` or
     ``model(**example)`` (meta tensors will do): the plan then has each layer's collectives
     per step (:mod:`par4d.auto.messages`), and ``model.par4d_sync`` the data-parallel sums.
-    ``report``: print the plan. A layer whose sizes the grid does not divide raises, naming
-    the layer and the numbers (force it ``replicated`` to keep it whole)."""
+    ``report``: print the plan. ``shard_stream``: shard the residual stream over y where par4d knows
+    every use of it (:mod:`par4d.auto.stream`; False: keep it whole, the plan's ``par4d_stream`` is 1).
+    A layer whose sizes the grid does not divide raises, naming the layer and the numbers (force it
+    ``replicated`` to keep it whole)."""
     force = dict(force or {})
     bad = [k for k in force.values() if k not in TREATMENTS]
     if bad:
@@ -289,14 +303,27 @@ def parallelize(model: nn.Module, grid: Grid, *, force: dict[str, str] | None = 
             del roles[name]
             if decided[name][1] == role.why:
                 decided[name] = ("normal", f"a lone layer: {broken[0]} of its block is {decided[broken[0]][0]}")
-    seen = record(model, [n for n, _ in layers], example) if example is not None else {}
+    in_blocks = {name for name, role in roles.items() if role.block}
+    forced = any(why == "forced" for _, why in decided.values())
+    stream = shard_stream and stream_problem(model, grid, layers, in_blocks, forced) is None   # over y between blocks
+    if stream:
+        roles = {name: _streamed(role) for name, role in roles.items()}
+    norms = [(n, m) for n, m in model.named_modules() if is_norm(m)]
+    seen = record(model, [n for n, _ in layers + norms], example) if example is not None else {}
     plan: list[Treatment] = []
     for name, module in layers:
         kind, why = decided[name]
         if kind == "replicated":
-            plan.append(Treatment(name, kind, why))
+            messages = ()
+            if stream and isinstance(module, nn.Embedding):      # whole here, its block of features kept
+                split_output(module, grid)
+                messages = _hook_messages("split", module, seen.get(name), grid.sizes)
+            elif stream:                                         # a head whole here reads the stream gathered
+                gather_input(module, grid)
+                messages = _hook_messages("gather", module, seen.get(name), grid.sizes)
+            plan.append(Treatment(name, kind, why, messages=messages))
             continue
-        layer = _replacement(module, name, kind, roles.get(name), grid)
+        layer = _replacement(module, name, kind, roles.get(name), grid, stream)
         state = dict(module.named_parameters(recurse=False))
         if not module.weight.is_meta:          # on the meta device: its shards are loaded next (load_safetensors)
             layer.load_full_state({k: v.detach().to(layer.weight.device, layer.weight.dtype) for k, v in state.items()})
@@ -308,16 +335,37 @@ def parallelize(model: nn.Module, grid: Grid, *, force: dict[str, str] | None = 
     for role in roles.values():
         for module, attribute, value in role.sets:
             setattr(module, attribute, value)
-    plan += [Treatment(name, "replicated", NORM_WHY) for name, module in model.named_modules() if _is_norm(module)]
+    for name, module in norms:
+        if not stream:
+            plan.append(Treatment(name, "replicated", NORM_WHY))
+            continue
+        norm = stream_norm(module, name, grid)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, norm)
+        messages = tuple(norm_messages(norm, seen[name], grid.sizes)) if seen else ()
+        plan.append(Treatment(name, "sharded", STREAM_NORM_WHY, tuple(norm.weight.shape), messages))
     plan += batch_norms
     for param in model.parameters():
         if placement_of(param) is None:        # whole on every rank: its gradient is summed over z and data
             place(param, REPLICATED)
     model.par4d_plan = plan
+    model.par4d_stream = grid.size("y") if stream else 1     # the residual stream's features cut in this many
     model.par4d_sync = tuple(sync_messages(model, grid.sizes)) if seen else ()
     if report:
         print(plan_table(plan, model.par4d_sync, grid.sizes, counted=bool(seen)))
     return model
+
+
+def _hook_messages(which: str, module: nn.Module, seen, sizes: dict[str, int]) -> tuple[Message, ...]:
+    """The all-gather over y a replicated embedding's output (``split``: in backward, if it trains) or a
+    replicated head's input (``gather``: in forward) costs where the stream is sharded."""
+    if seen is None:
+        return ()
+    rows = sizes["data"] * sizes["z"] if seen.per_sample else 1
+    if which == "split":
+        return (("all_gather", ("y",), seen.out_elements // (rows * sizes["y"])),) if module.weight.requires_grad \
+            else ()
+    return (("all_gather", ("y",), seen.in_elements // (rows * sizes["y"])),)
 
 
 def plan_table(plan: list[Treatment], sync: tuple[Message, ...], sizes: dict[str, int], counted: bool) -> str:

@@ -52,3 +52,17 @@ class GatherFeatures(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_full: torch.Tensor):
         return shard_features(ctx.grid, grad_full, ctx.axis).contiguous(), None, None
+
+
+class SumOver(torch.autograd.Function):
+    """all-reduce over ``axis`` in forward, all-reduce over ``axis`` in backward (every rank's result
+    depends on every rank's input: each input's gradient sums what all the results gave back)."""
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, grid: Grid, axis: str) -> torch.Tensor:
+        ctx.grid, ctx.axis = grid, axis
+        return comm.all_reduce(grid, partial.clone(), axis)
+
+    @staticmethod
+    def backward(ctx, grad_sum: torch.Tensor):
+        return comm.all_reduce(ctx.grid, grad_sum.clone(), ctx.axis), None, None

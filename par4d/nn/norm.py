@@ -1,10 +1,14 @@
-"""LayerNorm over a hidden dimension that is split over a grid axis.
+"""LayerNorm and RMSNorm over a hidden dimension that is split over a grid axis.
 
 Forward all-gathers each rank's per-row ``[mean, M2]`` (M2 = sum of squared
 deviations from the local mean) over that axis and merges them exactly (Chan et
 al.'s parallel variance), which stays accurate when the mean is large, unlike
 ``E[x^2] - E[x]^2``. Backward all-reduces ``[sum g, sum g x̂]`` (g = dL/dx̂). The
 result equals ``torch.nn.LayerNorm`` on the full rows.
+
+RMSNorm (Llama's, Mistral's, Qwen2's) all-reduces each row's sum of squares over the axis
+(:class:`par4d.nn.collectives.SumOver`, whose backward all-reduces that sum's gradient); the rest is
+elementwise on the local block, so autograd differentiates it.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from par4d import comm
 from par4d.grid import Grid
 from par4d.layout import Placement, Split, place
 from par4d.nn.base import ShardedModule
+from par4d.nn.collectives import SumOver
 
 
 class _ShardedLayerNorm(torch.autograd.Function):
@@ -68,3 +73,23 @@ class LayerNorm(ShardedModule):
         if self.grid.size(self.axis) == 1:     # the whole row here: PyTorch's fused kernel
             return F.layer_norm(x, (self.dim,), self.weight, self.bias, self.eps)
         return _ShardedLayerNorm.apply(x, self.weight, self.bias, self.grid, self.axis, self.dim, self.eps)
+
+
+class RMSNorm(ShardedModule):
+    """Llama's RMSNorm (``x / sqrt(mean(x^2) + eps)`` in fp32, float64 kept, cast back to ``x``'s dtype,
+    times the weight) on activations whose last dim is split over ``axis``."""
+
+    def __init__(self, dim: int, *, grid: Grid, axis: str = "y", eps: float = 1e-6, name: str = "RMSNorm"):
+        super().__init__()
+        if dim % grid.size(axis):
+            raise ValueError(f"{name}(dim={dim}): dim is not divisible by {axis}={grid.size(axis)}")
+        self.grid, self.axis, self.dim, self.eps = grid, axis, dim, eps
+        placement = Placement((Split(0, axis),), grad_sum=("z", "data"))   # replicated over z: partial there
+        self.weight = place(nn.Parameter(torch.ones(dim // grid.size(axis), device=grid.device)), placement)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        squares = xf.square().sum(-1, keepdim=True)
+        if self.grid.size(self.axis) > 1:
+            squares = SumOver.apply(squares, self.grid, self.axis)
+        return self.weight * (xf * torch.rsqrt(squares / self.dim + self.eps)).to(x.dtype)

@@ -69,9 +69,10 @@ class CausalLM(nn.Module):
         return logits if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     def stream_shape(self, rows: int, seq: int) -> tuple[tuple[int, ...], torch.dtype]:
-        """The residual stream between stages for ``rows`` sequences of ``seq`` tokens: whole features on
-        every rank of a stage (norms over them are whole), in the parameters' dtype."""
-        return (rows, seq, self.lm.config.hidden_size), next(self.parameters()).dtype
+        """The residual stream between stages for ``rows`` sequences of ``seq`` tokens: features over y where
+        ``parallelize`` sharded it (:mod:`par4d.auto.stream`), else whole, in the parameters' dtype."""
+        hidden = self.lm.config.hidden_size // getattr(self.lm, "par4d_stream", 1)
+        return (rows, seq, hidden), next(self.parameters()).dtype
 
 
 def hf_model_config(config: TrainConfig):
