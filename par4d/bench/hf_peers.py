@@ -6,7 +6,9 @@ weights and trains on the same global batch in fp32; each row's first loss is re
 to fp32 rounding. Rows:
 
 * par4d on every grid that divides the model and the batch, every overlap on (``--hierarchical`` off
-  and, where a group spans nodes, auto, as for par4d's GPT);
+  and, where a group spans nodes, auto, as for par4d's GPT); on grids with y > 1 also with the residual
+  stream kept whole (``par4d (stream whole)``: ``parallelize(shard_stream=False)``, what sharding it over
+  y saves, :mod:`par4d.auto.stream`);
 * torch DDP (and with 1 MB buckets), FSDP2 (``fully_shard`` per decoder layer and the root; and with
   ``reshard_after_forward=False``), HSDP (the node as its shard group), and for Llama FSDP2 + tensor
   parallelism with ``parallelize_module`` and the standard Llama plan: q, k, v, gate and up column-wise,
@@ -200,7 +202,8 @@ def _row(name: str, sizes: dict, timed: _Timed, per_rank_bytes: float, source: s
             "peak_bytes_by_kind": timed.peak_bytes}
 
 
-def _bench_par4d(model: str, sizes: dict, workload: Workload, settings: PeersSettings, hierarchical: str) -> dict:
+def _bench_par4d(model: str, sizes: dict, workload: Workload, settings: PeersSettings, hierarchical: str,
+                 shard_stream: bool = True) -> dict:
     from par4d.auto import parallelize
     from par4d.overlap import Overlap, set_overlap
     from par4d.train.model import CausalLM
@@ -209,7 +212,7 @@ def _bench_par4d(model: str, sizes: dict, workload: Workload, settings: PeersSet
     grid = init(**sizes, hierarchical=hierarchical)
     lm = build_lm(model)
     flops = flops_per_token(lm, workload.seq_len)
-    net = set_overlap(CausalLM(parallelize(lm, grid), flops, 0), Overlap())   # as par4d train builds it
+    net = set_overlap(CausalLM(parallelize(lm, grid, shard_stream=shard_stream), flops, 0), Overlap())   # as train
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
     inputs, targets = batch(workload.sequences, workload.seq_len)
     x, y = shard_batch(grid, inputs), shard_batch(grid, targets)
@@ -223,7 +226,7 @@ def _bench_par4d(model: str, sizes: dict, workload: Workload, settings: PeersSet
     per_rank = (grid.ledger.total_bytes() - before) / steps
     link, staged = link_bytes(step), [",".join(axes) for axes in grid.staged_axes()]
     grid.close()
-    name = "par4d" if hierarchical == "off" else "par4d +hierarchical"
+    name = ("par4d" if hierarchical == "off" else "par4d +hierarchical") + ("" if shard_stream else " (stream whole)")
     row = _row(name, sizes, timed, per_rank, "ledger", workload, flops, settings.peak_flops)
     return dict(row, hierarchical=hierarchical, staged_axes=staged, link_bytes_per_iter=link)
 
@@ -232,6 +235,8 @@ def _par4d_rows(model: str, workload: Workload, settings: PeersSettings) -> list
     rows = []
     for sizes in _grids(model, settings.world, workload.sequences):
         rows.append(_bench_par4d(model, sizes, workload, settings, "off"))
+        if sizes["y"] > 1:                   # the same grid with the residual stream whole between blocks
+            rows.append(_bench_par4d(model, sizes, workload, settings, "off", shard_stream=False))
         if settings.nodes and staged_splits(validate_sizes(sizes, settings.world), settings.node_of_ranks()):
             rows.append(_bench_par4d(model, sizes, workload, settings, "auto"))
     return rows
