@@ -493,6 +493,24 @@ def test_hugging_face_models_train_as_one_rank(tmp_path, capsys, pool4):
     assert _losses(again)[0] == pytest.approx(want, abs=1e-5)
 
 
+def test_a_hugging_face_model_too_big_for_the_machine_is_refused_with_its_own_count(tmp_path, capsys):
+    """Its parameters counted on the meta device (the gated MLP's three matrices, grouped key/value heads),
+    not par4d's GPT formula, before any rank starts."""
+    import torch
+
+    from par4d.train.config import TrainConfig
+    from par4d.train.model import hf_lm
+
+    sizes = ["--n-layer", "64", "--n-embd", "16384", "--n-head", "16", "--seq-len", "16"]
+    with torch.device("meta"):
+        lm = hf_lm(TrainConfig(grid={}, out=None, model="hf-llama", n_layer=64, n_embd=16384, n_head=16, seq_len=16))
+    count = sum(p.numel() for p in lm.parameters())
+    assert main(["train", "--model", "hf-llama", *sizes, "--nproc", "1", "--out", str(tmp_path / "run")]) == 2
+    assert f"the model (hf-llama, n_layer=64, n_embd=16384, n_head=16, seq_len=16) has {count:,} parameters" in (
+        capsys.readouterr().err)
+    assert not (tmp_path / "run").exists()
+
+
 def test_hugging_face_models_refuse_what_is_for_the_gpt(tmp_path, capsys):
     assert main(["train", "--model", "hf-llama", "--grid", "pipe=4", "--nproc", "4", *SMALL, "--n-layer", "2",
                  "--out", str(tmp_path / "run")]) == 2

@@ -161,12 +161,14 @@ class TrainConfig:
         if not (isinstance(grid, dict) and all(is_count(v, 1) for v in grid.values())):
             raise ValueError(f"{where}: grid is {str(grid)[:60]}, not axis sizes >= 1")
 
-    def check_memory(self, world: int, ranks_here: int, memory: int | None) -> None:
+    def check_memory(self, world: int, ranks_here: int, memory: int | None, params: int | None = None) -> None:
         """Refuse, with the numbers, a run whose model state (at the least ``STATE_BYTES`` per
         parameter, over all ranks) or corpus (read whole by every rank) cannot fit in ``memory``
         bytes per machine (None: unknown, then only an absurd size is refused). Cheap: from the
-        sizes alone, before any model is built."""
-        params = self.model_config().num_params()
+        sizes alone, before any model is built. ``params``: the model's parameters where its config
+        does not give them (a Hugging Face model's: its vocabulary, MLP width and key/value heads
+        are its own), else par4d's formula."""
+        params = self.model_config().num_params() if params is None else params
         state = params * STATE_BYTES
         machines = max(1, world // max(1, ranks_here))
         sizes = (f"n_layer={self.n_layer}, n_embd={self.n_embd}" if self.model == "unet"

@@ -112,7 +112,15 @@ def configure(args: argparse.Namespace, world: int, inside: bool, resumed: tuple
         raise ValueError("--hierarchical on stages collectives over groups that span nodes; par4d's own local ranks "
                          "share one node (run under par4d cluster, torchrun or srun across nodes, or use auto)")
     env = distributed_env()
-    config.check_memory(world, env.local_world_size if env else world, host_memory())   # before any model is built
+    params = None
+    if config.model in ("hf-gpt2", "hf-llama"):          # its own count, from the model on the meta device
+        import torch
+
+        from par4d.train.model import hf_lm
+
+        with torch.device("meta"):
+            params = sum(p.numel() for p in hf_lm(config).parameters())
+    config.check_memory(world, env.local_world_size if env else world, host_memory(), params)   # before it is built
     last_stage = world - world // sizes["pipe"]        # the first rank of the last pipeline stage (head, loss)
     for rank in sorted({0, last_stage}):               # every rank's shape errors
         build_model(config, Grid.virtual(sizes, rank))
