@@ -274,7 +274,7 @@ def test_a_new_run_checks_its_folder_again_once_it_holds_the_lock(tmp_path):
 
 
 def test_a_folder_tells_a_link_on_the_way_from_a_file_on_the_way(tmp_path):
-    from par4d.train.folder import Folder
+    from par4d.folder import Folder
 
     (tmp_path / "afile").write_text("")
     (tmp_path / "real").mkdir()

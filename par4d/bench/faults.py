@@ -37,10 +37,10 @@ import time
 from pathlib import Path
 
 from par4d.bench.common import emit
+from par4d.folder import Folder
 from par4d.train import checkpoint
 from par4d.train.configure import default
 from par4d.train.faults import FAULT_ENV
-from par4d.train.folder import Folder
 from par4d.train.loop import METRICS, SUMMARY, read_metrics
 
 KEEP = default("keep")     # the intact checkpoints a run holds at its end (par4d train's default --keep)

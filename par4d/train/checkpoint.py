@@ -21,7 +21,7 @@ verifies, whatever ``latest`` says.
 
 A checkpoint is verified before use (:func:`verify`): every file the manifest lists has its
 size and SHA-256; every name is a plain file inside the checkpoint folder (read through
-:class:`par4d.train.folder.Folder`: never a link, ``..`` or an absolute path); the files the
+:class:`par4d.folder.Folder`: never a link, ``..`` or an absolute path); the files the
 index's pieces use are exactly the manifest's; and each tensor's boxes cover every element
 of it exactly once. Nothing verified is ever deleted but by rotation after a newer one is
 complete; a checkpoint that fails is renamed ``corrupt-step-<N>`` when a run resumes past
@@ -52,10 +52,10 @@ import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from par4d.folder import Folder, FolderError, fd_path, fd_sha256
 from par4d.grid import AXES, Grid
 from par4d.layout import Box, Placement, boxes, fill, overlap, placement_of, slice_reader
 from par4d.train.config import ABSURD_BYTES, is_count
-from par4d.train.folder import Folder, FolderError, fd_path, fd_sha256
 from par4d.train.rank0 import on_rank0
 
 FOLDER = "checkpoints"

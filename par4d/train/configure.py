@@ -40,7 +40,7 @@ def resumable(args: argparse.Namespace) -> tuple[Path, dict]:
         raise ValueError(f"--resume {run_dir} is not a par4d run folder (it has no {FOLDER}/ folder)")
     if args.init_from is not None:
         raise ValueError(f"--resume {run_dir} starts from the run's checkpoint; --init-from applies to a new run only")
-    from par4d.train.folder import Folder
+    from par4d.folder import Folder
     from par4d.train.loop import METRICS, PLOT, SUMMARY
 
     files = Folder(run_dir)

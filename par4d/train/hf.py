@@ -33,12 +33,12 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from par4d.auto.pretrained import read_config
+from par4d.folder import Folder
 from par4d.grid import AXES, Grid
 from par4d.layout import Box, Placement, Reader, boxes, fill, slice_reader
 from par4d.models.config import GPTConfig
 from par4d.train import checkpoint
 from par4d.train.config import is_count
-from par4d.train.folder import Folder
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

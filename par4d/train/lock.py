@@ -20,7 +20,7 @@ import socket
 import time
 from pathlib import Path
 
-from par4d.train.folder import Folder
+from par4d.folder import Folder
 
 LOCK = ".lock"
 HELD_ENV = "PAR4D_RUN_LOCK_HELD"    # the run folder (absolute) whose lock the launching process holds

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from par4d.folder import Folder
 from par4d.launch import distributed_env, init
 from par4d.launch.machine import cpu_cores, measure_matmul_peak, threads_per_rank
 from par4d.ledger import in_flight_seconds
@@ -25,7 +26,6 @@ from par4d.train import checkpoint
 from par4d.train.config import TrainConfig
 from par4d.train.data import Batches, Images, training_data
 from par4d.train.faults import Faults
-from par4d.train.folder import Folder
 from par4d.train.hf import load_hf
 from par4d.train.lock import RunLock, held_by_launcher
 from par4d.train.model import build_model
