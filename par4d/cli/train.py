@@ -39,8 +39,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="start from the weights of a Hugging Face GPT-2 folder (as par4d export writes it); "
                         "the model's shape defaults to its config.json's, each rank reads only its shards")
     p.add_argument("--data", default=None,
-                   help="a UTF-8 text file for the language models (default: Python's bundled docs); a resumed "
+                   help="a UTF-8 text file for the language models (default: Python's bundled docs), or a dataset "
+                        "folder made by par4d data prepare (streamed: each rank reads its own rows); a resumed "
                         "run checks it is the same")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="a Hugging Face tokenizer.json, or a folder holding one: its vocabulary is the model's "
+                        "(default: one token per byte; a dataset folder's own); a resumed run refuses another")
     model = p.add_argument_group("model and batch (a resumed run keeps its own: a different value is refused)")
     model.add_argument("--model", choices=MODELS, default=None,
                        help=_help("model", "par4d's GPT, or Hugging Face's GPT-2 or Llama built from the sizes "

@@ -48,7 +48,10 @@ class TrainConfig:
     grad_clip: float = 1.0  # global gradient-norm limit; 0 disables
     seed: int = 0
     data: str | None = None          # the corpus's absolute path; None: Python's bundled documentation
-    data_sha256: str | None = None   # its SHA-256, checked on every start (a resume must see the same text)
+    data_sha256: str | None = None   # its SHA-256 (a dataset folder's: its index.json's), checked on every start
+    tokenizer: str | None = None     # --tokenizer: a tokenizer.json (absolute); None: bytes (a dataset's own)
+    tokenizer_sha256: str | None = None   # its SHA-256: a resume, and a dataset, must have the same
+    vocab_size: int = VOCAB_BYTES    # token ids are below this: the tokenizer's vocabulary, or the 256 bytes
     resume: bool = False
     save_every: int = 0
     eval_batches: int = 4
@@ -178,8 +181,8 @@ class TrainConfig:
                      f"{machines} machines of {_gb(memory)}") if memory is not None else "any machine"
             raise ValueError(f"the model ({self.model}, {sizes}) has {params:,} parameters; their values, gradients "
                              f"and AdamW state need at least {_gb(state)} over all ranks, more than {where}")
-        if self.data is None or memory is None or self.model == "unet":
-            return
+        if self.data is None or memory is None or self.model == "unet" or Path(self.data).is_dir():
+            return                           # (a prepared dataset is memory-mapped, never read whole)
         size = Path(self.data).stat().st_size if Path(self.data).is_file() else 0
         need = size * CORPUS_COPIES * ranks_here + size + state // machines
         if need > memory:
@@ -225,7 +228,7 @@ class TrainConfig:
             from par4d.models.unet import UNetConfig  # imports torch: only a U-Net run needs it
 
             return UNetConfig(channels=IMAGE_CHANNELS, width=self.n_embd, levels=self.n_layer, seed=self.seed)
-        return GPTConfig(vocab_size=VOCAB_BYTES, block_size=self.seq_len, n_layer=self.n_layer,
+        return GPTConfig(vocab_size=self.vocab_size, block_size=self.seq_len, n_layer=self.n_layer,
                          n_embd=self.n_embd, n_head=self.n_head, seed=self.seed, mlp=self.mlp,
                          phantom_k=self.phantom_k, phantom_p=self.grid.get("x", 1))
 

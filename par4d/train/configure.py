@@ -107,6 +107,7 @@ def configure(args: argparse.Namespace, world: int, inside: bool, resumed: tuple
         config = _resumed_config(args, world, inside, resumed or resumable(args), planner)
     else:
         config = _new_config(args, world, inside, planner)
+    config = _tokens(args, config)             # the vocabulary: before any shape is checked
     sizes = validate_sizes(config.grid, world)
     if config.hierarchical == "on" and not inside:
         raise ValueError("--hierarchical on stages collectives over groups that span nodes; par4d's own local ranks "
@@ -149,8 +150,8 @@ def configure(args: argparse.Namespace, world: int, inside: bool, resumed: tuple
         say(f"--grid pipe={sizes['pipe']}: --overlap {','.join(dropped)} do not act with a pipeline yet (its "
             f"stages run outside the model's forward and the step's armed backward); this run overlaps "
             f"{config.overlap_run().describe()}")
-    if config.model == "unet":   # its images are generated: no text to check
-        return config
+    if config.model == "unet" or (config.data is not None and Path(config.data).is_dir()):
+        return config            # images are generated; a dataset folder was checked by _tokens
     label = None if args.data is not None or config.data is None else f"the run's data {config.data}"
     corpus = read_corpus(config.data, config.seq_len, config.data_sha256, label)   # a resume checks it is the same text
     return replace(config, data=None if corpus.source == BUNDLED else corpus.source, data_sha256=corpus.sha256)
@@ -227,6 +228,48 @@ def _pretrained(model: str, folder: str, chosen: dict) -> tuple[dict, dict]:
             f"dropout (ranks holding the same activations would draw different masks)")
     hf_config = dict(hf_config, **{k: 0.0 for k in dropped})
     return dict(chosen, **{k: dims[k] for k in ("n_layer", "n_embd", "n_head")}), hf_config
+
+
+def _tokens(args: argparse.Namespace, config):
+    """The run's data identity and vocabulary: a dataset folder (checked: finished, its tokenizer the
+    run's; its vocabulary), a text file with ``--tokenizer`` (that tokenizer's), or bytes (256). A resume
+    refuses another tokenizer, and a dataset folder whose index changed."""
+    if config.model == "unet":
+        if args.tokenizer is not None:
+            raise ValueError(f"--model unet trains on generated images; --tokenizer {args.tokenizer} does not apply")
+        return config
+    from par4d.data.tokenizer import load_tokenizer
+
+    given = load_tokenizer(args.tokenizer) if args.tokenizer is not None else None
+    if config.resume and given is not None and given.sha256 != config.tokenizer_sha256:
+        raise ValueError(f"--resume {config.out}: --tokenizer {given.path} is not the run's tokenizer "
+                         f"({config.tokenizer or 'bytes'}); a resumed run keeps the token ids it trained on")
+    data = config.data
+    if data is not None and Path(data).is_dir():
+        from par4d.data.dataset import open_dataset, sha256_of_index
+
+        dataset = open_dataset(data, config.seq_len)
+        if given is not None and given.sha256 != dataset.tokenizer_sha256:
+            raise ValueError(f"--data {dataset.path} was prepared with another tokenizer than --tokenizer "
+                             f"{given.path} (SHA-256 {dataset.tokenizer_sha256[:12]}... against "
+                             f"{given.sha256[:12]}...)")
+        identity = sha256_of_index(data)
+        if config.resume and config.data_sha256 not in (None, identity):
+            raise ValueError(f"--resume {config.out}: the dataset {data} has changed since the run started (its "
+                             f"index.json's SHA-256 is {identity[:12]}..., the run recorded "
+                             f"{config.data_sha256[:12]}...)")
+        tokenizer = given.path if given is not None else str(Path(dataset.path) / "tokenizer.json")
+        config = replace(config, data=str(Path(dataset.path).resolve()), data_sha256=identity, tokenizer=tokenizer,
+                         tokenizer_sha256=dataset.tokenizer_sha256, vocab_size=dataset.vocab)
+    elif given is not None or config.tokenizer is not None:
+        tokenizer = given or load_tokenizer(config.tokenizer, config.tokenizer_sha256)   # a resume's: unchanged
+        config = replace(config, tokenizer=tokenizer.path, tokenizer_sha256=tokenizer.sha256,
+                         vocab_size=tokenizer.vocab)
+    vocab = (config.hf_config or {}).get("vocab_size")
+    if isinstance(vocab, int) and vocab < config.vocab_size:
+        raise ValueError(f"--init-from hf {config.init_from}: the model's vocab_size {vocab} is below the "
+                         f"{config.vocab_size} tokens of the run's {'tokenizer' if config.tokenizer else 'bytes'}")
+    return config
 
 
 def _named(args: argparse.Namespace, name: str, value) -> str:

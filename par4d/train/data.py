@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from par4d.layout import shard_batch
+from par4d.layout import batch_slice, shard_batch
 from par4d.models.unet import shard_images
 from par4d.train.config import IMAGE_CHANNELS, VOCAB_BYTES, TrainConfig  # noqa: F401  (VOCAB_BYTES re-exported)
 
@@ -78,15 +78,31 @@ def as_tokens(corpus: Corpus) -> torch.Tensor:
 
 
 def training_data(config: TrainConfig) -> tuple[Batches | Images, str]:
-    """The run's batches and where they come from (the corpus's path, BUNDLED or IMAGES)."""
+    """The run's batches and where they come from: a prepared dataset folder (memory-mapped,
+    :mod:`par4d.data.dataset`), a text file's bytes or, with a tokenizer, its tokens, or IMAGES."""
     if config.model == "unet":
         return Images(config.image_size, config.batch_size, config.seed), IMAGES
+    if config.data is not None and Path(config.data).is_dir():
+        from par4d.data.dataset import open_dataset
+
+        dataset = open_dataset(config.data, config.seq_len, config.tokenizer_sha256)
+        train, val = dataset.splits["train"], dataset.splits["val"]
+        return (Batches.from_splits(train, val, config.seq_len, config.batch_size, config.seed),
+                f"{dataset.path} (a prepared dataset: {len(train):,} train and {len(val):,} validation tokens)")
     corpus = read_corpus(config.data, config.seq_len, config.data_sha256)
-    return Batches(as_tokens(corpus), config.seq_len, config.batch_size, config.seed), corpus.source
+    if config.tokenizer is None:
+        return Batches(as_tokens(corpus), config.seq_len, config.batch_size, config.seed), corpus.source
+    from par4d.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(config.tokenizer, config.tokenizer_sha256)
+    ids = torch.tensor(tokenizer.encode([corpus.data.decode("utf-8")])[0], dtype=torch.int32)
+    return Batches(ids, config.seq_len, config.batch_size, config.seed), f"{corpus.source} ({len(ids):,} tokens)"
 
 
 class Batches:
-    """Random windows of ``seq_len + 1`` bytes; a 90/10 train/validation split."""
+    """Random windows of ``seq_len + 1`` tokens drawn by (seed, step) alone, over a train and a validation
+    split: a text's bytes or token ids (a 90/10 split of them), or a prepared dataset's memory-mapped
+    splits. :meth:`local_batch` reads only this rank's rows; :meth:`train_batch` the whole batch."""
 
     shard = staticmethod(shard_batch)      # a rank's samples (over data x z)
 
@@ -95,22 +111,43 @@ class Batches:
             raise ValueError(f"the corpus has {len(data)} tokens, too few for sequences of {seq_len} "
                              f"(at least {min_bytes(seq_len)})")
         split = int(TRAIN_SHARE * len(data))
-        self.train, self.val = data[:split], data[split:]
+        self._set(data[:split], data[split:], seq_len, batch_size, seed)
+
+    @classmethod
+    def from_splits(cls, train, val, seq_len: int, batch_size: int, seed: int) -> Batches:
+        """Over given splits: anything with ``len`` and slices of token ids (:class:`par4d.data.dataset.Tokens`)."""
+        batches = cls.__new__(cls)
+        batches._set(train, val, seq_len, batch_size, seed)
+        return batches
+
+    def _set(self, train, val, seq_len: int, batch_size: int, seed: int) -> None:
+        self.train, self.val = train, val
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
         self.tokens_per_step = batch_size * seq_len
 
-    def _draw(self, source: torch.Tensor, key: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _source(self, split: str, index: int):
+        if split == "train":
+            return self.train, self.seed * 1_000_003 + index
+        return self.val, -(self.seed * 1_000_003 + index + 1)
+
+    def _draw(self, source, key: int, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
         generator = torch.Generator().manual_seed(key)
         starts = torch.randint(0, len(source) - self.seq_len - 1, (self.batch_size,), generator=generator)
-        windows = torch.stack([source[s:s + self.seq_len + 1] for s in starts.tolist()]).long()
+        windows = torch.stack([torch.as_tensor(source[s:s + self.seq_len + 1])
+                               for s in starts[rows].tolist()]).long()
         return windows[:, :-1], windows[:, 1:]
 
     def train_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Global (inputs, targets) of step ``step``, each (batch_size, seq_len)."""
-        return self._draw(self.train, self.seed * 1_000_003 + step)
+        return self._draw(*self._source("train", step))
 
     def val_batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._draw(self.val, -(self.seed * 1_000_003 + index + 1))
+        return self._draw(*self._source("val", index))
+
+    def local_batch(self, grid, split: str, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows (over data x z) of the global batch ``index`` of ``split`` (train or val): the
+        same starts are drawn on every rank, and each reads only its own windows."""
+        return self._draw(*self._source(split, index), batch_slice(grid, self.batch_size))
 
 
 class Images:
@@ -153,3 +190,8 @@ class Images:
 
     def val_batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._draw(-(self.seed * 1_000_003 + index + 1))
+
+    def local_batch(self, grid, split: str, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of the global batch ``index`` of ``split`` (train or val)."""
+        batch = self.train_batch(index) if split == "train" else self.val_batch(index)
+        return tuple(self.shard(grid, t) for t in batch)

@@ -164,7 +164,7 @@ def _train(job: _Job, grid, stop: StopRequest, metrics, out: Path) -> _Measured 
             lr = config.learning_rate(step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            x, y = _local(grid, batches, batches.train_batch(step), precision)
+            x, y = _local(grid, batches.local_batch(grid, "train", step), precision)
             with ledger.capture() as entries:
                 loss = train_step(job.model, optimizer, grid, job.model, x, y, grad_clip=config.grad_clip,
                                   microbatches=config.microbatches, pipeline_limit=config.pipeline_limit,
@@ -277,11 +277,11 @@ def _progress_bar(config: TrainConfig, grid, start_step: int):
                 dynamic_ncols=True, mininterval=1.0)
 
 
-def _local(grid, batches: Batches | Images, batch: tuple[torch.Tensor, torch.Tensor],
+def _local(grid, batch: tuple[torch.Tensor, torch.Tensor],
            precision: MixedPrecision | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's part of a global (inputs, targets) on its device; images in the compute dtype."""
+    """This rank's (inputs, targets) on its device; images in the compute dtype."""
     dtype = precision.dtype if precision is not None else None
-    return tuple(batches.shard(grid, t).to(grid.device, dtype if t.is_floating_point() else None) for t in batch)
+    return tuple(t.to(grid.device, dtype if t.is_floating_point() else None) for t in batch)
 
 
 @torch.no_grad()
@@ -289,7 +289,7 @@ def _evaluate(model: torch.nn.Module, grid, batches: Batches | Images, count: in
               precision: MixedPrecision | None) -> float:
     total = 0.0
     for index in range(count):
-        x, y = _local(grid, batches, batches.val_batch(index), precision)
+        x, y = _local(grid, batches.local_batch(grid, "val", index), precision)
         loss = evaluate_pipeline(model, grid, x, y) if grid.size("pipe") > 1 else model(x, y)
         total += global_mean(loss, grid).item()
     return total / max(1, count)

@@ -21,7 +21,7 @@ from par4d.grid import Grid
 from par4d.models import GPT, GPTConfig, ReferenceGPT, UNet
 from par4d.overlap import Overlap, set_overlap
 from par4d.phantom.mlp import PhantomMLP, PhantomMLPTwin
-from par4d.train.config import VOCAB_BYTES, TrainConfig
+from par4d.train.config import TrainConfig
 
 
 def build_gpt(config: GPTConfig, grid: Grid, recompute: int = 0, overlap: Overlap | None = None) -> GPT:
@@ -77,17 +77,17 @@ class CausalLM(nn.Module):
 
 def hf_model_config(config: TrainConfig):
     """The ``transformers`` config of the run's Hugging Face model: the pretrained folder's
-    (``config.hf_config``, kept in the run), else one at the run's sizes over the byte vocabulary."""
+    (``config.hf_config``, kept in the run), else one at the run's sizes over the run's vocabulary."""
     from transformers import AutoConfig, GPT2Config, LlamaConfig
 
     if config.hf_config is not None:
         settings = dict(config.hf_config)
         return AutoConfig.for_model(settings.pop("model_type"), **settings)
     if config.model == "hf-gpt2":
-        return GPT2Config(vocab_size=VOCAB_BYTES, n_positions=config.seq_len, n_embd=config.n_embd,
+        return GPT2Config(vocab_size=config.vocab_size, n_positions=config.seq_len, n_embd=config.n_embd,
                           n_layer=config.n_layer, n_head=config.n_head, resid_pdrop=0.0, embd_pdrop=0.0,
                           attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    return LlamaConfig(vocab_size=VOCAB_BYTES, hidden_size=config.n_embd, intermediate_size=4 * config.n_embd,
+    return LlamaConfig(vocab_size=config.vocab_size, hidden_size=config.n_embd, intermediate_size=4 * config.n_embd,
                        num_hidden_layers=config.n_layer, num_attention_heads=config.n_head,
                        num_key_value_heads=config.n_head // 2 if config.n_head % 2 == 0 else config.n_head,
                        max_position_embeddings=config.seq_len, bos_token_id=0, eos_token_id=0)
