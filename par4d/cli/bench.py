@@ -1,4 +1,4 @@
-"""``par4d bench grid|peers|overlap|pipeline|offload|checkpoint|gemm``: the GPT on every valid grid against
+"""``par4d bench grid|peers|overlap|pipeline|offload|checkpoint|data|gemm``: the GPT on every valid grid against
 PyTorch DDP and FSDP2, par4d against DDP, FSDP2, HSDP and FSDP2+TP on two workloads (locally or on an emulated
 cluster), each overlap's gain (Fig. 3's rows), par4d's message-driven pipeline against
 torch.distributed.pipelining's schedules on the same stages, the offloaded optimizer against FSDP2's CPU offload,
@@ -118,6 +118,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                       help="put the checkpoints in a temporary folder under this one (default: the system's "
                            "temporary folder); removed afterwards")
     _output(ckpt)
+    data = sub.add_parser("data", help="par4d data prepare's tokens/s beside tokenizers' own, and par4d train "
+                                       "--data from a small and a large dataset (s/step, resident memory)")
+    data.add_argument("--mb", type=int, default=1000, help="MB of generated text (default 1000)")
+    data.add_argument("--nproc", type=int, default=DEFAULT_NPROC)
+    data.add_argument("--steps", type=int, default=20, help="training steps per run")
+    data.add_argument("--rounds", type=int, default=2, help="runs per dataset, alternating (median reported)")
+    data.add_argument("--confine", action="store_true",
+                      help="run each training in a memory cgroup; the large dataset's holds what a small one's run "
+                           "took plus a tenth of the dataset (root, cgroup v1)")
+    data.add_argument("--workdir", default=None, help="put the text and datasets in a temporary folder under this "
+                                                      "one (default: the system's); removed afterwards")
+    _output(data)
     gemm = sub.add_parser("gemm", help="gain of GEMM tuning per matmul shape and pass")
     gemm.add_argument("--json", action="store_true", help="one JSON object per row")
 
@@ -131,6 +143,10 @@ def run(args: argparse.Namespace) -> int:
         from par4d.bench.gemm import run_bench_gemm
 
         return run_bench_gemm(args)
+    if args.bench == "data":
+        from par4d.bench.data import run_bench_data
+
+        return run_bench_data(args)
     if args.bench == "faults":
         from par4d.bench.faults import run_bench_faults
 

@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -94,6 +94,7 @@ def _run(config: TrainConfig, stop: StopRequest, grid, out: Path) -> dict:
         grid.close()
         return measured
     val_loss = _evaluate(job.model, grid, job.batches, job.config.eval_batches, job.precision)
+    measured.rss = _rss_per_rank()
     summary = on_rank0(lambda: _summarize(job, grid, run, measured, peak, val_loss)) or {}
     grid.close()    # idle from here: a job that goes on (a test's pool of ranks) need not carry its groups
     return summary
@@ -142,10 +143,12 @@ def _setup(config: TrainConfig, grid, out: Path) -> _Job:
 
 @dataclass
 class _Measured:
-    """Per step: tokens/s, and rank 0's (seconds with a collective in flight, seconds waited, step seconds)."""
+    """Per step: tokens/s, and rank 0's (seconds with a collective in flight, seconds waited, step seconds);
+    at the end, every rank's resident memory."""
 
     rates: list[float]
     comm: list[tuple[float, float, float]]
+    rss: list[dict[str, int]] = field(default_factory=list)
 
 
 def _train(job: _Job, grid, stop: StopRequest, metrics, out: Path) -> _Measured | dict:
@@ -206,6 +209,23 @@ def _train(job: _Job, grid, stop: StopRequest, metrics, out: Path) -> _Measured 
     return measured
 
 
+def _rss_per_rank() -> list[dict[str, int]]:
+    """Each rank's resident memory (collective): its peak (``getrusage``'s) and, now, how much of it is
+    file pages (a dataset's memory-mapped shards are counted there, and the kernel may drop them)."""
+    import resource
+
+    mine = {"peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "file_bytes": 0}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("RssFile:"):
+                mine["file_bytes"] = int(line.split()[1]) * 1024
+    except OSError:     # no /proc (not Linux): the peak only
+        pass
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return every
+
+
 def _summarize(job: _Job, grid, run: Folder, measured: _Measured, peak: float, val_loss: float) -> dict:
     """Rank 0: the run's summary (steady-state rates: the first step, with its one-time warm-up, left out),
     written to summary.json with the loss plot."""
@@ -240,7 +260,7 @@ def _summarize(job: _Job, grid, run: Folder, measured: _Measured, peak: float, v
                       if job.precision is not None else "AdamW (fp32)"),
         "s_per_step": step_s, "comm_issued_s_per_step": issued, "comm_exposed_s_per_step": exposed,
         "initial_loss": history[0]["loss"], "final_loss": history[-1]["loss"],
-        "val_loss": val_loss, "data": job.source, "config": asdict(config),
+        "val_loss": val_loss, "data": job.source, "rss_per_rank": measured.rss, "config": asdict(config),
     }
     run.write_text(SUMMARY, text=json.dumps(summary, indent=2))
     _plot(run, history, "mean squared error" if unet else "nats/byte")

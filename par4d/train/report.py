@@ -38,6 +38,13 @@ def _model_line(summary: dict) -> str:
     return "par4d's GPT" if model == "gpt" else f"{model}: Hugging Face's, made parallel by par4d.parallelize"
 
 
+def _memory(rss: list[dict]) -> str:
+    peak = [r["peak_bytes"] / 2**20 for r in rss]
+    files = max(r["file_bytes"] for r in rss) / 2**20
+    return (f"peak resident {min(peak):,.0f}-{max(peak):,.0f} MiB per rank (of it file pages now: at most "
+            f"{files:,.0f} MiB)")
+
+
 def print_summary(summary: dict) -> None:
     from par4d.grid import AXES
 
@@ -59,6 +66,7 @@ def print_summary(summary: dict) -> None:
         ("overlap", f"{summary['overlap']}, recompute {_every(summary['recompute_every'])}"),
         ("optimizer", summary["optimizer"]),
         ("communication", _communication(summary)),
+        *([("memory", _memory(summary["rss_per_rank"]))] if summary.get("rss_per_rank") else []),
         ("loss", f"{summary['initial_loss']:.3f} -> {summary['final_loss']:.3f} (train), "
                  f"{summary['val_loss']:.3f} (validation)"),
         ("run directory", summary["config"]["out"]),
