@@ -22,6 +22,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         epilog="SIGTERM (a scheduler's preemption) or Ctrl-C: every rank saves the step it is on and the run exits "
                "with 128 + the signal's number; --resume goes on from there. Exit status 1: a rank failed (its "
                "traceback is in the run's logs/); 2: bad input, found before any rank started.")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="a TOML file of these settings in sections (docs/config.md; a run's own config.toml trains "
+                        "it again); flags given here override it")
     p.add_argument("--nproc", type=int, default=None,
                    help=f"local ranks to start (default: as many as --grid names, or the resumed run's grid, "
                         f"else {DEFAULT_NPROC}); under torchrun/srun the job's")
@@ -102,10 +105,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     steps.add_argument("--keep", type=int, default=None,
                        help=_help("keep", "checkpoints kept (the newest; a corrupt one falls back to the one before "
                                           "it)"))
-    p.add_argument("--max-restarts", type=int, default=0,
+    p.add_argument("--max-restarts", type=int, default=None,
                    help="when a rank dies, restart every rank up to N times from the newest checkpoint "
                         "(--save-every bounds what is recomputed); under torchrun/srun use their own restarts")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", default=None, help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -115,6 +118,11 @@ def run(args: argparse.Namespace) -> int:
     from par4d.train.faults import Faults
     from par4d.train.job import as_rank, local_ranks
 
+    if args.config is not None:        # the file's settings where no flag gave one
+        from par4d.train.settings_file import apply, read
+
+        apply(args, read(args.config), args.config)
+    args.max_restarts = args.max_restarts or 0
     resumed = resumable(args) if args.resume else None
     world, inside = world_size(args, resumed)
     config = configure(args, world, inside, resumed, planned_grid)   # every pre-start rule

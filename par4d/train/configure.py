@@ -97,7 +97,7 @@ def configure(args: argparse.Namespace, world: int, inside: bool, resumed: tuple
     from par4d.train.data import BUNDLED, read_corpus
     from par4d.train.model import build_model
 
-    restarts = args.max_restarts
+    restarts = args.max_restarts or 0
     if restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {restarts}")
     if inside and restarts:

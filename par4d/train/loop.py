@@ -31,6 +31,7 @@ from par4d.train.lock import RunLock, held_by_launcher
 from par4d.train.model import build_model
 from par4d.train.rank0 import on_rank0
 from par4d.train.report import say
+from par4d.train.settings_file import resolved
 from par4d.train.step import train_step
 from par4d.train.stop import StopRequest
 
@@ -85,6 +86,7 @@ def _run(config: TrainConfig, stop: StopRequest, grid, out: Path) -> dict:
     if peak is None:
         peak = on_rank0(lambda: measure_matmul_peak(threads=cpu_cores(), device=grid.device)) or 0.0
     metrics = on_rank0(lambda: _open_metrics(run, job.start_step))
+    on_rank0(lambda: run.write_text(SETTINGS, text=resolved(job.config)))   # --config SETTINGS trains it again
     try:
         measured = _train(job, grid, stop, metrics, out)
     finally:
@@ -326,6 +328,7 @@ def new_run_dir(grid: dict[str, int]) -> Path:
 
 
 METRICS, SUMMARY, PLOT = "metrics.jsonl", "summary.json", "loss.png"    # what a run writes besides checkpoints
+SETTINGS = "config.toml"          # and its settings, resolved (par4d.train.settings_file)
 
 
 def read_metrics(run: Folder) -> list[dict]:
