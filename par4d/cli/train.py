@@ -109,6 +109,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="when a rank dies, restart every rank up to N times from the newest checkpoint "
                         "(--save-every bounds what is recomputed); under torchrun/srun use their own restarts")
     p.add_argument("--no-progress", action="store_true", default=None, help="no progress bar")
+    p.add_argument("--eval-every", type=int, default=None, metavar="N",
+                   help=_help("eval_every", "the validation loss every N steps too, in metrics.jsonl and TensorBoard "
+                                            "(0: at the end only)"))
+    p.add_argument("--no-tensorboard", dest="tensorboard", action="store_const", const=False, default=None,
+                   help="no TensorBoard event files (default: in RUN/tensorboard; tensorboard --logdir RUN)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -86,6 +86,7 @@ class MixedPrecision:
         self.scale = INITIAL_SCALE if dtype == torch.float16 else 1.0
         self.good_steps = 0
         self.skipped = 0              # steps skipped for an inf or NaN gradient (fp16)
+        self.grad_norm: float | None = None   # the last step's global gradient norm, where clipping computed it
 
     def overlaps_all_reduce(self, grad_clip: float, overlap: bool = True) -> bool:
         """Whether :meth:`step` steps each all-reduce bucket while later ones are in flight
@@ -138,12 +139,15 @@ class MixedPrecision:
             self.scale /= 2
             self.good_steps = 0
         elif self.offloaded:
-            clip = clip_factor(grad_norm(self.model, self.grid) / self.scale, grad_clip) if grad_clip > 0 else None
+            clip = None
+            if grad_clip > 0:
+                norm = grad_norm(self.model, self.grid) / self.scale
+                self.grad_norm, clip = norm.item(), clip_factor(norm, grad_clip)
             self.optimizer.step_from(pairs, self.scale, clip)
             self._good_step()
         else:
             if grad_clip > 0:
-                clip_grad_norm_(self.masters, grad_clip, self.grid)
+                self.grad_norm = clip_grad_norm_(self.masters, grad_clip, self.grid).item()
             self.optimizer.step()
             for param, master in pairs:
                 param.copy_(master)

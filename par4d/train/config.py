@@ -55,6 +55,8 @@ class TrainConfig:
     resume: bool = False
     save_every: int = 0
     eval_batches: int = 4
+    eval_every: int = 0              # --eval-every: validation loss every N steps too (0: at the end only)
+    tensorboard: bool = True         # TensorBoard event files in RUN/tensorboard (par4d.train.board)
     progress: bool = True
     peak_flops: float | None = None  # measured by the launching process; None: rank 0 measures
     overlap: str = "all"             # --overlap: all, none, or a comma list of par4d.overlap.NAMES
@@ -111,6 +113,8 @@ class TrainConfig:
             raise ValueError(f"--lr must be a finite number > 0, got {self.lr}")
         if self.save_every < 0:
             raise ValueError(f"--save-every must be >= 0 (0: only at the end), got {self.save_every}")
+        if self.eval_every < 0:
+            raise ValueError(f"--eval-every must be >= 0 (0: only at the end), got {self.eval_every}")
         if self.keep < 1:
             raise ValueError(f"--keep must be >= 1, got {self.keep}")
         if not (math.isfinite(self.grad_clip) and self.grad_clip >= 0):

@@ -18,7 +18,7 @@ DEFAULT_NPROC = 4   # local ranks when no launcher gives a world size (also cali
 # A resumed run keeps these (they decide the model and its batches); it takes HONOURED ones when given.
 FIXED = ("model", "batch_size", "seq_len", "n_layer", "n_embd", "n_head", "mlp", "phantom_k", "image_size", "seed")
 HONOURED = ("lr", "grad_clip", "save_every", "keep", "overlap", "hierarchical", "recompute", "microbatches",
-            "pipeline_limit", "precision", "grad_reduce", "offload_bsize")
+            "pipeline_limit", "precision", "grad_reduce", "offload_bsize", "eval_every", "tensorboard")
 HF_NAMES = {"n_layer": "num_hidden_layers", "n_embd": "hidden_size", "n_head": "num_attention_heads"}
 Planner = Callable[..., tuple[dict, "float | None"]]   # par4d.plan.choose.planned_grid's signature
 
@@ -41,12 +41,16 @@ def resumable(args: argparse.Namespace) -> tuple[Path, dict]:
     if args.init_from is not None:
         raise ValueError(f"--resume {run_dir} starts from the run's checkpoint; --init-from applies to a new run only")
     from par4d.folder import Folder
+    from par4d.train.board import FOLDER as BOARD
     from par4d.train.loop import METRICS, PLOT, SUMMARY
 
     files = Folder(run_dir)
     if files.kind(METRICS) not in (None, "file"):   # the one file a resume reads besides checkpoints
         raise ValueError(f"--resume {run_dir}: {run_dir / METRICS} is not a regular file (a link or a folder); "
                          f"par4d reads and writes only regular files inside a run folder")
+    if files.kind(BOARD) not in (None, "folder"):  # TensorBoard's files go into it: a real folder of the run
+        raise ValueError(f"--resume {run_dir}: {run_dir / BOARD} is not a folder of the run (a link or a file); "
+                         f"par4d writes its TensorBoard files only inside the run folder (move it away)")
     for name in (SUMMARY, PLOT):     # replaced at the end (a link among them too): not a folder
         if files.kind(name) not in (None, "file", "link"):
             raise ValueError(f"--resume {run_dir}: {run_dir / name} is not a file; the run writes its {name} "

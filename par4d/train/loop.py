@@ -23,6 +23,7 @@ from par4d.optim.data_parallel import global_mean
 from par4d.optim.precision import MixedPrecision, parse_precision
 from par4d.pipeline import evaluate_pipeline
 from par4d.train import checkpoint
+from par4d.train.board import Board, rss_bytes
 from par4d.train.config import TrainConfig
 from par4d.train.data import Batches, Images, training_data
 from par4d.train.faults import Faults
@@ -87,16 +88,22 @@ def _run(config: TrainConfig, stop: StopRequest, grid, out: Path) -> dict:
         peak = on_rank0(lambda: measure_matmul_peak(threads=cpu_cores(), device=grid.device)) or 0.0
     metrics = on_rank0(lambda: _open_metrics(run, job.start_step))
     on_rank0(lambda: run.write_text(SETTINGS, text=resolved(job.config)))   # --config SETTINGS trains it again
+    board = on_rank0(lambda: Board(run, job.start_step)) if job.config.tensorboard else None
     try:
-        measured = _train(job, grid, stop, metrics, out)
+        measured = _train(job, grid, stop, metrics, out, board, peak)
+        if isinstance(measured, dict):    # stopped by a signal: its step saved
+            grid.close()
+            return measured
+        val_loss = _evaluate(job.model, grid, job.batches, job.config.eval_batches, job.precision)
+        measured.rss = _rss_per_rank()
+        if board is not None:
+            board.step(job.config.steps, {"val_loss": val_loss})
+            board.final(job.config.steps, measured.rss)
     finally:
         if metrics is not None:
             metrics.close()
-    if isinstance(measured, dict):    # stopped by a signal: its step saved
-        grid.close()
-        return measured
-    val_loss = _evaluate(job.model, grid, job.batches, job.config.eval_batches, job.precision)
-    measured.rss = _rss_per_rank()
+        if board is not None:
+            board.close()
     summary = on_rank0(lambda: _summarize(job, grid, run, measured, peak, val_loss)) or {}
     grid.close()    # idle from here: a job that goes on (a test's pool of ranks) need not carry its groups
     return summary
@@ -153,10 +160,12 @@ class _Measured:
     rss: list[dict[str, int]] = field(default_factory=list)
 
 
-def _train(job: _Job, grid, stop: StopRequest, metrics, out: Path) -> _Measured | dict:
-    """The steps from ``job.start_step`` on, saving as the run says; what was measured, or (a signal stopped
-    the run, its step saved) ``{"stopped": ...}``."""
+def _train(job: _Job, grid, stop: StopRequest, metrics, out: Path, board: Board | None,
+           peak: float) -> _Measured | dict:
+    """The steps from ``job.start_step`` on, saving as the run says, the validation loss every
+    ``--eval-every`` steps; what was measured, or (a signal stopped the run, its step saved) ``{"stopped": ...}``."""
     config, optimizer, precision, batches = job.config, job.optimizer, job.precision, job.batches
+    flops_per_token = getattr(job.model, "flops_per_token", None) or config.model_config().flops_per_token()
     progress = _progress_bar(config, grid, job.start_step) if grid.rank == 0 else None
     tokens_per_step = batches.tokens_per_step
     measured = _Measured([], [])
@@ -170,10 +179,11 @@ def _train(job: _Job, grid, stop: StopRequest, metrics, out: Path) -> _Measured 
             for group in optimizer.param_groups:
                 group["lr"] = lr
             x, y = _local(grid, batches.local_batch(grid, "train", step), precision)
+            report: dict = {}
             with ledger.capture() as entries:
                 loss = train_step(job.model, optimizer, grid, job.model, x, y, grad_clip=config.grad_clip,
                                   microbatches=config.microbatches, pipeline_limit=config.pipeline_limit,
-                                  precision=precision)
+                                  precision=precision, report=report)
                 mean_loss = global_mean(loss, grid).item()
             if not math.isfinite(mean_loss):   # the same value on every rank: all stop here, none waits
                 raise FloatingPointError(
@@ -185,16 +195,25 @@ def _train(job: _Job, grid, stop: StopRequest, metrics, out: Path) -> _Measured 
             # Rank 0's communication: wall seconds with a collective in flight (issued), seconds waited (exposed).
             comm = (in_flight_seconds(entries), sum(e.seconds for e in entries), seconds)
             measured.comm.append(comm)
+            moved = ledger.total_bytes() - bytes_before          # the step's, not the evaluation's
+            evaluated = config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps
+            val_loss = _evaluate(job.model, grid, batches, config.eval_batches, precision) if evaluated else None
             if metrics is not None:
                 record = {"step": step + 1, "loss": mean_loss, "tokens_per_s": tokens_per_step / seconds,
-                          "s_per_step": seconds, "lr": lr, "comm_bytes": ledger.total_bytes() - bytes_before,
-                          "comm_issued_s": comm[0], "comm_exposed_s": comm[1]}
+                          "s_per_step": seconds, "lr": lr, "comm_bytes": moved,
+                          "comm_issued_s": comm[0], "comm_exposed_s": comm[1], **report}
+                if val_loss is not None:
+                    record["val_loss"] = val_loss
                 if grid.size("pipe") > 1:    # rank 0's point-to-point bytes sent to its pipeline neighbours
                     record["p2p_sent_bytes"] = sum(e.bytes for e in entries if e.kind == "send")
                 if precision is not None:    # fp16's loss scale, and the steps it skipped for inf/NaN gradients
                     record.update(loss_scale=precision.scale, skipped_steps=precision.skipped)
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
+                if board is not None:
+                    flops = flops_per_token * record["tokens_per_s"]
+                    board.step(step + 1, dict(record, model_flops_per_s=flops, rss_bytes=rss_bytes(),
+                                              percent_of_peak=100 * flops / peak if peak else None))
                 if progress is not None:
                     progress.set_postfix(loss=f"{mean_loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
                                          refresh=False)

@@ -32,7 +32,8 @@ SECTIONS: dict[str, dict[str, tuple[str, tuple]]] = {
     "schedule": {"steps": ("steps", INT)},
     "checkpoint": {"out": ("out", STR), "save_every": ("save_every", INT), "keep": ("keep", INT),
                    "max_restarts": ("max_restarts", INT)},
-    "logging": {"progress": ("progress", BOOL)},
+    "logging": {"progress": ("progress", BOOL), "tensorboard": ("tensorboard", BOOL),
+                "eval_every": ("eval_every", INT)},
 }
 
 
@@ -130,7 +131,8 @@ def resolved(config) -> str:
                       "grad_reduce": config.grad_reduce, "offload_optimizer": config.offload_bsize},
         "schedule": {"steps": config.steps},
         "checkpoint": {"save_every": config.save_every, "keep": config.keep},
-        "logging": {"progress": config.progress}}
+        "logging": {"progress": config.progress, "tensorboard": config.tensorboard,
+                    "eval_every": config.eval_every}}
     lines = ["# par4d train's settings for this run, resolved (par4d train --config FILE trains it again;",
              "# flags override them; --out picks the new run's folder)"]
     for section, keys in SECTIONS.items():

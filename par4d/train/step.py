@@ -22,7 +22,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, grid: 
                loss: Callable[..., torch.Tensor], *inputs: torch.Tensor, grad_clip: float = 0.0,
                microbatches: int | None = None, pipeline_limit: int | None = None,
                precision: MixedPrecision | None = None,
-               after_backward: Callable[[PipelineStats | None], None] | None = None) -> torch.Tensor:
+               after_backward: Callable[[PipelineStats | None], None] | None = None,
+               report: dict | None = None) -> torch.Tensor:
     """One optimizer step of ``model`` on ``grid``; returns this rank's loss (detached).
 
     ``loss(*inputs)`` runs the forward pass and returns the mean loss of this rank's
@@ -40,6 +41,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, grid: 
     ``after_backward(stats)``: called once forward and backward are done, before the data-parallel
     sync finishes and the optimizer steps, with the pipeline's :class:`PipelineStats` (None without
     a pipeline): where a benchmark looks inside a step (a stage's order, device memory).
+    ``report``: gets ``grad_norm``, the global gradient norm before clipping, where clipping computed it
+    (``grad_clip > 0``; not for a step mixed precision skipped).
     """
     sync = gradient_sync(model, grid)
     scale = precision.scale if precision is not None else 1.0
@@ -61,11 +64,16 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, grid: 
     if after_backward is not None:
         after_backward(stats)
     if precision is not None:           # finish the sync; unscale into the fp32 masters, clip and step them,
+        precision.grad_norm = None
         precision.step(sync, grad_clip)  # round back (offloaded: bucket by bucket as the all-reduce returns them)
+        if report is not None and precision.grad_norm is not None:
+            report["grad_norm"] = precision.grad_norm
         return value.detach()
     sync.finish()                       # after backward: sums what is still partial over data (and z)
     if grad_clip > 0:                   # after the sync: the norm is that of the global batch's gradient
-        clip_grad_norm_(model, grad_clip, grid)
+        norm = clip_grad_norm_(model, grad_clip, grid)
+        if report is not None:
+            report["grad_norm"] = norm.item()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return value.detach()
