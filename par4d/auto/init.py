@@ -45,7 +45,7 @@ def initialize(model: nn.Module, twin: nn.Module, grid: Grid, seed: int) -> int:
         for values in _block_values(twin, seed, held):
             most = max(most, sum(t.numel() * t.element_size() for t in values.values()))
             fill_parameters(model, grid, {name: t for name, t in values.items() if name in held})
-    compute_buffers(model, grid)
+    compute_buffers(model, grid.device)
     return most
 
 

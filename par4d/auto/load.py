@@ -46,7 +46,7 @@ def load_safetensors(model: nn.Module, path: str | Path, grid: Grid) -> None:
                 if name in handles:
                     value = handles[name].get_tensor(name)
                     setattr(module, attribute, value.to(grid.device) if buffer.is_meta else buffer.copy_(value))
-    compute_buffers(model, grid)
+    compute_buffers(model, grid.device)
 
 
 class _Whole:
@@ -151,9 +151,9 @@ def _filled(param: nn.Parameter, f, name: str, full: tuple[int, ...], grid: Grid
     return target
 
 
-def compute_buffers(model: nn.Module, grid: Grid) -> None:
+def compute_buffers(model: nn.Module, device: torch.device) -> None:
     """Buffers still on the meta device (not saved: computed in the model's constructor) are
-    made on the grid's device and computed by the model's own initialisation, if it has one."""
+    made on ``device`` and computed by the model's own initialisation, if it has one."""
     left = [(n, m) for n, m in model.named_modules() if any(b.is_meta for b in m.buffers(recurse=False))]
     init = getattr(model, "_init_weights", None)
     if left and init is None:
@@ -162,5 +162,5 @@ def compute_buffers(model: nn.Module, grid: Grid) -> None:
     for _, module in left:
         for attribute, buffer in list(module.named_buffers(recurse=False)):
             if buffer.is_meta:
-                setattr(module, attribute, torch.empty_like(buffer, device=grid.device))
+                setattr(module, attribute, torch.empty_like(buffer, device=device))
         init(module)

@@ -333,6 +333,17 @@ def export_hf(source: Path, out: Path, force: bool = False, report: Callable[[st
     if not is_count(shard_bytes, 1):
         raise ValueError(f"the largest weights file must be >= 1 byte, got {shard_bytes}")
     _check_out(out, force)
+    chosen, tensors, text = hf_state(source, report)
+    _write_weights(out, tensors, text, {"format": "pt", "par4d_step": str(chosen.meta.get("step"))}, shard_bytes)
+    return chosen.path, chosen.meta
+
+
+def hf_state(source: Path, report: Callable[[str], None] | None = None
+             ) -> tuple[checkpoint.Checkpoint, dict[str, torch.Tensor], str]:
+    """(the checkpoint chosen, its model's state dict under ``transformers``' names, the ``config.json``
+    text) of the run or checkpoint ``source``, as :func:`export_hf` writes them (and ``par4d generate``
+    builds them): whole tensors, in one process."""
+    source = Path(source)
     chosen = find_checkpoint(source, report)
     folder, meta = chosen.path, chosen.meta
     trained = meta.get("train_config", {}).get("model", "gpt")
@@ -350,8 +361,7 @@ def export_hf(source: Path, out: Path, force: bool = False, report: Callable[[st
         text = json.dumps(hf_config(config, full["wte.weight"].dtype), indent=2) + "\n"
     else:
         tensors, text = _lm_tensors(chosen)
-    _write_weights(out, tensors, text, {"format": "pt", "par4d_step": str(meta.get("step"))}, shard_bytes)
-    return folder, meta
+    return chosen, tensors, text
 
 
 def _lm_tensors(chosen: checkpoint.Checkpoint) -> tuple[dict[str, torch.Tensor], str]:
