@@ -22,12 +22,12 @@ import os
 import signal
 import sys
 
-from par4d.cli import bench, calibrate, cluster, data, export, generate, phantom, plan, train
+from par4d.cli import bench, calibrate, cluster, data, export, generate, inspect, phantom, plan, train
 from par4d.launch import Interrupted, RankFailed
 from par4d.launch.cluster import ClusterUnavailable
 
 # In the order `par4d --help` lists them; each module's name is its command's.
-COMMANDS = (train, data, generate, export, plan, calibrate, cluster, phantom, bench)
+COMMANDS = (train, data, generate, inspect, export, plan, calibrate, cluster, phantom, bench)
 
 
 def _parser() -> argparse.ArgumentParser:
