@@ -211,4 +211,7 @@ def test_par4d_data_prepare_and_train_resume_on_another_grid(inputs, tmp_path, c
     (tmp_path / "unfinished").mkdir()
     assert main(["train", *common[2:], "--data", str(tmp_path / "unfinished"), "--out", str(tmp_path / "r3")]) == 2
     assert "no index.json, so not a finished dataset" in capsys.readouterr().err
-    assert not (tmp_path / "r2").exists() and not (tmp_path / "r3").exists()
+    (tmp_path / "bad.json").write_text("{}")
+    assert main(["train", *common[2:], "--tokenizer", str(tmp_path / "bad.json"), "--out", str(tmp_path / "r4")]) == 2
+    assert "bad.json is not a Hugging Face tokenizer file" in capsys.readouterr().err
+    assert not any((tmp_path / r).exists() for r in ("r2", "r3", "r4"))
