@@ -150,6 +150,19 @@ def test_bad_inputs_are_named_and_nothing_is_taken_for_another_run(inputs, tmp_p
         prep.prepare([str(folder / "a.txt")], tok, tmp_path / "ds5", progress=False)
 
 
+def test_prepare_loses_nothing_a_user_saved(inputs, tmp_path):
+    tok_path, folder = inputs
+    tok = load_tokenizer(tok_path)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.bin").write_bytes(b"mine")
+    with pytest.raises(ValueError, match="is not empty and holds no dataset of par4d data prepare"):
+        prep.prepare([str(folder)], tok, tmp_path / "mine", progress=False)
+    assert (tmp_path / "mine" / "notes.bin").read_bytes() == b"mine"
+    first = prep.prepare([str(folder)], tok, tmp_path / "ds", progress=False)
+    again = prep.prepare([str(folder)], load_tokenizer(tmp_path / "ds"), tmp_path / "ds", force=True, progress=False)
+    assert again["splits"] == first["splits"]     # its own tokenizer.json, read before the folder was cleared
+
+
 def test_each_rank_reads_only_its_rows_and_every_grid_shares_one_global_batch(inputs, tmp_path):
     tok_path, folder = inputs
     prep.prepare([str(folder)], load_tokenizer(tok_path), tmp_path / "ds", shard_tokens=500, progress=False)

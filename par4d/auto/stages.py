@@ -96,31 +96,31 @@ class Stage:
         return self.index == self.stages - 1
 
 
-def stage_layers(lm: nn.Module, stages: int) -> list[range]:
+def stage_layers(lm: nn.Module, stages: int, seq_len: int | None = None) -> list[range]:
     """The decoder layers of each of ``stages`` stages of ``lm`` (a Hugging Face causal LM, on any
     device), balanced by training FLOPs per token: each layer's matmul weights and attention's scores
-    over the model's positions; the head's matmul on the last stage."""
+    over ``seq_len`` tokens (default: the model's positions); the head's matmul on the last stage."""
     layers_at, _, _, _ = _parts(lm)
     layers = getattr(lm.base_model, layers_at)
     config = lm.config
-    attention = 2 * 2 * config.max_position_embeddings * config.hidden_size    # QK^T and AV per token
+    attention = 2 * 2 * (seq_len or config.max_position_embeddings) * config.hidden_size    # QK^T and AV
     costs = [3 * (2 * _matmul_weights(layer) + attention) for layer in layers]
     head = lm.get_output_embeddings()
     return balanced_stages(costs, stages, last=3 * 2 * head.weight.numel())
 
 
-def cut_stage(lm: nn.Module, grid: Grid) -> Stage:
+def cut_stage(lm: nn.Module, grid: Grid, seq_len: int | None = None) -> Stage:
     """Make ``lm`` (a Hugging Face causal LM, before ``par4d.parallelize``; on the meta device will do)
-    this rank's pipeline stage, in place (see the module's docstring); returns which one. Whole on a
-    grid with pipe = 1."""
+    this rank's pipeline stage, in place (see the module's docstring), balanced for ``seq_len`` tokens
+    (:func:`stage_layers`); returns which one. Whole on a grid with pipe = 1."""
     stages, index = grid.size("pipe"), grid.coord("pipe")
-    stage = Stage(index, stages, stage_layers(lm, stages)[index])
     if stages == 1:
-        return stage
+        return Stage(0, 1, range(lm.config.num_hidden_layers))
+    bounds = stage_layers(lm, stages, seq_len)
+    stage = Stage(index, stages, bounds[index])
     layers_at, embeddings_at, positions_at, norm_at = _parts(lm)
     base = lm.base_model
     layers = getattr(base, layers_at)
-    bounds = stage_layers(lm, stages)
     for i in range(len(layers)):
         if i not in stage.layers:
             layers[i] = Elsewhere(next(s for s, run in enumerate(bounds) if i in run))

@@ -77,8 +77,12 @@ def _check_index(index: object, where: Path) -> dict:
     if index.get("version") != VERSION:
         raise ValueError(f"{where}: dataset format version {index.get('version')!r}; this par4d reads {VERSION}")
     try:
-        np.dtype(index["dtype"])
+        if index["dtype"] not in ("u2", "u4"):
+            raise ValueError(f"dtype {index['dtype']!r}, not u2 or u4")
+        if not 1 < int(index["tokenizer"]["vocab"]) <= 1 << (16 if index["dtype"] == "u2" else 32):
+            raise ValueError(f"vocabulary {index['tokenizer']['vocab']} in {index['dtype']}")
         for split in SPLITS:
+            int(index["splits"][split]["documents"]), int(index["splits"][split]["tokens"])
             for shard in index["splits"][split]["shards"]:
                 if not (isinstance(shard["name"], str) and isinstance(shard["tokens"], int) and shard["tokens"] > 0):
                     raise TypeError(shard)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -192,7 +193,7 @@ def prepare(inputs: list[str], tokenizer: Tokenizer, out: str | Path, field: str
     folder = Folder(out)
     start, shards, counts = _resume_point(folder, settings, made_from, force, say)
     dtype = dtype_for(tokenizer.vocab)
-    folder.write_bytes(TOKENIZER, data=Path(tokenizer.path).read_bytes())
+    folder.write_bytes(TOKENIZER, data=tokenizer.data)     # the bytes hashed (--tokenizer may be in --out)
     writer = _Writer(folder, dtype, shard_tokens, shards, counts)
     total = sum(m["size"] for m in made_from)
     bar = _bar(total, progress)
@@ -273,19 +274,24 @@ def _resume_point(folder: Folder, settings: Settings, made_from: list[dict], for
         _clear(folder)
         return fresh
     if not folder.exists(PROGRESS):
-        _clear(folder)
+        if folder.names():
+            raise ValueError(f"--out {folder.path()} is not empty and holds no dataset of par4d data prepare; "
+                             f"give a new or empty folder")
         return fresh
     record = folder.read_json(PROGRESS)
-    if force or not isinstance(record, dict):
+    if force:
         _clear(folder)
         return fresh
+    if not (isinstance(record, dict) and isinstance(record.get("next"), list) and len(record["next"]) == 2
+            and isinstance(record.get("shards"), dict) and isinstance(record.get("documents"), dict)):
+        raise ValueError(f"--out {folder.path()}: its {PROGRESS} is damaged; give --force to start over")
     if record.get("settings") != settings.__dict__ or record.get("inputs") != made_from:
         raise ValueError(f"--out {folder.path()} holds an unfinished dataset of other inputs or settings (its "
                          f"{PROGRESS}); give the same ones to go on, another folder, or --force to start over")
     shards, counts = record["shards"], record["documents"]
     kept = {h["name"] for s in SPLITS for h in shards[s]}
     for name in folder.names():
-        if name.endswith(".bin") and name not in kept:
+        if _is_shard(name) and name not in kept:
             folder.remove_file(name)             # written after the last record: written again
     at = tuple(record["next"])
     say(f"going on from {Path(made_from[at[0]]['path']).name}, document {at[1]:,} "
@@ -296,5 +302,9 @@ def _resume_point(folder: Folder, settings: Settings, made_from: list[dict], for
 def _clear(folder: Folder) -> None:
     """Remove the files a dataset of this format consists of, and nothing else of the folder's."""
     for name in folder.names():
-        if name in (INDEX, PROGRESS, TOKENIZER) or (name.endswith(".bin") and name.split("-")[0] in SPLITS):
+        if name in (INDEX, PROGRESS, TOKENIZER) or _is_shard(name):
             folder.remove_file(name)
+
+
+def _is_shard(name: str) -> bool:
+    return re.fullmatch(r"(train|val)-\d{5,}\.bin", name) is not None

@@ -23,6 +23,7 @@ class Tokenizer:
     vocab: int
     eos: int | None
     backend: object                  # tokenizers.Tokenizer
+    data: bytes                      # the file's bytes, as hashed (a dataset keeps this copy)
 
     def encode(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text (``tokenizers`` encodes a batch on all cores), no special tokens added."""
@@ -64,4 +65,4 @@ def load_tokenizer(path: str | Path, sha256: str | None = None) -> Tokenizer:
     if vocab < 2:
         raise ValueError(f"--tokenizer {file}: a vocabulary of {vocab} tokens")
     eos = next((backend.token_to_id(t) for t in END_OF_TEXT if backend.token_to_id(t) is not None), None)
-    return Tokenizer(str(file), digest, vocab, eos, backend)
+    return Tokenizer(str(file), digest, vocab, eos, backend, data)

@@ -225,9 +225,14 @@ class GradientSync:
             if param.grad is None:          # unused on this stage this step: its share is zero
                 param.grad = torch.zeros_like(param)
         received = [torch.empty_like(p.grad) for p in self.tied]
-        handles = [comm.send(self.grid, p.grad, "pipe", placement_of(p).pipe_peer, TIED_TAG) for p in self.tied]
-        handles += [comm.recv(self.grid, r, "pipe", placement_of(p).pipe_peer, TIED_TAG)
-                    for p, r in zip(self.tied, received)]
+        sends = [lambda p=p: comm.send(self.grid, p.grad, "pipe", placement_of(p).pipe_peer, TIED_TAG)
+                 for p in self.tied]
+        recvs = [lambda p=p, r=r: comm.recv(self.grid, r, "pipe", placement_of(p).pipe_peer, TIED_TAG)
+                 for p, r in zip(self.tied, received)]
+        # The earlier stage sends first, the later one receives first: NCCL runs one peer's sends and
+        # receives in the order they are posted (and ignores tags), so both sides post them paired.
+        earlier = placement_of(self.tied[0]).pipe_peer > 0
+        handles = [post() for post in (sends + recvs if earlier else recvs + sends)]
         for handle in handles:
             handle.wait()
         for param, other in zip(self.tied, received):

@@ -86,7 +86,7 @@ class MixedPrecision:
         self.scale = INITIAL_SCALE if dtype == torch.float16 else 1.0
         self.good_steps = 0
         self.skipped = 0              # steps skipped for an inf or NaN gradient (fp16)
-        self.grad_norm: float | None = None   # the last step's global gradient norm, where clipping computed it
+        self.grad_norm: torch.Tensor | None = None   # the last step's global gradient norm, where clipping computed it
 
     def overlaps_all_reduce(self, grad_clip: float, overlap: bool = True) -> bool:
         """Whether :meth:`step` steps each all-reduce bucket while later ones are in flight
@@ -142,12 +142,12 @@ class MixedPrecision:
             clip = None
             if grad_clip > 0:
                 norm = grad_norm(self.model, self.grid) / self.scale
-                self.grad_norm, clip = norm.item(), clip_factor(norm, grad_clip)
+                self.grad_norm, clip = norm, clip_factor(norm, grad_clip)
             self.optimizer.step_from(pairs, self.scale, clip)
             self._good_step()
         else:
             if grad_clip > 0:
-                self.grad_norm = clip_grad_norm_(self.masters, grad_clip, self.grid).item()
+                self.grad_norm = clip_grad_norm_(self.masters, grad_clip, self.grid)
             self.optimizer.step()
             for param, master in pairs:
                 param.copy_(master)

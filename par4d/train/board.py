@@ -30,6 +30,15 @@ TAGS = {"loss": "loss/train", "val_loss": "loss/validation", "lr": "optimizer/lr
         "rss_bytes": "memory/rss_bytes"}
 
 
+def check_available() -> None:
+    """Raise, before any rank starts, where TensorBoard's writer cannot be imported."""
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        raise ValueError("TensorBoard is not installed (pip install tensorboard, as requirements.txt pins it), "
+                         "or give --no-tensorboard") from None
+
+
 def rss_bytes() -> int:
     """This process's resident memory now (its peak where /proc is not there)."""
     try:
@@ -48,8 +57,8 @@ class Board:
         from torch.utils.tensorboard import SummaryWriter
 
         run.mkdir(FOLDER)
-        # A resume's first step is start_step + 1: what an attempt wrote from there on is dropped.
-        self.writer = SummaryWriter(log_dir=str(run.path(FOLDER)), purge_step=start_step + 1 if start_step else None)
+        # The first step run is start_step + 1: what an earlier attempt wrote from there on is dropped.
+        self.writer = SummaryWriter(log_dir=str(run.path(FOLDER)), purge_step=start_step + 1)
 
     def step(self, step: int, record: dict) -> None:
         """The scalars of ``record`` (a ``metrics.jsonl`` line) that have a tag, at ``step``."""

@@ -112,6 +112,10 @@ def configure(args: argparse.Namespace, world: int, inside: bool, resumed: tuple
     else:
         config = _new_config(args, world, inside, planner)
     config = _tokens(args, config)             # the vocabulary: before any shape is checked
+    if config.tensorboard:
+        from par4d.train.board import check_available
+
+        check_available()
     sizes = validate_sizes(config.grid, world)
     if config.hierarchical == "on" and not inside:
         raise ValueError("--hierarchical on stages collectives over groups that span nodes; par4d's own local ranks "
@@ -249,6 +253,9 @@ def _tokens(args: argparse.Namespace, config):
         raise ValueError(f"--resume {config.out}: --tokenizer {given.path} is not the run's tokenizer "
                          f"({config.tokenizer or 'bytes'}); a resumed run keeps the token ids it trained on")
     data = config.data
+    if config.resume and data is not None and not Path(data).exists():
+        raise ValueError(f"--resume {config.out}: the run's data {data} is missing (a resumed run trains on the "
+                         f"data it started on: restore it there)")
     if data is not None and Path(data).is_dir():
         from par4d.data.dataset import open_dataset, sha256_of_index
 

@@ -27,10 +27,8 @@ def inspect(path: Path) -> list[str]:
         raise ValueError(f"{path} is not a par4d run folder (no {checkpoint.FOLDER}/), checkpoint or dataset")
     folder = Folder(path).sub(checkpoint.FOLDER)
     lines, newest = [f"run {path}"], None
-    for name in sorted(folder.names(), reverse=True):
-        step = checkpoint.step_of(name)
-        if step is None:
-            continue
+    named = {checkpoint.step_of(name): name for name in folder.names() if checkpoint.step_of(name) is not None}
+    for _, name in sorted(named.items(), reverse=True):     # by step, as --resume takes them
         try:
             if folder.kind(name) != "folder":
                 raise ValueError("a link or a file, not a folder")

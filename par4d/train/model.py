@@ -60,7 +60,7 @@ class CausalLM(nn.Module):
 
     def stage_forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """This stage's part of the forward: token ids in on the first stage, else the residual stream from
-        the stage before (whole features); the stream out, or on the last stage the logits or, with
+        the stage before (:meth:`stream_shape`); the stream out, or on the last stage the logits or, with
         ``targets``, the mean cross-entropy over its tokens."""
         given = {"input_ids": inputs} if self.first else {"inputs_embeds": inputs}
         if not self.last:                   # its final norm is the identity (par4d.auto.stages)
@@ -163,7 +163,7 @@ def _hf_model(config: TrainConfig, grid: Grid) -> CausalLM:
     flops = 6 * _linear_weights(twin) + attention
     params = sum(p.numel() for p in twin.parameters())
     lm = copy.deepcopy(twin)
-    stage = cut_stage(lm, grid)             # pipe > 1: this rank's decoder layers, names kept
+    stage = cut_stage(lm, grid, config.seq_len)   # pipe > 1: this rank's decoder layers, names kept
     lm = parallelize(lm, grid)
     tie_across_stages(lm, stage)            # a head tied to the embeddings, on the first and last stage
     if grid.device.type != "meta" and config.init_from is not None and not config.resume:

@@ -67,7 +67,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, grid: 
         precision.grad_norm = None
         precision.step(sync, grad_clip)  # round back (offloaded: bucket by bucket as the all-reduce returns them)
         if report is not None and precision.grad_norm is not None:
-            report["grad_norm"] = precision.grad_norm
+            report["grad_norm"] = float(precision.grad_norm)
         return value.detach()
     sync.finish()                       # after backward: sums what is still partial over data (and z)
     if grad_clip > 0:                   # after the sync: the norm is that of the global batch's gradient
