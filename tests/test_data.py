@@ -196,6 +196,13 @@ def test_each_rank_reads_only_its_rows_and_every_grid_shares_one_global_batch(in
             assert read == [17] * per_rank * world      # each rank read its own windows, and nothing more
     # windows cross shard boundaries exactly as the concatenation of the shards has them
     assert train[490:510].tolist() == _split_tokens(tmp_path / "ds", "train")[490:510]
+    # shards are mapped as they are read, a bounded number at a time (a file descriptor each)
+    whole = _split_tokens(tmp_path / "ds", "train")
+    with mock.patch("par4d.data.dataset.MAPPED", 2):
+        fresh = open_dataset(tmp_path / "ds", 16).splits["train"]
+        assert len(fresh.names) > 3 and not fresh.mapped
+        assert [t for a in range(0, len(whole), 123) for t in fresh[a:a + 123].tolist()] == whole
+        assert len(fresh.mapped) == 2
 
 
 def test_par4d_data_prepare_and_train_resume_on_another_grid(inputs, tmp_path, capsys, pool4):

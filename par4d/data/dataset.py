@@ -8,7 +8,8 @@ the folder whose size is its token count times the dtype's. The SHA-256 of every
 
 A split is the concatenation of its shards; :class:`Tokens` reads a window of it from the memory maps
 (across a shard's end where one falls inside), so a dataset many times larger than memory trains with
-only the windows of a step in memory.
+only the windows of a step in memory. Shards are mapped as they are read, at most :data:`MAPPED` at a
+time, so a dataset of thousands of shards does not run out of file descriptors.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import bisect
 import hashlib
 import mmap
 import os
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,18 +27,40 @@ import numpy as np
 from par4d.data.prepare import FORMAT, INDEX, SPLITS, VERSION
 from par4d.folder import Folder, FolderError
 
+MAPPED = 64                          # shards mapped at once per split (a file descriptor each)
+
 
 class Tokens:
-    """One split's tokens across its shards, read by slices (``len``, ``tokens[a:b]`` as int64 numpy)."""
+    """One split's tokens across its shards, read by slices (``len``, ``tokens[a:b]`` as int64 numpy). A
+    shard is memory-mapped when first read; at most :data:`MAPPED` stay mapped (each mapping holds a file
+    descriptor), the least recently read unmapped first."""
 
-    def __init__(self, maps: list[np.ndarray]):
-        self.maps = maps
+    def __init__(self, folder: Folder, shards: list[tuple[str, int]], dtype: np.dtype):
+        self.folder, self.names, self.dtype = folder, [name for name, _ in shards], dtype
         self.starts = [0]
-        for m in maps:
-            self.starts.append(self.starts[-1] + len(m))
+        for _, tokens in shards:
+            self.starts.append(self.starts[-1] + tokens)
+        self.mapped: OrderedDict[int, np.ndarray] = OrderedDict()
 
     def __len__(self) -> int:
         return self.starts[-1]
+
+    def _shard(self, index: int) -> np.ndarray:
+        if index in self.mapped:
+            self.mapped.move_to_end(index)
+            return self.mapped[index]
+        fd = self.folder.open_fd(self.names[index])
+        try:
+            size = (self.starts[index + 1] - self.starts[index]) * self.dtype.itemsize
+            if os.fstat(fd).st_size != size:
+                raise ValueError(f"--data {self.folder.path()}: shard {self.names[index]} changed size while the "
+                                 f"run read it")
+            self.mapped[index] = np.frombuffer(mmap.mmap(fd, size, prot=mmap.PROT_READ), dtype=self.dtype)
+        finally:
+            os.close(fd)                  # the mapping keeps its own descriptor
+        while len(self.mapped) > MAPPED:  # slices are copied out, so the mapping closes once dropped
+            self.mapped.popitem(last=False)
+        return self.mapped[index]
 
     def __getitem__(self, window: slice) -> np.ndarray:
         start, stop, _ = window.indices(len(self))
@@ -44,7 +68,7 @@ class Tokens:
         while at < stop:
             shard = bisect.bisect_right(self.starts, at) - 1
             end = min(stop, self.starts[shard + 1])
-            parts.append(self.maps[shard][at - self.starts[shard]:end - self.starts[shard]])
+            parts.append(self._shard(shard)[at - self.starts[shard]:end - self.starts[shard]])
             at = end
         return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
 
@@ -112,21 +136,16 @@ def open_dataset(path: str | Path, seq_len: int, tokenizer_sha256: str | None = 
     dtype = np.dtype(index["dtype"]).newbyteorder("<")
     splits = {}
     for split in SPLITS:
-        maps = []
-        for shard in index["splits"][split]["shards"]:
+        shards = [(shard["name"], shard["tokens"]) for shard in index["splits"][split]["shards"]]
+        for name, tokens in shards:       # every shard there, at its size, before any rank starts
             try:
-                fd = folder.open_fd(shard["name"])
+                size = folder.size(name)
             except (FolderError, OSError) as error:
-                raise ValueError(f"--data {folder.path()}: shard {shard['name']!r}: {error}") from None
-            try:
-                size = os.fstat(fd).st_size
-                if size != shard["tokens"] * dtype.itemsize:
-                    raise ValueError(f"--data {folder.path()}: shard {shard['name']} has {size:,} bytes, the index "
-                                     f"says {shard['tokens']:,} tokens of {dtype.itemsize} bytes")
-                maps.append(np.frombuffer(mmap.mmap(fd, size, prot=mmap.PROT_READ), dtype=dtype))
-            finally:
-                os.close(fd)
-        splits[split] = Tokens(maps)
+                raise ValueError(f"--data {folder.path()}: shard {name!r}: {error}") from None
+            if size != tokens * dtype.itemsize:
+                raise ValueError(f"--data {folder.path()}: shard {name} has {size:,} bytes, the index says "
+                                 f"{tokens:,} tokens of {dtype.itemsize} bytes")
+        splits[split] = Tokens(folder, shards, dtype)
         if len(splits[split]) < seq_len + 2:
             raise ValueError(f"--data {folder.path()}: the {split} split has {len(splits[split]):,} tokens; "
                              f"--seq-len {seq_len} needs at least {seq_len + 2}")
