@@ -57,10 +57,22 @@ def test_bad_files_stop_par4d_train_before_anything_starts(tmp_path, capsys):
 
 
 def test_every_key_is_a_flag_of_par4d_train():
-    dests = set(vars(_args()))
+    from par4d.train.config import TrainConfig
+    from par4d.train.settings_file import NOT_KEPT
+
+    dests, fields = set(vars(_args())), set(TrainConfig.__dataclass_fields__)
     for section, keys in SECTIONS.items():
         for key, (dest, _) in keys.items():
             assert dest in dests or dest.startswith("axis_") or dest in ("grid_auto", "progress"), (section, key)
+            assert dest in fields or dest.startswith("axis_") or dest in NOT_KEPT, (section, key)   # config.toml's
+
+
+def test_a_settings_file_is_not_read_through_a_link(tmp_path):
+    (tmp_path / "real.toml").write_text("[schedule]\nsteps = 3\n")
+    (tmp_path / "run.toml").symlink_to(tmp_path / "real.toml")
+    with pytest.raises(ValueError, match="--config .*run.toml"):
+        read(tmp_path / "run.toml")
+    assert read(tmp_path / "real.toml") == {"steps": 3}
 
 
 @pytest.mark.parametrize("name", ["demo.toml", "gpt2-small.toml", "llama-3d.toml"])

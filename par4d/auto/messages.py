@@ -120,6 +120,18 @@ def norm_messages(norm: nn.Module, seen: Seen, sizes: dict[str, int]) -> list[Me
     return [("all_reduce", (norm.axis,), n)] + ([("all_reduce", (norm.axis,), n)] if seen.input_grad else [])
 
 
+def hook_messages(which: str, module: nn.Module, seen: Seen | None, sizes: dict[str, int]) -> tuple[Message, ...]:
+    """Where the residual stream is sharded over y: the all-gather over y that a whole (replicated) embedding's
+    output costs (``split``: in backward, if it trains) or a whole head's input (``gather``: in forward)."""
+    if seen is None:
+        return ()
+    rows = sizes["data"] * sizes["z"] if seen.per_sample else 1
+    if which == "split":
+        trains = module.weight.requires_grad
+        return (("all_gather", ("y",), seen.out_elements // (rows * sizes["y"])),) if trains else ()
+    return (("all_gather", ("y",), seen.in_elements // (rows * sizes["y"])),)
+
+
 def sync_messages(model: nn.Module, sizes: dict[str, int]) -> list[Message]:
     """The data-parallel sums after backward: per group of partial axes, one all-reduce of
     all its gradients (in buckets, which do not change the total)."""

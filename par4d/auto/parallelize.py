@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 
-from par4d.auto.messages import Message, bytes_sent, layer_messages, norm_messages, record, sync_messages
+from par4d.auto.messages import Message, bytes_sent, hook_messages, layer_messages, norm_messages, record, sync_messages
 from par4d.auto.stream import gather_input, is_norm, split_output, stream_norm, stream_problem
 from par4d.grid import Grid
 from par4d.layout import Placement, place, placement_of
@@ -317,10 +317,10 @@ def parallelize(model: nn.Module, grid: Grid, *, force: dict[str, str] | None = 
             messages = ()
             if stream and isinstance(module, nn.Embedding):      # whole here, its block of features kept
                 split_output(module, grid)
-                messages = _hook_messages("split", module, seen.get(name), grid.sizes)
+                messages = hook_messages("split", module, seen.get(name), grid.sizes)
             elif stream:                                         # a head whole here reads the stream gathered
                 gather_input(module, grid)
-                messages = _hook_messages("gather", module, seen.get(name), grid.sizes)
+                messages = hook_messages("gather", module, seen.get(name), grid.sizes)
             plan.append(Treatment(name, kind, why, messages=messages))
             continue
         layer = _replacement(module, name, kind, roles.get(name), grid, stream)
@@ -354,18 +354,6 @@ def parallelize(model: nn.Module, grid: Grid, *, force: dict[str, str] | None = 
     if report:
         print(plan_table(plan, model.par4d_sync, grid.sizes, counted=bool(seen)))
     return model
-
-
-def _hook_messages(which: str, module: nn.Module, seen, sizes: dict[str, int]) -> tuple[Message, ...]:
-    """The all-gather over y a replicated embedding's output (``split``: in backward, if it trains) or a
-    replicated head's input (``gather``: in forward) costs where the stream is sharded."""
-    if seen is None:
-        return ()
-    rows = sizes["data"] * sizes["z"] if seen.per_sample else 1
-    if which == "split":
-        return (("all_gather", ("y",), seen.out_elements // (rows * sizes["y"])),) if module.weight.requires_grad \
-            else ()
-    return (("all_gather", ("y",), seen.in_elements // (rows * sizes["y"])),)
 
 
 def plan_table(plan: list[Treatment], sync: tuple[Message, ...], sizes: dict[str, int], counted: bool) -> str:

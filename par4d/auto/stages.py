@@ -104,7 +104,7 @@ def stage_layers(lm: nn.Module, stages: int, seq_len: int | None = None) -> list
     layers = getattr(lm.base_model, layers_at)
     config = lm.config
     attention = 2 * 2 * (seq_len or config.max_position_embeddings) * config.hidden_size    # QK^T and AV
-    costs = [3 * (2 * _matmul_weights(layer) + attention) for layer in layers]
+    costs = [3 * (2 * matmul_weights(layer) + attention) for layer in layers]
     head = lm.get_output_embeddings()
     return balanced_stages(costs, stages, last=3 * 2 * head.weight.numel())
 
@@ -160,5 +160,6 @@ def _parts(lm: nn.Module) -> tuple[str, str, str | None, str]:
     return PARTS[model_type]
 
 
-def _matmul_weights(module: nn.Module) -> int:
+def matmul_weights(module: nn.Module) -> int:
+    """The weights of ``module``'s linear layers (``nn.Linear`` and GPT-2's ``Conv1D``): its matmuls' size."""
     return sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D")

@@ -25,11 +25,12 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from par4d.auto.stages import PARTS
 from par4d.grid import Grid
 from par4d.nn.collectives import GatherFeatures, SplitFeatures
 from par4d.nn.norm import LayerNorm, RMSNorm
 
-STREAM_TYPES = ("llama", "mistral", "qwen2", "gpt2")
+STREAM_TYPES = tuple(PARTS)          # the model types whose every part par4d knows
 AXIS = "y"
 
 

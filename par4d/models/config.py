@@ -27,12 +27,12 @@ class LinearShape(NamedTuple):
     count: int
 
 
-def balanced_stages(costs: list[float], stages: int, first: float = 0.0, last: float = 0.0) -> list[range]:
+def balanced_stages(costs: list[float], stages: int, last: float = 0.0) -> list[range]:
     """The blocks of each of ``stages`` pipeline stages: contiguous runs, at least one block each,
-    that minimise the largest stage's cost, block i costing ``costs[i]``, the first stage also
-    ``first`` (the embeddings) and the last also ``last`` (the head and the loss). Ties go to the
-    earliest boundary. Dynamic programming over (stages, blocks); each run's cost summed correctly
-    rounded (``math.fsum``), so equal costs tie exactly wherever the runs lie."""
+    that minimise the largest stage's cost, block i costing ``costs[i]``, the last stage also ``last``
+    (the head and the loss). Ties go to the earliest boundary. Dynamic programming over (stages,
+    blocks); each run's cost summed correctly rounded (``math.fsum``), so equal costs tie exactly
+    wherever the runs lie."""
     n = len(costs)
     if not 1 <= stages <= n:
         raise ValueError(f"pipe={stages}: each stage needs at least one of the n_layer={n} blocks")
@@ -45,8 +45,7 @@ def balanced_stages(costs: list[float], stages: int, first: float = 0.0, last: f
     for k in range(1, stages + 1):
         for m in range(k, n + 1):
             for j in range(k - 1, m):       # the last of these k stages holds blocks j .. m-1
-                cost = (run[j][m] + (first if k == 1 else 0.0)
-                        + (last if k == stages and m == n else 0.0))
+                cost = run[j][m] + (last if k == stages and m == n else 0.0)
                 worst = max(best[k - 1][j], cost)
                 if worst < best[k][m]:
                     best[k][m], cut[k][m] = worst, j

@@ -116,6 +116,7 @@ class MixedPrecision:
         Where :meth:`overlaps_all_reduce`, each bucket is stepped as its all-reduce returns
         (elementwise AdamW: the same bits as after the whole sync); a bf16 inf/NaN is then
         found after the step, and raises as before (nothing is saved after an error)."""
+        self.grad_norm = None
         if self.overlaps_all_reduce(grad_clip, sync.overlap):
             found = torch.zeros(1, device=self.grid.device)
             for params in sync.completed():

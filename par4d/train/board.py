@@ -39,15 +39,20 @@ def check_available() -> None:
                          "or give --no-tensorboard") from None
 
 
-def rss_bytes() -> int:
-    """This process's resident memory now (its peak where /proc is not there)."""
+def resident() -> dict[str, int]:
+    """This process's resident memory: ``peak_bytes`` (``getrusage``'s), ``now_bytes`` and ``file_bytes``
+    (of it now, file pages: memory-mapped shards are counted there, and the kernel may drop them) from
+    /proc (without /proc: the peak, and 0 file pages)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out = {"peak_bytes": peak, "now_bytes": peak, "file_bytes": 0}
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssFile"):
+                out["now_bytes" if key == "VmRSS" else "file_bytes"] = int(value.split()[0]) * 1024
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return out
 
 
 class Board:

@@ -23,7 +23,7 @@ from par4d.optim.data_parallel import global_mean
 from par4d.optim.precision import MixedPrecision, parse_precision
 from par4d.pipeline import evaluate_pipeline
 from par4d.train import checkpoint
-from par4d.train.board import Board, rss_bytes
+from par4d.train.board import Board, resident
 from par4d.train.config import TrainConfig
 from par4d.train.data import Batches, Images, training_data
 from par4d.train.faults import Faults
@@ -165,7 +165,7 @@ def _train(job: _Job, grid, stop: StopRequest, metrics, out: Path, board: Board 
     """The steps from ``job.start_step`` on, saving as the run says, the validation loss every
     ``--eval-every`` steps; what was measured, or (a signal stopped the run, its step saved) ``{"stopped": ...}``."""
     config, optimizer, precision, batches = job.config, job.optimizer, job.precision, job.batches
-    flops_per_token = getattr(job.model, "flops_per_token", None) or config.model_config().flops_per_token()
+    flops_per_token = _flops_per_token(job)
     progress = _progress_bar(config, grid, job.start_step) if grid.rank == 0 else None
     tokens_per_step = batches.tokens_per_step
     measured = _Measured([], [])
@@ -212,7 +212,7 @@ def _train(job: _Job, grid, stop: StopRequest, metrics, out: Path, board: Board 
                 metrics.flush()
                 if board is not None:
                     flops = flops_per_token * record["tokens_per_s"]
-                    board.step(step + 1, dict(record, model_flops_per_s=flops, rss_bytes=rss_bytes(),
+                    board.step(step + 1, dict(record, model_flops_per_s=flops, rss_bytes=resident()["now_bytes"],
                                               percent_of_peak=100 * flops / peak if peak else None))
                 if progress is not None:
                     progress.set_postfix(loss=f"{mean_loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
@@ -230,20 +230,15 @@ def _train(job: _Job, grid, stop: StopRequest, metrics, out: Path, board: Board 
     return measured
 
 
-def _rss_per_rank() -> list[dict[str, int]]:
-    """Each rank's resident memory (collective): its peak (``getrusage``'s) and, now, how much of it is
-    file pages (a dataset's memory-mapped shards are counted there, and the kernel may drop them)."""
-    import resource
+def _flops_per_token(job: _Job) -> float:
+    """Training FLOPs per token: par4d's GPT's config counts them; a Hugging Face model was counted when built."""
+    return getattr(job.model, "flops_per_token", None) or job.config.model_config().flops_per_token()
 
-    mine = {"peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "file_bytes": 0}
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("RssFile:"):
-                mine["file_bytes"] = int(line.split()[1]) * 1024
-    except OSError:     # no /proc (not Linux): the peak only
-        pass
+
+def _rss_per_rank() -> list[dict[str, int]]:
+    """Every rank's resident memory (:func:`par4d.train.board.resident`; collective)."""
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    dist.all_gather_object(every, resident())
     return every
 
 
@@ -256,8 +251,7 @@ def _summarize(job: _Job, grid, run: Folder, measured: _Measured, peak: float, v
     history = read_metrics(run)
     steady = measured.rates[1:] if len(measured.rates) > 1 else measured.rates
     tokens_per_s = sum(steady) / len(steady) if steady else 0.0
-    # par4d's GPT: its config's count; a Hugging Face model: counted when it was built
-    flops_per_token = getattr(model, "flops_per_token", None) or model_config.flops_per_token()
+    flops_per_token = _flops_per_token(job)
     flops = flops_per_token * tokens_per_s
     steady_comm = measured.comm[1:] if len(measured.comm) > 1 else measured.comm
     issued, exposed, step_s = (sum(c[i] for c in steady_comm) / max(1, len(steady_comm)) for i in range(3))

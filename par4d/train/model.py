@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from par4d.auto import load_safetensors, parallelize
 from par4d.auto.init import initialize
-from par4d.auto.stages import Stage, cut_stage, tie_across_stages
+from par4d.auto.stages import Stage, cut_stage, matmul_weights, tie_across_stages
 from par4d.grid import Grid
 from par4d.models import GPT, GPTConfig, ReferenceGPT, UNet
 from par4d.overlap import Overlap, set_overlap
@@ -123,11 +123,6 @@ def hf_lm(config: TrainConfig) -> nn.Module:
     return (GPT2LMHeadModel if config.model == "hf-gpt2" else LlamaForCausalLM)(hf).float()
 
 
-def _linear_weights(model: nn.Module) -> int:
-    return sum(m.weight.numel() for m in model.modules()
-               if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D")
-
-
 def build_model(config: TrainConfig, grid: Grid) -> nn.Module:
     """The model a run trains on ``grid``: par4d's GPT (``--model gpt``), or the Hugging Face
     model made parallel by ``par4d.parallelize``, or par4d's U-Net, with the overlaps
@@ -160,7 +155,7 @@ def _hf_model(config: TrainConfig, grid: Grid) -> CausalLM:
     # Training FLOPs per token: 6 per matmul weight (forward and backward), plus attention's
     # scores (the GPT's count, the same for both: causal attention over seq_len tokens).
     attention = config.model_config().attention_flops_per_token(recompute=False)
-    flops = 6 * _linear_weights(twin) + attention
+    flops = 6 * matmul_weights(twin) + attention
     params = sum(p.numel() for p in twin.parameters())
     lm = copy.deepcopy(twin)
     stage = cut_stage(lm, grid, config.seq_len)   # pipe > 1: this rank's decoder layers, names kept

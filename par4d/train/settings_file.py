@@ -13,9 +13,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from par4d.folder import Folder
 from par4d.grid import AXES
 
-# section -> {key: (the argparse destination, the type(s) a value must have)}
+# What a run's config.toml leaves out: --grid auto (the grid it chose is there), the launch, its folder.
+NOT_KEPT = ("grid_auto", "nproc", "machine", "out", "max_restarts")
+# section -> {key: (the argparse destination, the type(s) a value must have); a destination is also the
+# TrainConfig field (the grid's axes aside) that a run's resolved settings take it from}
 INT, FLOAT, STR, BOOL = (int,), (int, float), (str,), (bool,)
 SECTIONS: dict[str, dict[str, tuple[str, tuple]]] = {
     "model": {"model": ("model", STR), "n_layer": ("n_layer", INT), "n_embd": ("n_embd", INT),
@@ -60,10 +64,10 @@ def read(path: str | Path) -> dict[str, object]:
         import tomllib  # the standard library's TOML reader (Python 3.11 on)
     except ImportError:
         raise ValueError("--config needs Python 3.11 or newer (its tomllib reads TOML)") from None
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as error:
+    path = Path(path).absolute()
+    try:   # a plain file, not through a link (a run's config.toml may be in someone else's folder)
+        text = Folder(path.parent).read_text(path.name, limit=1 << 20)
+    except (OSError, UnicodeDecodeError, ValueError) as error:
         raise ValueError(f"--config {path}: {error}") from None
     try:
         document = tomllib.loads(text)
@@ -118,26 +122,16 @@ def resolved(config) -> str:
     are left out, and so are sizes the model does not use; the grid is the one the run chose."""
     from par4d.train.config import UNUSED
 
-    values = {
-        "model": {"model": config.model, "n_layer": config.n_layer, "n_embd": config.n_embd,
-                  "n_head": config.n_head, "mlp": config.mlp, "phantom_k": config.phantom_k,
-                  "image_size": config.image_size, "init_from": config.init_from},
-        "data": {"data": config.data, "tokenizer": config.tokenizer, "seq_len": config.seq_len,
-                 "batch_size": config.batch_size, "seed": config.seed},
-        "grid": {**{axis: config.grid.get(axis, 1) for axis in AXES}, "hierarchical": config.hierarchical,
-                 "overlap": config.overlap, "recompute": config.recompute, "microbatches": config.microbatches,
-                 "pipeline_limit": config.pipeline_limit},
-        "optimizer": {"lr": config.lr, "grad_clip": config.grad_clip, "precision": config.precision,
-                      "grad_reduce": config.grad_reduce, "offload_optimizer": config.offload_bsize},
-        "schedule": {"steps": config.steps},
-        "checkpoint": {"save_every": config.save_every, "keep": config.keep},
-        "logging": {"progress": config.progress, "tensorboard": config.tensorboard,
-                    "eval_every": config.eval_every}}
+    def value(dest: str):
+        if dest.startswith("axis_"):
+            return config.grid.get(dest.removeprefix("axis_"), 1)
+        return None if dest in NOT_KEPT else getattr(config, dest)
+
     lines = ["# par4d train's settings for this run, resolved (par4d train --config FILE trains it again;",
              "# flags override them; --out picks the new run's folder)"]
     for section, keys in SECTIONS.items():
-        body = [f"{key} = {_toml(values[section].get(key))}" for key in keys
-                if values[section].get(key) is not None and key not in UNUSED[config.model]]
+        body = [f"{key} = {_toml(value(dest))}" for key, (dest, _) in keys.items()
+                if value(dest) is not None and key not in UNUSED[config.model]]
         if body:
             lines += ["", f"[{section}]", *body]
     return "\n".join(lines) + "\n"

@@ -64,7 +64,6 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, grid: 
     if after_backward is not None:
         after_backward(stats)
     if precision is not None:           # finish the sync; unscale into the fp32 masters, clip and step them,
-        precision.grad_norm = None
         precision.step(sync, grad_clip)  # round back (offloaded: bucket by bucket as the all-reduce returns them)
         if report is not None and precision.grad_norm is not None:
             report["grad_norm"] = float(precision.grad_norm)
