@@ -23,7 +23,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("plan", help="rank every grid configuration of a workload")
     p.add_argument("action", nargs="?", choices=["validate", "paper"],
                    help="validate: measure every grid on --nproc local ranks and score the model's ranking; "
-                        "paper: the planner's answers beside the 4D paper's Table III (built-in perlmutter)")
+                        "paper: the planner's answers beside the 4D paper's Table III (built-in perlmutter, "
+                        "GEMMs at the one efficiency fitted to the table)")
     p.add_argument("--model", default="gpt-20b", help=f"built-in GPT: {', '.join(GPT_MODELS)}")
     p.add_argument("--gpus", type=int, default=None, help="number of devices (ranking)")
     p.add_argument("--nproc", type=int, default=4, help="local ranks (validate)")
@@ -59,6 +60,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                          default=None, metavar="BSIZE",
                          help="masters and AdamW state in CPU memory, stepped BSIZE elements at a time (default "
                               "4194304): 4 bytes per parameter and 16 per BSIZE element on the device")
+    p.add_argument("--fit", action="store_true",
+                   help="paper: fit the one constant (the GEMMs' fraction of peak) to Table III again and print it")
+    p.add_argument("--write", default=None, metavar="MARKDOWN",
+                   help="paper: replace the table between <!-- plan paper --> markers in this file (docs/planner.md)")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--json", action="store_true", help="one JSON object per configuration")
 
@@ -97,14 +102,45 @@ def _space(args: argparse.Namespace, world: int) -> Space:
                  offload_bsize=args.offload_bsize)
 
 
+def _paper(args: argparse.Namespace) -> int:
+    from par4d.plan.paper import PAPER_EFFICIENCY, answers, fit_efficiency, markdown, misfit
+
+    if args.fit:
+        print("fitting the GEMMs' fraction of peak to Table III's par4d column ...", file=sys.stderr)
+        fitted = fit_efficiency()
+        print(f"fitted efficiency {fitted:.2f}: {misfit(fitted):.1f} points RMS over the five rows "
+              f"(the code's PAPER_EFFICIENCY is {PAPER_EFFICIENCY:.2f})")
+        return 0
+    table = markdown(answers())
+    if args.write is not None:
+        write_between_markers(args.write, "plan paper", table)
+        print(f"wrote the table into {args.write}")
+        return 0
+    print(table)
+    return 0
+
+
+def write_between_markers(path: str, marker: str, text: str) -> None:
+    """Replace what lies between ``<!-- marker -->`` and ``<!-- /marker -->`` in the regular file ``path``."""
+    from pathlib import Path
+
+    file = Path(path)
+    if file.is_symlink() or not file.is_file():
+        raise ValueError(f"--write {path}: not a regular file")
+    document = file.read_text(encoding="utf-8")
+    start, end = f"<!-- {marker} -->\n", f"\n<!-- /{marker} -->"
+    if document.count(start) != 1 or document.count(end) != 1 or document.index(start) > document.index(end):
+        raise ValueError(f"--write {path}: needs one {start.strip()} line and one {end.strip()} line after it")
+    head, rest = document.split(start)
+    _, tail = rest.split(end)
+    file.write_text(head + start + text + end + tail, encoding="utf-8")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.action == "validate":
         return _validate(args)
     if args.action == "paper":
-        from par4d.plan.paper import answers, markdown
-
-        print(markdown(answers()))
-        return 0
+        return _paper(args)
     if args.gpus is None:
         raise ValueError("--gpus is required to rank configurations (e.g. --gpus 32)")
     if args.gpus < 1 or args.top < 1:

@@ -29,6 +29,7 @@ No torch here: the CLI parses and checks these before any rank starts.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 NAMES = ("oar", "ors", "oag", "cache", "dp", "xy")
 """The switches of ``par4d train --overlap LIST``: the paper's Fig. 3 order, then par4d's own."""
@@ -83,9 +84,9 @@ class Overlap:
         return cls(**{_FIELD[n]: n in names for n in _FIELD}, cache_layers=None if "cache" in names else 0,
                    row_chunks=XY_CHUNKS if "xy" in names else 1)
 
-    @property
+    @cached_property
     def names(self) -> tuple[str, ...]:
-        """The switches that are on, as :data:`NAMES`."""
+        """The switches that are on, as :data:`NAMES` (computed once: the planner asks it thousands of times)."""
         return tuple(n for n in NAMES if (self.cache if n == "cache" else getattr(self, _FIELD[n])))
 
     @property

@@ -12,7 +12,10 @@ figures (link bandwidths, documented per field). User profiles are TOML files:
     beta_inter = 100e9         # bytes/s between two nodes (all NICs of a node)
     latency = 10e-6            # seconds per ring step inside a node (alpha); 0 = the paper's model
     latency_inter = 20e-6      # optional: seconds per ring step that crosses nodes (default: latency)
-    efficiency = 0.5           # fraction of peak reached by the training GEMMs
+    efficiency = 0.5           # fraction of peak the largest GEMMs reach (with memory_bandwidth: by shape)
+    memory_bandwidth = 1.5e12  # optional: bytes/s of device memory; GEMMs are then timed by their shapes
+    kernel_latency = 5e-6      # optional: seconds every GEMM costs beyond its roofline time
+    attention_efficiency = 0.6 # optional: fraction of peak attention's fused matmuls reach (default: efficiency)
     bytes_per_element = 2      # 2 for bf16/fp16 training, 4 for fp32
     all_gather_scale = 1.0     # optional: all-gather / reduce-scatter bandwidth
     reduce_scatter_scale = 1.0 #   relative to all-reduce (full model only)
@@ -21,7 +24,7 @@ figures (link bandwidths, documented per field). User profiles are TOML files:
 
 Every value is checked when the profile loads, and the error names the file and the key: numbers are finite and
 not booleans (``staged`` is one), counts (devices_per_node, bytes_per_element) are whole, all are > 0 except
-latencies (>= 0) and efficiency is at most 1; an unknown key in [machine] is an error. Other tables
+latencies (>= 0) and the efficiencies are at most 1; an unknown key in [machine] is an error. Other tables
 (calibrate's [fit]) are notes.
 """
 
@@ -43,13 +46,17 @@ class Machine:
     beta_inter: float
     latency: float = 0.0
     latency_inter: float | None = None   # None: ``latency`` on every step
-    efficiency: float = 0.5
+    efficiency: float = 0.5           # of peak, by the largest GEMMs (par4d/plan/compute.py)
     bytes_per_element: int = 2
     # Bandwidth of all-gather / reduce-scatter relative to all-reduce's (1 for ring
     # implementations that reach the model; gloo on CPU measures well below).
     all_gather_scale: float = 1.0
     reduce_scatter_scale: float = 1.0
     staged: bool = False     # par4d stages collectives over groups that span nodes (docs/architecture.md)
+    # The compute model by shape (par4d/plan/compute.py); None: FLOPs over peak x efficiency, shapes aside.
+    memory_bandwidth: float | None = None    # bytes/s of device memory (GEMMs' roofline, element-wise work)
+    kernel_latency: float = 0.0              # seconds per GEMM beyond its roofline time
+    attention_efficiency: float | None = None   # of peak, by attention's fused matmuls (None: efficiency)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -74,8 +81,9 @@ class Machine:
 
 # Fields that count things: whole numbers >= 1. Every other number is finite and > 0, except these lower bounds.
 COUNTS = ("devices_per_node", "bytes_per_element")
-AT_LEAST_ZERO = ("latency", "latency_inter")   # 0 = the paper's model (no per-step latency)
-OPTIONAL = ("latency_inter",)           # None: not given
+AT_LEAST_ZERO = ("latency", "latency_inter", "kernel_latency")   # 0 = the paper's model (no per-step latency)
+OPTIONAL = ("latency_inter", "memory_bandwidth", "attention_efficiency")           # None: not given
+FRACTIONS = ("efficiency", "attention_efficiency")
 BOOLS = ("staged",)
 
 
@@ -96,8 +104,8 @@ def _problem(key: str, value) -> str | None:
         return None if value >= 0 else f"{key} must be >= 0, got {value!r}"
     if value <= 0:
         return f"{key} must be > 0, got {value!r}"
-    if key == "efficiency" and value > 1:
-        return f"efficiency is a fraction of peak, in (0, 1]; got {value!r}"
+    if key in FRACTIONS and value > 1:
+        return f"{key} is a fraction of peak, in (0, 1]; got {value!r}"
     return None
 
 
@@ -110,20 +118,41 @@ US = 1e-6
 # c / (α + c / β): half of β at c = α β (340 KB over NVLink, 960 KB over the network at
 # 100 GB/s), which is how small messages lose bandwidth in this model.
 NCCL_NVLINK_STEP, NCCL_NET_STEP = 3.4 * US, 9.6 * US
-# Perlmutter GPU node: 4 A100-40GB (312 TFLOP/s bf16), NVLink 3 between every GPU
-# pair (4 links x 25 GB/s per direction = 100 GB/s), 4 Slingshot-11 NICs of
-# 200 Gb/s = 100 GB/s per node.
+# GEMMs by shape (par4d/plan/compute.py): ``efficiency`` is the largest fraction of the bf16 peak a
+# matmul reached in the Maximum Achievable Matmul FLOPS table (stas00/ml-engineering,
+# compute/accelerator/README.md: A100 SXM 267.9 of 312 TFLOP/s, CUDA 12.1; H100 SXM 792.1 of 989,
+# CUDA 12.1; MI250X 147.0 of 191.5 for one GCD, ROCm 6.2); ``memory_bandwidth`` is the data sheet's
+# HBM bandwidth. ``attention_efficiency``: FlashAttention-2 (Dao, 2023) reports 50-73% of the A100's
+# peak, 0.6 taken; FlashAttention-3 (Shah et al., 2024) reports FlashAttention-2 at 35% of the H100's;
+# for the MI250X no published figure was found and the A100's low end, 0.5, is assumed.
+A100_MAMF, H100_MAMF, MI250X_MAMF = 267.9 / 312, 792.1 / 989, 147.0 / 191.5
+# Perlmutter GPU node: 4 A100-40GB (312 TFLOP/s bf16, HBM2 1,555 GB/s), NVLink 3 between every GPU
+# pair (4 links x 25 GB/s per direction = 100 GB/s), 4 Slingshot-11 NICs of 200 Gb/s = 100 GB/s per node.
 PERLMUTTER = Machine("perlmutter", devices_per_node=4, peak_flops=312e12, memory_bytes=40 * GB,
                      beta_intra=100 * GB, beta_inter=100 * GB, latency=NCCL_NVLINK_STEP,
-                     latency_inter=NCCL_NET_STEP, efficiency=0.5, bytes_per_element=2)
-# Frontier node: 4 MI250X = 8 GCDs (192 TFLOP/s bf16 and 64 GB each), Infinity Fabric
-# between GCDs (50-200 GB/s; 100 GB/s assumed), 4 Slingshot-11 NICs = 100 GB/s per node.
+                     latency_inter=NCCL_NET_STEP, efficiency=A100_MAMF, bytes_per_element=2,
+                     memory_bandwidth=1555 * GB, attention_efficiency=0.6)
+# DGX A100 (80 GB): 8 A100-80GB SXM (HBM2e 2,039 GB/s), NVSwitch (NVLink 3: 300 GB/s per direction),
+# 8 HDR InfiniBand NICs of 200 Gb/s = 200 GB/s per node.
+A100_80GB = Machine("a100-80gb", devices_per_node=8, peak_flops=312e12, memory_bytes=80 * GB,
+                    beta_intra=300 * GB, beta_inter=200 * GB, latency=NCCL_NVLINK_STEP,
+                    latency_inter=NCCL_NET_STEP, efficiency=A100_MAMF, bytes_per_element=2,
+                    memory_bandwidth=2039 * GB, attention_efficiency=0.6)
+# DGX H100: 8 H100 SXM (989 TFLOP/s bf16 dense, HBM3 3,350 GB/s, 80 GB), NVSwitch (NVLink 4: 450 GB/s
+# per direction), 8 NDR InfiniBand NICs of 400 Gb/s = 400 GB/s per node.
+H100 = Machine("h100", devices_per_node=8, peak_flops=989e12, memory_bytes=80 * GB,
+               beta_intra=450 * GB, beta_inter=400 * GB, latency=NCCL_NVLINK_STEP,
+               latency_inter=NCCL_NET_STEP, efficiency=H100_MAMF, bytes_per_element=2,
+               memory_bandwidth=3350 * GB, attention_efficiency=0.35)
+# Frontier node: 4 MI250X = 8 GCDs (191.5 TFLOP/s bf16, 64 GB and 1,638 GB/s of HBM2e each), Infinity
+# Fabric between GCDs (50-200 GB/s; 100 GB/s assumed), 4 Slingshot-11 NICs = 100 GB/s per node.
 # RCCL keeps NCCL's cost model; its step latencies are taken as NCCL's.
-FRONTIER = Machine("frontier", devices_per_node=8, peak_flops=192e12, memory_bytes=64 * GB,
+FRONTIER = Machine("frontier", devices_per_node=8, peak_flops=191.5e12, memory_bytes=64 * GB,
                    beta_intra=100 * GB, beta_inter=100 * GB, latency=NCCL_NVLINK_STEP,
-                   latency_inter=NCCL_NET_STEP, efficiency=0.5, bytes_per_element=2)
+                   latency_inter=NCCL_NET_STEP, efficiency=MI250X_MAMF, bytes_per_element=2,
+                   memory_bandwidth=1638 * GB, attention_efficiency=0.5)
 
-BUILTIN = {m.name: m for m in (PERLMUTTER, FRONTIER)}
+BUILTIN = {m.name: m for m in (PERLMUTTER, A100_80GB, H100, FRONTIER)}
 
 
 def load_machine(name_or_path: str) -> Machine:

@@ -7,8 +7,8 @@ Three variants rank configurations:
 * ``aware``: the same with Eq 10's placement-aware bandwidth per axis,
 * ``full``: ``aware`` + a latency term per collective step, the collectives of the
   non-matmul layers (norm statistics, vocabulary-parallel loss, embeddings, bias
-  gradients), compute time (FLOPs over peak x efficiency, with the attention work
-  that is replicated over y counted where it runs), and memory per device:
+  gradients), compute time (each GEMM by its shard's shape, attention and the element-wise
+  work, par4d/plan/compute.py), and memory per device:
   ``t_iter = t_compute + t_comm`` for the synchronous path, and with overlap
   settings ``t_iter = t_compute + t_exposed``: each overlapped collective hidden
   behind the compute it overlaps with (:func:`exposed_comm`).
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from par4d.hierarchy import STAGE_MIN_BYTES
 from par4d.ledger import ring_terms
 from par4d.overlap import Overlap
+from par4d.plan.compute import stage_seconds
 from par4d.plan.machines import Machine
 from par4d.plan.workload import GPTSpec, Layer, ModuleWorkload
 
@@ -127,11 +128,15 @@ def collective_time(kind: str, group: tuple[str, ...], sizes: dict[str, int], me
     """A ring collective's seconds (Eqs 1-3 at ``beta`` and ``latency``), or, on a machine whose groups across
     nodes go in stages (``machine.staged``: par4d's gloo path under --hierarchical auto), the staged one's
     where it is faster (as auto's probe keeps the faster one) and the message is not one auto leaves flat."""
-    flat = ring_time(kind, math.prod(sizes[a] for a in group), message_bytes, beta, latency)
-    scale = 1.0 if machine is None or kind == "all_reduce" else (
+    ranks = sizes[group[0]] if len(group) == 1 else math.prod(sizes[a] for a in group)
+    if ranks <= 1:
+        return 0.0
+    flat = ring_time(kind, ranks, message_bytes, beta, latency)
+    if machine is None or not machine.staged or message_bytes < STAGE_MIN_BYTES:
+        return flat
+    scale = 1.0 if kind == "all_reduce" else (
         machine.all_gather_scale if kind == "all_gather" else machine.reduce_scatter_scale)
-    staged = staged_time(kind, group, sizes, message_bytes, machine, scale) \
-        if machine is not None and machine.staged and message_bytes >= STAGE_MIN_BYTES else None
+    staged = staged_time(kind, group, sizes, message_bytes, machine, scale)
     return flat if staged is None else min(flat, staged)
 
 
@@ -310,23 +315,14 @@ def memory_bytes(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], bytes_pe
                                   offload_bsize=offload_bsize) / pipe
 
 
-def stage_seconds(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Machine,
-                  checkpointing: bool) -> float:
-    """One stage's compute per step (the whole model's without a pipeline): FLOPs per device
-    over peak x efficiency, with the attention work that is replicated over y."""
-    world = math.prod(sizes.get(a, 1) for a in AXES5)
-    matmul, attention = spec.flops_split(checkpointing)
-    return (matmul + attention * sizes["y"]) / world / (machine.peak_flops * machine.efficiency)
-
-
 def predict(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Machine, variant: str = "full",
             checkpointing: bool = False, compute_seconds: float | None = None,
             overlap: Overlap | None = None, microbatches: int | None = None,
-            offload_bsize: int | None = None) -> Prediction:
+            offload_bsize: int | None = None, terms: Communication | None = None) -> Prediction:
     """Time and memory of one iteration of ``spec`` on grid ``sizes``. The full model
     takes its compute time from ``compute_seconds`` when given (profiled on this
     machine, plan/profile.py; with a pipeline, one stage's compute per step), else from
-    FLOPs over peak x efficiency; with ``overlap`` it counts only the communication left
+    :func:`~par4d.plan.compute.stage_seconds` (GEMMs by shape); with ``overlap`` it counts only the communication left
     exposed (:func:`exposed_comm`), and its memory holds what the overlaps keep (prefetched
     and cached weights).
 
@@ -341,7 +337,8 @@ def predict(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Mach
     microbatch's residual stream shard (fill and drain: ``t_p2p``); the activations of
     min(P, M) microbatches (the first stage's). Without a pipe key, or with P = M = 1, the
     prediction is the 4D one. ``offload_bsize``: the optimizer offloaded to the CPU (the
-    async-pipeline paper's ``4φ + 16 bsize`` bytes on the device instead of the states)."""
+    async-pipeline paper's ``4φ + 16 bsize`` bytes on the device instead of the states). ``terms``: this
+    grid's :func:`communication` at M microbatches, already computed (the search's)."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown model variant {variant!r}; valid: {', '.join(VARIANTS)}")
     if compute_seconds is not None and variant != "full":
@@ -364,13 +361,37 @@ def predict(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Mach
         raise ValueError(f"microbatches={micro}: a data x z shard has {shard} sequences (global batch "
                          f"{spec.samples} over z*data={sizes['z'] * sizes['data']}); give 1 to {shard}")
     full = variant == "full"
-    b = machine.bytes_per_element
     if full:
-        pred.mem_bytes = memory_bytes(spec, sizes, b, checkpointing, micro, overlap, offload_bsize)
+        pred.mem_bytes = memory_bytes(spec, sizes, machine.bytes_per_element, checkpointing, micro, overlap,
+                                      offload_bsize)
         if pred.mem_bytes > machine.memory_bytes:
             pred.fits = False
             pred.excluded = (f"needs {pred.mem_bytes / 1e9:.1f} GB per device, "
                              f"{machine.name} has {machine.memory_bytes / 1e9:.0f} GB")
+    comm = communication(spec, sizes, machine, variant, micro) if terms is None else terms
+    return _timed(pred, spec, sizes, machine, full, checkpointing, compute_seconds, overlap, comm)
+
+
+@dataclass(frozen=True)
+class Communication:
+    """What one iteration communicates on a grid with M microbatches, whatever the recomputation and
+    overlap settings: seconds per axis and per role (:data:`ROLES`), the z gathers, the bytes the
+    data-parallel sync moves, and the pipeline's fill and drain hand-offs."""
+
+    axes: dict[str, float]
+    roles: dict[str, float]
+    gathers: float
+    grad_bytes: float
+    t_p2p: float
+
+
+def communication(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Machine, variant: str,
+                  micro: int) -> Communication:
+    """The communication terms of :func:`predict` (they do not depend on recomputation or overlap, so
+    the search computes them once per grid and microbatch count)."""
+    full = variant == "full"
+    pipe = sizes.get("pipe", 1)
+    b = machine.bytes_per_element
     beta = bandwidths(sizes, machine, aware=variant != "agnostic")
     alpha = latencies(sizes, machine) if full else dict.fromkeys(beta, 0.0)
     axes = {a: 0.0 for a in beta}                                       # pipe only where sizes names it
@@ -410,25 +431,84 @@ def predict(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Mach
             roles[role] += t
             if "data" in axis_group and kind == "all_reduce" and ranks > 1:
                 grad_bytes += elements * b
+    t_p2p = 0.0
     if pipe > 1:
-        # Fill and drain: P - 1 hand-offs of one microbatch's stream shard (rows, seq, n_embd / G_y) each way.
-        stream = shard / micro * spec.seq_len * spec.hidden / sizes["y"] * b
-        pred.t_p2p = 2 * (pipe - 1) * (alpha["pipe"] + stream / beta["pipe"])
-        axes["pipe"] = pred.t_p2p
-    pred.t_comm_axes = axes
-    pred.t_comm = sum(axes.values())
+        t_p2p = axes["pipe"] = p2p_seconds(spec, sizes, b, micro, alpha["pipe"], beta["pipe"])
+    return Communication(axes, roles, gathers, grad_bytes, t_p2p)
+
+
+def p2p_seconds(spec: GPTSpec, sizes: dict[str, int], bytes_per_element: int, micro: int, alpha: float,
+                beta: float) -> float:
+    """The pipeline's fill and drain: P - 1 hand-offs of one microbatch's stream shard (rows, seq,
+    n_embd / G_y) each way."""
+    shard = spec.samples // (sizes["z"] * sizes["data"])
+    stream = shard / micro * spec.seq_len * spec.hidden / sizes["y"] * bytes_per_element
+    return 2 * (sizes["pipe"] - 1) * (alpha + stream / beta)
+
+
+class CommunicationByCount:
+    """The full model's :func:`communication` on one grid at any microbatch count, computed at most twice.
+
+    On a machine whose collectives do not go in stages every term is affine in M (the weights'
+    collectives M times, the activations' the same bytes in M pieces, each piece paying its latency, the
+    sync once), so two computed counts give every other; the hand-offs (a term in 1/M) and the gathers
+    (M times) are computed. A staged machine's collectives (the faster of two ways) are computed at every
+    count."""
+
+    def __init__(self, spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Machine):
+        self.spec, self.sizes, self.machine = spec, sizes, machine
+        self.known: dict[int, Communication] = {}
+
+    def at(self, micro: int) -> Communication:
+        if micro not in self.known:
+            self.known[micro] = (communication(self.spec, self.sizes, self.machine, "full", micro)
+                                 if self.machine.staged or len(self.known) < 2 else self._between(micro))
+        return self.known[micro]
+
+    def _between(self, micro: int) -> Communication:
+        (low, first), (high, last) = list(self.known.items())[:2]
+        share = (micro - low) / (high - low)
+        axes = {a: first.axes[a] + (last.axes[a] - first.axes[a]) * share for a in first.axes}
+        roles = {r: first.roles[r] + (last.roles[r] - first.roles[r]) * share for r in ROLES}
+        t_p2p = 0.0
+        if "pipe" in self.sizes and self.sizes["pipe"] > 1:
+            alpha = latencies(self.sizes, self.machine)["pipe"]
+            beta = bandwidths(self.sizes, self.machine, aware=True)["pipe"]
+            t_p2p = axes["pipe"] = p2p_seconds(self.spec, self.sizes, self.machine.bytes_per_element, micro, alpha,
+                                               beta)
+        return Communication(axes, roles, first.gathers / low * micro, first.grad_bytes, t_p2p)
+
+
+def timed_choice(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Machine, checkpointing: bool,
+                 micro: int, overlap: Overlap | None, mem_bytes: float, t_stage: float,
+                 terms: Communication) -> Prediction:
+    """The full model's prediction of a choice that fits, from what the search already knows of it: its
+    memory, one stage's compute per step and its communication terms (what :func:`predict` computes)."""
+    pred = Prediction(dict(sizes), microbatches=micro, checkpointing=checkpointing, mem_bytes=mem_bytes,
+                      overlap=overlap.describe() if overlap is not None else None)
+    return _timed(pred, spec, sizes, machine, True, checkpointing, t_stage, overlap, terms)
+
+
+def _timed(pred: Prediction, spec, sizes: dict[str, int], machine: Machine, full: bool, checkpointing: bool,
+           compute_seconds: float | None, overlap: Overlap | None, comm: Communication) -> Prediction:
+    """``pred`` with its times: ``comm`` and the compute, with what the overlaps hide."""
+    pipe, micro = sizes.get("pipe", 1), pred.microbatches
+    pred.t_p2p = comm.t_p2p
+    pred.t_comm_axes = dict(comm.axes)
+    pred.t_comm = sum(comm.axes.values())
     world = sizes["x"] * sizes["y"] * sizes["z"] * sizes["data"] * pipe
     flops = spec.flops_per_iteration(checkpointing)
     t_stage = 0.0                                                       # one stage's compute per step
     if full:
         t_stage = compute_seconds if compute_seconds is not None else stage_seconds(spec, sizes, machine,
-                                                                                    checkpointing)
+                                                                                    checkpointing, micro)
         pred.t_compute = t_stage * (micro + pipe - 1) / micro           # the pipeline's fill and drain
     pred.t_iter = pred.t_compute + pred.t_comm
     if full and overlap is not None:
-        buckets = math.ceil(grad_bytes / overlap.bucket_bytes) + (1 if grad_bytes > 2**20 else 0)
+        buckets = math.ceil(comm.grad_bytes / overlap.bucket_bytes) + (1 if comm.grad_bytes > 2**20 else 0)
         # The stage's collectives hide behind its own compute, not behind the bubble; the hand-offs never hide.
-        pred.t_exposed = exposed_comm(roles, t_stage, overlap, gathers, buckets, checkpointing) + pred.t_p2p
+        pred.t_exposed = exposed_comm(comm.roles, t_stage, overlap, comm.gathers, buckets, checkpointing) \
+            + comm.t_p2p
         pred.t_iter = pred.t_compute + pred.t_exposed
     if pred.t_iter > 0:
         pred.percent_of_peak = 100 * flops / (pred.t_iter * world * machine.peak_flops)

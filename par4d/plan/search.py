@@ -22,8 +22,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from par4d.overlap import Overlap
+from par4d.plan.compute import stage_seconds
 from par4d.plan.machines import Machine
-from par4d.plan.model import Prediction, factorizations, memory_bytes, predict, problem, stage_seconds
+from par4d.plan.model import (
+    CommunicationByCount,
+    Prediction,
+    factorizations,
+    memory_bytes,
+    predict,
+    problem,
+    timed_choice,
+)
 from par4d.plan.workload import GPTSpec, ModuleWorkload
 
 # The overlap sets the search tries, fastest first (the cache needs recomputation).
@@ -91,12 +100,14 @@ def _best(spec, sizes: dict[str, int], machine: Machine, space: Space, recompute
         counts.reverse()     # the smallest bubble first: once one count's bound loses, every smaller one does
     b, capacity = machine.bytes_per_element, machine.memory_bytes
     best, smallest = None, None          # smallest: (bytes, checkpointing, microbatches, overlap)
+    terms = CommunicationByCount(spec, sizes, machine)   # the same with and without recomputation
     for checkpointing in recompute:
         sets = (space.overlap,) if space.overlap is not None else (
             WITH_RECOMPUTE if checkpointing else WITHOUT_RECOMPUTE)
-        t_stage = stage_seconds(spec, sizes, machine, checkpointing)
+        # The least a stage computes: one microbatch (each GEMM at its largest, fewest kernels).
+        t_least = stage_seconds(spec, sizes, machine, checkpointing)
         for micro in counts:
-            if best is not None and t_stage * (micro + pipe - 1) / micro >= best.t_iter:
+            if best is not None and t_least * (micro + pipe - 1) / micro >= best.t_iter:
                 break                                   # its compute alone is slower, and fewer microbatches' too
             for overlap in sets:
                 need = memory_bytes(spec, sizes, b, checkpointing, micro, overlap, space.offload_bsize)
@@ -104,8 +115,9 @@ def _best(spec, sizes: dict[str, int], machine: Machine, space: Space, recompute
                     if smallest is None or need < smallest[0]:
                         smallest = (need, checkpointing, micro, overlap)
                     continue
-                pred = predict(spec, sizes, machine, "full", checkpointing, overlap=overlap if overlap.names else None,
-                               microbatches=micro, offload_bsize=space.offload_bsize)
+                t_stage = t_least if micro == 1 else stage_seconds(spec, sizes, machine, checkpointing, micro)
+                pred = timed_choice(spec, sizes, machine, checkpointing, micro, overlap if overlap.names else None,
+                                    need, t_stage, terms.at(micro))
                 if best is None or pred.t_iter < best.t_iter:
                     best = pred
                 break                                   # the first set that fits is the fastest

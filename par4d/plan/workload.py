@@ -55,6 +55,13 @@ def gathered_bytes(blocks: list[float], counts: list[int], checkpointing: bool, 
     return max(blocks) * (1 + ahead)
 
 
+# Elements per token and block that par4d's GPT's element-wise kernels read and write in one forward,
+# in units of the width d (docs/planner.md, "Compute"): over y, ln1 and ln2 (read, write: 2 each), the
+# two residual sums (two reads, a write: 3 each), attn.proj's and mlp.proj's biases (2 each); over x,
+# qkv's bias (2 x 3d), fc's (2 x 4d) and GELU (2 x 4d). The loss reads and writes the logits twice.
+STREAM_PASSES, OUTPUT_PASSES, LOGIT_PASSES = 2 + 2 + 3 + 3 + 2 + 2, 6 + 8 + 8, 4
+
+
 @dataclass(frozen=True)
 class GPTSpec:
     """par4d's GPT (a GPT-2 style transformer, the paper's Table I) and its batch.
@@ -187,6 +194,19 @@ class GPTSpec:
         acts = (self.n_layer * rows * h / gy * b + per_layer) if checkpointing else self.n_layer * per_layer
         return states + gathered + acts + head
 
+    def elementwise_bytes(self, sizes: dict[str, int], bytes_per_element: int, checkpointing: bool) -> float:
+        """Bytes one device's element-wise kernels move through memory in a step (the whole model's;
+        a stage's is 1/P of it): per token and block, the forward reads and writes ``14 d`` elements of
+        the residual stream's layout (features over y: two norms, two residual sums, the transposed
+        layers' biases) and ``22 d`` of the normal layers' outputs (over x: qkv's and fc's biases, GELU),
+        backward twice that, recomputation the forward again; the loss reads and writes the logits
+        (``V / G_x`` per token, fp32) twice forward and twice backward (:data:`STREAM_PASSES`)."""
+        gx, gy, gz, gd = sizes["x"], sizes["y"], sizes["z"], sizes["data"]
+        tokens = self.tokens / (gd * gz)
+        passes = 4 if checkpointing else 3
+        per_token = self.n_layer * passes * bytes_per_element * self.hidden * (STREAM_PASSES / gy + OUTPUT_PASSES / gx)
+        return tokens * (per_token + LOGIT_PASSES * 4 * self.vocab / gx)
+
     def with_batch(self, global_batch: int | None = None, seq_len: int | None = None) -> GPTSpec:
         from dataclasses import replace
 
@@ -301,6 +321,10 @@ class ModuleWorkload:
 
     def extra_collectives(self, sizes: dict[str, int]) -> list:
         return []
+
+    def elementwise_bytes(self, sizes: dict[str, int], bytes_per_element: int, checkpointing: bool) -> float:
+        """Unknown for a recorded module (only its Linear and Conv2d layers are recorded): 0."""
+        return 0.0
 
     def memory_per_device(self, sizes: dict[str, int], bytes_per_element: int, checkpointing: bool, *,
                           share: float = 1.0, overlap: Overlap | None = None,

@@ -1,0 +1,59 @@
+"""Compute time of one device's share of a training step, by what runs there: each GEMM by its
+shape, attention's fused matmuls, and the element-wise work between them.
+
+A GEMM of ``m x k`` by ``k x n`` is timed by the roofline (NVIDIA's Matrix Multiplication Background
+User's Guide, "Math and memory bounds"): ``2 m n k`` FLOPs at the fraction of peak the largest
+GEMMs reach, or its operands and result through device memory, whichever is slower, plus a fixed
+cost per kernel. Skinny shards (a small ``k / G`` or few rows per microbatch) fall under the memory
+roof, which is where tensor parallelism loses at small shards. Attention runs fused
+(``scaled_dot_product_attention``), at its own fraction of peak; the element-wise kernels
+(norms, residual sums, biases, GELU, the loss's softmax) move their bytes at the memory bandwidth.
+
+A machine without ``memory_bandwidth`` keeps the shape-free model: all FLOPs over peak x efficiency.
+Tile and wave quantization (the same guide's Section 3) are not modelled.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from par4d.plan.machines import Machine
+    from par4d.plan.workload import GPTSpec, ModuleWorkload
+
+
+def gemm_seconds(m: float, n: float, k: float, machine: Machine) -> float:
+    """One GEMM of ``(m x k) @ (k x n)`` in the machine's training dtype: the slower of its FLOPs at
+    ``peak x efficiency`` and its three matrices through memory, plus ``kernel_latency``."""
+    flops = 2 * m * n * k
+    moved = (m * k + k * n + m * n) * machine.bytes_per_element
+    return max(flops / (machine.peak_flops * machine.efficiency), moved / machine.memory_bandwidth) \
+        + machine.kernel_latency
+
+
+def stage_seconds(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Machine,
+                  checkpointing: bool, microbatches: int = 1) -> float:
+    """One stage's compute per step (the whole model's without a pipeline) on one device.
+
+    By shape (the machine has ``memory_bandwidth``): every layer's forward GEMM and its two backward
+    ones (input and weight gradient: the same FLOPs and bytes, transposed), once more under
+    recomputation (not the head's), on each of the ``microbatches``' rows; attention's FLOPs at
+    ``attention_efficiency``; the element-wise bytes at the memory bandwidth. The stage's share is
+    1/P of each. Without ``memory_bandwidth``: FLOPs per device over peak x efficiency."""
+    world = math.prod(sizes.values())                     # every axis, pipe included
+    matmul, attention = spec.flops_split(checkpointing)
+    attention_flops = attention * sizes["y"] / world     # replicated over y
+    if machine.memory_bandwidth is None:
+        return (matmul / world + attention_flops) / (machine.peak_flops * machine.efficiency)
+    pipe = sizes.get("pipe", 1)
+    rows = 1 / (sizes["data"] * sizes["z"] * microbatches)
+    gemms = 0.0
+    for layer in spec.layers():
+        g_in, g_out = (sizes["x"], sizes["y"]) if layer.transposed else (sizes["y"], sizes["x"])
+        passes = 4 if checkpointing and layer.name != "head" else 3
+        gemms += layer.count * passes * gemm_seconds(layer.m * rows, layer.n / g_out, layer.k / g_in, machine)
+    attention_efficiency = machine.attention_efficiency or machine.efficiency
+    return (gemms * microbatches / pipe + attention_flops / (machine.peak_flops * attention_efficiency)
+            + spec.elementwise_bytes(sizes, machine.bytes_per_element, checkpointing) / pipe
+            / machine.memory_bandwidth)

@@ -1,0 +1,81 @@
+"""Compute by shape (par4d/plan/compute.py): the GEMM roofline by hand, the shape model's FLOPs are the
+workload's, skinny shards and small microbatches lose, the element-wise bytes by hand, and the search
+with shape-dependent compute still finds what brute force finds."""
+
+from dataclasses import replace
+
+import pytest
+
+from par4d.plan import GPTSpec, Machine
+from par4d.plan.compute import gemm_seconds, stage_seconds
+from par4d.plan.machines import BUILTIN
+from par4d.plan.model import factorizations
+from par4d.plan.search import search
+from par4d.plan.workload import LOGIT_PASSES, OUTPUT_PASSES, STREAM_PASSES
+
+SPEC = GPTSpec("t", n_layer=4, hidden=64, heads=4, seq_len=32, global_batch=16, vocab=256)
+SHAPED = Machine("shaped", devices_per_node=4, peak_flops=2.0**40, memory_bytes=1e12, beta_intra=2.0**30,
+                 beta_inter=2.0**26, latency=2.0**-16, efficiency=0.5, bytes_per_element=2,
+                 memory_bandwidth=2.0**34, kernel_latency=2.0**-20, attention_efficiency=0.25)
+
+
+def test_gemm_roofline_by_hand():
+    peak, bw, b = SHAPED.peak_flops * SHAPED.efficiency, SHAPED.memory_bandwidth, 2
+    # Square and large: compute-bound.
+    m = n = k = 4096
+    assert gemm_seconds(m, n, k, SHAPED) == 2 * m * n * k / peak + SHAPED.kernel_latency
+    # One row: its weight through memory dominates.
+    m, n, k = 1, 4096, 4096
+    assert gemm_seconds(m, n, k, SHAPED) == (m * k + k * n + m * n) * b / bw + SHAPED.kernel_latency
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_without_memory_limits_the_shapes_add_up_to_the_workloads_flops(checkpointing):
+    """With memory that costs nothing and no kernel latency, the GEMMs' and attention's seconds are the
+    workload's matmul and attention FLOPs over peak x efficiency, on every grid and microbatch count:
+    every GEMM is counted with its passes (the head's not recomputed)."""
+    free = replace(SHAPED, memory_bandwidth=1e300, kernel_latency=0.0, attention_efficiency=None)
+    flat = replace(free, memory_bandwidth=None)
+    for sizes in factorizations(8, (1, 2)):
+        if SPEC.check(sizes):
+            continue
+        shard = SPEC.samples // (sizes["z"] * sizes["data"])
+        for micro in (1, shard):
+            assert stage_seconds(SPEC, sizes, free, checkpointing, micro) == pytest.approx(
+                stage_seconds(SPEC, sizes, flat, checkpointing), rel=1e-12)
+
+
+def test_skinny_shards_and_small_microbatches_lose():
+    """Per FLOP, x=8's shards run slower than x=1's (more of each GEMM is memory traffic), and a step
+    of more microbatches never computes faster than one microbatch."""
+    one, eight = dict(x=1, y=1, z=1, data=8), dict(x=8, y=1, z=1, data=1)
+    assert stage_seconds(SPEC, eight, SHAPED, False) > stage_seconds(SPEC, one, SHAPED, False)
+    for micro in (2, 4, 8, 16):
+        assert stage_seconds(SPEC, dict(x=1, y=1, z=1, data=1), SHAPED, False, micro) > \
+            stage_seconds(SPEC, dict(x=1, y=1, z=1, data=1), SHAPED, False, 1)
+
+
+def test_elementwise_bytes_by_hand():
+    sizes = dict(x=2, y=4, z=2, data=1)
+    tokens = SPEC.tokens / 2
+    d, b = SPEC.hidden, 2
+    per_token = SPEC.n_layer * 3 * b * d * (STREAM_PASSES / 4 + OUTPUT_PASSES / 2)
+    assert SPEC.elementwise_bytes(sizes, b, False) == pytest.approx(
+        tokens * (per_token + LOGIT_PASSES * 4 * SPEC.vocab / 2), rel=1e-12)
+    assert SPEC.elementwise_bytes(sizes, b, True) > SPEC.elementwise_bytes(sizes, b, False)
+
+
+def test_the_search_with_shapes_finds_what_brute_force_finds():
+    """The search's bound on a pipeline's microbatch counts holds when compute depends on the shapes."""
+    from tests.test_plan_search import TIGHT, _brute_force
+
+    tight = replace(TIGHT, memory_bandwidth=4e8, kernel_latency=1e-5, attention_efficiency=0.3)
+    ranked, _ = search(SPEC, 8, tight)
+    assert {p.microbatches for p in ranked} > {1}
+    found = {tuple(p.sizes.values()): p.t_iter for p in ranked}
+    assert found == pytest.approx(_brute_force(SPEC, 8, tight), rel=1e-12)
+
+
+def test_builtin_machines_time_gemms_by_shape():
+    for machine in BUILTIN.values():
+        assert machine.memory_bandwidth and 0.5 < machine.efficiency < 0.9 and machine.attention_efficiency
