@@ -175,29 +175,48 @@ def test_plan_cli_errors(capsys, tmp_path):
 
 
 def test_train_grid_auto_takes_the_planners_first_choice(tmp_path, capsys):
-    import argparse
-
+    """--grid auto runs the full search (axes, pipe, microbatches, recomputation, overlaps) and applies its first
+    choice, or among those within TIE of it the one that communicates least; flags the user gave stay fixed;
+    it names the choice and the runner-up."""
+    from par4d.cli import _parser
     from par4d.overlap import Overlap
-    from par4d.plan.choose import TIE, planned_grid
+    from par4d.plan.choose import TIE, planned_run
+    from par4d.plan.search import Space, search
+    from par4d.train.configure import configure
 
     profile = tmp_path / "local.toml"
-    local = Machine("local", devices_per_node=4, peak_flops=50e9, memory_bytes=4e9, beta_intra=1e9, beta_inter=1e9,
-                    latency=5e-4, bytes_per_element=4, all_gather_scale=0.3, reduce_scatter_scale=0.25)
+    # Memory for a few microbatches' activations: the search must choose them.
+    local = Machine("local", devices_per_node=4, peak_flops=50e9, memory_bytes=6e6, beta_intra=1e9, beta_inter=1e9,
+                    latency=5e-4, bytes_per_element=4, all_gather_scale=0.3, reduce_scatter_scale=0.25,
+                    memory_bandwidth=5e9, kernel_latency=2e-5)
     profile.write_text(local.to_toml())
-    args = argparse.Namespace(machine=str(profile), n_layer=2, n_embd=64, n_head=4, seq_len=64, batch_size=16)
-    chosen, peak = planned_grid(4, inside=False, **vars(args))
-    assert peak is None                                  # a given profile: nothing was measured here
+    dims = dict(n_layer=2, n_embd=64, n_head=4, seq_len=64, batch_size=16)
+    plan = planned_run(4, machine=str(profile), inside=False, **dims)
+    assert plan.peak is None                             # a given profile: nothing was measured here
     spec = GPTSpec("train", n_layer=2, hidden=64, heads=4, seq_len=64, global_batch=16, vocab=256)
-    train_default = Overlap.parse("oar,ors,oag,dp,xy")         # par4d train's overlaps without recomputation
-    ranked = rank_configurations(spec, 4, local, "full", checkpointing=False, overlap=train_default)[0]
-    # The first choice, or among those within TIE of it the one that communicates least.
+    ranked = search(spec, 4, local)[0]
     tied = [p for p in ranked if p.t_iter <= ranked[0].t_iter * (1 + TIE)]
-    assert {**dict(x=1, y=1, z=1, data=1), **chosen} == min(tied, key=lambda p: p.t_comm).sizes
-    assert "--grid auto chose" in capsys.readouterr().out
+    best = min(tied, key=lambda p: p.t_comm)
+    assert {**dict(x=1, y=1, z=1, data=1, pipe=1), **plan.grid} == best.sizes
+    assert best.microbatches > 1 and plan.recompute == ("1" if best.checkpointing else "none")
+    assert plan.overlap == (best.overlap or "none")
+    out = capsys.readouterr().out
+    assert "--grid auto chose" in out and "runner-up" in out
+    # The run gets every choice; a flag the user gave is kept and the search honours it.
+    flags = ["train", "--grid", "auto", "--machine", str(profile), "--n-layer", "2", "--n-embd", "64", "--n-head",
+             "4", "--seq-len", "64", "--batch-size", "16", "--out", str(tmp_path / "run")]
+    config = configure(_parser().parse_args(flags), 4, inside=False, planner=planned_run)
+    assert config.grid == plan.grid and config.recompute == plan.recompute and config.overlap == plan.overlap
+    assert config.microbatches == plan.microbatches
+    config = configure(_parser().parse_args([*flags, "--overlap", "none", "--recompute", "none"]), 4,
+                       inside=False, planner=planned_run)
+    fixed = search(spec, 4, local, Space(checkpointing=False, overlap=Overlap.none()))[0]
+    assert config.overlap == "none" and config.recompute == "none"
+    assert {**dict(x=1, y=1, z=1, data=1, pipe=1), **config.grid} == min(
+        (p for p in fixed if p.t_iter <= fixed[0].t_iter * (1 + TIE)), key=lambda p: p.t_comm).sizes
     # Under a launcher there is no way to calibrate first: a profile is required.
-    args.machine = None
     with pytest.raises(ValueError, match="needs --machine PROFILE"):
-        planned_grid(4, inside=True, **vars(args))
+        planned_run(4, machine=None, inside=True, **dims)
 
 
 def test_workload_recorded_from_a_module():

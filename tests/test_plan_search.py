@@ -107,7 +107,7 @@ def test_memory_of_overlaps_and_of_the_offloaded_optimizer():
 
 def _brute_force(spec, world, machine):
     """Every grid's fastest fitting choice over every microbatch count, recomputation and every
-    subset of the overlap switches."""
+    subset of the overlap switches (those that act: a pipeline runs without OAG, ORS and dp)."""
     best = {}
     subsets = [Overlap.parse(",".join(names)) if names else Overlap.none()
                for r in range(len(NAMES) + 1) for names in itertools.combinations(NAMES, r)]
@@ -117,6 +117,8 @@ def _brute_force(spec, world, machine):
         shard = spec.global_batch // (sizes["z"] * sizes["data"])
         for micro in (m for m in range(1, shard + 1) if shard % m == 0):
             for checkpointing, overlap in itertools.product((False, True), subsets):
+                if sizes["pipe"] > 1:           # what acts in a pipeline (TrainConfig.overlap_run)
+                    overlap = overlap.in_pipeline()
                 pred = predict(spec, sizes, machine, "full", checkpointing,
                                overlap=overlap if overlap.names else None, microbatches=micro)
                 key = tuple(sizes.values())

@@ -118,7 +118,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from par4d.launch import Interrupted
-    from par4d.plan.choose import planned_grid
+    from par4d.plan.choose import planned_run
     from par4d.train.configure import configure, resumable, world_size
     from par4d.train.faults import Faults
     from par4d.train.job import as_rank, local_ranks
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     args.max_restarts = args.max_restarts or 0
     resumed = resumable(args) if args.resume else None
     world, inside = world_size(args, resumed)
-    config = configure(args, world, inside, resumed, planned_grid)   # every pre-start rule
+    config = configure(args, world, inside, resumed, planned_run)   # every pre-start rule
     Faults.from_env()     # a malformed test hook fails here, not in every rank
     if inside:            # this process is a rank of torchrun's or srun's job
         from par4d.launch import distributed_env

@@ -28,7 +28,7 @@ No torch here: the CLI parses and checks these before any rank starts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 NAMES = ("oar", "ors", "oag", "cache", "dp", "xy")
@@ -92,6 +92,12 @@ class Overlap:
     @property
     def cache(self) -> bool:
         return self.cache_layers != 0
+
+    def in_pipeline(self) -> Overlap:
+        """The switches that act on a grid with pipe > 1: OAR, xy and the cache (inside each layer's own forward
+        and backward). Pipeline stages run outside the model's forward (no recorded gather order: no OAG) and
+        outside the training step's armed backward (no ORS, no buckets launched during backward)."""
+        return replace(self, reduce_scatter=False, all_gather=False, data_parallel=False)
 
     def describe(self) -> str:
         on = self.names

@@ -1,28 +1,43 @@
-"""Which grid a training run gets from the planner: its first choice for the run's model on a machine profile
-(``--grid auto``); the fixed default from the world size is :func:`par4d.grid.default_grid`. No torch here unless a
-machine must be calibrated.
+"""What a training run gets from the planner under ``--grid auto``: the full search's first choice for the run's
+model on a machine profile (the five axes, microbatches, recomputation and overlap switches), for every choice
+the user did not fix with a flag; the fixed default from the world size is :func:`par4d.grid.default_grid`.
+No torch here unless a machine must be calibrated.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from par4d.overlap import Overlap
 from par4d.plan.machines import load_machine
-from par4d.plan.model import rank_configurations
+from par4d.plan.search import Space, search
 from par4d.plan.workload import GPTSpec
 from par4d.train.config import VOCAB_BYTES
 
 
-def planned_grid(world: int, *, machine: str | None, inside: bool, n_layer: int, n_embd: int, n_head: int,
-                 seq_len: int, batch_size: int,
-                 report: Callable[[str], None] = print) -> tuple[dict[str, int], float | None]:
-    """The planner's first choice of grid for training the dense GPT on ``world`` ranks, and the machine's matmul
-    peak when it was calibrated for it (so training need not measure it again).
+@dataclass(frozen=True)
+class Plan:
+    """The planner's choices, as ``par4d train``'s settings: ``grid`` (axes of size > 1), ``microbatches`` (None:
+    the default, one per step without a pipeline), ``recompute`` (``none`` or ``1``: every block, as the model
+    counts it), ``overlap`` (a ``--overlap`` value); ``peak``: the machine's matmul peak where it was calibrated
+    here (so training need not measure it again)."""
+
+    grid: dict[str, int]
+    microbatches: int | None
+    recompute: str
+    overlap: str
+    peak: float | None = None
+
+
+def planned_run(world: int, *, machine: str | None, inside: bool, n_layer: int, n_embd: int, n_head: int,
+                seq_len: int, batch_size: int, fixed: Space | None = None,
+                report: Callable[[str], None] = print) -> Plan:
+    """The planner's first choice for training the dense GPT on ``world`` ranks; ``fixed`` holds the choices the
+    user made (the search keeps them).
 
     ``machine`` names a profile (built-in or TOML); ``None`` calibrates this machine first, which needs ranks of
     its own and so cannot happen ``inside`` a launched job. ``report`` gets one line before a calibration and one
-    naming the choice.
+    naming the choice and the runner-up with their predicted step times.
     """
     peak = None
     if machine is not None:
@@ -41,16 +56,18 @@ def planned_grid(world: int, *, machine: str | None, inside: bool, n_layer: int,
         profile, peak = calibration["machine"], calibration["peak_total"]
     spec = GPTSpec("train", n_layer=n_layer, hidden=n_embd, heads=n_head, seq_len=seq_len, global_batch=batch_size,
                    vocab=VOCAB_BYTES)
-    # par4d train's default: every overlap but the cache (it runs without recomputation by default)
-    ranked, excluded = rank_configurations(spec, world, profile, "full", checkpointing=False,
-                                           overlap=Overlap.parse("oar,ors,oag,dp,xy"))
+    ranked, excluded = search(spec, world, profile, fixed or Space())
     if not ranked:
         reasons = "; ".join(sorted({p.excluded for p in excluded}))
         raise ValueError(f"--grid auto: no grid of {world} ranks runs this model ({reasons})")
     ranked = settle_ties(ranked)
     best = ranked[0]
-    report(f"--grid auto chose {_grid(best)} on {profile.name}: " + why(ranked))
-    return {a: s for a, s in best.sizes.items() if s > 1} or {"x": 1}, peak
+    report(f"--grid auto chose {describe(best)} on {profile.name}: " + why(ranked))
+    pipe = best.sizes.get("pipe", 1)
+    return Plan(grid={a: s for a, s in best.sizes.items() if s > 1} or {"x": 1},
+                # par4d train's default is one microbatch per step without a pipeline, P with one
+                microbatches=None if best.microbatches == (pipe if pipe > 1 else 1) else best.microbatches,
+                recompute="1" if best.checkpointing else "none", overlap=best.overlap or "none", peak=peak)
 
 
 TIE = 0.02
@@ -69,7 +86,13 @@ def settle_ties(ranked: list) -> list:
 
 
 def _grid(pred) -> str:
-    return " ".join(f"{a}={pred.sizes[a]}" for a in ("x", "y", "z", "data"))
+    return " ".join(f"{a}={pred.sizes.get(a, 1)}" for a in ("x", "y", "z", "data", "pipe"))
+
+
+def describe(pred) -> str:
+    """A choice in one phrase: the grid, microbatches, recomputation and overlaps."""
+    return (f"{_grid(pred)}, {pred.microbatches} microbatch{'es' if pred.microbatches > 1 else ''}, recompute "
+            f"{'every block' if pred.checkpointing else 'none'}, overlap {pred.overlap or 'none'}")
 
 
 def why(ranked: list) -> str:
@@ -82,7 +105,7 @@ def why(ranked: list) -> str:
             f"{best.t_comm:.3f} s communication left exposed)")
     if len(ranked) > 1:
         second = ranked[1]
-        line += f"; next {_grid(second)} at {second.t_iter:.3f} s/step ({second.t_iter / best.t_iter:.2f}x"
+        line += f"; runner-up {describe(second)} at {second.t_iter:.3f} s/step ({second.t_iter / best.t_iter:.2f}x"
         if second.t_iter <= best.t_iter * (1 + TIE):
             line += f", a tie: {best.t_comm:.3f} s of communication against {second.t_comm:.3f} s"
         line += ")"

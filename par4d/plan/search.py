@@ -104,6 +104,8 @@ def _best(spec, sizes: dict[str, int], machine: Machine, space: Space, recompute
     for checkpointing in recompute:
         sets = (space.overlap,) if space.overlap is not None else (
             WITH_RECOMPUTE if checkpointing else WITHOUT_RECOMPUTE)
+        if pipe > 1:                # what acts in a pipeline (par4d.train.config.TrainConfig.overlap_run)
+            sets = tuple(dict.fromkeys(overlap.in_pipeline() for overlap in sets))
         # The least a stage computes: one microbatch (each GEMM at its largest, fewest kernels).
         t_least = stage_seconds(spec, sizes, machine, checkpointing)
         for micro in counts:

@@ -202,15 +202,11 @@ class TrainConfig:
         return Overlap.parse(self.overlap)
 
     def overlap_run(self) -> Overlap:
-        """The overlaps that act in this run: ``--overlap``'s, but with a pipeline (pipe > 1) only OAR, xy
-        and the cache (inside each layer's own forward and backward), since its stages run outside the
-        model's forward (no recorded gather order: no OAG) and outside the training step's armed backward
-        (no ORS, no buckets launched during backward). The run says so before it starts
-        (``par4d.train.configure``) and its summary reports these."""
+        """The overlaps that act in this run: ``--overlap``'s, but with a pipeline (pipe > 1) only those
+        :meth:`Overlap.in_pipeline` keeps. The run says so before it starts (``par4d.train.configure``) and its
+        summary reports these."""
         settings = self.overlap_settings()
-        if self.grid.get("pipe", 1) == 1:
-            return settings
-        return replace(settings, reduce_scatter=False, all_gather=False, data_parallel=False)
+        return settings if self.grid.get("pipe", 1) == 1 else settings.in_pipeline()
 
     def recompute_every(self) -> int:
         if self.model in ("hf-gpt2", "hf-llama"):    # transformers checkpoints each decoder layer on its own

@@ -20,7 +20,8 @@ FIXED = ("model", "batch_size", "seq_len", "n_layer", "n_embd", "n_head", "mlp",
 HONOURED = ("lr", "grad_clip", "save_every", "keep", "overlap", "hierarchical", "recompute", "microbatches",
             "pipeline_limit", "precision", "grad_reduce", "offload_bsize", "eval_every", "tensorboard")
 HF_NAMES = {"n_layer": "num_hidden_layers", "n_embd": "hidden_size", "n_head": "num_attention_heads"}
-Planner = Callable[..., tuple[dict, "float | None"]]   # par4d.plan.choose.planned_grid's signature
+Planner = Callable[..., object]   # par4d.plan.choose.planned_run (returns its Plan)
+PLANNED = ("microbatches", "recompute", "overlap")   # what --grid auto chooses besides the grid, unless a flag does
 
 
 def default(name: str):
@@ -94,7 +95,7 @@ def _default_nproc(args: argparse.Namespace, resumed: tuple[Path, dict] | None) 
 def configure(args: argparse.Namespace, world: int, inside: bool, resumed: tuple[Path, dict] | None = None,
               planner: Planner | None = None):
     """The run's ``TrainConfig``; every error a rank would raise on its grid is raised here, before any starts.
-    ``planner``: what ``--grid auto`` asks (:func:`par4d.plan.choose.planned_grid`; the planner stands above train/)."""
+    ``planner``: what ``--grid auto`` asks (:func:`par4d.plan.choose.planned_run`; the planner stands above train/)."""
     from par4d.grid import Grid, validate_sizes
     from par4d.launch import distributed_env
     from par4d.launch.machine import host_memory
@@ -166,19 +167,30 @@ def configure(args: argparse.Namespace, world: int, inside: bool, resumed: tuple
 
 
 def _grid(args: argparse.Namespace, world: int, inside: bool, dims: dict, planner: Planner | None
-          ) -> tuple[dict, float | None]:
-    """(grid, the machine's peak where the planner measured it) from --grid, or a default for ``world``."""
+          ) -> tuple[dict, float | None, dict]:
+    """(grid, the machine's peak where the planner measured it, the planner's other choices by setting name) from
+    --grid, or a default for ``world``. Under --grid auto the planner chooses what no flag gave: the microbatches,
+    recomputation and overlaps (:data:`PLANNED`) besides the grid."""
     from par4d.grid import default_grid, parse_grid
 
     if args.grid != "auto":
-        return (parse_grid(args.grid) if args.grid else default_grid(world)), None
+        return (parse_grid(args.grid) if args.grid else default_grid(world)), None, {}
     if dims["mlp"] != "dense" or dims.get("model", "gpt") != "gpt":
         raise ValueError(f"--grid auto plans par4d's dense GPT only; give --grid for --mlp phantom or "
                          f"--model {dims.get('model', 'gpt')}")
     if planner is None:
-        raise ValueError("--grid auto needs the planner (par4d train passes par4d.plan.choose.planned_grid)")
-    return planner(world, machine=args.machine, inside=inside, report=say,
-                        **{k: dims[k] for k in ("n_layer", "n_embd", "n_head", "seq_len", "batch_size")})
+        raise ValueError("--grid auto needs the planner (par4d train passes par4d.plan.choose.planned_run)")
+    from par4d.overlap import Overlap
+    from par4d.plan.search import Space
+
+    fixed = Space(microbatches=args.microbatches,
+                  checkpointing=None if args.recompute is None else args.recompute.strip().lower() != "none",
+                  overlap=None if args.overlap is None else Overlap.parse(args.overlap),
+                  offload_bsize=args.offload_bsize)
+    plan = planner(world, machine=args.machine, inside=inside, report=say, fixed=fixed,
+                   **{k: dims[k] for k in ("n_layer", "n_embd", "n_head", "seq_len", "batch_size")})
+    chosen = {"microbatches": plan.microbatches, "recompute": plan.recompute, "overlap": plan.overlap}
+    return plan.grid, plan.peak, {k: v for k, v in chosen.items() if getattr(args, k) is None and v is not None}
 
 
 def _new_config(args: argparse.Namespace, world: int, inside: bool, planner: Planner | None):
@@ -200,7 +212,8 @@ def _new_config(args: argparse.Namespace, world: int, inside: bool, planner: Pla
     elif init_from is not None and model != "unet":   # a Hugging Face model's shape is its folder's
         chosen, hf_config = _pretrained(model, init_from, chosen)
     dims = {name: chosen.get(name, default(name)) for name in FIXED}
-    grid, peak = _grid(args, world, inside, dims, planner)
+    grid, peak, planned = _grid(args, world, inside, dims, planner)
+    chosen.update(planned)
     # Launched here: name the new run now. Under torchrun/srun rank 0 names it later.
     out = Path(args.out) if args.out else (None if inside else new_run_dir(grid))
     if out is not None and not _restarted_in(out, inside):
@@ -338,7 +351,8 @@ def _resumed_config(args: argparse.Namespace, world: int, inside: bool, resumed:
     for name, value in honoured.items():
         if value != saved[name]:
             say(f"{flag(name)} {value} replaces the run's {saved[name]} from step {meta['step']}")
-    grid, peak = _grid(args, world, inside, saved, planner) if args.grid else (saved["grid"], None)
+    grid, peak, planned = _grid(args, world, inside, saved, planner) if args.grid else (saved["grid"], None, {})
+    honoured.update(planned)
     shards, kept = grid.get("z", 1) * grid.get("data", 1), saved.get("microbatches")
     if (grid.get("pipe", 1) == 1 and "microbatches" not in honoured and kept is not None
             and saved["batch_size"] % shards == 0 and kept > saved["batch_size"] // shards):
