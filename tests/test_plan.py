@@ -355,11 +355,33 @@ def test_what_calibrate_writes_loads(tmp_path):
     machine = Machine('emulated-2x2-"1gbit"', devices_per_node=2, peak_flops=52270423031.342705,
                       memory_bytes=6331317248.0, beta_intra=611201825.4235398, beta_inter=126612047.76046872,
                       latency=0.0005996755236718624, efficiency=0.5, bytes_per_element=4,
-                      all_gather_scale=0.6679025336063775, reduce_scatter_scale=0.487086089044996)
-    fits = {"all_reduce": {"alpha": 6e-4, "beta": 6.1e8, "points": 8, "c1": 6e-3, "c2": 1e-8, "c3": -6e-3}}
+                      all_gather_scale=0.6679025336063775, reduce_scatter_scale=0.487086089044996,
+                      memory_bandwidth=1.9e10, kernel_latency=2.8e-6)
+    fits = {"all_reduce": {"alpha": 6e-4, "beta": 6.1e8, "points": 8, "c1": 6e-3, "c2": 1e-8, "c3": -6e-3},
+            "gemm": {"efficiency": 0.97, "kernel_latency": 2.8e-6, "memory_bandwidth": 1.9e10, "median_error": 0.04,
+                     "points": 36}}
     path = tmp_path / "local.toml"
     path.write_text(_toml_fit(machine, fits, 2.09e11, 4))
     assert load_machine(str(path)) == machine
+
+
+def test_the_gemm_fit_recovers_a_roofline():
+    """GEMM times made from a known roofline (with 5% noise either way, alternating) give back its efficiency
+    and kernel latency."""
+    from par4d.plan.calibrate import GEMM_ROWS, GEMM_SIDES, fit_gemms
+    from par4d.plan.compute import gemm_seconds
+
+    truth = Machine("cpu", devices_per_node=1, peak_flops=5e10, memory_bytes=1e10, beta_intra=1e9, beta_inter=1e9,
+                    efficiency=0.8, memory_bandwidth=1e10, kernel_latency=3e-6, bytes_per_element=4)
+    shapes = [(m, n, k) for m in GEMM_ROWS for n in GEMM_SIDES for k in GEMM_SIDES]
+    rows = [{"m": m, "n": n, "k": k, "seconds": gemm_seconds(m, n, k, truth) * (1.05 if i % 2 else 0.95)}
+            for i, (m, n, k) in enumerate(shapes)]
+    fitted = fit_gemms(rows, truth.peak_flops, truth.memory_bandwidth)
+    assert fitted["efficiency"] == pytest.approx(0.8, abs=0.05)
+    assert fitted["kernel_latency"] == pytest.approx(3e-6, rel=0.3) and fitted["median_error"] <= 0.06
+    exact = fit_gemms([dict(r, seconds=gemm_seconds(r["m"], r["n"], r["k"], truth)) for r in rows],
+                      truth.peak_flops, truth.memory_bandwidth)
+    assert exact["efficiency"] == 0.8 and exact["kernel_latency"] == pytest.approx(3e-6, rel=1e-6)
 
 
 def test_calibrate_never_overwrites_a_profile(tmp_path, capsys, monkeypatch):
@@ -370,7 +392,9 @@ def test_calibrate_never_overwrites_a_profile(tmp_path, capsys, monkeypatch):
     def measured(nproc, out, repeats, cluster):     # par4d calibrate's work, without measuring anything
         calls.append(out)
         out.write_text("measured\n")
-        return {"machine": NODE4, "fits": {}, "peak_total": 1e9, "world": nproc}
+        return {"machine": NODE4, "fits": {}, "peak_total": 1e9, "world": nproc,
+                "gemm": {"efficiency": 0.9, "kernel_latency": 1e-6, "memory_bandwidth": 1e10, "median_error": 0.05,
+                         "points": 36}}
 
     monkeypatch.setattr(par4d.plan.calibrate, "calibrate", measured)
     profile = tmp_path / "local.toml"

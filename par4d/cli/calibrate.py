@@ -1,5 +1,6 @@
-"""``par4d calibrate``: measure this machine's matmul peak and collective costs, print them, and write the machine
-profile that ``par4d plan --machine`` and ``par4d train --grid auto --machine`` read."""
+"""``par4d calibrate``: measure this machine's matmul peak, GEMMs by shape, memory bandwidth and collective costs,
+print them, and write the machine profile that ``par4d plan --machine`` and ``par4d train --grid auto --machine``
+read."""
 
 from __future__ import annotations
 
@@ -36,6 +37,10 @@ def run(args: argparse.Namespace) -> int:
     machine = result["machine"]
     print(f"matmul peak {result['peak_total'] / 1e9:.1f} GFLOP/s fp32 (whole machine; "
           f"{machine.peak_flops / 1e9:.1f} per rank of {result['world']})")
+    gemm = result["gemm"]
+    print(f"GEMMs by shape ({gemm['points']} shapes, one rank's threads, ranks sharing the cores): "
+          f"{gemm['efficiency']:.2f} of a rank's peak at the largest, {gemm['kernel_latency'] * 1e6:.1f} us per GEMM, "
+          f"memory {gemm['memory_bandwidth'] / 1e9:.1f} GB/s; median error of the fit {gemm['median_error']:.0%}")
     print(f"{'collective':<21} {'alpha (us)':>10} {'beta (GB/s)':>11}   c1 log2 p + c2 m + c3")
     for kind, f in result["fits"].items():
         tail = (f"c1={f['c1'] * 1e3:.3f} ms, c2={f['c2'] * 1e9:.3f} s/GB, c3={f['c3'] * 1e3:.3f} ms" if "c1" in f

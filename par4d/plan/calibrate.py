@@ -1,6 +1,8 @@
 """``par4d calibrate``: measure this machine and write a machine profile.
 
-Measures the fp32 matmul peak (before any rank starts), then, on ``nproc`` local
+Measures the fp32 matmul peak and, with the threads one rank gets, the memory bandwidth and a grid of
+GEMM shapes, fitted to the planner's roofline (par4d/plan/compute.py: the fraction of peak the largest
+GEMMs reach and a fixed cost per GEMM), all before any rank starts; then, on ``nproc`` local
 ranks, the time of all-reduce, all-gather and reduce-scatter for every group size p
 that divides ``nproc`` and a range of message sizes, with all groups of that size
 busy at once (as in training). Fits per collective kind
@@ -29,6 +31,70 @@ from par4d.comm import KINDS
 from par4d.ledger import ring_terms
 
 MESSAGE_BYTES = (4096, 65536, 1 << 20, 4 << 20)
+# GEMM shapes (rows, out, in): skinny to square, the shards a small model's grids give each rank.
+GEMM_ROWS, GEMM_SIDES = (16, 128, 1024, 4096), (32, 128, 512)
+
+
+def _seconds(run, least: float = 0.005) -> float:
+    """Median seconds of ``run()`` over 3 samples, each repeated until it lasts ``least`` seconds."""
+    run()
+    count, start = 1, time.perf_counter()
+    run()
+    while time.perf_counter() - start < least:
+        run()
+        count += 1
+    repeats = count
+    samples = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            run()
+        samples.append((time.perf_counter() - start) / repeats)
+    return statistics.median(samples)
+
+
+def measure_compute(threads: int) -> dict:
+    """With ``threads`` torch threads: the memory bandwidth (an element-wise sum of 32M floats: two reads and a
+    write per element) and the seconds of a GEMM at each shape of ``GEMM_ROWS x GEMM_SIDES x GEMM_SIDES``."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        bandwidth = _bandwidth(1 << 25)
+        rows = []
+        for m in GEMM_ROWS:
+            for n in GEMM_SIDES:
+                for k in GEMM_SIDES:
+                    x, w = torch.randn(m, k), torch.randn(k, n)
+                    rows.append({"m": m, "n": n, "k": k, "seconds": _seconds(lambda x=x, w=w: x @ w)})
+        return {"memory_bandwidth": bandwidth, "gemms": rows}
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _bandwidth(elements: int) -> float:
+    """Bytes/s of an element-wise sum of two fp32 vectors of ``elements`` into a third (two reads, a write)."""
+    a, b = torch.ones(elements), torch.ones(elements)
+    out = torch.empty_like(a)
+    return 3 * elements * 4 / _seconds(lambda: torch.add(a, b, out=out))
+
+
+def fit_gemms(rows: list[dict], peak: float, bandwidth: float, bytes_per_element: int = 4) -> dict:
+    """The roofline of par4d/plan/compute.py fitted to measured GEMMs: ``efficiency`` (0.01 to 1, a 0.01 grid)
+    and ``kernel_latency`` (least squares, >= 0) minimizing the squared relative error, at the given ``peak``
+    and memory ``bandwidth``; with the median relative error of the fit."""
+    flops = np.array([2.0 * r["m"] * r["n"] * r["k"] for r in rows])
+    moved = np.array([(r["m"] * r["k"] + r["k"] * r["n"] + r["m"] * r["n"]) * bytes_per_element for r in rows])
+    t = np.array([r["seconds"] for r in rows])
+    best = None
+    for efficiency in np.arange(1, 101) / 100:
+        roof = np.maximum(flops / (peak * efficiency), moved / bandwidth)
+        latency = max(0.0, float(np.sum((t - roof) / t**2) / np.sum(1 / t**2)))
+        error = float(np.sum(((roof + latency - t) / t) ** 2))
+        if best is None or error < best[0]:
+            best = (error, float(efficiency), latency, roof)
+    _, efficiency, latency, roof = best
+    return {"efficiency": efficiency, "kernel_latency": latency, "memory_bandwidth": bandwidth,
+            "median_error": float(np.median(np.abs((roof + latency - t) / t))), "points": len(rows)}
 
 
 @dataclass(frozen=True)
@@ -100,7 +166,7 @@ def calibrate(nproc: int, out: Path, repeats: int = 5, cluster=None) -> dict:
     """Measure on ``nproc`` local ranks, or on an emulated ``cluster`` (a ClusterSpec):
     then groups inside a node give β_intra and the one ring over all ranks β_inter."""
     from par4d.launch import launch_local
-    from par4d.launch.machine import cpu_cores, measure_matmul_peak
+    from par4d.launch.machine import cpu_cores, measure_matmul_peak, threads_per_rank
     from par4d.plan.machines import Machine
 
     if cluster is not None:
@@ -108,6 +174,14 @@ def calibrate(nproc: int, out: Path, repeats: int = 5, cluster=None) -> dict:
     if nproc < 2:
         raise ValueError(f"--nproc must be >= 2 to measure collectives, got {nproc}")
     peak = measure_matmul_peak(threads=cpu_cores())
+    # One rank's compute, measured alone with its threads, then stretched by how many ranks share each core
+    # (training runs them all at once; emulated nodes share this machine too): the profile's device is one
+    # rank among nproc.
+    threads = threads_per_rank(nproc)
+    shared = max(1.0, nproc * threads / cpu_cores())
+    compute = measure_compute(threads)
+    gemms = [dict(r, seconds=r["seconds"] * shared) for r in compute["gemms"]]
+    gemm = fit_gemms(gemms, peak / nproc, compute["memory_bandwidth"] / shared)
     settings = CalibrationSettings(nproc, repeats)
     if cluster is None:
         rows = launch_local(nproc, _measure_worker, (settings,), run_id="par4d-calibrate")[0]
@@ -129,14 +203,16 @@ def calibrate(nproc: int, out: Path, repeats: int = 5, cluster=None) -> dict:
     memory = _total_memory()
     machine = Machine(name=name, devices_per_node=per_node, peak_flops=peak / nproc,
                       memory_bytes=memory / nproc, beta_intra=beta, beta_inter=beta_inter,
-                      latency=fits["all_reduce"]["alpha"], latency_inter=latency_inter, efficiency=0.5,
-                      bytes_per_element=4,
+                      latency=fits["all_reduce"]["alpha"], latency_inter=latency_inter,
+                      efficiency=gemm["efficiency"], memory_bandwidth=gemm["memory_bandwidth"],
+                      kernel_latency=gemm["kernel_latency"], bytes_per_element=4,
                       all_gather_scale=fits["all_gather"]["beta"] / beta,
                       reduce_scatter_scale=fits["reduce_scatter"]["beta"] / beta,
                       staged=cluster is not None)    # gloo across nodes: par4d stages (--hierarchical auto)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(_toml_fit(machine, fits, peak, nproc))
-    return {"machine": machine, "fits": fits, "rows": rows, "peak_total": peak, "world": nproc}
+    out.write_text(_toml_fit(machine, {**fits, "gemm": gemm}, peak, nproc))
+    return {"machine": machine, "fits": fits, "gemm": gemm, "gemm_rows": gemms, "rows": rows, "peak_total": peak,
+            "world": nproc}
 
 
 def _toml_fit(machine, fits: dict, peak: float, ranks: int) -> str:
