@@ -136,7 +136,8 @@ class GPT(nn.Module):
             if seq > self.config.block_size:
                 raise ValueError(f"sequence length {seq} exceeds block_size={self.config.block_size}")
             h = self.wte(inputs) + self.wpe(torch.arange(seq, device=inputs.device))   # (B, T, D/G_y)
-        h = run_blocks(list(self.blocks.values()), h, self.recompute, self.par4d_runtime)
+        h = run_blocks(list(self.blocks.values()), h, self.recompute, self.par4d_runtime,
+                       getattr(self, "par4d_observe_recompute", None))
         if not self.last:
             return h
         logits = self.head(self.ln_f(h))                                              # (B, T, V/G_x)

@@ -10,7 +10,8 @@ bit for bit those without recomputation (tested).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -23,15 +24,30 @@ def _run(blocks: Sequence[nn.Module], h: torch.Tensor) -> torch.Tensor:
     return h
 
 
-def run_blocks(blocks: Sequence[nn.Module], h: torch.Tensor, every: int, runtime=None) -> torch.Tensor:
+@contextlib.contextmanager
+def _within(outer: contextlib.AbstractContextManager, inner: Callable[[], contextlib.AbstractContextManager]):
+    """``outer`` and, inside it, ``inner()`` (made when entered: a recomputation happens in backward)."""
+    with outer, inner():
+        yield
+
+
+def run_blocks(blocks: Sequence[nn.Module], h: torch.Tensor, every: int, runtime=None,
+               observe: Callable[[], contextlib.AbstractContextManager] | None = None) -> torch.Tensor:
     """``h`` through ``blocks`` in order; with ``every`` > 0, each run of ``every`` blocks is one
     recomputed segment (its weights gathered again or taken from the cache of ``runtime``, the
-    model's ``par4d.overlap`` LayerRuntime, if it has one)."""
+    model's ``par4d.overlap`` LayerRuntime, if it has one). ``observe()``: a context entered around
+    each segment's recomputation, inside torch's (``par4d.train.footprint`` counts what it keeps)."""
     if every <= 0:
         return _run(blocks, h)
     if len(blocks) % every:
         raise ValueError(f"recompute every {every} blocks: {len(blocks)} blocks do not split into such segments")
     contexts = runtime.gathers.checkpoint_contexts if runtime is not None else noop_context_fn
+    if observe is not None:
+        inner = contexts
+
+        def contexts():
+            forward, recompute = inner()
+            return forward, _within(recompute, observe)
     for start in range(0, len(blocks), every):
         h = checkpoint(_run, blocks[start:start + every], h, use_reentrant=False, context_fn=contexts)
     return h

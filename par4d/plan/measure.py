@@ -46,16 +46,31 @@ def batch(size: int = BATCH, seq_len: int = CONFIG.block_size) -> tuple[torch.Te
     return tokens[:, :-1], tokens[:, 1:]
 
 
+class TrainingStep:
+    """One training step of the GPT on ``grid`` (forward, backward, gradient sync, AdamW) on a global batch of
+    ``batch_size`` sequences of ``seq_len`` tokens, to call repeatedly; ``overlap``: the GPT's (None: every
+    overlap on; with a pipeline, those that act there), ``microbatches`` per step (None: the default),
+    ``recompute``: every block recomputed in backward. Its ``model`` and ``optimizer`` are there to look at."""
+
+    def __init__(self, grid: Grid, batch_size: int = BATCH, seq_len: int = CONFIG.block_size,
+                 overlap: Overlap | None = None, microbatches: int | None = None, recompute: bool = False):
+        if grid.size("pipe") > 1:
+            overlap = (overlap or Overlap()).in_pipeline()
+        self.model = GPT(CONFIG, grid=grid, overlap=overlap, recompute=1 if recompute else 0)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.grid, self.microbatches = grid, microbatches
+        inputs, targets = batch(batch_size, seq_len)
+        self.x, self.y = shard_batch(grid, inputs), shard_batch(grid, targets)
+
+    def __call__(self) -> torch.Tensor:
+        return train_step(self.model, self.optimizer, self.grid, self.model, self.x, self.y,
+                          microbatches=self.microbatches)
+
+
 def training_step(grid: Grid, batch_size: int = BATCH, seq_len: int = CONFIG.block_size,
                   overlap: Overlap | None = None) -> Callable[[], torch.Tensor]:
-    """One training step of the GPT on ``grid`` (forward, backward, gradient sync, AdamW) on a
-    global batch of ``batch_size`` sequences of ``seq_len`` tokens, as a function to call repeatedly;
-    ``overlap``: the GPT's (None: every overlap on)."""
-    model = GPT(CONFIG, grid=grid, overlap=overlap)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    inputs, targets = batch(batch_size, seq_len)
-    x, y = shard_batch(grid, inputs), shard_batch(grid, targets)
-    return lambda: train_step(model, optimizer, grid, model, x, y)
+    """:class:`TrainingStep` with the default microbatches and no recomputation."""
+    return TrainingStep(grid, batch_size, seq_len, overlap)
 
 
 def step_collectives(grid: Grid, step: Callable[[], object]) -> list[tuple[str, tuple[str, ...], int]]:
@@ -89,13 +104,14 @@ def time_grid(sizes: dict[str, int], iters: int, batch_size: int = BATCH,
 
 def measure_grid(sizes: dict[str, int], iters: int, batch_size: int = BATCH, seq_len: int = CONFIG.block_size,
                  overlap: Overlap | None = None, hierarchical: str = "auto",
-                 then: Callable[[Grid, Callable[[], torch.Tensor]], object] | None = None
-                 ) -> tuple[list[float], float, object]:
+                 then: Callable[[Grid, TrainingStep], object] | None = None, microbatches: int | None = None,
+                 recompute: bool = False) -> tuple[list[float], float, object]:
     """:func:`time_grid`'s times and bytes, on a grid built with ``hierarchical``, and what ``then(grid, step)``
     returns after the timing (None without it: a benchmark's own look at the grid). Closes the grid: idle
     groups of earlier grids would slow the grids measured after them."""
     grid = init(**sizes, hierarchical=hierarchical)
-    step = training_step(grid, batch_size, seq_len, overlap)      # None: par4d.Overlap(), every overlap on
+    # overlap None: par4d.Overlap(), every overlap on
+    step = TrainingStep(grid, batch_size, seq_len, overlap, microbatches, recompute)
     before = grid.ledger.total_bytes()
     times = time_iterations(step, iters)
     per_rank = (grid.ledger.total_bytes() - before) / (WARMUP + iters)

@@ -495,7 +495,9 @@ def _timed(pred: Prediction, spec, sizes: dict[str, int], machine: Machine, full
     pipe, micro = sizes.get("pipe", 1), pred.microbatches
     pred.t_p2p = comm.t_p2p
     pred.t_comm_axes = dict(comm.axes)
-    pred.t_comm = sum(comm.axes.values())
+    if checkpointing and not (overlap is not None and overlap.cache):
+        pred.t_comm_axes["z"] += comm.roles["gather"]       # the recomputed forward gathers the weights again
+    pred.t_comm = sum(pred.t_comm_axes.values())
     world = sizes["x"] * sizes["y"] * sizes["z"] * sizes["data"] * pipe
     flops = spec.flops_per_iteration(checkpointing)
     t_stage = 0.0                                                       # one stage's compute per step

@@ -35,6 +35,43 @@ def profile_compute(shapes: list[dict[str, int]], threads: int, iters: int = 5) 
         return pool.submit(_profile_worker, shapes, threads, iters).result()
 
 
+def profile_memory(choices: list[dict], threads: int = 1) -> list[dict]:
+    """Per choice (``sizes`` with pipe, ``microbatches``, ``recompute``): what rank 0 holds in one training step
+    of the bench GPT (:class:`par4d.train.footprint.Footprint`'s row), measured without communication. Rank 0
+    is the first pipeline stage, which holds the most microbatches at once."""
+    if not choices:
+        return []
+    worlds = {math.prod(choice["sizes"].values()) for choice in choices}
+    if len(worlds) != 1:
+        raise ValueError(f"profile_memory: choices of one world size expected, got sizes {sorted(worlds)}")
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        return pool.submit(_memory_worker, choices, threads).result()
+
+
+def _memory_worker(choices: list[dict], threads: int) -> list[dict]:
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from par4d.grid import build_grid, validate_sizes
+    from par4d.launch import device
+    from par4d.plan.measure import TrainingStep
+    from par4d.train.footprint import measure_footprint
+
+    torch.set_num_threads(threads)
+    world = math.prod(choices[0]["sizes"].values())
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    rows = []
+    for choice in choices:
+        grid = build_grid(validate_sizes(choice["sizes"], world), device(None))
+        step = TrainingStep(grid, microbatches=choice.get("microbatches"), recompute=choice.get("recompute", False))
+        step()                                      # the optimizer's state exists from the first step on
+        rows.append(measure_footprint(step.model, step.optimizer, step).row())
+        grid.close()
+    dist.destroy_process_group()
+    return rows
+
+
 def cores_shared(world: int, threads: int, cores: int, cuda: bool) -> float:
     """How many times slower a rank computes in the real job than alone: ranks
     time-share this machine's cores when ``world * threads`` exceeds them (all ranks

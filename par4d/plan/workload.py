@@ -60,6 +60,10 @@ def gathered_bytes(blocks: list[float], counts: list[int], checkpointing: bool, 
 # two residual sums (two reads, a write: 3 each), attn.proj's and mlp.proj's biases (2 each); over x,
 # qkv's bias (2 x 3d), fc's (2 x 4d) and GELU (2 x 4d). The loss reads and writes the logits twice.
 STREAM_PASSES, OUTPUT_PASSES, LOGIT_PASSES = 2 + 2 + 3 + 3 + 2 + 2, 6 + 8 + 8, 4
+# What autograd keeps per token of a block, in units of the width d, in the training dtype: over y, ln1's and
+# ln2's normalized inputs and the inputs of qkv and fc; over x, q, k, v, attention's output, fc's output and
+# GELU's (GPTSpec.memory_terms; tests/test_plan_memory.py measures them).
+SAVED_PER_BLOCK = (2 + 2, 4 + 4 + 4)
 
 
 @dataclass(frozen=True)
@@ -180,19 +184,47 @@ class GPTSpec:
     def memory_per_device(self, sizes: dict[str, int], bytes_per_element: int, checkpointing: bool, *,
                           share: float = 1.0, overlap: Overlap | None = None,
                           offload_bsize: int | None = None) -> float:
-        """Bytes per device: parameter shards with gradients and AdamW state (:func:`state_bytes`),
-        the gathered weights Algorithm 1 keeps for backward (:func:`gathered_bytes`), and the
-        activations of ``share`` of the step's batch (one microbatch's: 1/M)."""
+        """Bytes per device: the sum of :meth:`memory_terms`."""
+        return sum(self.memory_terms(sizes, bytes_per_element, checkpointing, share=share, overlap=overlap,
+                                     offload_bsize=offload_bsize).values())
+
+    def memory_terms(self, sizes: dict[str, int], bytes_per_element: int, checkpointing: bool, *,
+                     share: float = 1.0, overlap: Overlap | None = None,
+                     offload_bsize: int | None = None) -> dict[str, float]:
+        """Bytes per device, by what holds them (par4d.train.footprint measures the same terms):
+
+        * ``states``: this rank's parameters with gradients and AdamW state (:func:`state_bytes`);
+        * ``gathered``: the weights Algorithm 1 gathers over z and keeps for backward
+          (:func:`gathered_bytes`; none at z = 1, where Ŵ is the shard itself);
+        * ``activations``: what autograd keeps for backward from ``share`` of the step's batch (one
+          microbatch's: 1/M), per token of a block (:data:`SAVED_PER_BLOCK`): over y, the two norms'
+          normalized inputs and the two normal layers' inputs (``4 d / G_y``); over x, q, k, v and
+          attention's output (which attn.proj reads as it is), fc's output and GELU's (``12 d / G_x``); in
+          fp32, attention's log-sum-exp per head and the norms' statistics. Once: the final norm's and the
+          head's inputs, the loss's softmax (fp32, ``V / G_x``) and its targets. With recomputation, each
+          block's input, and the larger of those once-terms (forward) and one block's working set (backward);
+        * ``buffers``: the data-parallel buckets in flight, a flattened copy of every gradient summed over
+          data (over z alone: the norms' and biases')."""
         gx, gy, gz, gd = sizes["x"], sizes["y"], sizes["z"], sizes["data"]
         b, h = bytes_per_element, self.hidden
-        states = state_bytes(self.params() / (gx * gy * gz), b, offload_bsize)
-        gathered = gathered_bytes([layer.k * layer.n / (gx * gy) * b for layer in self.layers()],
-                                  [layer.count for layer in self.layers()], checkpointing, overlap)
+        vectors, embed = self._vectors_and_embeddings
+        # The matmul weights over x, y and z; the embeddings' rows over z and features over y (whole over x);
+        # biases and norm gains over the one of x and y their layer's features lie on.
+        matmul = self.params() - vectors - embed
+        shard = matmul / (gx * gy * gz) + embed / (gy * gz) + vectors / max(gx, gy)
+        gathered = 0.0 if gz == 1 else gathered_bytes([layer.k * layer.n / (gx * gy) * b for layer in self.layers()],
+                                                      [layer.count for layer in self.layers()], checkpointing, overlap)
         rows = self.tokens / (gd * gz) * share
-        per_layer = rows * b * (5 * h / gy + 6 * h / gx + 8 * h / gx)
-        head = rows * self.vocab / gx * (b + 4)
-        acts = (self.n_layer * rows * h / gy * b + per_layer) if checkpointing else self.n_layer * per_layer
-        return states + gathered + acts + head
+        stream, outputs = SAVED_PER_BLOCK
+        per_block = rows * (b * (stream * h / gy + outputs * h / gx) + 4 * (self.heads / gx + 2))
+        once = rows * (b * 2 * h / gy + 4 * self.vocab / gx + 4 + 8)
+        # Without recomputation all of it at the end of forward; with it, every block's input, and then either
+        # the loss's and head's (forward) or one block's recomputed working set (backward, theirs freed by then).
+        acts = (self.n_layer * rows * h / gy * b + max(per_block, once)) if checkpointing else (
+            self.n_layer * per_block + once)
+        buffers = shard * b if gd > 1 else (vectors / max(gx, gy) * b if gz > 1 else 0.0)
+        return {"states": state_bytes(shard, b, offload_bsize), "gathered": gathered, "activations": acts,
+                "buffers": buffers}
 
     def elementwise_bytes(self, sizes: dict[str, int], bytes_per_element: int, checkpointing: bool) -> float:
         """Bytes one device's element-wise kernels move through memory in a step (the whole model's;
