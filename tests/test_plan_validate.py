@@ -43,6 +43,33 @@ def test_score_against_measurements_in_and_out_of_order():
         -1, 4, 4)
 
 
+def test_choices_beyond_the_grids_are_scored_by_the_full_models_only():
+    """plan validate measures pipelines, microbatches and recomputation too: the full model ranks them all, the
+    paper's models only the plain grids; predicted memory is set beside the measured."""
+    from par4d.plan.measure import choices, grids
+    from par4d.plan.model import predict
+    from par4d.plan.validate import choice_prediction, memory_check, plain, report
+
+    four = choices(4)
+    assert [c["sizes"] for c in four if plain(c)] == grids(4)
+    extra = [c for c in four if not plain(c)]
+    assert {(c["sizes"].get("pipe", 1), c["microbatches"], c["recompute"]) for c in extra} == {
+        (2, 2, False), (2, 4, False), (4, 4, False), (4, 8, False), (1, 2, False), (1, 1, True)}
+    machine = Machine("m", devices_per_node=4, peak_flops=1e10, memory_bytes=1e10, beta_intra=1e9,
+                      beta_inter=1e9, latency=1e-4, bytes_per_element=4)
+    rows = [dict(c, s_per_iter=predict(SPEC, c["sizes"], machine, "full", c["recompute"],
+                                       microbatches=c["microbatches"]).t_iter) for c in four]
+    scores = {s.model: s for s in score(rows, machine)}
+    assert scores["full"].kendall_tau == 1 and all(v is not None for v in scores["full"].predicted)
+    assert [v is None for v in scores["aware"].predicted] == [not plain(c) for c in four]
+    for row in rows:
+        row["memory"] = {"total": choice_prediction(row, machine, "full", None).mem_bytes * 1.25}
+    ratios = memory_check(rows, machine, None)
+    assert ratios == pytest.approx([0.8] * len(rows))
+    text = report(rows, list(scores.values()), as_json=False, memory=ratios)
+    assert "| 1 1 1 2 | 2 | 4 | off |" in text and "Memory: predicted over measured 0.80-0.80" in text
+
+
 def test_validation_workload_is_the_bench_model():
     assert SPEC.params() == CONFIG.num_params()
     assert SPEC.tokens == BATCH * CONFIG.block_size
@@ -83,7 +110,7 @@ def test_repeatability_and_report_of_several_passes():
     machine = Machine("m", devices_per_node=4, peak_flops=1e10, memory_bytes=1e10, beta_intra=1e9,
                       beta_inter=1e9, latency=1e-4, bytes_per_element=4)
     text = report(measured, score(measured, machine), as_json=False)
-    assert "| 1 1 1 4 | 0.100 | 0.100 0.110 0.100 |" in text and "Pass against pass: mean τ 0.56" in text
+    assert "| 1 1 1 4 | 1 | 1 | off | 0.100 | 0.100 0.110 0.100 |" in text and "Pass against pass: mean τ 0.56" in text
     import json
     lines = [json.loads(line) for line in report(measured, score(measured, machine), as_json=True).splitlines()]
     grid_rows, rows = [r for r in lines if "grid" in r], [r for r in lines if "model" in r]

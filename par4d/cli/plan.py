@@ -226,7 +226,7 @@ def _days(pred, spec, args) -> dict:
 def _validate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from par4d.plan.validate import report, validate
+    from par4d.plan.validate import memory_check, report, validate
 
     cluster = None
     if args.nodes is not None:
@@ -255,5 +255,5 @@ def _validate(args: argparse.Namespace) -> int:
     overlap = _overlap(args)   # parsed before anything is measured
     measured, scores = validate(args.nproc, machine, args.iters, Path(args.plot) if args.plot else None, cluster,
                                 args.passes, overlap)
-    print(report(measured, scores, args.json))
+    print(report(measured, scores, args.json, memory_check(measured, machine, overlap if overlap.names else None)))
     return 0

@@ -39,6 +39,28 @@ def grids(world: int, config: GPTConfig = CONFIG, batch: int = BATCH) -> list[di
     return shapes
 
 
+def choices(world: int) -> list[dict]:
+    """What ``plan validate`` measures on ``world`` ranks: every (x, y, z, data) grid of :func:`grids` at one
+    microbatch without recomputation (the grids the paper's models rank); then choices the full model makes
+    beyond them: a pipeline of 2 and of 4 stages (up to the model's blocks) over data, at P and 2P microbatches;
+    and on the pure data and pure z grids, two microbatches, and recomputation."""
+    out = [{"sizes": sizes, "microbatches": 1, "recompute": False} for sizes in grids(world)]
+    one = dict(x=1, y=1, z=1, data=1)
+    for pipe in (2, 4):
+        if world % pipe or pipe > CONFIG.n_layer:
+            continue
+        data = world // pipe
+        for micro in (pipe, 2 * pipe):
+            if BATCH % data == 0 and micro <= BATCH // data:
+                out.append({"sizes": dict(one, data=data, pipe=pipe), "microbatches": micro, "recompute": False})
+    for axis in ("data", "z"):
+        sizes = dict(one, **{axis: world})
+        if sizes in grids(world):
+            out += [{"sizes": sizes, "microbatches": 2, "recompute": False},
+                    {"sizes": sizes, "microbatches": 1, "recompute": True}]
+    return out
+
+
 def batch(size: int = BATCH, seq_len: int = CONFIG.block_size) -> tuple[torch.Tensor, torch.Tensor]:
     """The global (inputs, targets) every measurement trains on: ``size`` sequences of ``seq_len`` seeded tokens."""
     gen = torch.Generator().manual_seed(0)

@@ -19,14 +19,20 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 
-def profile_compute(shapes: list[dict[str, int]], threads: int, iters: int = 5) -> list[dict]:
-    """Per grid in ``shapes``: ``seconds``, the median time of one training step of the
-    bench GPT as rank 0 without communication, with ``threads`` torch threads; and
-    ``collectives``, the (kind, axes, elements) of every collective rank 0 issues in one
-    step (its ledger, as in a real job)."""
+def as_choice(item: dict) -> dict:
+    """A grid's sizes, or a choice (``sizes`` with ``microbatches`` and ``recompute``), as a choice."""
+    return item if "sizes" in item else {"sizes": item}
+
+
+def profile_compute(shapes: list[dict], threads: int, iters: int = 5) -> list[dict]:
+    """Per grid in ``shapes`` (sizes, or choices as :func:`as_choice` reads them): ``seconds``, the median time
+    of one training step of the bench GPT as rank 0 without communication, with ``threads`` torch threads (a
+    pipeline's: its first stage's, which waits for nothing); and ``collectives``, the (kind, axes, elements) of
+    every collective rank 0 issues in one step (its ledger, as in a real job)."""
     if not shapes:
         return []
-    worlds = {math.prod(sizes.values()) for sizes in shapes}
+    shapes = [as_choice(item) for item in shapes]
+    worlds = {math.prod(choice["sizes"].values()) for choice in shapes}
     if len(worlds) != 1:
         raise ValueError(f"profile_compute: grids of one world size expected, got sizes {sorted(worlds)}")
     # An executor, not a Pool: if the child dies (killed, out of memory) this raises
@@ -41,6 +47,7 @@ def profile_memory(choices: list[dict], threads: int = 1) -> list[dict]:
     is the first pipeline stage, which holds the most microbatches at once."""
     if not choices:
         return []
+    choices = [as_choice(item) for item in choices]
     worlds = {math.prod(choice["sizes"].values()) for choice in choices}
     if len(worlds) != 1:
         raise ValueError(f"profile_memory: choices of one world size expected, got sizes {sorted(worlds)}")
@@ -79,7 +86,7 @@ def cores_shared(world: int, threads: int, cores: int, cuda: bool) -> float:
     return 1.0 if cuda else max(1.0, world * threads / cores)
 
 
-def _profile_worker(shapes: list[dict[str, int]], threads: int, iters: int) -> list[dict]:
+def _profile_worker(shapes: list[dict], threads: int, iters: int) -> list[dict]:
     import torch
     import torch.distributed as dist
 
@@ -89,16 +96,16 @@ def _profile_worker(shapes: list[dict[str, int]], threads: int, iters: int) -> l
 
     from par4d.grid import build_grid, validate_sizes
     from par4d.launch import device
-    from par4d.plan.measure import WARMUP, step_collectives, training_step
+    from par4d.plan.measure import WARMUP, TrainingStep, step_collectives
 
     torch.set_num_threads(threads)
-    world = math.prod(shapes[0].values())
+    world = math.prod(shapes[0]["sizes"].values())
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     rows = []
-    for sizes in shapes:
+    for choice in shapes:
         # Not par4d.init: its check that every rank asked for the same grid needs peers.
-        grid = build_grid(validate_sizes(sizes, world), device(None))
-        step = training_step(grid)
+        grid = build_grid(validate_sizes(choice["sizes"], world), device(None))
+        step = TrainingStep(grid, microbatches=choice.get("microbatches"), recompute=choice.get("recompute", False))
         for _ in range(WARMUP):
             step()
         collectives = step_collectives(grid, step)
