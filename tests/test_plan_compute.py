@@ -79,3 +79,24 @@ def test_the_search_with_shapes_finds_what_brute_force_finds():
 def test_builtin_machines_time_gemms_by_shape():
     for machine in BUILTIN.values():
         assert machine.memory_bandwidth and 0.5 < machine.efficiency < 0.9 and machine.attention_efficiency
+
+
+def test_ranks_sharing_cores_absorb_the_bubble_and_hide_nothing():
+    """On a machine whose ranks time-share the cores, a stage idle in the fill and drain gives its share to the
+    others (the step takes the longer of the stage's work and the critical path at full speed), communication
+    takes the cores the compute needs (nothing hides), and every hand-off counts."""
+    from par4d.overlap import Overlap
+    from par4d.plan.model import predict
+
+    sizes = dict(x=1, y=1, z=2, data=2, pipe=2)
+    device = predict(SPEC, sizes, SHAPED, microbatches=2, overlap=Overlap())
+    shared = replace(SHAPED, cores_shared=2.0)
+    cpu = predict(SPEC, sizes, shared, microbatches=2, overlap=Overlap())
+    t_stage = stage_seconds(SPEC, sizes, SHAPED, False, 2)
+    assert device.t_compute == pytest.approx(t_stage * 3 / 2, rel=1e-12)
+    assert cpu.t_compute == pytest.approx(t_stage, rel=1e-12)                     # max(t, 1.5 t / 2)
+    lightly = predict(SPEC, sizes, replace(SHAPED, cores_shared=1.25), microbatches=2)
+    assert lightly.t_compute == pytest.approx(t_stage * 1.5 / 1.25, rel=1e-12)   # the critical path is longer
+    assert cpu.t_exposed is None and cpu.t_iter == pytest.approx(cpu.t_compute + cpu.t_comm, rel=1e-12)
+    assert device.t_exposed is not None and device.t_exposed < device.t_comm
+    assert cpu.t_p2p == pytest.approx(device.t_p2p * 2, rel=1e-12)      # 2 M = 4 hand-offs against 2 (P - 1) = 2

@@ -205,7 +205,7 @@ def calibrate(nproc: int, out: Path, repeats: int = 5, cluster=None) -> dict:
                       memory_bytes=memory / nproc, beta_intra=beta, beta_inter=beta_inter,
                       latency=fits["all_reduce"]["alpha"], latency_inter=latency_inter,
                       efficiency=gemm["efficiency"], memory_bandwidth=gemm["memory_bandwidth"],
-                      kernel_latency=gemm["kernel_latency"], bytes_per_element=4,
+                      kernel_latency=gemm["kernel_latency"], bytes_per_element=4, cores_shared=shared,
                       all_gather_scale=fits["all_gather"]["beta"] / beta,
                       reduce_scatter_scale=fits["reduce_scatter"]["beta"] / beta,
                       staged=cluster is not None)    # gloo across nodes: par4d stages (--hierarchical auto)

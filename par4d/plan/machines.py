@@ -16,6 +16,7 @@ figures (link bandwidths, documented per field). User profiles are TOML files:
     memory_bandwidth = 1.5e12  # optional: bytes/s of device memory; GEMMs are then timed by their shapes
     kernel_latency = 5e-6      # optional: seconds every GEMM costs beyond its roofline time
     attention_efficiency = 0.6 # optional: fraction of peak attention's fused matmuls reach (default: efficiency)
+    cores_shared = 1.0         # optional: ranks time-sharing each core (CPU ranks beyond the cores; 1: a device each)
     bytes_per_element = 2      # 2 for bf16/fp16 training, 4 for fp32
     all_gather_scale = 1.0     # optional: all-gather / reduce-scatter bandwidth
     reduce_scatter_scale = 1.0 #   relative to all-reduce (full model only)
@@ -57,6 +58,9 @@ class Machine:
     memory_bandwidth: float | None = None    # bytes/s of device memory (GEMMs' roofline, element-wise work)
     kernel_latency: float = 0.0              # seconds per GEMM beyond its roofline time
     attention_efficiency: float | None = None   # of peak, by attention's fused matmuls (None: efficiency)
+    # Ranks time-sharing each core (a CPU machine running more ranks than cores; 1: a device per rank): a rank
+    # that waits gives its share to the others, and communication's copies and sums take the cores compute needs.
+    cores_shared: float = 1.0
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -433,17 +433,19 @@ def communication(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine
                 grad_bytes += elements * b
     t_p2p = 0.0
     if pipe > 1:
-        t_p2p = axes["pipe"] = p2p_seconds(spec, sizes, b, micro, alpha["pipe"], beta["pipe"])
+        t_p2p = axes["pipe"] = p2p_seconds(spec, sizes, machine, micro, alpha["pipe"], beta["pipe"])
     return Communication(axes, roles, gathers, grad_bytes, t_p2p)
 
 
-def p2p_seconds(spec: GPTSpec, sizes: dict[str, int], bytes_per_element: int, micro: int, alpha: float,
+def p2p_seconds(spec: GPTSpec, sizes: dict[str, int], machine: Machine, micro: int, alpha: float,
                 beta: float) -> float:
     """The pipeline's fill and drain: P - 1 hand-offs of one microbatch's stream shard (rows, seq,
-    n_embd / G_y) each way."""
+    n_embd / G_y) each way. Where ranks time-share the cores (``machine.cores_shared``) a hand-off takes
+    cores the compute needs, wherever it happens: a stage's own, one each way per microbatch, all count."""
     shard = spec.samples // (sizes["z"] * sizes["data"])
-    stream = shard / micro * spec.seq_len * spec.hidden / sizes["y"] * bytes_per_element
-    return 2 * (sizes["pipe"] - 1) * (alpha + stream / beta)
+    stream = shard / micro * spec.seq_len * spec.hidden / sizes["y"] * machine.bytes_per_element
+    hand_offs = micro if machine.cores_shared > 1 else sizes["pipe"] - 1
+    return 2 * hand_offs * (alpha + stream / beta)
 
 
 class CommunicationByCount:
@@ -474,8 +476,7 @@ class CommunicationByCount:
         if "pipe" in self.sizes and self.sizes["pipe"] > 1:
             alpha = latencies(self.sizes, self.machine)["pipe"]
             beta = bandwidths(self.sizes, self.machine, aware=True)["pipe"]
-            t_p2p = axes["pipe"] = p2p_seconds(self.spec, self.sizes, self.machine.bytes_per_element, micro, alpha,
-                                               beta)
+            t_p2p = axes["pipe"] = p2p_seconds(self.spec, self.sizes, self.machine, micro, alpha, beta)
         return Communication(axes, roles, first.gathers / low * micro, first.grad_bytes, t_p2p)
 
 
@@ -505,8 +506,12 @@ def _timed(pred: Prediction, spec, sizes: dict[str, int], machine: Machine, full
         t_stage = compute_seconds if compute_seconds is not None else stage_seconds(spec, sizes, machine,
                                                                                     checkpointing, micro)
         pred.t_compute = t_stage * (micro + pipe - 1) / micro           # the pipeline's fill and drain
+        if machine.cores_shared > 1:
+            # Ranks time-share the cores: a stage idle in the fill and drain gives its share to the others, so
+            # the step takes the ranks' work at their shared speed, or the critical path alone, whichever is longer.
+            pred.t_compute = max(t_stage, pred.t_compute / machine.cores_shared)
     pred.t_iter = pred.t_compute + pred.t_comm
-    if full and overlap is not None:
+    if full and overlap is not None and machine.cores_shared <= 1:     # shared cores: nothing hides (above)
         buckets = math.ceil(comm.grad_bytes / overlap.bucket_bytes) + (1 if comm.grad_bytes > 2**20 else 0)
         # The stage's collectives hide behind its own compute, not behind the bubble; the hand-offs never hide.
         pred.t_exposed = exposed_comm(comm.roles, t_stage, overlap, comm.gathers, buckets, checkpointing) \
