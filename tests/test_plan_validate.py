@@ -98,6 +98,36 @@ def test_calibration_fits_recover_known_parameters():
         fit(noisy)
 
 
+def test_calibration_fits_nodes_jointly_as_the_planner_prices_them():
+    """On an emulated cluster one fit of every group size recovers the latency and bandwidth inside a node and
+    across, with the share of a ring's steps that cross nodes the planner uses; latencies never come out
+    negative (the inverted 489 us across / 904 us inside of one group size's fit)."""
+    from par4d.plan.model import ring_time
+
+    machine = Machine("c", devices_per_node=2, peak_flops=1e10, memory_bytes=1e10, beta_intra=2e9, beta_inter=5e8,
+                      latency=1e-4, latency_inter=6e-4, bytes_per_element=4)
+    from par4d.plan.model import latencies
+
+    rows = []
+    for p in (2, 4, 8):
+        alpha = latencies(dict(x=p, y=1, z=1, data=8 // p), machine)["x"]
+        beta = machine.beta_intra if p <= 2 else machine.beta_inter
+        for size in (4096, 65536, 1 << 20, 4 << 20):
+            rows.append({"kind": "all_reduce", "p": p, "bytes": size, "seconds": ring_time("all_reduce", p, size,
+                                                                                           beta, alpha),
+                         "cpu_seconds": 0.0})
+    fitted = fit(rows, per_node=2)["all_reduce"]
+    assert (fitted["alpha"], fitted["alpha_inter"], fitted["beta"], fitted["beta_inter"]) == pytest.approx(
+        (1e-4, 6e-4, 2e9, 5e8), rel=1e-6)
+    assert fitted["cpu"] == 0 and fitted["median_error"] < 1e-9
+    # Times a line through a negative intercept would fit need a negative latency: it is held at 0 instead.
+    steep = [{"kind": "all_reduce", "p": 2, "bytes": b, "seconds": b / 1e9 - 3e-6} for b in (4096, 65536, 1 << 20)]
+    import numpy as np
+    a, t = np.array([[2.0, r["bytes"]] for r in steep]), np.array([r["seconds"] for r in steep])
+    assert np.linalg.lstsq(a / t[:, None], np.ones(3), rcond=None)[0][0] < 0      # unconstrained: -1.5 us
+    assert fit(steep)["all_reduce"]["alpha"] == 0 and fit(steep)["all_reduce"]["beta"] > 0
+
+
 def test_repeatability_and_report_of_several_passes():
     from par4d.plan.validate import repeatability, report
 

@@ -41,10 +41,18 @@ def run(args: argparse.Namespace) -> int:
     print(f"GEMMs by shape ({gemm['points']} shapes, one rank's threads, ranks sharing the cores): "
           f"{gemm['efficiency']:.2f} of a rank's peak at the largest, {gemm['kernel_latency'] * 1e6:.1f} us per GEMM, "
           f"memory {gemm['memory_bandwidth'] / 1e9:.1f} GB/s; median error of the fit {gemm['median_error']:.0%}")
-    print(f"{'collective':<21} {'alpha (us)':>10} {'beta (GB/s)':>11}   c1 log2 p + c2 m + c3")
+    across = any("alpha_inter" in f for f in result["fits"].values())
+    print(f"{'collective':<15} {'alpha (us)':>10} {'beta (GB/s)':>11} "
+          + (f"{'across: alpha':>13} {'beta':>7} " if across else "")
+          + f"{'error':>6} {'CPU busy':>8}   c1 log2 p + c2 m + c3")
     for kind, f in result["fits"].items():
         tail = (f"c1={f['c1'] * 1e3:.3f} ms, c2={f['c2'] * 1e9:.3f} s/GB, c3={f['c3'] * 1e3:.3f} ms" if "c1" in f
                 else "(one group size: not fitted)")
-        print(f"{kind:<21} {f['alpha'] * 1e6:>10.1f} {f['beta'] / 1e9:>11.3f}   {tail}")
+        inter = f"{f['alpha_inter'] * 1e6:>13.1f} {f['beta_inter'] / 1e9:>7.3f} " if across else ""
+        print(f"{kind:<15} {f['alpha'] * 1e6:>10.1f} {f['beta'] / 1e9:>11.3f} {inter}{f['median_error']:>6.0%} "
+              f"{f.get('cpu', float('nan')):>8.0%}   {tail}")
+    print("alpha: seconds per ring step (latency), beta: bytes/s, both fitted over every group and message size; "
+          "error: the fit's median; CPU busy: the share of a collective's time the ranks' CPU worked (gloo's "
+          "copies and sums, which take the cores compute needs), the rest waiting")
     print(f"profile written to {args.out}")
     return 0

@@ -126,35 +126,72 @@ def _measure_worker(settings: CalibrationSettings) -> list[dict]:
                     collective(grid, tensor, "x")
 
                 run()
-                times = []
+                times, cpu = [], []
                 for _ in range(settings.repeats):
                     dist.barrier()
-                    start = time.perf_counter()
+                    start, busy = time.perf_counter(), time.process_time()
                     run()
                     times.append(time.perf_counter() - start)
-                worst = torch.tensor([statistics.median(times)])
+                    cpu.append(time.process_time() - busy)     # this process's CPU (gloo's threads included)
+                worst = torch.tensor([statistics.median(times), statistics.median(cpu)])
                 dist.all_reduce(worst, op=dist.ReduceOp.MAX)      # a collective ends when its slowest rank does
-                rows.append({"kind": kind, "p": p, "bytes": elements * 4, "seconds": worst.item()})
+                rows.append({"kind": kind, "p": p, "bytes": elements * 4, "seconds": worst[0].item(),
+                             "cpu_seconds": worst[1].item()})
         grid.close()
     dist.destroy_process_group()
     return rows
 
 
-def fit(rows: list[dict]) -> dict:
-    """Least-squares fits per kind: α-β, and c1 log2 p + c2 m + c3."""
+def _nonnegative_fit(a: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """Least squares of ``a x = t`` relative to ``t`` (each row weighted by 1 / t, so a 4 KB message counts as
+    much as a 4 MB one: the latencies come from the small ones), with ``x >= 0``: the columns whose
+    coefficient comes out negative are dropped one at a time and the rest refitted."""
+    keep = list(range(a.shape[1]))
+    while True:
+        x = np.zeros(a.shape[1])
+        x[keep], *_ = np.linalg.lstsq(a[:, keep] / t[:, None], np.ones_like(t), rcond=None)
+        negative = [i for i in keep if x[i] < 0]
+        if not negative:
+            return x
+        keep.remove(min(negative, key=lambda i: x[i]))
+
+
+def fit(rows: list[dict], per_node: int | None = None) -> dict:
+    """Fits per kind, over every group size and message size measured.
+
+    The planner's form, ``t = steps(p) α_p + bytes factor(p) / β_p`` (the ring steps and volume factors of
+    Eqs 1-3), non-negative and relative (:func:`_nonnegative_fit`). With ``per_node`` (an emulated cluster),
+    groups inside a node give ``alpha`` and ``beta``, groups across K nodes pay per step ``α + (α_inter - α)
+    (K - 1) / (p - 1)`` (as ``par4d.plan.model.latencies`` prices them) at ``beta_inter``: one fit of all four.
+    Also the phantom paper's ``c1 log2 p + c2 m + c3``, and ``cpu``: the share of the time the ranks' CPU
+    was busy (gloo copies and sums on the cores; the rest is waiting: latency and transfer)."""
     out = {}
     for kind in KINDS:
         mine = [r for r in rows if r["kind"] == kind]
         if not mine:
             continue
         t = np.array([r["seconds"] for r in mine])
-        terms = [ring_terms(kind, r["p"]) for r in mine]
-        a = np.array([[steps, r["bytes"] * factor] for (steps, factor), r in zip(terms, mine)])
-        (alpha, inv_beta), *_ = np.linalg.lstsq(a, t, rcond=None)
-        if inv_beta <= 0:
+        columns = []
+        for r in mine:
+            steps, factor = ring_terms(kind, r["p"])
+            across = per_node is not None and r["p"] > per_node
+            share = (r["p"] // per_node - 1) / (r["p"] - 1) if across else 0.0
+            volume = r["bytes"] * factor
+            columns.append([steps * (1 - share), steps * share, 0.0 if across else volume, volume if across else 0.0])
+        a = np.array(columns)
+        used = [i for i in range(4) if a[:, i].any()]
+        x = np.zeros(4)
+        x[used] = _nonnegative_fit(a[:, used], t)
+        alpha, alpha_inter, inv_beta, inv_beta_inter = x
+        if inv_beta <= 0 or (a[:, 3].any() and inv_beta_inter <= 0):
             raise ValueError(f"calibration of {kind} is too noisy to fit a bandwidth (time does not grow with "
                              f"message size); run again with more --repeats on a quieter machine")
-        out[kind] = {"alpha": float(max(alpha, 0.0)), "beta": float(1 / inv_beta), "points": len(mine)}
+        out[kind] = {"alpha": float(alpha), "beta": float(1 / inv_beta), "points": len(mine),
+                     "median_error": float(np.median(np.abs(a @ x - t) / t))}
+        if a[:, 3].any():
+            out[kind].update(alpha_inter=float(alpha_inter), beta_inter=float(1 / inv_beta_inter))
+        if all("cpu_seconds" in r for r in mine):
+            out[kind]["cpu"] = float(sum(r["cpu_seconds"] for r in mine) / t.sum())
         if len({r["p"] for r in mine}) > 1:   # with one p, log2 p and the constant cannot be told apart
             b = np.array([[math.log2(r["p"]), r["bytes"], 1.0] for r in mine])
             (c1, c2, c3), *_ = np.linalg.lstsq(b, t, rcond=None)
@@ -185,21 +222,18 @@ def calibrate(nproc: int, out: Path, repeats: int = 5, cluster=None) -> dict:
     settings = CalibrationSettings(nproc, repeats)
     if cluster is None:
         rows = launch_local(nproc, _measure_worker, (settings,), run_id="par4d-calibrate")[0]
-        per_node, name, intra_rows, inter_rows = nproc, f"local-{nproc}", rows, rows
+        per_node, name = nproc, f"local-{nproc}"
+        fits = fit(rows)
+        beta = beta_inter = fits["all_reduce"]["beta"]
+        latency_inter = None                 # one node: every ring step is the node's
     else:
         from par4d.launch.cluster import launch_cluster
 
         rows = launch_cluster(cluster, _measure_worker, (settings,))[0]
         per_node, name = cluster.ranks_per_node, f"emulated-{cluster.nodes}x{cluster.ranks_per_node}-{cluster.link}"
-        intra_rows = [r for r in rows if r["p"] <= per_node and per_node % r["p"] == 0] or rows
-        inter_rows = [r for r in rows if r["p"] == nproc]
-    fits = fit(intra_rows)
-    beta = beta_inter = fits["all_reduce"]["beta"]
-    latency_inter = None                     # one node: every ring step is the node's
-    if cluster is not None:
-        inter = fit(inter_rows)
-        beta_inter, latency_inter = inter["all_reduce"]["beta"], inter["all_reduce"]["alpha"]
-        fits = {**fits, **{f"{k}_inter": v for k, v in inter.items()}}
+        fits = fit(rows, per_node)           # groups inside a node and across, in one fit
+        beta, beta_inter = fits["all_reduce"]["beta"], fits["all_reduce"]["beta_inter"]
+        latency_inter = fits["all_reduce"]["alpha_inter"]
     memory = _total_memory()
     machine = Machine(name=name, devices_per_node=per_node, peak_flops=peak / nproc,
                       memory_bytes=memory / nproc, beta_intra=beta, beta_inter=beta_inter,
