@@ -77,11 +77,13 @@ class WeightGathers:
         self._ahead: dict[int, Handle] = {}                  # position in the order -> prefetched gather
         self._diverged = False
         self._cache: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self.cache_bytes = self.peak_cache_bytes = 0    # gathered weights the cache holds, now and at most
 
     def begin(self) -> None:
         """A new iteration (the model's forward starts): settle the last one's order."""
         self._drain()
         self._cache.clear()
+        self.cache_bytes = 0
         if self._mode is not None:
             recorded = self._orders.get(self._mode)
             changed = recorded is not None and (self._diverged or len(self._seen) != len(recorded))
@@ -104,12 +106,15 @@ class WeightGathers:
             cached = self._cache.pop(id(layer), None)
             if cached is not None:
                 self.cache_hits += 1
+                self.cache_bytes -= cached.nbytes
                 return cached
         full = self._gather(layer)
         if self.checkpointing and not self.recomputing and self.cache_layers != 0:
             self._cache[id(layer)] = full
+            self.cache_bytes += full.nbytes
             while self.cache_layers is not None and len(self._cache) > self.cache_layers:
-                self._cache.popitem(last=False)    # keep the last ones: backward recomputes them first
+                self.cache_bytes -= self._cache.popitem(last=False)[1].nbytes   # keep the last: recomputed first
+            self.peak_cache_bytes = max(self.peak_cache_bytes, self.cache_bytes)
         return full
 
     def _gather(self, layer: Algorithm1Layer) -> torch.Tensor:

@@ -1,10 +1,10 @@
 """What a training step holds in memory on this rank, measured by what it is, not by the allocator: the
 parameters, their gradients (one per trained parameter) and the optimizer's state (the tensors themselves), the
 activations autograd saves for backward (every saved tensor's storage while it is alive, parameters aside, each
-storage once; Algorithm 1's gathered weights are among them; a recomputed segment's too, par4d's GPT's), and the
-data-parallel sync's buckets in flight. The same on CPU and GPU, and
-independent of allocator caching and fragmentation (a GPU's own peak, ``torch.cuda.max_memory_allocated``, is
-reported beside it where there is one).
+storage once; Algorithm 1's gathered weights are among them; a recomputed segment's too, par4d's GPT's), the
+data-parallel sync's buckets in flight, and the gathered weights the overlap's cache keeps for recomputation.
+The same on CPU and GPU, and independent of allocator caching and fragmentation (a GPU's own peak,
+``torch.cuda.max_memory_allocated``, is reported beside it where there is one).
 
 The planner's memory model (par4d/plan/workload.py) predicts these terms; ``plan validate`` sets one beside the
 other for every grid it measures.
@@ -29,12 +29,13 @@ class Footprint:
     optimizer: int
     activations: int        # the peak of what autograd kept for backward at once
     buffers: int            # the peak of the data-parallel buckets in flight
+    cached: int = 0         # the peak of the gathered weights the overlap's cache kept for recomputation
     device_peak: int | None = None   # torch.cuda.max_memory_allocated over the step, where there is a GPU
 
     @property
     def total(self) -> int:
         """Parameters, gradients and optimizer state, with the activations' and buckets' peaks (as if at once)."""
-        return self.parameters + self.gradients + self.optimizer + self.activations + self.buffers
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.buffers + self.cached
 
     def row(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -139,6 +140,9 @@ def measure_footprint(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     sync = getattr(model, "par4d_gradient_sync", None)
     if sync is not None:
         sync.peak_buffer_bytes = 0
+    runtime = getattr(model, "par4d_runtime", None)
+    if runtime is not None:
+        runtime.gathers.peak_cache_bytes = 0
     with SavedTensors(exclude) as saved:
         model.par4d_observe_recompute = saved.recomputing     # par4d's GPT: its recomputed segments too
         try:
@@ -151,4 +155,5 @@ def measure_footprint(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     return Footprint(parameters=_bytes(params), gradients=_bytes(p for p in params if p.requires_grad),
                      optimizer=_bytes(state), activations=saved.peak,
                      buffers=sync.peak_buffer_bytes if sync is not None else 0,
+                     cached=runtime.gathers.peak_cache_bytes if runtime is not None else 0,
                      device_peak=torch.cuda.max_memory_allocated() if cuda else None)
