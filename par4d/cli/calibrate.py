@@ -40,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
     gemm = result["gemm"]
     print(f"GEMMs by shape ({gemm['points']} shapes, one rank's threads, ranks sharing the cores): "
           f"{gemm['efficiency']:.2f} of a rank's peak at the largest, {gemm['kernel_latency'] * 1e6:.1f} us per GEMM, "
-          f"memory {gemm['memory_bandwidth'] / 1e9:.1f} GB/s; median error of the fit {gemm['median_error']:.0%}")
+          f"memory {gemm['memory_bandwidth'] / 1e9:.1f} GB/s; median error of the fit {gemm['median_error']:.0%}; "
+          f"attention (fused, forward and backward) {gemm['attention_efficiency']:.2f} of a rank's peak")
     across = any("alpha_inter" in f for f in result["fits"].values())
     print(f"{'collective':<15} {'alpha (us)':>10} {'beta (GB/s)':>11} "
           + (f"{'across: alpha':>13} {'beta':>7} " if across else "")

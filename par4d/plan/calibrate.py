@@ -66,9 +66,28 @@ def measure_compute(threads: int) -> dict:
                 for k in GEMM_SIDES:
                     x, w = torch.randn(m, k), torch.randn(k, n)
                     rows.append({"m": m, "n": n, "k": k, "seconds": _seconds(lambda x=x, w=w: x @ w)})
-        return {"memory_bandwidth": bandwidth, "gemms": rows}
+        return {"memory_bandwidth": bandwidth, "gemms": rows, "attention": _attention()}
     finally:
         torch.set_num_threads(previous)
+
+
+ATTENTION_SHAPES = ((32, 128, 32), (8, 512, 64))     # (batch x heads, sequence, head width)
+
+
+def _attention() -> list[dict]:
+    """Seconds of causal ``scaled_dot_product_attention``, forward and backward, at each of ``ATTENTION_SHAPES``,
+    with its FLOPs as the planner counts them (QK^T and AV in full: ``4 T^2 d`` per head forward, 3 passes)."""
+    import torch.nn.functional as F
+
+    rows = []
+    for heads, seq, width in ATTENTION_SHAPES:
+        q, k, v = (torch.randn(heads, seq, width, requires_grad=True) for _ in range(3))
+
+        def step(q=q, k=k, v=v):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+        rows.append({"flops": 3 * 4.0 * heads * seq * seq * width, "seconds": _seconds(step)})
+    return rows
 
 
 def _bandwidth(elements: int) -> float:
@@ -219,6 +238,9 @@ def calibrate(nproc: int, out: Path, repeats: int = 5, cluster=None) -> dict:
     compute = measure_compute(threads)
     gemms = [dict(r, seconds=r["seconds"] * shared) for r in compute["gemms"]]
     gemm = fit_gemms(gemms, peak / nproc, compute["memory_bandwidth"] / shared)
+    # Attention's fused kernel: its FLOPs over the seconds a rank takes, as a fraction of a rank's peak.
+    gemm["attention_efficiency"] = min(1.0, statistics.median(
+        r["flops"] / (r["seconds"] * shared * peak / nproc) for r in compute["attention"]))
     settings = CalibrationSettings(nproc, repeats)
     if cluster is None:
         rows = launch_local(nproc, _measure_worker, (settings,), run_id="par4d-calibrate")[0]
@@ -240,6 +262,7 @@ def calibrate(nproc: int, out: Path, repeats: int = 5, cluster=None) -> dict:
                       latency=fits["all_reduce"]["alpha"], latency_inter=latency_inter,
                       efficiency=gemm["efficiency"], memory_bandwidth=gemm["memory_bandwidth"],
                       kernel_latency=gemm["kernel_latency"], bytes_per_element=4, cores_shared=shared,
+                      attention_efficiency=gemm["attention_efficiency"],
                       all_gather_scale=fits["all_gather"]["beta"] / beta,
                       reduce_scatter_scale=fits["reduce_scatter"]["beta"] / beta,
                       staged=cluster is not None)    # gloo across nodes: par4d stages (--hierarchical auto)
