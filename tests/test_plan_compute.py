@@ -83,20 +83,23 @@ def test_builtin_machines_time_gemms_by_shape():
 
 def test_ranks_sharing_cores_absorb_the_bubble_and_hide_nothing():
     """On a machine whose ranks time-share the cores, a stage idle in the fill and drain gives its share to the
-    others (the step takes the longer of the stage's work and the critical path at full speed), communication
-    takes the cores the compute needs (nothing hides), and every hand-off counts."""
+    others (the step takes the longer of the stage's work and the critical path at full speed), the share of
+    communication that is CPU work takes the cores the compute needs (it never hides), and every hand-off
+    counts."""
     from par4d.overlap import Overlap
     from par4d.plan.model import predict
 
     sizes = dict(x=1, y=1, z=2, data=2, pipe=2)
     device = predict(SPEC, sizes, SHAPED, microbatches=2, overlap=Overlap())
-    shared = replace(SHAPED, cores_shared=2.0)
+    shared = replace(SHAPED, cores_shared=2.0, comm_cpu_share=1.0)
     cpu = predict(SPEC, sizes, shared, microbatches=2, overlap=Overlap())
     t_stage = stage_seconds(SPEC, sizes, SHAPED, False, 2)
     assert device.t_compute == pytest.approx(t_stage * 3 / 2, rel=1e-12)
     assert cpu.t_compute == pytest.approx(t_stage, rel=1e-12)                     # max(t, 1.5 t / 2)
     lightly = predict(SPEC, sizes, replace(SHAPED, cores_shared=1.25), microbatches=2)
     assert lightly.t_compute == pytest.approx(t_stage * 1.5 / 1.25, rel=1e-12)   # the critical path is longer
-    assert cpu.t_exposed is None and cpu.t_iter == pytest.approx(cpu.t_compute + cpu.t_comm, rel=1e-12)
-    assert device.t_exposed is not None and device.t_exposed < device.t_comm
+    assert cpu.t_exposed == pytest.approx(cpu.t_comm, rel=1e-12)            # all of it CPU work: nothing hides
+    assert device.t_exposed < device.t_comm
+    half = predict(SPEC, sizes, replace(shared, comm_cpu_share=0.5), microbatches=2, overlap=Overlap())
+    assert device.t_exposed - device.t_p2p < half.t_exposed - half.t_p2p < cpu.t_exposed - cpu.t_p2p
     assert cpu.t_p2p == pytest.approx(device.t_p2p * 2, rel=1e-12)      # 2 M = 4 hand-offs against 2 (P - 1) = 2

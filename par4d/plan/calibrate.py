@@ -263,6 +263,8 @@ def calibrate(nproc: int, out: Path, repeats: int = 5, cluster=None) -> dict:
                       efficiency=gemm["efficiency"], memory_bandwidth=gemm["memory_bandwidth"],
                       kernel_latency=gemm["kernel_latency"], bytes_per_element=4, cores_shared=shared,
                       attention_efficiency=gemm["attention_efficiency"],
+                      # the share of all the collectives' time (every kind, group and size) the CPU was busy
+                      comm_cpu_share=min(1.0, sum(r["cpu_seconds"] for r in rows) / sum(r["seconds"] for r in rows)),
                       all_gather_scale=fits["all_gather"]["beta"] / beta,
                       reduce_scatter_scale=fits["reduce_scatter"]["beta"] / beta,
                       staged=cluster is not None)    # gloo across nodes: par4d stages (--hierarchical auto)

@@ -17,6 +17,7 @@ figures (link bandwidths, documented per field). User profiles are TOML files:
     kernel_latency = 5e-6      # optional: seconds every GEMM costs beyond its roofline time
     attention_efficiency = 0.6 # optional: fraction of peak attention's fused matmuls reach (default: efficiency)
     cores_shared = 1.0         # optional: ranks time-sharing each core (CPU ranks beyond the cores; 1: a device each)
+    comm_cpu_share = 0.0       # optional: share of a collective's time the CPU is busy (counts with cores_shared)
     bytes_per_element = 2      # 2 for bf16/fp16 training, 4 for fp32
     all_gather_scale = 1.0     # optional: all-gather / reduce-scatter bandwidth
     reduce_scatter_scale = 1.0 #   relative to all-reduce (full model only)
@@ -61,6 +62,9 @@ class Machine:
     # Ranks time-sharing each core (a CPU machine running more ranks than cores; 1: a device per rank): a rank
     # that waits gives its share to the others, and communication's copies and sums take the cores compute needs.
     cores_shared: float = 1.0
+    # The share of a collective's time its ranks' CPU is busy (gloo's copies and sums; calibrate measures it):
+    # where ranks time-share the cores that share takes cores the compute needs and never hides.
+    comm_cpu_share: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -85,9 +89,10 @@ class Machine:
 
 # Fields that count things: whole numbers >= 1. Every other number is finite and > 0, except these lower bounds.
 COUNTS = ("devices_per_node", "bytes_per_element")
-AT_LEAST_ZERO = ("latency", "latency_inter", "kernel_latency")   # 0 = the paper's model (no per-step latency)
+# 0 = the paper's model (no per-step latency), no cost per GEMM, no CPU in collectives
+AT_LEAST_ZERO = ("latency", "latency_inter", "kernel_latency", "comm_cpu_share")
 OPTIONAL = ("latency_inter", "memory_bandwidth", "attention_efficiency")           # None: not given
-FRACTIONS = ("efficiency", "attention_efficiency")
+FRACTIONS = ("efficiency", "attention_efficiency", "comm_cpu_share")
 BOOLS = ("staged",)
 
 

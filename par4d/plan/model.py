@@ -511,11 +511,15 @@ def _timed(pred: Prediction, spec, sizes: dict[str, int], machine: Machine, full
             # the step takes the ranks' work at their shared speed, or the critical path alone, whichever is longer.
             pred.t_compute = max(t_stage, pred.t_compute / machine.cores_shared)
     pred.t_iter = pred.t_compute + pred.t_comm
-    if full and overlap is not None and machine.cores_shared <= 1:     # shared cores: nothing hides (above)
+    if full and overlap is not None:
         buckets = math.ceil(comm.grad_bytes / overlap.bucket_bytes) + (1 if comm.grad_bytes > 2**20 else 0)
+        # Where ranks time-share the cores, the share of each collective that is CPU work takes cores the compute
+        # needs: it never hides; the rest (waiting) hides as on a device.
+        busy = machine.comm_cpu_share if machine.cores_shared > 1 else 0.0
+        roles = {role: t * (1 - busy) for role, t in comm.roles.items()}
         # The stage's collectives hide behind its own compute, not behind the bubble; the hand-offs never hide.
-        pred.t_exposed = exposed_comm(comm.roles, t_stage, overlap, comm.gathers, buckets, checkpointing) \
-            + comm.t_p2p
+        pred.t_exposed = exposed_comm(roles, t_stage, overlap, comm.gathers, buckets, checkpointing) \
+            + busy * (pred.t_comm - comm.t_p2p) + comm.t_p2p
         pred.t_iter = pred.t_compute + pred.t_exposed
     if pred.t_iter > 0:
         pred.percent_of_peak = 100 * flops / (pred.t_iter * world * machine.peak_flops)
