@@ -76,23 +76,28 @@ def test_validation_workload_is_the_bench_model():
 
 
 def test_calibration_fits_recover_known_parameters():
-    alpha, beta = 2e-4, 1e9
-    c1, c2, c3 = 3e-4, 2e-9, 1e-4
+    """One latency per ring step for every kind (the link's), a bandwidth per kind; and the phantom paper's
+    c1 log2 p + c2 m + c3 of a kind measured alone."""
+    alpha, beta, beta_rs = 2e-4, 1e9, 4e8
     rows = []
     for p in (2, 4, 8):
         for size in (4096, 1 << 20, 4 << 20):
             rows.append({"kind": "all_reduce", "p": p, "bytes": size,
                          "seconds": alpha * 2 * (p - 1) + size * 2 * (p - 1) / p / beta})
-            rows.append({"kind": "all_gather", "p": p, "bytes": size,
-                         "seconds": c1 * math.log2(p) + c2 * size + c3})
+            rows.append({"kind": "reduce_scatter", "p": p, "bytes": size,
+                         "seconds": alpha * (p - 1) + size * (p - 1) / p / beta_rs})
     fits = fit(rows)
-    assert fits["all_reduce"]["alpha"] == pytest.approx(alpha, rel=1e-6)
+    assert fits["all_reduce"]["alpha"] == pytest.approx(alpha, rel=1e-6) == fits["reduce_scatter"]["alpha"]
     assert fits["all_reduce"]["beta"] == pytest.approx(beta, rel=1e-6)
-    assert (fits["all_gather"]["c1"], fits["all_gather"]["c2"], fits["all_gather"]["c3"]) == pytest.approx(
-        (c1, c2, c3), rel=1e-6)
+    assert fits["reduce_scatter"]["beta"] == pytest.approx(beta_rs, rel=1e-6)
+    c1, c2, c3 = 3e-4, 2e-9, 1e-4
+    gathers = [{"kind": "all_gather", "p": p, "bytes": size, "seconds": c1 * math.log2(p) + c2 * size + c3}
+               for p in (2, 4, 8) for size in (4096, 1 << 20, 4 << 20)]
+    assert (fit(gathers)["all_gather"]["c1"], fit(gathers)["all_gather"]["c2"], fit(gathers)["all_gather"]["c3"]
+            ) == pytest.approx((c1, c2, c3), rel=1e-6)
     # One group size: log2 p and the constant are the same column, so c1..c3 are not fitted.
     single = fit([r for r in rows if r["p"] == 4])
-    assert "c1" not in single["all_gather"] and single["all_reduce"]["beta"] == pytest.approx(beta, rel=1e-6)
+    assert "c1" not in single["all_reduce"] and single["all_reduce"]["beta"] == pytest.approx(beta, rel=1e-6)
     noisy = [{"kind": "all_reduce", "p": 2, "bytes": b, "seconds": 1e-3 - b * 1e-12} for b in (1e3, 1e6, 4e6)]
     with pytest.raises(ValueError, match="too noisy to fit a bandwidth"):
         fit(noisy)

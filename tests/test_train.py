@@ -104,8 +104,20 @@ def test_resume_continues_the_exact_trajectory_and_overlap_changes_no_bit(tmp_pa
     # every step of x=2,z=2 gathers and reduces: its time in flight and waited is measured, never left at 0
     assert all(r["comm_exposed_s"] > 0 and r["comm_issued_s"] > 0 for r in rows)
     for field in ("parameters", "tokens/s", "model FLOP/s", "Eq 3", "300 B tokens", "% of peak", "loss",
-                  "communication"):
+                  "communication", "step holds"):
         assert field in printed, field
+    # What each rank's step held (measured on the first step) is what the planner predicts, within 10%.
+    from par4d.models.config import GPTConfig
+    from par4d.plan.model import memory_bytes
+    from par4d.plan.workload import GPTSpec
+
+    cfg = summary["config"]
+    spec = GPTSpec.from_config("run", GPTConfig(vocab_size=256, block_size=cfg["seq_len"], n_layer=cfg["n_layer"],
+                                                n_head=cfg["n_head"], n_embd=cfg["n_embd"]), cfg["batch_size"])
+    held = summary["footprint_per_rank"]
+    assert len(held) == 4 and all(h["activations"] > 0 and h["gradients"] == h["parameters"] for h in held)
+    predicted = memory_bytes(spec, dict(x=2, y=1, z=2, data=1), 4, False, 1, None, None)
+    assert max(h["total"] for h in held) == pytest.approx(predicted, rel=0.10)
 
 
 def test_default_grids():

@@ -176,44 +176,46 @@ def _nonnegative_fit(a: np.ndarray, t: np.ndarray) -> np.ndarray:
 
 
 def fit(rows: list[dict], per_node: int | None = None) -> dict:
-    """Fits per kind, over every group size and message size measured.
+    """One fit of every kind, group size and message size measured, in the planner's form:
+    ``t = steps(p) α + bytes factor(p) / β_kind`` (the ring steps and volume factors of Eqs 1-3), non-negative
+    and relative (:func:`_nonnegative_fit`). The latency per ring step is the link's, the same for every kind
+    (a profile has one); each kind has its own bandwidth. With ``per_node`` (an emulated cluster), groups
+    inside a node give ``alpha`` and ``beta``; groups across K nodes pay per step ``α + (α_inter - α) (K - 1) /
+    (p - 1)`` (as ``par4d.plan.model.latencies`` prices them) at ``beta_inter``.
 
-    The planner's form, ``t = steps(p) α_p + bytes factor(p) / β_p`` (the ring steps and volume factors of
-    Eqs 1-3), non-negative and relative (:func:`_nonnegative_fit`). With ``per_node`` (an emulated cluster),
-    groups inside a node give ``alpha`` and ``beta``, groups across K nodes pay per step ``α + (α_inter - α)
-    (K - 1) / (p - 1)`` (as ``par4d.plan.model.latencies`` prices them) at ``beta_inter``: one fit of all four.
-    Also the phantom paper's ``c1 log2 p + c2 m + c3``, and ``cpu``: the share of the time the ranks' CPU
-    was busy (gloo copies and sums on the cores; the rest is waiting: latency and transfer)."""
+    Per kind: ``alpha`` (and ``alpha_inter``, the same for all), ``beta`` (``beta_inter``), the fit's
+    ``median_error``, ``cpu``: the share of the time the ranks' CPU was busy (gloo's copies and sums on the
+    cores; the rest is waiting: latency and transfer), and the phantom paper's ``c1 log2 p + c2 m + c3``."""
+    kinds = [k for k in KINDS if any(r["kind"] == k for r in rows)]
+    t = np.array([r["seconds"] for r in rows])
+    a = np.zeros((len(rows), 2 + 2 * len(kinds)))      # α, α_inter, then 1/β and 1/β_inter of each kind
+    for i, r in enumerate(rows):
+        steps, factor = ring_terms(r["kind"], r["p"])
+        across = per_node is not None and r["p"] > per_node
+        share = (r["p"] // per_node - 1) / (r["p"] - 1) if across else 0.0
+        a[i, 0], a[i, 1] = steps * (1 - share), steps * share
+        a[i, 2 + 2 * kinds.index(r["kind"]) + across] = r["bytes"] * factor
+    used = [j for j in range(a.shape[1]) if a[:, j].any()]
+    x = np.zeros(a.shape[1])
+    x[used] = _nonnegative_fit(a[:, used], t)
     out = {}
-    for kind in KINDS:
-        mine = [r for r in rows if r["kind"] == kind]
-        if not mine:
-            continue
-        t = np.array([r["seconds"] for r in mine])
-        columns = []
-        for r in mine:
-            steps, factor = ring_terms(kind, r["p"])
-            across = per_node is not None and r["p"] > per_node
-            share = (r["p"] // per_node - 1) / (r["p"] - 1) if across else 0.0
-            volume = r["bytes"] * factor
-            columns.append([steps * (1 - share), steps * share, 0.0 if across else volume, volume if across else 0.0])
-        a = np.array(columns)
-        used = [i for i in range(4) if a[:, i].any()]
-        x = np.zeros(4)
-        x[used] = _nonnegative_fit(a[:, used], t)
-        alpha, alpha_inter, inv_beta, inv_beta_inter = x
-        if inv_beta <= 0 or (a[:, 3].any() and inv_beta_inter <= 0):
+    for index, kind in enumerate(kinds):
+        mine = [i for i, r in enumerate(rows) if r["kind"] == kind]
+        inverse, inverse_inter = x[2 + 2 * index], x[3 + 2 * index]
+        inter = a[mine, 3 + 2 * index].any()
+        if inverse <= 0 or (inter and inverse_inter <= 0):
             raise ValueError(f"calibration of {kind} is too noisy to fit a bandwidth (time does not grow with "
                              f"message size); run again with more --repeats on a quieter machine")
-        out[kind] = {"alpha": float(alpha), "beta": float(1 / inv_beta), "points": len(mine),
-                     "median_error": float(np.median(np.abs(a @ x - t) / t))}
-        if a[:, 3].any():
-            out[kind].update(alpha_inter=float(alpha_inter), beta_inter=float(1 / inv_beta_inter))
-        if all("cpu_seconds" in r for r in mine):
-            out[kind]["cpu"] = float(sum(r["cpu_seconds"] for r in mine) / t.sum())
-        if len({r["p"] for r in mine}) > 1:   # with one p, log2 p and the constant cannot be told apart
-            b = np.array([[math.log2(r["p"]), r["bytes"], 1.0] for r in mine])
-            (c1, c2, c3), *_ = np.linalg.lstsq(b, t, rcond=None)
+        errors = np.abs(a[mine] @ x - t[mine]) / t[mine]
+        out[kind] = {"alpha": float(x[0]), "beta": float(1 / inverse), "points": len(mine),
+                     "median_error": float(np.median(errors))}
+        if inter:
+            out[kind].update(alpha_inter=float(x[1]), beta_inter=float(1 / inverse_inter))
+        if all("cpu_seconds" in rows[i] for i in mine):
+            out[kind]["cpu"] = float(sum(rows[i]["cpu_seconds"] for i in mine) / t[mine].sum())
+        if len({rows[i]["p"] for i in mine}) > 1:   # with one p, log2 p and the constant cannot be told apart
+            b = np.array([[math.log2(rows[i]["p"]), rows[i]["bytes"], 1.0] for i in mine])
+            (c1, c2, c3), *_ = np.linalg.lstsq(b, t[mine], rcond=None)
             out[kind].update(c1=float(c1), c2=float(c2), c3=float(c3))
     return out
 

@@ -6,7 +6,8 @@ Per step, under one tag each: ``loss/train``, ``loss/validation`` (every ``--eva
 ``optimizer/loss_scale`` and ``optimizer/skipped_steps`` (mixed precision), ``throughput/tokens_per_s``,
 ``throughput/model_flops_per_s``, ``throughput/percent_of_peak``, ``communication/exposed_s`` and
 ``communication/in_flight_s`` (rank 0's), ``communication/bytes``, ``memory/rss_bytes`` (rank 0's resident
-memory now); at the end ``memory/peak_rss_bytes/rank_R`` for every rank.
+memory now); at the end ``memory/peak_rss_bytes/rank_R`` and ``memory/step_holds_bytes/rank_R`` (what a step held,
+par4d.train.footprint) for every rank.
 
 The folder is made as a real folder inside the run (:class:`par4d.folder.Folder`: a link planted there is
 refused); the writer names its own files (time, host and process id in the name). A resumed run opens a
@@ -72,9 +73,11 @@ class Board:
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 self.writer.add_scalar(tag, value, step)
 
-    def final(self, step: int, rss_per_rank: list[dict]) -> None:
+    def final(self, step: int, rss_per_rank: list[dict], footprints: list[dict] | None = None) -> None:
         for rank, rss in enumerate(rss_per_rank):
             self.writer.add_scalar(f"memory/peak_rss_bytes/rank_{rank}", rss["peak_bytes"], step)
+        for rank, held in enumerate(footprints or []):       # par4d.train.footprint's, from the first step
+            self.writer.add_scalar(f"memory/step_holds_bytes/rank_{rank}", held["total"], step)
 
     def close(self) -> None:
         self.writer.close()

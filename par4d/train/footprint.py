@@ -129,9 +129,10 @@ def _bytes(tensors) -> int:
 
 
 def measure_footprint(model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                      step: Callable[[], object]) -> Footprint:
+                      step: Callable[[], object], precision=None) -> Footprint:
     """Run ``step()`` (one training step of ``model``) once and return what it held on this rank: the states
-    after it, the peaks during it."""
+    after it, the peaks during it. With ``precision`` (par4d.optim.precision.MixedPrecision) the optimizer's
+    part is what it holds on the device (the fp32 masters and their state, or offloaded, its buffers)."""
     params = [p for p in model.parameters()]
     exclude = {_storage(p)[0] for p in params}
     cuda = any(p.is_cuda for p in params)
@@ -151,9 +152,10 @@ def measure_footprint(model: nn.Module, optimizer: torch.optim.Optimizer | None,
             del model.par4d_observe_recompute
     sync = getattr(model, "par4d_gradient_sync", None)     # built by the first step where there was none
     state = [t for s in (optimizer.state.values() if optimizer is not None else ()) for t in s.values()]
+    held = _bytes(state) if precision is None else precision.device_bytes() - _bytes(params)
     # A step ends with its gradients dropped (set to None): while it runs each trained parameter has one.
     return Footprint(parameters=_bytes(params), gradients=_bytes(p for p in params if p.requires_grad),
-                     optimizer=_bytes(state), activations=saved.peak,
+                     optimizer=held, activations=saved.peak,
                      buffers=sync.peak_buffer_bytes if sync is not None else 0,
                      cached=runtime.gathers.peak_cache_bytes if runtime is not None else 0,
                      device_peak=torch.cuda.max_memory_allocated() if cuda else None)

@@ -27,6 +27,7 @@ from par4d.train.board import Board, resident
 from par4d.train.config import TrainConfig
 from par4d.train.data import Batches, Images, training_data
 from par4d.train.faults import Faults
+from par4d.train.footprint import measure_footprint
 from par4d.train.hf import load_hf
 from par4d.train.lock import RunLock, held_by_launcher
 from par4d.train.model import build_model
@@ -96,9 +97,10 @@ def _run(config: TrainConfig, stop: StopRequest, grid, out: Path) -> dict:
             return measured
         val_loss = _evaluate(job.model, grid, job.batches, job.config.eval_batches, job.precision)
         measured.rss = _rss_per_rank()
+        measured.footprints = _gathered(measured.footprint)
         if board is not None:
             board.step(job.config.steps, {"val_loss": val_loss})
-            board.final(job.config.steps, measured.rss)
+            board.final(job.config.steps, measured.rss, measured.footprints)
     finally:
         if metrics is not None:
             metrics.close()
@@ -158,6 +160,8 @@ class _Measured:
     rates: list[float]
     comm: list[tuple[float, float, float]]
     rss: list[dict[str, int]] = field(default_factory=list)
+    footprint: dict[str, int] = field(default_factory=dict)      # this rank's, on the first step (footprint.py)
+    footprints: list[dict] = field(default_factory=list)         # every rank's, at the end
 
 
 def _train(job: _Job, grid, stop: StopRequest, metrics, out: Path, board: Board | None,
@@ -180,10 +184,20 @@ def _train(job: _Job, grid, stop: StopRequest, metrics, out: Path, board: Board 
                 group["lr"] = lr
             x, y = _local(grid, batches.local_batch(grid, "train", step), precision)
             report: dict = {}
-            with ledger.capture() as entries:
-                loss = train_step(job.model, optimizer, grid, job.model, x, y, grad_clip=config.grad_clip,
+
+            def run_step(x=x, y=y, report=report) -> torch.Tensor:
+                return train_step(job.model, optimizer, grid, job.model, x, y, grad_clip=config.grad_clip,
                                   microbatches=config.microbatches, pipeline_limit=config.pipeline_limit,
                                   precision=precision, report=report)
+
+            with ledger.capture() as entries:
+                if step == job.start_step:       # what the step holds, measured on the run's first step
+                    losses: list[torch.Tensor] = []
+                    measured.footprint = measure_footprint(job.model, None if precision else optimizer,
+                                                           lambda out=losses: out.append(run_step()), precision).row()
+                    loss = losses[0]
+                else:
+                    loss = run_step()
                 mean_loss = global_mean(loss, grid).item()
             if not math.isfinite(mean_loss):   # the same value on every rank: all stop here, none waits
                 raise FloatingPointError(
@@ -235,6 +249,13 @@ def _flops_per_token(job: _Job) -> float:
     return getattr(job.model, "flops_per_token", None) or job.config.model_config().flops_per_token()
 
 
+def _gathered(mine: dict) -> list[dict]:
+    """Every rank's ``mine``, in rank order (collective)."""
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return every
+
+
 def _rss_per_rank() -> list[dict[str, int]]:
     """Every rank's resident memory (:func:`par4d.train.board.resident`; collective)."""
     every = [None] * dist.get_world_size()
@@ -275,7 +296,8 @@ def _summarize(job: _Job, grid, run: Folder, measured: _Measured, peak: float, v
                       if job.precision is not None else "AdamW (fp32)"),
         "s_per_step": step_s, "comm_issued_s_per_step": issued, "comm_exposed_s_per_step": exposed,
         "initial_loss": history[0]["loss"], "final_loss": history[-1]["loss"],
-        "val_loss": val_loss, "data": job.source, "rss_per_rank": measured.rss, "config": asdict(config),
+        "val_loss": val_loss, "data": job.source, "rss_per_rank": measured.rss,
+        "footprint_per_rank": measured.footprints, "config": asdict(config),
     }
     run.write_text(SUMMARY, text=json.dumps(summary, indent=2))
     _plot(run, history, "mean squared error" if unet else "nats/byte")

@@ -45,6 +45,17 @@ def _memory(rss: list[dict]) -> str:
             f"{files:,.0f} MiB)")
 
 
+FOOTPRINT = ("parameters", "gradients", "optimizer", "activations", "buffers", "cached")
+
+
+def _held(footprints: list[dict]) -> str:
+    """What a step held (par4d.train.footprint, the first step), the rank that held the most."""
+    most = max(footprints, key=lambda f: f["total"])
+    parts = ", ".join(f"{name} {most[name] / 2**20:,.1f}" for name in FOOTPRINT if most.get(name))
+    return (f"{most['total'] / 2**20:,.1f} MiB on the rank holding the most ({parts}; MiB; "
+            f"activations: what autograd kept at once, measured on the first step)")
+
+
 def print_summary(summary: dict) -> None:
     from par4d.grid import AXES
 
@@ -67,6 +78,7 @@ def print_summary(summary: dict) -> None:
         ("optimizer", summary["optimizer"]),
         ("communication", _communication(summary)),
         *([("memory", _memory(summary["rss_per_rank"]))] if summary.get("rss_per_rank") else []),
+        *([("step holds", _held(summary["footprint_per_rank"]))] if summary.get("footprint_per_rank") else []),
         ("loss", f"{summary['initial_loss']:.3f} -> {summary['final_loss']:.3f} (train), "
                  f"{summary['val_loss']:.3f} (validation)"),
         ("run directory", summary["config"]["out"]),
