@@ -39,6 +39,9 @@ from par4d.plan.workload import GPTSpec, ModuleWorkload
 WITH_RECOMPUTE = (Overlap.parse("oar,ors,oag,dp,cache,xy"), Overlap.parse("oar,ors,oag,dp,xy"),
                   Overlap.parse("oar,ors,dp,xy"))
 WITHOUT_RECOMPUTE = (Overlap.parse("oar,ors,oag,dp,xy"),)
+# What acts in a pipeline (par4d.train.config.TrainConfig.overlap_run): the same sets, fewer switches.
+IN_PIPELINE = {sets: tuple(dict.fromkeys(overlap.in_pipeline() for overlap in sets))
+               for sets in (WITH_RECOMPUTE, WITHOUT_RECOMPUTE)}
 
 
 @dataclass(frozen=True)
@@ -104,8 +107,8 @@ def _best(spec, sizes: dict[str, int], machine: Machine, space: Space, recompute
     for checkpointing in recompute:
         sets = (space.overlap,) if space.overlap is not None else (
             WITH_RECOMPUTE if checkpointing else WITHOUT_RECOMPUTE)
-        if pipe > 1:                # what acts in a pipeline (par4d.train.config.TrainConfig.overlap_run)
-            sets = tuple(dict.fromkeys(overlap.in_pipeline() for overlap in sets))
+        if pipe > 1:
+            sets = IN_PIPELINE.get(sets) or (space.overlap.in_pipeline(),)
         # The least a stage computes: one microbatch (each GEMM at its largest, fewest kernels).
         t_least = stage_seconds(spec, sizes, machine, checkpointing)
         for micro in counts:
