@@ -214,6 +214,9 @@ def test_train_grid_auto_takes_the_planners_first_choice(tmp_path, capsys):
     assert config.overlap == "none" and config.recompute == "none"
     assert {**dict(x=1, y=1, z=1, data=1, pipe=1), **config.grid} == min(
         (p for p in fixed if p.t_iter <= fixed[0].t_iter * (1 + TIE)), key=lambda p: p.t_comm).sizes
+    # The cache named without --recompute: it keeps weights only for recomputation, so the run recomputes.
+    cached = configure(_parser().parse_args([*flags, "--overlap", "oar,cache"]), 4, inside=False, planner=planned_run)
+    assert cached.recompute == "1" and cached.overlap == "oar,cache"
     # Under a launcher there is no way to calibrate first: a profile is required.
     with pytest.raises(ValueError, match="needs --machine PROFILE"):
         planned_run(4, machine=None, inside=True, **dims)
@@ -309,6 +312,8 @@ def _profile(tmp_path, line: str):
     ("all_gather_scale = -0.5", "machine.all_gather_scale must be > 0, got -0.5"),
     ("latency = -1e-6", "machine.latency must be >= 0, got -1e-06"),
     ("efficiency = 1.5", "machine.efficiency is a fraction of peak, in (0, 1]; got 1.5"),
+    ("cores_shared = 0.5", "machine.cores_shared counts ranks per core, at least 1; got 0.5"),
+    ("comm_cpu_share = 2", "machine.comm_cpu_share is a share, in [0, 1]; got 2"),
     ("name = 3", "machine.name must be a non-empty string, got 3"),
     ('peak_flops = "fast"', "machine.peak_flops must be a number, got 'fast'"),
     ("gpus_per_node = 4", "unknown keys ['gpus_per_node'] in [machine]"),

@@ -101,9 +101,11 @@ def test_memory_of_overlaps_and_of_the_offloaded_optimizer():
     assert state_bytes(1000, 2) == 16 * 1000 and state_bytes(1000, 4) == 16 * 1000
     sizes = dict(x=2, y=1, z=2, data=1)
     kept, offloaded = (predict(SPEC, sizes, FLAT, offload_bsize=bsize).mem_bytes for bsize in (None, 256))
-    # The matmul weights over x and z; embeddings over z only; biases and norm gains over x.
+    # The matmul weights over x and z; embeddings over z only; qkv's and fc's biases over x, the rest whole.
     vectors, embed = SPEC.config.vector_params(), SPEC.config.embedding_params()
-    shard = (SPEC.params() - vectors - embed) / 4 + embed / 2 + vectors / 2
+    d = SPEC.hidden
+    shard = (SPEC.params() - vectors - embed) / 4 + embed / 2 + SPEC.n_layer * 7 * d / 2 + (vectors - SPEC.n_layer
+                                                                                               * 7 * d)
     assert kept - offloaded == pytest.approx(16 * shard - (4 * shard + 16 * 256), rel=1e-12)
 
 

@@ -1,6 +1,7 @@
 """Scoring a ranking (Kendall τ-b, top-1 ranks) and the calibration fits."""
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -123,6 +124,18 @@ def test_calibration_fits_nodes_jointly_as_the_planner_prices_them():
                          "cpu_seconds": 0.0})
     fitted = fit(rows, per_node=2)["all_reduce"]
     assert (fitted["alpha"], fitted["alpha_inter"], fitted["beta"], fitted["beta_inter"]) == pytest.approx(
+        (1e-4, 6e-4, 2e9, 5e8), rel=1e-6)
+    # Groups that span part of a node: 6 ranks on 4-rank nodes cross once in 5 steps, as the planner prices them.
+    wide = replace(machine, devices_per_node=4)
+    uneven = []
+    for p in (2, 4, 6, 12):
+        alpha = latencies(dict(x=p, y=1, z=1, data=12 // p), wide)["x"]
+        beta = wide.beta_intra if p <= 4 else wide.beta_inter
+        uneven += [{"kind": "all_reduce", "p": p, "bytes": size, "seconds": ring_time("all_reduce", p, size, beta,
+                                                                                      alpha)}
+                   for size in (4096, 65536, 1 << 20, 4 << 20)]
+    spanning = fit(uneven, per_node=4)["all_reduce"]
+    assert (spanning["alpha"], spanning["alpha_inter"], spanning["beta"], spanning["beta_inter"]) == pytest.approx(
         (1e-4, 6e-4, 2e9, 5e8), rel=1e-6)
     assert fitted["cpu"] == 0 and fitted["median_error"] < 1e-9
     # Times a line through a negative intercept would fit need a negative latency: it is held at 0 instead.

@@ -180,14 +180,18 @@ class MixedPrecision:
 
     def device_bytes(self) -> int:
         """Bytes the parameters and optimizer hold on the device: the model's parameters and
-        gradients, and, offloaded, the streaming buffers (``4 phi + 16 bsize`` in half
-        precision); not offloaded, also the masters, their state and fp32 gradients."""
+        gradients, and :meth:`optimizer_device_bytes`."""
         held = [p for p in self.model.parameters()] + [p.grad for p in self.model.parameters() if p.grad is not None]
+        return sum(t.numel() * t.element_size() for t in held) + self.optimizer_device_bytes()
+
+    def optimizer_device_bytes(self) -> int:
+        """Bytes the optimizer side holds on the device: offloaded, the streaming buffers (the async-pipeline
+        paper's ``16 bsize``); else the fp32 masters, their gradients and their state."""
         if self.offloaded:
-            return sum(t.numel() * t.element_size() for t in held) + self.optimizer.buffer_bytes()
+            return self.optimizer.buffer_bytes()
         state = [t for s in self.optimizer.state.values() for t in s.values() if t.dim()]
         masters = list(self.masters.parameters()) + [m.grad for m in self.masters.parameters() if m.grad is not None]
-        return sum(t.numel() * t.element_size() for t in held + masters + state)
+        return sum(t.numel() * t.element_size() for t in masters + state)
 
     @torch.no_grad()
     def load_masters(self) -> None:

@@ -110,8 +110,9 @@ class WeightGathers:
                 return cached
         full = self._gather(layer)
         if self.checkpointing and not self.recomputing and self.cache_layers != 0:
+            replaced = self._cache.pop(id(layer), None)      # the same layer gathered twice in one forward
+            self.cache_bytes += full.nbytes - (replaced.nbytes if replaced is not None else 0)
             self._cache[id(layer)] = full
-            self.cache_bytes += full.nbytes
             while self.cache_layers is not None and len(self._cache) > self.cache_layers:
                 self.cache_bytes -= self._cache.popitem(last=False)[1].nbytes   # keep the last: recomputed first
             self.peak_cache_bytes = max(self.peak_cache_bytes, self.cache_bytes)

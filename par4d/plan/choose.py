@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from par4d.overlap import Overlap
 from par4d.plan.machines import load_machine
 from par4d.plan.search import Space, search
 from par4d.plan.workload import GPTSpec
@@ -30,10 +31,14 @@ class Plan:
 
 
 def planned_run(world: int, *, machine: str | None, inside: bool, n_layer: int, n_embd: int, n_head: int,
-                seq_len: int, batch_size: int, fixed: Space | None = None,
+                seq_len: int, batch_size: int, microbatches: int | None = None, recompute: str | None = None,
+                overlap: str | None = None, offload_bsize: int | None = None,
                 report: Callable[[str], None] = print) -> Plan:
-    """The planner's first choice for training the dense GPT on ``world`` ranks; ``fixed`` holds the choices the
-    user made (the search keeps them).
+    """The planner's first choice for training the dense GPT on ``world`` ranks. ``microbatches``, ``recompute``
+    (``none`` or a ``--recompute`` value), ``overlap`` (a ``--overlap`` value) and ``offload_bsize``: the choices
+    the user made with flags (None: searched); the search keeps them. An overlap with the cache and no
+    ``recompute`` given means recomputation (the cache keeps weights only for it; ``all`` includes it only under
+    recomputation, as ``par4d train`` reads it).
 
     ``machine`` names a profile (built-in or TOML); ``None`` calibrates this machine first, which needs ranks of
     its own and so cannot happen ``inside`` a launched job. ``report`` gets one line before a calibration and one
@@ -56,7 +61,12 @@ def planned_run(world: int, *, machine: str | None, inside: bool, n_layer: int, 
         profile, peak = calibration["machine"], calibration["peak_total"]
     spec = GPTSpec("train", n_layer=n_layer, hidden=n_embd, heads=n_head, seq_len=seq_len, global_batch=batch_size,
                    vocab=VOCAB_BYTES)
-    ranked, excluded = search(spec, world, profile, fixed or Space())
+    settings = None if overlap is None else Overlap.parse(overlap)
+    checkpointing = None if recompute is None else recompute.strip().lower() != "none"
+    if settings is not None and settings.cache and overlap.strip().lower() != "all" and checkpointing is None:
+        checkpointing = True            # the cache named (not "all", which means it only under recomputation)
+    ranked, excluded = search(spec, world, profile, Space(microbatches=microbatches, checkpointing=checkpointing,
+                                                          overlap=settings, offload_bsize=offload_bsize))
     if not ranked:
         reasons = "; ".join(sorted({p.excluded for p in excluded}))
         raise ValueError(f"--grid auto: no grid of {world} ranks runs this model ({reasons})")

@@ -51,9 +51,20 @@ def stage_seconds(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine
     gemms = 0.0
     for layer in spec.layers():
         g_in, g_out = (sizes["x"], sizes["y"]) if layer.transposed else (sizes["y"], sizes["x"])
-        passes = 4 if checkpointing and layer.name != "head" else 3
+        passes = 4 if checkpointing and layer.name not in spec.NOT_RECOMPUTED else 3
         gemms += layer.count * passes * gemm_seconds(layer.m * rows, layer.n / g_out, layer.k / g_in, machine)
     attention_efficiency = machine.attention_efficiency or machine.efficiency
     return (gemms * microbatches / pipe + attention_flops / (machine.peak_flops * attention_efficiency)
             + spec.elementwise_bytes(sizes, machine.bytes_per_element, checkpointing) / pipe
             / machine.memory_bandwidth)
+
+
+def with_bubble(t_stage: float, micro: int, pipe: int, machine: Machine) -> float:
+    """A step's compute from one stage's: the pipeline's fill and drain ``(M + P - 1) / M``; where ranks
+    time-share the cores (``cores_shared``) a stage idle in them gives its share to the others, so the step takes
+    the ranks' work at their shared speed, or the critical path at full speed, whichever is longer. Never grows
+    with M (the search's bound relies on it)."""
+    bubble = (micro + pipe - 1) / micro
+    if machine.cores_shared > 1:
+        return t_stage * max(1.0, bubble / machine.cores_shared)
+    return t_stage * bubble

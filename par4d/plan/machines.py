@@ -110,9 +110,13 @@ def _problem(key: str, value) -> str | None:
     if key in COUNTS and value != int(value):
         return f"{key} must be a whole number, got {value!r}"
     if key in AT_LEAST_ZERO:
-        return None if value >= 0 else f"{key} must be >= 0, got {value!r}"
+        if value < 0:
+            return f"{key} must be >= 0, got {value!r}"
+        return f"{key} is a share, in [0, 1]; got {value!r}" if key in FRACTIONS and value > 1 else None
     if value <= 0:
         return f"{key} must be > 0, got {value!r}"
+    if key == "cores_shared" and value < 1:
+        return f"cores_shared counts ranks per core, at least 1; got {value!r}"
     if key in FRACTIONS and value > 1:
         return f"{key} is a fraction of peak, in (0, 1]; got {value!r}"
     return None

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from par4d.hierarchy import STAGE_MIN_BYTES
 from par4d.ledger import ring_terms
 from par4d.overlap import Overlap
-from par4d.plan.compute import stage_seconds
+from par4d.plan.compute import stage_seconds, with_bubble
 from par4d.plan.machines import Machine
 from par4d.plan.workload import GPTSpec, Layer, ModuleWorkload
 
@@ -333,12 +333,12 @@ def predict(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Mach
     activations held are those of one microbatch (gradient accumulation, ``par4d train
     --microbatches`` on any grid). ``sizes["pipe"]`` = P > 1 (par4d's GPT only) runs them
     through P stages, each taken as the average one (1/P of the model's layers, FLOPs and
-    parameters): its compute times the bubble (M + P - 1) / M; 2 (P - 1) hand-offs of one
-    microbatch's residual stream shard (fill and drain: ``t_p2p``); the activations of
-    min(P, M) microbatches (the first stage's). Without a pipe key, or with P = M = 1, the
-    prediction is the 4D one. ``offload_bsize``: the optimizer offloaded to the CPU (the
-    async-pipeline paper's ``4φ + 16 bsize`` bytes on the device instead of the states). ``terms``: this
-    grid's :func:`communication` at M microbatches, already computed (the search's)."""
+    parameters): its compute times the bubble (M + P - 1) / M (:func:`~par4d.plan.compute.with_bubble`);
+    2 (P - 1) hand-offs of one microbatch's residual stream shard (fill and drain: ``t_p2p``; 2 M where
+    ranks share cores, :func:`p2p_seconds`); the activations of min(P, M) microbatches (the first stage's).
+    Without a pipe key, or with P = M = 1, the prediction is the 4D one. ``offload_bsize``: the optimizer
+    offloaded to the CPU (the async-pipeline paper's ``4φ + 16 bsize`` bytes on the device instead of the
+    states). ``terms``: this grid's :func:`communication` at M microbatches, already computed (the search's)."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown model variant {variant!r}; valid: {', '.join(VARIANTS)}")
     if compute_seconds is not None and variant != "full":
@@ -439,9 +439,10 @@ def communication(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine
 
 def p2p_seconds(spec: GPTSpec, sizes: dict[str, int], machine: Machine, micro: int, alpha: float,
                 beta: float) -> float:
-    """The pipeline's fill and drain: P - 1 hand-offs of one microbatch's stream shard (rows, seq,
-    n_embd / G_y) each way. Where ranks time-share the cores (``machine.cores_shared``) a hand-off takes
-    cores the compute needs, wherever it happens: a stage's own, one each way per microbatch, all count."""
+    """The pipeline's hand-offs on the critical path: on a device, fill and drain, P - 1 hand-offs of one
+    microbatch's stream shard (rows, seq, n_embd / G_y) each way; where ranks time-share the cores
+    (``machine.cores_shared``) a hand-off takes cores the compute needs wherever it happens, so a stage's own,
+    one each way per microbatch (M), all count."""
     shard = spec.samples // (sizes["z"] * sizes["data"])
     stream = shard / micro * spec.seq_len * spec.hidden / sizes["y"] * machine.bytes_per_element
     hand_offs = micro if machine.cores_shared > 1 else sizes["pipe"] - 1
@@ -496,7 +497,7 @@ def _timed(pred: Prediction, spec, sizes: dict[str, int], machine: Machine, full
     pipe, micro = sizes.get("pipe", 1), pred.microbatches
     pred.t_p2p = comm.t_p2p
     pred.t_comm_axes = dict(comm.axes)
-    if checkpointing and not (overlap is not None and overlap.cache):
+    if full and checkpointing and not (overlap is not None and overlap.cache):
         pred.t_comm_axes["z"] += comm.roles["gather"]       # the recomputed forward gathers the weights again
     pred.t_comm = sum(pred.t_comm_axes.values())
     world = sizes["x"] * sizes["y"] * sizes["z"] * sizes["data"] * pipe
@@ -505,11 +506,7 @@ def _timed(pred: Prediction, spec, sizes: dict[str, int], machine: Machine, full
     if full:
         t_stage = compute_seconds if compute_seconds is not None else stage_seconds(spec, sizes, machine,
                                                                                     checkpointing, micro)
-        pred.t_compute = t_stage * (micro + pipe - 1) / micro           # the pipeline's fill and drain
-        if machine.cores_shared > 1:
-            # Ranks time-share the cores: a stage idle in the fill and drain gives its share to the others, so
-            # the step takes the ranks' work at their shared speed, or the critical path alone, whichever is longer.
-            pred.t_compute = max(t_stage, pred.t_compute / machine.cores_shared)
+        pred.t_compute = with_bubble(t_stage, micro, pipe, machine)       # the pipeline's fill and drain
     pred.t_iter = pred.t_compute + pred.t_comm
     if full and overlap is not None:
         buckets = math.ceil(comm.grad_bytes / overlap.bucket_bytes) + (1 if comm.grad_bytes > 2**20 else 0)

@@ -65,13 +65,16 @@ def _spec(row: Published):
     return gpt_spec(row.model).with_batch(BATCH_TOKENS // SEQ_LEN, SEQ_LEN)
 
 
-def answer(row: Published, machine: Machine, pipelines: bool = True) -> Answer:
+def answer(row: Published, machine: Machine, pipelines: bool = True, zero3: bool = True) -> Answer:
+    """The planner's answers for ``row``; without ``pipelines`` or ``zero3`` those searches are left out."""
     spec = _spec(row)
     flat, _ = search(spec, row.gpus, machine, Space(pipe=1))
     ranked = search(spec, row.gpus, machine)[0] if pipelines else flat
-    plain, _ = search(spec, row.gpus, machine, Space(pipe=1, overlap=Overlap.none()))
-    zero3 = next((p for p in plain if p.sizes["z"] == row.gpus), None)
-    return Answer(row, flat[0] if flat else None, ranked[0] if ranked else None, zero3)
+    sharded = None
+    if zero3:
+        plain, _ = search(spec, row.gpus, machine, Space(pipe=1, overlap=Overlap.none()))
+        sharded = next((p for p in plain if p.sizes["z"] == row.gpus), None)
+    return Answer(row, flat[0] if flat else None, ranked[0] if ranked else None, sharded)
 
 
 def answers(machine: Machine | None = None) -> list[Answer]:
@@ -91,7 +94,7 @@ def misfit(efficiency: float) -> float:
     machine = paper_machine(efficiency)
     errors = []
     for row in TABLE_III:
-        first = answer(row, machine, pipelines=False).first_4d
+        first = answer(row, machine, pipelines=False, zero3=False).first_4d
         errors.append(100.0 if first is None else percent(row, first) - row.par4d)
     return math.sqrt(sum(e * e for e in errors) / len(errors))
 

@@ -11,8 +11,8 @@ faster (each step below is tested against the brute-force search in tests/test_p
   weights and the cache's gathered ones under recomputation. So the best set is every
   switch, then without the cache, then without OAG: the first that fits.
 * **Microbatches without a pipeline**: M microbatches pay M times the weight collectives and
-  the activation collectives' latency, for the same compute, so more is never faster; the
-  best is the fewest that fit. With a pipeline, more microbatches shrink the bubble, and
+  the activation collectives' latency, for compute no less (smaller GEMMs), so more is never
+  faster; the best is the fewest that fit. With a pipeline, more microbatches shrink the bubble, and
   every count (each divisor of the batch shard: equal microbatches) is timed.
 * **Recomputation**: on and off are both timed (it costs compute, saves memory).
 """
@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from par4d.overlap import Overlap
-from par4d.plan.compute import stage_seconds
+from par4d.plan.compute import stage_seconds, with_bubble
 from par4d.plan.machines import Machine
 from par4d.plan.model import (
     CommunicationByCount,
@@ -112,7 +112,7 @@ def _best(spec, sizes: dict[str, int], machine: Machine, space: Space, recompute
         # The least a stage computes: one microbatch (each GEMM at its largest, fewest kernels).
         t_least = stage_seconds(spec, sizes, machine, checkpointing)
         for micro in counts:
-            if best is not None and t_least * (micro + pipe - 1) / micro >= best.t_iter:
+            if best is not None and with_bubble(t_least, micro, pipe, machine) >= best.t_iter:
                 break                                   # its compute alone is slower, and fewer microbatches' too
             for overlap in sets:
                 need = memory_bytes(spec, sizes, b, checkpointing, micro, overlap, space.offload_bsize)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from par4d.models.config import GPTConfig
 
@@ -79,6 +79,7 @@ class GPTSpec:
     n_layer: int
     hidden: int
     heads: int
+    NOT_RECOMPUTED: ClassVar[tuple[str, ...]] = ("head",)   # layers recomputation leaves alone (blocks only)
     seq_len: int = 2048
     global_batch: int = 2048          # sequences: 4M tokens, the paper's weak/strong scaling batch
     vocab: int = 51200
@@ -139,6 +140,13 @@ class GPTSpec:
     def _vectors_and_embeddings(self) -> tuple[int, int]:
         return self.config.vector_params(), self.config.embedding_params()
 
+    def vectors_per_rank(self, sizes: dict[str, int]) -> float:
+        """This rank's biases and norm gains: per block qkv's and fc's biases (``7 d``) over x, where those
+        layers' outputs lie; the norms' weights and biases and the projections' biases (``6 d``) over y, and
+        the final norm's (``2 d``)."""
+        d = self.hidden
+        return self.n_layer * 7 * d / sizes["x"] + (self.n_layer * 6 * d + 2 * d) / sizes["y"]
+
     @cached_property
     def _layers(self) -> tuple[Layer, ...]:
         return tuple(Layer(layer.name, self.tokens, layer.k, layer.n, layer.transposed, layer.count)
@@ -166,10 +174,10 @@ class GPTSpec:
         """Collectives outside Eqs 4-8, per iteration: (kind, axes, elements per rank, count).
         Norm statistics, the vocabulary-parallel loss, the embeddings' gather/scatter over z,
         and the gradient sync of embeddings, biases and norm gains."""
-        gx, gy, gz, gd = sizes["x"], sizes["y"], sizes["z"], sizes["data"]
+        gy, gz, gd = sizes["y"], sizes["z"], sizes["data"]
         rows = self.tokens / (gd * gz)
         norms = 2 * self.n_layer + 1
-        vectors, embed = self._vectors_and_embeddings                # biases and norm gains (full size); wte, wpe
+        _, embed = self._vectors_and_embeddings                      # wte, wpe (full size)
         return [
             ("all_gather", ("y",), 2 * rows, norms),                # row [mean, M2]
             ("all_reduce", ("y",), 2 * rows, norms),                # row gradient statistics
@@ -178,7 +186,7 @@ class GPTSpec:
             ("all_gather", ("z",), embed / (gy * gz), 1),
             ("reduce_scatter", ("z",), embed / gy, 1),
             ("all_reduce", ("data",), embed / (gy * gz), 1),
-            ("all_reduce", ("z", "data"), vectors / max(gx, gy), 1),
+            ("all_reduce", ("z", "data"), self.vectors_per_rank(sizes), 1),
         ]
 
     def memory_per_device(self, sizes: dict[str, int], bytes_per_element: int, checkpointing: bool, *,
@@ -211,7 +219,7 @@ class GPTSpec:
         # The matmul weights over x, y and z; the embeddings' rows over z and features over y (whole over x);
         # biases and norm gains over the one of x and y their layer's features lie on.
         matmul = self.params() - vectors - embed
-        shard = matmul / (gx * gy * gz) + embed / (gy * gz) + vectors / max(gx, gy)
+        shard = matmul / (gx * gy * gz) + embed / (gy * gz) + self.vectors_per_rank(sizes)
         gathered = 0.0 if gz == 1 else gathered_bytes([layer.k * layer.n / (gx * gy) * b for layer in self.layers()],
                                                       [layer.count for layer in self.layers()], checkpointing, overlap)
         rows = self.tokens / (gd * gz) * share
@@ -222,7 +230,7 @@ class GPTSpec:
         # the loss's and head's (forward) or one block's recomputed working set (backward, theirs freed by then).
         acts = (self.n_layer * rows * h / gy * b + max(per_block, once)) if checkpointing else (
             self.n_layer * per_block + once)
-        buffers = shard * b if gd > 1 else (vectors / max(gx, gy) * b if gz > 1 else 0.0)
+        buffers = shard * b if gd > 1 else (self.vectors_per_rank(sizes) * b if gz > 1 else 0.0)
         return {"states": state_bytes(shard, b, offload_bsize), "gathered": gathered, "activations": acts,
                 "buffers": buffers}
 
@@ -232,7 +240,7 @@ class GPTSpec:
         the residual stream's layout (features over y: two norms, two residual sums, the transposed
         layers' biases) and ``22 d`` of the normal layers' outputs (over x: qkv's and fc's biases, GELU),
         backward twice that, recomputation the forward again; the loss reads and writes the logits
-        (``V / G_x`` per token, fp32) twice forward and twice backward (:data:`STREAM_PASSES`)."""
+        (``V / G_x`` per token, fp32) twice forward and twice backward (:data:`LOGIT_PASSES`)."""
         gx, gy, gz, gd = sizes["x"], sizes["y"], sizes["z"], sizes["data"]
         tokens = self.tokens / (gd * gz)
         passes = 4 if checkpointing else 3
@@ -317,6 +325,7 @@ class ModuleWorkload:
     name: str
     recorded: tuple[Layer, ...]
     samples: int
+    NOT_RECOMPUTED: ClassVar[tuple[str, ...]] = ()     # every recorded layer is recomputed with the rest
 
     @classmethod
     def record(cls, module: nn.Module, *example_inputs: torch.Tensor, name: str | None = None) -> ModuleWorkload:

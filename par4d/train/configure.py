@@ -180,17 +180,12 @@ def _grid(args: argparse.Namespace, world: int, inside: bool, dims: dict, planne
                          f"--model {dims.get('model', 'gpt')}")
     if planner is None:
         raise ValueError("--grid auto needs the planner (par4d train passes par4d.plan.choose.planned_run)")
-    from par4d.overlap import Overlap
-    from par4d.plan.search import Space
-
-    fixed = Space(microbatches=args.microbatches,
-                  checkpointing=None if args.recompute is None else args.recompute.strip().lower() != "none",
-                  overlap=None if args.overlap is None else Overlap.parse(args.overlap),
-                  offload_bsize=args.offload_bsize)
-    plan = planner(world, machine=args.machine, inside=inside, report=say, fixed=fixed,
+    plan = planner(world, machine=args.machine, inside=inside, report=say, microbatches=args.microbatches,
+                   recompute=args.recompute, overlap=args.overlap, offload_bsize=args.offload_bsize,
                    **{k: dims[k] for k in ("n_layer", "n_embd", "n_head", "seq_len", "batch_size")})
     chosen = {"microbatches": plan.microbatches, "recompute": plan.recompute, "overlap": plan.overlap}
-    return plan.grid, plan.peak, {k: v for k, v in chosen.items() if getattr(args, k) is None and v is not None}
+    # What no flag gave (microbatches None: the default, which the search timed)
+    return plan.grid, plan.peak, {k: v for k, v in chosen.items() if getattr(args, k) is None}
 
 
 def _new_config(args: argparse.Namespace, world: int, inside: bool, planner: Planner | None):
@@ -352,6 +347,9 @@ def _resumed_config(args: argparse.Namespace, world: int, inside: bool, resumed:
         if value != saved[name]:
             say(f"{flag(name)} {value} replaces the run's {saved[name]} from step {meta['step']}")
     grid, peak, planned = _grid(args, world, inside, saved, planner) if args.grid else (saved["grid"], None, {})
+    for name, value in planned.items():
+        if value != saved.get(name):
+            say(f"--grid auto: {flag(name)} {value} replaces the run's {saved.get(name)} from step {meta['step']}")
     honoured.update(planned)
     shards, kept = grid.get("z", 1) * grid.get("data", 1), saved.get("microbatches")
     if (grid.get("pipe", 1) == 1 and "microbatches" not in honoured and kept is not None

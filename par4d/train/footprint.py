@@ -152,7 +152,7 @@ def measure_footprint(model: nn.Module, optimizer: torch.optim.Optimizer | None,
             del model.par4d_observe_recompute
     sync = getattr(model, "par4d_gradient_sync", None)     # built by the first step where there was none
     state = [t for s in (optimizer.state.values() if optimizer is not None else ()) for t in s.values()]
-    held = _bytes(state) if precision is None else precision.device_bytes() - _bytes(params)
+    held = _bytes(state) if precision is None else precision.optimizer_device_bytes()
     # A step ends with its gradients dropped (set to None): while it runs each trained parameter has one.
     return Footprint(parameters=_bytes(params), gradients=_bytes(p for p in params if p.requires_grad),
                      optimizer=held, activations=saved.peak,
