@@ -183,9 +183,8 @@ def _grid(args: argparse.Namespace, world: int, inside: bool, dims: dict, planne
     plan = planner(world, machine=args.machine, inside=inside, report=say, microbatches=args.microbatches,
                    recompute=args.recompute, overlap=args.overlap, offload_bsize=args.offload_bsize,
                    **{k: dims[k] for k in ("n_layer", "n_embd", "n_head", "seq_len", "batch_size")})
-    chosen = {"microbatches": plan.microbatches, "recompute": plan.recompute, "overlap": plan.overlap}
     # What no flag gave (microbatches None: the default, which the search timed)
-    return plan.grid, plan.peak, {k: v for k, v in chosen.items() if getattr(args, k) is None}
+    return plan.grid, plan.peak, {k: getattr(plan, k) for k in PLANNED if getattr(args, k) is None}
 
 
 def _new_config(args: argparse.Namespace, world: int, inside: bool, planner: Planner | None):
