@@ -247,6 +247,11 @@ def test_bench_grid_rows_and_exact_bytes(pool4):
     vectors = sum(p.numel() for p in params if p.dim() == 1)
     z_only = next(r for r in par4d_rows if r["grid"] == "x=1 y=1 z=4 data=1")
     assert z_only["bytes_per_iter"] == 4 * 4 * (weights // 4 + weights + vectors)
+    # Every par4d row reports what its step holds; data-only holds every parameter with AdamW's two moments.
+    assert all(r["held_bytes_per_rank"] == r["held"]["total"] > 0 for r in par4d_rows)
+    assert data_only["held"]["parameters"] == data_only["held"]["gradients"] == 4 * CONFIG.num_params()
+    assert data_only["held"]["optimizer"] >= 2 * 4 * CONFIG.num_params()
+    assert ddp["held_bytes_per_rank"] is None
 
 
 def test_resume_on_another_grid_and_rank_count(tmp_path, capsys, pool2, pool4):

@@ -26,7 +26,7 @@ from par4d.launch import launch_local
 from par4d.launch.machine import cpu_cores, measure_matmul_peak, threads_per_rank
 from par4d.layout import block
 from par4d.models import ReferenceGPT
-from par4d.plan.measure import BATCH, CONFIG, batch, grids, time_grid, time_iterations
+from par4d.plan.measure import BATCH, CONFIG, batch, grids, held_most, measure_grid, time_iterations
 
 
 @dataclass(frozen=True)
@@ -37,8 +37,11 @@ class BenchSettings:
 
 
 def _bench_par4d(sizes: dict[str, int], settings: BenchSettings) -> dict:
-    times, per_rank = time_grid(sizes, settings.iters)
-    return grid_row("par4d", sizes, times, sum_over_ranks(per_rank), settings.peak_flops, "ledger")
+    times, per_rank, held = measure_grid(sizes, settings.iters, then=held_most)
+    row = grid_row("par4d", sizes, times, sum_over_ranks(per_rank), settings.peak_flops, "ledger")
+    # What a step holds (par4d.train.footprint), the most of any rank. The peers' rows leave it out: their
+    # buffers (DDP's reducer buckets, FSDP2's unsharded parameters) are outside what the footprint sees.
+    return dict(row, held_bytes_per_rank=held["total"], held=held)
 
 
 def _bench_torch(kind: str, settings: BenchSettings) -> dict:
@@ -78,7 +81,8 @@ def _bench_torch(kind: str, settings: BenchSettings) -> dict:
             step()
         per_rank, source = counter.bytes, "c10d dispatch"
         name = "torch FSDP2"
-    return grid_row(name, sizes, times, sum_over_ranks(per_rank), settings.peak_flops, source)
+    return dict(grid_row(name, sizes, times, sum_over_ranks(per_rank), settings.peak_flops, source),
+                held_bytes_per_rank=None)
 
 
 def bench_rows(settings: BenchSettings) -> list[dict]:

@@ -95,6 +95,18 @@ def training_step(grid: Grid, batch_size: int = BATCH, seq_len: int = CONFIG.blo
     return TrainingStep(grid, batch_size, seq_len, overlap)
 
 
+def held_most(grid: Grid, step: TrainingStep) -> dict:
+    """What one more call of ``step`` holds (par4d.train.footprint's row), each term the most any rank held
+    (collective: every rank of ``grid`` calls it)."""
+    from par4d.train.footprint import measure_footprint
+
+    row = measure_footprint(step.model, step.optimizer, step).row()
+    keys = [k for k, v in row.items() if isinstance(v, int)]
+    most = torch.tensor([float(row[k]) for k in keys], dtype=torch.float64)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return {k: int(v) for k, v in zip(keys, most.tolist())}
+
+
 def step_collectives(grid: Grid, step: Callable[[], object]) -> list[tuple[str, tuple[str, ...], int]]:
     """(kind, axes, elements) of every collective one call of ``step`` issues on ``grid``."""
     with grid.ledger.capture() as entries:
@@ -116,21 +128,14 @@ def time_iterations(step: Callable[[], object], iters: int) -> list[float]:
     return times
 
 
-def time_grid(sizes: dict[str, int], iters: int, batch_size: int = BATCH,
-              seq_len: int = CONFIG.block_size, overlap: Overlap | None = None) -> tuple[list[float], float]:
-    """Seconds of ``iters`` training steps on grid ``sizes`` (global batch of ``batch_size``
-    sequences of ``seq_len`` tokens), and the ledger bytes per step of this rank."""
-    times, per_rank, _ = measure_grid(sizes, iters, batch_size, seq_len, overlap)
-    return times, per_rank
-
-
 def measure_grid(sizes: dict[str, int], iters: int, batch_size: int = BATCH, seq_len: int = CONFIG.block_size,
                  overlap: Overlap | None = None, hierarchical: str = "auto",
                  then: Callable[[Grid, TrainingStep], object] | None = None, microbatches: int | None = None,
                  recompute: bool = False) -> tuple[list[float], float, object]:
-    """:func:`time_grid`'s times and bytes, on a grid built with ``hierarchical``, and what ``then(grid, step)``
-    returns after the timing (None without it: a benchmark's own look at the grid). Closes the grid: idle
-    groups of earlier grids would slow the grids measured after them."""
+    """Seconds of ``iters`` training steps on grid ``sizes`` (global batch of ``batch_size`` sequences of
+    ``seq_len`` tokens) and the ledger bytes per step of this rank, on a grid built with ``hierarchical``, and
+    what ``then(grid, step)`` returns after the timing (None without it: a benchmark's own look at the grid).
+    Closes the grid: idle groups of earlier grids would slow the grids measured after them."""
     grid = init(**sizes, hierarchical=hierarchical)
     # overlap None: par4d.Overlap(), every overlap on
     step = TrainingStep(grid, batch_size, seq_len, overlap, microbatches, recompute)

@@ -125,18 +125,9 @@ def _measure_worker(settings, shapes: list[dict], passes: int) -> list[dict]:
     import torch.distributed as dist
 
     from par4d.launch.machine import threads_per_rank
-    from par4d.plan.measure import measure_grid
-    from par4d.train.footprint import measure_footprint
+    from par4d.plan.measure import held_most, measure_grid
 
     torch.set_num_threads(threads_per_rank(settings.nproc))
-
-    def footprint(grid, step) -> dict:
-        """What the step holds on the rank that holds the most (each term the most of any rank)."""
-        row = measure_footprint(step.model, step.optimizer, step).row()
-        keys = [k for k, v in row.items() if isinstance(v, int)]
-        most = torch.tensor([float(row[k]) for k in keys], dtype=torch.float64)
-        dist.all_reduce(most, op=dist.ReduceOp.MAX)
-        return {k: int(v) for k, v in zip(keys, most.tolist())}
 
     times: list[list[float]] = [[] for _ in shapes]
     memory: list[dict | None] = [None for _ in shapes]
@@ -146,7 +137,7 @@ def _measure_worker(settings, shapes: list[dict], passes: int) -> list[dict]:
             seconds, _, held = measure_grid(choice["sizes"], settings.iters, overlap=settings.overlap,
                                             microbatches=choice.get("microbatches"),
                                             recompute=choice.get("recompute", False),
-                                            then=footprint if p == 0 else None)
+                                            then=held_most if p == 0 else None)
             times[i].append(statistics.median(seconds))
             memory[i] = memory[i] or held
     dist.destroy_process_group()
