@@ -104,6 +104,18 @@ def _best(spec, sizes: dict[str, int], machine: Machine, space: Space, recompute
     b, capacity = machine.bytes_per_element, machine.memory_bytes
     best, smallest = None, None          # smallest: (bytes, checkpointing, microbatches, overlap)
     terms = CommunicationByCount(spec, sizes, machine)   # the same with and without recomputation
+    held: dict[tuple[bool, object], tuple[float, float]] = {}
+
+    def footprint(checkpointing: bool, overlap, micro: int) -> float:
+        """:func:`memory_bytes`, from two evaluations per setting: only the activations depend on the count,
+        in proportion to the share of the batch held at once (min(P, M) / M)."""
+        if (checkpointing, overlap) not in held:
+            whole = memory_bytes(spec, sizes, b, checkpointing, 1, overlap, space.offload_bsize)
+            rest = spec.memory_per_device(sizes, b, checkpointing, share=0.0, overlap=overlap,
+                                          offload_bsize=space.offload_bsize) / pipe
+            held[checkpointing, overlap] = (rest, whole - rest)
+        rest, activations = held[checkpointing, overlap]
+        return rest + activations * min(pipe, micro) / micro
     for checkpointing in recompute:
         sets = (space.overlap,) if space.overlap is not None else (
             WITH_RECOMPUTE if checkpointing else WITHOUT_RECOMPUTE)
@@ -115,7 +127,7 @@ def _best(spec, sizes: dict[str, int], machine: Machine, space: Space, recompute
             if best is not None and with_bubble(t_least, micro, pipe, machine) >= best.t_iter:
                 break                                   # its compute alone is slower, and fewer microbatches' too
             for overlap in sets:
-                need = memory_bytes(spec, sizes, b, checkpointing, micro, overlap, space.offload_bsize)
+                need = footprint(checkpointing, overlap, micro)
                 if need > capacity:
                     if smallest is None or need < smallest[0]:
                         smallest = (need, checkpointing, micro, overlap)
