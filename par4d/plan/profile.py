@@ -29,54 +29,29 @@ def profile_compute(shapes: list[dict], threads: int, iters: int = 5) -> list[di
     of one training step of the bench GPT as rank 0 without communication, with ``threads`` torch threads (a
     pipeline's: its first stage's, which waits for nothing); and ``collectives``, the (kind, axes, elements) of
     every collective rank 0 issues in one step (its ledger, as in a real job)."""
-    if not shapes:
-        return []
-    shapes = [as_choice(item) for item in shapes]
-    worlds = {math.prod(choice["sizes"].values()) for choice in shapes}
-    if len(worlds) != 1:
-        raise ValueError(f"profile_compute: grids of one world size expected, got sizes {sorted(worlds)}")
-    # An executor, not a Pool: if the child dies (killed, out of memory) this raises
-    # BrokenProcessPool instead of waiting forever.
-    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
-        return pool.submit(_profile_worker, shapes, threads, iters).result()
+    return _in_a_fresh_process("profile_compute", shapes, threads, _timed, iters)
 
 
 def profile_memory(choices: list[dict], threads: int = 1) -> list[dict]:
     """Per choice (``sizes`` with pipe, ``microbatches``, ``recompute``): what rank 0 holds in one training step
     of the bench GPT (:class:`par4d.train.footprint.Footprint`'s row), measured without communication. Rank 0
     is the first pipeline stage, which holds the most microbatches at once."""
-    if not choices:
+    return _in_a_fresh_process("profile_memory", choices, threads, _held)
+
+
+def _in_a_fresh_process(name: str, items: list[dict], threads: int, measure, *args) -> list[dict]:
+    """:func:`_as_rank0` in a spawned process (the caller's torch.distributed state untouched), the choices
+    (:func:`as_choice`) all of one world size."""
+    if not items:
         return []
-    choices = [as_choice(item) for item in choices]
+    choices = [as_choice(item) for item in items]
     worlds = {math.prod(choice["sizes"].values()) for choice in choices}
     if len(worlds) != 1:
-        raise ValueError(f"profile_memory: choices of one world size expected, got sizes {sorted(worlds)}")
+        raise ValueError(f"{name}: grids of one world size expected, got sizes {sorted(worlds)}")
+    # An executor, not a Pool: if the child dies (killed, out of memory) this raises
+    # BrokenProcessPool instead of waiting forever.
     with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
-        return pool.submit(_memory_worker, choices, threads).result()
-
-
-def _memory_worker(choices: list[dict], threads: int) -> list[dict]:
-    import torch
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from par4d.grid import build_grid, validate_sizes
-    from par4d.launch import device
-    from par4d.plan.measure import TrainingStep
-    from par4d.train.footprint import measure_footprint
-
-    torch.set_num_threads(threads)
-    world = math.prod(choices[0]["sizes"].values())
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    rows = []
-    for choice in choices:
-        grid = build_grid(validate_sizes(choice["sizes"], world), device(None))
-        step = TrainingStep(grid, microbatches=choice.get("microbatches"), recompute=choice.get("recompute", False))
-        step()                                      # the optimizer's state exists from the first step on
-        rows.append(measure_footprint(step.model, step.optimizer, step).row())
-        grid.close()
-    dist.destroy_process_group()
-    return rows
+        return pool.submit(_as_rank0, choices, threads, measure, *args).result()
 
 
 def cores_shared(world: int, threads: int, cores: int, cuda: bool) -> float:
@@ -86,7 +61,9 @@ def cores_shared(world: int, threads: int, cores: int, cuda: bool) -> float:
     return 1.0 if cuda else max(1.0, world * threads / cores)
 
 
-def _profile_worker(shapes: list[dict], threads: int, iters: int) -> list[dict]:
+def _as_rank0(choices: list[dict], threads: int, measure, *args) -> list[dict]:
+    """``measure(grid, step, *args)`` for each choice's :class:`~par4d.plan.measure.TrainingStep`, this process
+    standing in for rank 0 of the job with torch's fake process group."""
     import torch
     import torch.distributed as dist
 
@@ -96,27 +73,44 @@ def _profile_worker(shapes: list[dict], threads: int, iters: int) -> list[dict]:
 
     from par4d.grid import build_grid, validate_sizes
     from par4d.launch import device
-    from par4d.plan.measure import WARMUP, TrainingStep, step_collectives
+    from par4d.plan.measure import TrainingStep
 
     torch.set_num_threads(threads)
-    world = math.prod(shapes[0]["sizes"].values())
+    world = math.prod(choices[0]["sizes"].values())
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     rows = []
-    for choice in shapes:
+    for choice in choices:
         # Not par4d.init: its check that every rank asked for the same grid needs peers.
         grid = build_grid(validate_sizes(choice["sizes"], world), device(None))
         step = TrainingStep(grid, microbatches=choice.get("microbatches"), recompute=choice.get("recompute", False))
-        for _ in range(WARMUP):
-            step()
-        collectives = step_collectives(grid, step)
-        times = []
-        for _ in range(iters):
-            start = time.perf_counter()
-            step()
-            if grid.device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        rows.append({"seconds": statistics.median(times), "collectives": collectives})
+        rows.append(measure(grid, step, *args))
         grid.close()
     dist.destroy_process_group()
     return rows
+
+
+def _timed(grid, step, iters: int) -> dict:
+    """The median seconds of ``iters`` steps after the warm-up ones, and the collectives of one."""
+    import torch
+
+    from par4d.plan.measure import WARMUP, step_collectives
+
+    for _ in range(WARMUP):
+        step()
+    collectives = step_collectives(grid, step)
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        step()
+        if grid.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return {"seconds": statistics.median(times), "collectives": collectives}
+
+
+def _held(grid, step) -> dict:
+    """What one step holds (the optimizer's state exists from the first step on: one runs first)."""
+    from par4d.train.footprint import measure_footprint
+
+    step()
+    return measure_footprint(step.model, step.optimizer, step).row()
