@@ -21,14 +21,16 @@ DEFAULT_BATCH_TOKENS = 32768   # the paper's running example: 16 sequences of 20
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("plan", help="rank every grid configuration of a workload")
-    p.add_argument("action", nargs="?", choices=["validate", "paper"],
+    p.add_argument("action", nargs="?", choices=["validate", "paper", "device"],
                    help="validate: measure every grid on --nproc local ranks and score the model's ranking; "
                         "paper: the planner's answers beside the 4D paper's Table III (built-in perlmutter, "
-                        "GEMMs at the one efficiency fitted to the table)")
+                        "GEMMs at the one efficiency fitted to the table); device: measure this machine's GPU "
+                        "(GEMMs by shape, attention, memory bandwidth, one-rank GPT steps beside plain PyTorch) "
+                        "against what --machine predicts (default: the built-in machine of this GPU)")
     p.add_argument("--model", default="gpt-20b", help=f"built-in GPT: {', '.join(GPT_MODELS)}")
     p.add_argument("--gpus", type=int, default=None, help="number of devices (ranking)")
     p.add_argument("--nproc", type=int, default=4, help="local ranks (validate)")
-    p.add_argument("--iters", type=int, default=8, help="timed iterations per grid (validate)")
+    p.add_argument("--iters", type=int, default=8, help="timed iterations per grid (validate) or step (device)")
     p.add_argument("--passes", type=int, default=1,
                    help="validate: measure every grid this many times, round robin; also reports how well "
                         "the passes agree with each other")
@@ -141,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
         return _validate(args)
     if args.action == "paper":
         return _paper(args)
+    if args.action == "device":
+        return _device(args)
     if args.gpus is None:
         raise ValueError("--gpus is required to rank configurations (e.g. --gpus 32)")
     if args.gpus < 1 or args.top < 1:
@@ -221,6 +225,29 @@ def _days(pred, spec, args) -> dict:
     if args.train_tokens is None or pred.t_iter <= 0:
         return {}
     return {"days_to_train": args.train_tokens / spec.tokens * pred.t_iter / 86400}
+
+
+def _device(args: argparse.Namespace) -> int:
+    import torch
+
+    from par4d.launch.machine import cpu_cores
+    from par4d.plan.device import builtin_for, check_device, report
+
+    if args.iters < 1:
+        raise ValueError(f"--iters must be >= 1, got {args.iters}")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    machine = load_machine(args.machine) if args.machine is not None else builtin_for(device)
+    if machine is None:
+        what = torch.cuda.get_device_name(device) if device.type == "cuda" else "no GPU here (the CPU, in fp32)"
+        raise ValueError(f"plan device: no built-in machine for {what}; give --machine, a TOML profile of this "
+                         f"device (its peak_flops and memory_bandwidth are the ones checked)")
+    result = check_device(machine, device, cpu_cores(), args.iters)
+    if args.json:
+        for row in result["steps"]:
+            print(json.dumps(row))
+        return 0
+    print(report(result))
+    return 0
 
 
 def _validate(args: argparse.Namespace) -> int:

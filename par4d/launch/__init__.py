@@ -243,15 +243,19 @@ def join(env: DistEnv | None) -> None:
     if dist.is_initialized():
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    # NCCL bound to this rank's GPU from the start (else its first barrier guesses the device, and warns)
+    bound = device(env) if backend == "nccl" else None
     if env is None:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                                device_id=bound)
         return
     url = ("env://" if env.launcher == "torchrun" else
            f"tcp://{env.master_addr}:{env.master_port}?rank={env.rank}&world_size={env.world_size}")
     store, rank, world = next(dist.rendezvous(url, timeout=JOIN_TIMEOUT))
     joins = store.add(f"par4d/joins/rank{rank}", 1)
     store = dist.PrefixStore(f"par4d/join{joins}", store)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=JOIN_TIMEOUT)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=JOIN_TIMEOUT,
+                            device_id=bound)
 
 
 def init(x: int = 1, y: int = 1, z: int = 1, data: int = 1, pipe: int = 1, hierarchical: str = "auto") -> Grid:

@@ -29,6 +29,17 @@ def threads_per_rank(ranks_here: int) -> int:
     return max(1, cpu_cores() // ranks_here)
 
 
+def job_peak(device: torch.device, dtype: torch.dtype, devices: int) -> tuple[float, str]:
+    """The job's matmul peak and what it is, in words. On a GPU: one device's in ``dtype`` (the training's
+    compute dtype; products of 8192 x 8192, large enough to fill one) times the ``devices`` the job's ranks
+    run on, one each. On the CPU: fp32 on every core, which the ranks share."""
+    if device.type == "cuda":
+        name = str(dtype).removeprefix("torch.")
+        one = measure_matmul_peak(size=8192, dtype=dtype, device=device)
+        return one * devices, f"{name}, {devices} x {torch.cuda.get_device_name(device)}"
+    return measure_matmul_peak(threads=cpu_cores()), "fp32, every core"
+
+
 def measure_matmul_peak(seconds: float = 1.0, size: int = 1024, threads: int | None = None,
                         dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> float:
     """FLOP/s of repeated ``size x size`` matmuls for about ``seconds`` (best of 3 rounds)."""

@@ -31,70 +31,115 @@ from par4d.comm import KINDS
 from par4d.ledger import ring_terms
 
 MESSAGE_BYTES = (4096, 65536, 1 << 20, 4 << 20)
-# GEMM shapes (rows, out, in): skinny to square, the shards a small model's grids give each rank.
+# GEMM shapes (rows, out, in) on the CPU: skinny to square, the shards a small model's grids give each rank.
 GEMM_ROWS, GEMM_SIDES = (16, 128, 1024, 4096), (32, 128, 512)
 
 
-def _seconds(run, least: float = 0.005) -> float:
-    """Median seconds of ``run()`` over 3 samples, each repeated until it lasts ``least`` seconds."""
+def _seconds(run, least: float = 0.005, device: torch.device | None = None) -> float:
+    """Median seconds of ``run()`` over 3 samples, each repeated until it lasts ``least`` seconds; on a CUDA
+    ``device`` each sample ends when the device has finished (its kernels run asynchronously)."""
+    def finish():
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     run()
+    finish()
     count, start = 1, time.perf_counter()
     run()
+    finish()
     while time.perf_counter() - start < least:
         run()
         count += 1
+        finish()
     repeats = count
     samples = []
     for _ in range(3):
         start = time.perf_counter()
         for _ in range(repeats):
             run()
+        finish()
         samples.append((time.perf_counter() - start) / repeats)
     return statistics.median(samples)
 
 
-def measure_compute(threads: int) -> dict:
-    """With ``threads`` torch threads: the memory bandwidth (an element-wise sum of 32M floats: two reads and a
-    write per element) and the seconds of a GEMM at each shape of ``GEMM_ROWS x GEMM_SIDES x GEMM_SIDES``."""
+@dataclass(frozen=True)
+class ComputeShapes:
+    """What :func:`measure_compute` times: GEMMs at every ``rows x sides x sides``, causal attention at each
+    (batch x heads, sequence, head width), and an element-wise sum of ``elements`` values."""
+    rows: tuple[int, ...] = GEMM_ROWS
+    sides: tuple[int, ...] = GEMM_SIDES
+    attention: tuple[tuple[int, int, int], ...] = ((32, 128, 32), (8, 512, 64))
+    elements: int = 1 << 25
+
+
+# A GPU's: shards of models that fill one (GEMMs of up to 32768 x 8192 x 8192, attention at the sequences and
+# head widths of GPT-2 to Llama), and a sum far larger than its caches.
+GPU_SHAPES = ComputeShapes(rows=(512, 2048, 8192, 32768), sides=(1024, 4096, 8192),
+                           attention=((64, 1024, 64), (32, 2048, 128), (16, 4096, 128)), elements=1 << 28)
+
+
+def measure_compute(threads: int, device: torch.device | None = None, dtype: torch.dtype = torch.float32,
+                    shapes: ComputeShapes = ComputeShapes()) -> dict:
+    """With ``threads`` torch threads, on ``device`` (default the CPU) in ``dtype``: the memory bandwidth
+    (an element-wise sum: two reads and a write per element) and the seconds of a GEMM at each of the
+    ``shapes`` and of causal attention, forward and backward."""
+    device = device or torch.device("cpu")
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        bandwidth = _bandwidth(1 << 25)
+        _warm_up(device, dtype)
+        bandwidth = _bandwidth(shapes.elements, device)
         rows = []
-        for m in GEMM_ROWS:
-            for n in GEMM_SIDES:
-                for k in GEMM_SIDES:
-                    x, w = torch.randn(m, k), torch.randn(k, n)
-                    rows.append({"m": m, "n": n, "k": k, "seconds": _seconds(lambda x=x, w=w: x @ w)})
-        return {"memory_bandwidth": bandwidth, "gemms": rows, "attention": _attention()}
+        for m in shapes.rows:
+            for n in shapes.sides:
+                for k in shapes.sides:
+                    x = torch.randn(m, k, device=device, dtype=dtype)
+                    w = torch.randn(k, n, device=device, dtype=dtype)
+                    rows.append({"m": m, "n": n, "k": k, "seconds": _seconds(lambda x=x, w=w: x @ w, device=device)})
+                    del x, w
+        return {"memory_bandwidth": bandwidth, "gemms": rows,
+                "attention": _attention(shapes.attention, device, dtype)}
     finally:
         torch.set_num_threads(previous)
 
 
-ATTENTION_SHAPES = ((32, 128, 32), (8, 512, 64))     # (batch x heads, sequence, head width)
+def _warm_up(device: torch.device, dtype: torch.dtype, seconds: float = 1.0) -> None:
+    """A GPU's clocks rise from idle only under load: products of 8192 x 8192 for ``seconds`` first, so every
+    shape is timed at the clocks training runs at (the first shapes ran 1.5-3x slow on an idle H200)."""
+    if device.type != "cuda":
+        return
+    a = torch.randn(8192, 8192, device=device, dtype=dtype)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a @ a
+        torch.cuda.synchronize(device)
 
 
-def _attention() -> list[dict]:
-    """Seconds of causal ``scaled_dot_product_attention``, forward and backward, at each of ``ATTENTION_SHAPES``,
-    with its FLOPs as the planner counts them (QK^T and AV in full: ``4 T^2 d`` per head forward, 3 passes)."""
+def _attention(shapes, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """Seconds of causal ``scaled_dot_product_attention``, forward and backward, at each (batch x heads,
+    sequence, head width), with its FLOPs as the planner counts them (QK^T and AV in full: ``4 T^2 d`` per
+    head forward, 3 passes)."""
     import torch.nn.functional as F
 
     rows = []
-    for heads, seq, width in ATTENTION_SHAPES:
-        q, k, v = (torch.randn(heads, seq, width, requires_grad=True) for _ in range(3))
+    for heads, seq, width in shapes:
+        q, k, v = (torch.randn(1, heads, seq, width, device=device, dtype=dtype, requires_grad=True)
+                   for _ in range(3))
+        grad = torch.randn(1, heads, seq, width, device=device, dtype=dtype)
 
-        def step(q=q, k=k, v=v):
-            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+        def step(q=q, k=k, v=v, grad=grad):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
 
-        rows.append({"flops": 3 * 4.0 * heads * seq * seq * width, "seconds": _seconds(step)})
+        rows.append({"heads": heads, "seq": seq, "width": width, "flops": 3 * 4.0 * heads * seq * seq * width,
+                     "seconds": _seconds(step, device=device)})
     return rows
 
 
-def _bandwidth(elements: int) -> float:
+def _bandwidth(elements: int, device: torch.device) -> float:
     """Bytes/s of an element-wise sum of two fp32 vectors of ``elements`` into a third (two reads, a write)."""
-    a, b = torch.ones(elements), torch.ones(elements)
+    a, b = torch.ones(elements, device=device), torch.ones(elements, device=device)
     out = torch.empty_like(a)
-    return 3 * elements * 4 / _seconds(lambda: torch.add(a, b, out=out))
+    return 3 * elements * 4 / _seconds(lambda: torch.add(a, b, out=out), device=device)
 
 
 def fit_gemms(rows: list[dict], peak: float, bandwidth: float, bytes_per_element: int = 4) -> dict:

@@ -1,7 +1,7 @@
 """What a training run gets from the planner under ``--grid auto``: the full search's first choice for the run's
 model on a machine profile (the five axes, microbatches, recomputation and overlap switches), for every choice
 the user did not fix with a flag; the fixed default from the world size is :func:`par4d.grid.default_grid`.
-No torch here unless a machine must be calibrated.
+No torch here unless a machine must be found (this machine's GPUs) or calibrated.
 """
 
 from __future__ import annotations
@@ -40,13 +40,20 @@ def planned_run(world: int, *, machine: str | None, inside: bool, n_layer: int, 
     ``recompute`` given means recomputation (the cache keeps weights only for it; ``all`` includes it only under
     recomputation, as ``par4d train`` reads it).
 
-    ``machine`` names a profile (built-in or TOML); ``None`` calibrates this machine first, which needs ranks of
-    its own and so cannot happen ``inside`` a launched job. ``report`` gets one line before a calibration and one
+    ``machine`` names a profile (built-in or TOML); ``None`` takes the built-in machine of this machine's GPUs
+    where there are GPUs (:func:`par4d.plan.device.builtin_for`, as many per node as are visible), else calibrates
+    this CPU machine first, which needs ranks of its own and so cannot happen ``inside`` a launched job.
+    ``report`` gets one line before a calibration or a GPU's built-in, and one
     naming the choice and the runner-up with their predicted step times.
     """
     peak = None
+    gpus = None if machine is not None else _this_gpu()
     if machine is not None:
         profile = load_machine(machine)
+    elif gpus is not None:
+        profile = gpus
+        report(f"--grid auto: this machine's GPUs are {profile.name}'s ({profile.devices_per_node} per node); "
+               f"--machine PROFILE plans for another")
     elif inside:
         raise ValueError("--grid auto under torchrun/srun needs --machine PROFILE (make one with par4d calibrate)")
     else:
@@ -78,6 +85,25 @@ def planned_run(world: int, *, machine: str | None, inside: bool, n_layer: int, 
                 # par4d train's default is one microbatch per step without a pipeline, P with one
                 microbatches=None if best.microbatches == (pipe if pipe > 1 else 1) else best.microbatches,
                 recompute="1" if best.checkpointing else "none", overlap=best.overlap or "none", peak=peak)
+
+
+def _this_gpu():
+    """The built-in machine of this machine's GPUs with as many per node as are visible; None without CUDA
+    (a CPU machine is calibrated); an error for a GPU no built-in describes (calibrate measures CPUs only)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    from dataclasses import replace
+
+    from par4d.plan.device import builtin_for
+
+    device = torch.device("cuda", 0)
+    machine = builtin_for(device)
+    if machine is None:
+        raise ValueError(f"--grid auto: no built-in machine describes this GPU ({torch.cuda.get_device_name(device)});"
+                         f" give --machine PROFILE (a TOML profile: par4d plan --help)")
+    return replace(machine, devices_per_node=torch.cuda.device_count())
 
 
 TIE = 0.02

@@ -157,6 +157,15 @@ H100 = Machine("h100", devices_per_node=8, peak_flops=989e12, memory_bytes=80 * 
                beta_intra=450 * GB, beta_inter=400 * GB, latency=NCCL_NVLINK_STEP,
                latency_inter=NCCL_NET_STEP, efficiency=H100_MAMF, bytes_per_element=2,
                memory_bandwidth=3350 * GB, attention_efficiency=0.35)
+# DGX H200: the H100's chip and clocks (989 TFLOP/s bf16 dense) with 141 GB of HBM3e (4,800 GB/s on the data
+# sheet); the same NVSwitch and NICs. Its compute terms are par4d's own measurement of one H200 (``par4d plan
+# device``, torch 2.11 + CUDA 13.0, 2026-11-26; docs/planner.md, "On a GPU"): 36 bf16 GEMM shapes fitted at 0.75
+# of peak and 6.2 us per GEMM (median error 6%), fused causal attention at 0.52 (cuDNN's), an element-wise sum
+# at 4,349 GB/s.
+H200 = Machine("h200", devices_per_node=8, peak_flops=989e12, memory_bytes=141 * GB,
+               beta_intra=450 * GB, beta_inter=400 * GB, latency=NCCL_NVLINK_STEP,
+               latency_inter=NCCL_NET_STEP, efficiency=0.75, kernel_latency=6.2 * US, bytes_per_element=2,
+               memory_bandwidth=4349 * GB, attention_efficiency=0.52)
 # Frontier node: 4 MI250X = 8 GCDs (191.5 TFLOP/s bf16, 64 GB and 1,638 GB/s of HBM2e each), Infinity
 # Fabric between GCDs (50-200 GB/s; 100 GB/s assumed), 4 Slingshot-11 NICs = 100 GB/s per node.
 # RCCL keeps NCCL's cost model; its step latencies are taken as NCCL's.
@@ -165,7 +174,7 @@ FRONTIER = Machine("frontier", devices_per_node=8, peak_flops=191.5e12, memory_b
                    latency_inter=NCCL_NET_STEP, efficiency=MI250X_MAMF, bytes_per_element=2,
                    memory_bandwidth=1638 * GB, attention_efficiency=0.5)
 
-BUILTIN = {m.name: m for m in (PERLMUTTER, A100_80GB, H100, FRONTIER)}
+BUILTIN = {m.name: m for m in (PERLMUTTER, A100_80GB, H100, H200, FRONTIER)}
 
 
 def load_machine(name_or_path: str) -> Machine:

@@ -34,6 +34,12 @@ class Layer:
     count: int = 1
 
 
+def logit_bytes(gx: int, bytes_per_element: int) -> int:
+    """Bytes per logit the loss keeps and moves (par4d.nn.loss): split over x, par4d's vocabulary-parallel
+    softmax in fp32; whole (G_x = 1), PyTorch's fused cross-entropy, whose log-softmax is in the logits' dtype."""
+    return 4 if gx > 1 else bytes_per_element
+
+
 def state_bytes(params: float, bytes_per_element: int, offload_bsize: int | None = None) -> float:
     """Device bytes of ``params`` parameters' training state: the parameter and its gradient,
     and AdamW's m and v (with fp32 masters when training in 16 bits). Offloaded (the
@@ -209,7 +215,7 @@ class GPTSpec:
           normalized inputs and the two normal layers' inputs (``4 d / G_y``); over x, q, k, v and
           attention's output (which attn.proj reads as it is), fc's output and GELU's (``12 d / G_x``); in
           fp32, attention's log-sum-exp per head and the norms' statistics. Once: the final norm's and the
-          head's inputs, the loss's softmax (fp32, ``V / G_x``) and its targets. With recomputation, each
+          head's inputs, the loss's softmax (:func:`logit_bytes` per token) and its targets. With recomputation, each
           block's input, and the larger of those once-terms (forward) and one block's working set (backward);
         * ``buffers``: the data-parallel buckets in flight, a flattened copy of every gradient summed over
           data (over z alone: the norms' and biases')."""
@@ -225,7 +231,7 @@ class GPTSpec:
         rows = self.tokens / (gd * gz) * share
         stream, outputs = SAVED_PER_BLOCK
         per_block = rows * (b * (stream * h / gy + outputs * h / gx) + 4 * (self.heads / gx + 2))
-        once = rows * (b * 2 * h / gy + 4 * self.vocab / gx + 4 + 8)
+        once = rows * (b * 2 * h / gy + logit_bytes(gx, b) * self.vocab / gx + 4 + 8)
         # Without recomputation all of it at the end of forward; with it, every block's input, and then either
         # the loss's and head's (forward) or one block's recomputed working set (backward, theirs freed by then).
         acts = (self.n_layer * rows * h / gy * b + max(per_block, once)) if checkpointing else (
@@ -240,12 +246,12 @@ class GPTSpec:
         the residual stream's layout (features over y: two norms, two residual sums, the transposed
         layers' biases) and ``22 d`` of the normal layers' outputs (over x: qkv's and fc's biases, GELU),
         backward twice that, recomputation the forward again; the loss reads and writes the logits
-        (``V / G_x`` per token, fp32) twice forward and twice backward (:data:`LOGIT_PASSES`)."""
+        (``V / G_x`` per token, :func:`logit_bytes` each) twice forward and twice backward (:data:`LOGIT_PASSES`)."""
         gx, gy, gz, gd = sizes["x"], sizes["y"], sizes["z"], sizes["data"]
         tokens = self.tokens / (gd * gz)
         passes = 4 if checkpointing else 3
         per_token = self.n_layer * passes * bytes_per_element * self.hidden * (STREAM_PASSES / gy + OUTPUT_PASSES / gx)
-        return tokens * (per_token + LOGIT_PASSES * 4 * self.vocab / gx)
+        return tokens * (per_token + LOGIT_PASSES * logit_bytes(gx, bytes_per_element) * self.vocab / gx)
 
     def with_batch(self, global_batch: int | None = None, seq_len: int | None = None) -> GPTSpec:
         from dataclasses import replace

@@ -27,10 +27,14 @@ def as_rank(config: TrainConfig) -> dict:
 def local_ranks(config: TrainConfig, world: int, max_restarts: int) -> dict:
     """Start ``world`` local ranks and train; rank 0's summary. Raises ``Interrupted`` when this
     process got a signal (the ranks saved their step before exiting)."""
+    import torch
+
     from par4d.launch.machine import cpu_cores, measure_matmul_peak
 
     with RunLock(config.out, new=not config.resume):    # one run per folder, until the ranks are gone
-        if config.peak_flops is None:   # measured here, before the ranks exist, so nothing competes for the cores
+        # The CPU's peak is measured here, before the ranks exist, so nothing competes for the cores; a GPU's by
+        # rank 0 on its device (this process keeps out of CUDA).
+        if config.peak_flops is None and not torch.cuda.is_available():
             config = replace(config, peak_flops=measure_matmul_peak(threads=cpu_cores()))
         os.environ[HELD_ENV] = str(Path(config.out).resolve())    # the ranks inherit it
         try:

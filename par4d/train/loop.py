@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from par4d.folder import Folder
 from par4d.launch import distributed_env, init
-from par4d.launch.machine import cpu_cores, measure_matmul_peak, threads_per_rank
+from par4d.launch.machine import job_peak, threads_per_rank
 from par4d.ledger import in_flight_seconds
 from par4d.optim.data_parallel import global_mean
 from par4d.optim.precision import MixedPrecision, parse_precision
@@ -84,9 +84,10 @@ def _run(config: TrainConfig, stop: StopRequest, grid, out: Path) -> dict:
     run = Folder(out)
     # The machine's peak, best measured before the ranks exist (par4d's launcher does);
     # under torchrun/srun rank 0 measures on every core while the others wait.
-    peak = job.config.peak_flops
-    if peak is None:
-        peak = on_rank0(lambda: measure_matmul_peak(threads=cpu_cores(), device=grid.device)) or 0.0
+    peak, peak_what = job.config.peak_flops, "fp32, every core"
+    if peak is None:     # on a GPU: one device's, in the compute dtype, times the ranks (one device each)
+        dtype = job.precision.dtype if job.precision is not None else torch.float32
+        peak, peak_what = on_rank0(lambda: job_peak(grid.device, dtype, grid.world_size)) or (0.0, "")
     metrics = on_rank0(lambda: _open_metrics(run, job.start_step))
     on_rank0(lambda: run.write_text(SETTINGS, text=resolved(job.config)))   # --config SETTINGS trains it again
     board = on_rank0(lambda: Board(run, job.start_step)) if job.config.tensorboard else None
@@ -106,7 +107,7 @@ def _run(config: TrainConfig, stop: StopRequest, grid, out: Path) -> dict:
             metrics.close()
         if board is not None:
             board.close()
-    summary = on_rank0(lambda: _summarize(job, grid, run, measured, peak, val_loss)) or {}
+    summary = on_rank0(lambda: _summarize(job, grid, run, measured, peak, peak_what, val_loss)) or {}
     grid.close()    # idle from here: a job that goes on (a test's pool of ranks) need not carry its groups
     return summary
 
@@ -129,8 +130,13 @@ def _setup(config: TrainConfig, grid, out: Path) -> _Job:
     if config.init_from and not config.resume and config.model == "gpt":   # GPT-2's weights; each rank reads its
         load_hf(Path(config.init_from), grid, model)                      # shards (a Hugging Face model loaded its own)
 
+    # On a GPU, AdamW's fused kernel: one pass over the states instead of foreach's several (the same update, in
+    # another rounding); the offloaded optimizer steps its own buckets.
+    fused = grid.device.type == "cuda" and config.offload_bsize is None
+
     def adamw(params):
-        return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
+        return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95),
+                                 fused=fused or None)
 
     # Mixed precision: the model computes in bf16/fp16, fp32 masters (what checkpoints hold) and
     # their AdamW beside it; `state` is what is saved and stepped either way.
@@ -263,7 +269,8 @@ def _rss_per_rank() -> list[dict[str, int]]:
     return every
 
 
-def _summarize(job: _Job, grid, run: Folder, measured: _Measured, peak: float, val_loss: float) -> dict:
+def _summarize(job: _Job, grid, run: Folder, measured: _Measured, peak: float, peak_what: str,
+               val_loss: float) -> dict:
     """Rank 0: the run's summary (steady-state rates: the first step, with its one-time warm-up, left out),
     written to summary.json with the loss plot."""
     config, model = job.config, job.model
@@ -284,7 +291,7 @@ def _summarize(job: _Job, grid, run: Folder, measured: _Measured, peak: float, v
         "steps": config.steps, "start_step": job.start_step, "resumed_from": resumed_from,
         "grid_changed": resumed_from is not None and resumed_from["grid"] != grid.sizes,
         "tokens_per_s": tokens_per_s,
-        "model_flops_per_s": flops, "matmul_peak_flops_per_s": peak,
+        "model_flops_per_s": flops, "matmul_peak_flops_per_s": peak, "matmul_peak_of": peak_what,
         # The async-pipeline paper's Eq 3 (Narayanan's count) and Eq 2 (time to train on 300 B tokens):
         # the language models' (None for the U-Net).
         "eq3_flops_per_s": None if unet else model_config.narayanan_flops(config.batch_size) / step_s if step_s

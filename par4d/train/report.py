@@ -31,6 +31,11 @@ def _communication(summary: dict) -> str:
             f"{hidden:.0f}% hidden, exposed = {share:.0f}% of the step")
 
 
+def _rate(flops: float) -> str:
+    """FLOP/s in the unit that reads best: GFLOP/s on CPUs, TFLOP/s on GPUs."""
+    return f"{flops / 1e12:.1f} TFLOP/s" if flops >= 1e12 else f"{flops / 1e9:.2f} GFLOP/s"
+
+
 def _model_line(summary: dict) -> str:
     model = summary.get("model", "gpt")
     if model == "unet":
@@ -61,18 +66,19 @@ def print_summary(summary: dict) -> None:
 
     grid = " ".join(f"{a}={summary['grid'][a]}" for a in AXES)
     text = summary["eq3_flops_per_s"] is not None    # the paper's GPT formulas (Eqs 2 and 3) apply
-    flops = f"{summary['model_flops_per_s'] / 1e9:.2f} GFLOP/s"
+    flops = _rate(summary['model_flops_per_s'])
     rows = [
         ("grid", f"{grid}  ({summary['world_size']} ranks, {summary['device']}, {summary['backend']})"),
         ("model", _model_line(summary)),
         ("parameters", f"{summary['params']:,}"),
         ("steps", f"{summary['start_step']} -> {summary['steps']}" + _resumed(summary)),
         ("tokens/s" if text else "pixels/s", f"{summary['tokens_per_s']:,.0f}"),
-        ("model FLOP/s", f"{flops} (par4d's count; the paper's Eq 3: {summary['eq3_flops_per_s'] / 1e9:.2f} GFLOP/s)"
+        ("model FLOP/s", f"{flops} (par4d's count; the paper's Eq 3: {_rate(summary['eq3_flops_per_s'])})"
                          if text else flops),
         *([("300 B tokens", f"{summary['eq2_days_to_300b_tokens']:,.0f} days at this rate (the paper's Eq 2)")]
           if text else []),
-        ("matmul peak", f"{summary['matmul_peak_flops_per_s'] / 1e9:.1f} GFLOP/s fp32 (measured at start-up)"),
+        ("matmul peak", f"{_rate(summary['matmul_peak_flops_per_s'])} "
+                        f"({summary.get('matmul_peak_of') or 'fp32, every core'}; measured at start-up)"),
         ("% of peak", f"{summary['percent_of_peak']:.1f}%"),
         ("overlap", f"{summary['overlap']}, recompute {_every(summary['recompute_every'])}"),
         ("optimizer", summary["optimizer"]),
