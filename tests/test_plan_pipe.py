@@ -167,7 +167,7 @@ def test_rows_and_ranking():
     assert (row["pipe"], row["microbatches"], row["t_p2p"]) == (2, 4, pred.t_p2p) and row["t_p2p"] > 0
     old_keys = {"x", "y", "z", "data", "fits", "excluded", "t_comm", "t_comm_x", "t_comm_y", "t_comm_z", "t_comm_data",
                 "t_compute", "t_exposed", "t_iter", "mem_bytes", "percent_of_peak"}
-    assert old_keys | {"pipe", "microbatches", "t_p2p", "checkpointing", "overlap"} == set(row)
+    assert old_keys | {"pipe", "microbatches", "t_p2p", "checkpointing", "overlap", "t_sync", "collectives"} == set(row)
     plain = predict(SPEC, dict(x=2, y=1, z=1, data=1), NODE8).row()
     assert (plain["pipe"], plain["microbatches"], plain["t_p2p"]) == (1, 1, 0.0)
     # The search stays over x, y, z, data.

@@ -226,3 +226,39 @@ def test_full_model_takes_profiled_compute():
         predict(SPEC, sizes, machine, "aware", compute_seconds=0.1)
     assert "full-profiled" not in [s.model for s in score([{k: v for k, v in row.items() if k != "compute_s"}
                                                             for row in measured], machine)]
+
+
+SYNC_CHOICES = [
+    dict(sizes=dict(x=1, y=1, z=1, data=2, pipe=2), microbatches=2, recompute=False),
+    dict(sizes=dict(x=1, y=1, z=1, data=1, pipe=4), microbatches=8, recompute=False),
+    dict(sizes=dict(x=1, y=1, z=1, data=4, pipe=1), microbatches=1, recompute=False),
+    dict(sizes=dict(x=1, y=1, z=4, data=1, pipe=1), microbatches=2, recompute=False),
+    dict(sizes=dict(x=1, y=1, z=2, data=2, pipe=1), microbatches=1, recompute=True),
+    dict(sizes=dict(x=2, y=1, z=2, data=1, pipe=1), microbatches=1, recompute=False),
+    dict(sizes=dict(x=1, y=2, z=1, data=2, pipe=1), microbatches=1, recompute=False),
+    dict(sizes=dict(x=2, y=2, z=1, data=1, pipe=1), microbatches=1, recompute=True),
+]
+
+
+def test_the_model_counts_every_collective_a_step_issues():
+    """The full model's count of collectives per step is rank 0's ledger, exactly: the layers' (the x/y ones in
+    two row chunks under xy), the norms' and the loss's, the embeddings' over z, the sync's buckets, the
+    recomputed gathers, and a pipeline's hand-offs and loss sum (a pipeline's stage is the model's average
+    one: exact for rank 0 where the layers the stages hold differently, the head's and the loss's, do not
+    communicate). Each costs the machine's ``sync_cost``."""
+    from par4d.overlap import Overlap
+    from par4d.plan.profile import profile_compute
+    from par4d.plan.validate import choice_prediction
+
+    shared = Machine("shared", devices_per_node=4, peak_flops=1e10, memory_bytes=1e10, beta_intra=1e9,
+                     beta_inter=1e9, latency=1e-4, bytes_per_element=4, cores_shared=2.0)   # every hand-off counts
+    profiled = profile_compute(SYNC_CHOICES, threads=1, iters=1)
+    for choice, row in zip(SYNC_CHOICES, profiled):
+        counted = choice_prediction(choice, shared, "full", Overlap())
+        assert counted.collectives == len(row["collectives"]), (choice, row["collectives"])
+        assert counted.t_sync == 0.0
+        costly = choice_prediction(choice, replace(shared, sync_cost=1e-3), "full", Overlap())
+        assert costly.t_sync == pytest.approx(1e-3 * len(row["collectives"]), rel=1e-12)
+        assert costly.t_iter == pytest.approx(counted.t_iter + costly.t_sync, rel=1e-12)
+    with pytest.raises(ValueError, match="sync_cost"):
+        replace(shared, sync_cost=-1e-3)

@@ -55,5 +55,10 @@ def run(args: argparse.Namespace) -> int:
     print("alpha: seconds per ring step (latency), beta: bytes/s, both fitted over every group and message size; "
           "error: the fit's median; CPU busy: the share of a collective's time the ranks' CPU worked (gloo's "
           "copies and sums, which take the cores compute needs), the rest waiting")
+    sync = result["sync"]
+    print(f"a collective between compute, as training issues them: {sync['sync_seconds'] * 1e6:.0f} us beyond the "
+          f"compute ({sync['compute_seconds'] * 1e3:.2f} ms) and the collective alone "
+          f"({sync['collective_seconds'] * 1e3:.2f} ms), all {sync['p']} ranks: the profile's sync_cost, paid per "
+          f"collective and never hidden (the ranks reach each one at different moments)")
     print(f"profile written to {args.out}")
     return 0

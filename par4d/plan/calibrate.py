@@ -201,9 +201,53 @@ def _measure_worker(settings: CalibrationSettings) -> list[dict]:
                 dist.all_reduce(worst, op=dist.ReduceOp.MAX)      # a collective ends when its slowest rank does
                 rows.append({"kind": kind, "p": p, "bytes": elements * 4, "seconds": worst[0].item(),
                              "cpu_seconds": worst[1].item()})
+        if p == settings.nproc:
+            rows.append(_sync_row(grid, settings.repeats))
         grid.close()
     dist.destroy_process_group()
     return rows
+
+
+SYNC_ROUNDS = 30
+
+
+def _sync_row(grid, repeats: int) -> dict:
+    """What a collective costs in training beyond its time from a common start: ranks reach it at different
+    moments (where they time-share the cores, one may be off its core when the others arrive). Timed on every
+    rank of ``grid`` (its x axis spans them all): rounds of a compute chunk (a few ms of GEMMs), rounds of a
+    one-element all-reduce, and rounds of both in turn, as training issues them; the slowest rank's median of
+    ``repeats``. ``sync_seconds``: what a round of both takes beyond the two alone."""
+    from par4d import comm
+
+    a, tiny = torch.randn(256, 256), torch.ones(1)
+
+    def chunk():
+        for _ in range(4):
+            a @ a
+
+    def reduce():
+        comm.all_reduce(grid, tiny, "x")
+
+    def both():
+        chunk()
+        reduce()
+
+    def rounds(work) -> float:
+        samples = []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(SYNC_ROUNDS):
+                work()
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples) / SYNC_ROUNDS
+
+    both()
+    worst = torch.tensor([rounds(chunk), rounds(reduce), rounds(both)])
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    compute, collective, together = worst.tolist()
+    return {"kind": "sync", "p": grid.world_size, "compute_seconds": compute, "collective_seconds": collective,
+            "both_seconds": together, "sync_seconds": max(0.0, together - compute - collective)}
 
 
 def _nonnegative_fit(a: np.ndarray, t: np.ndarray) -> np.ndarray:
@@ -293,7 +337,7 @@ def calibrate(nproc: int, out: Path, repeats: int = 5, cluster=None) -> dict:
         r["flops"] / (r["seconds"] * shared * peak / nproc) for r in compute["attention"]))
     settings = CalibrationSettings(nproc, repeats)
     if cluster is None:
-        rows = launch_local(nproc, _measure_worker, (settings,), run_id="par4d-calibrate")[0]
+        rows, sync = _apart(launch_local(nproc, _measure_worker, (settings,), run_id="par4d-calibrate")[0])
         per_node, name = nproc, f"local-{nproc}"
         fits = fit(rows)
         beta = beta_inter = fits["all_reduce"]["beta"]
@@ -301,7 +345,7 @@ def calibrate(nproc: int, out: Path, repeats: int = 5, cluster=None) -> dict:
     else:
         from par4d.launch.cluster import launch_cluster
 
-        rows = launch_cluster(cluster, _measure_worker, (settings,))[0]
+        rows, sync = _apart(launch_cluster(cluster, _measure_worker, (settings,))[0])
         per_node, name = cluster.ranks_per_node, f"emulated-{cluster.nodes}x{cluster.ranks_per_node}-{cluster.link}"
         fits = fit(rows, per_node)           # groups inside a node and across, in one fit
         beta, beta_inter = fits["all_reduce"]["beta"], fits["all_reduce"]["beta_inter"]
@@ -317,11 +361,17 @@ def calibrate(nproc: int, out: Path, repeats: int = 5, cluster=None) -> dict:
                       comm_cpu_share=min(1.0, sum(r["cpu_seconds"] for r in rows) / sum(r["seconds"] for r in rows)),
                       all_gather_scale=fits["all_gather"]["beta"] / beta,
                       reduce_scatter_scale=fits["reduce_scatter"]["beta"] / beta,
-                      staged=cluster is not None)    # gloo across nodes: par4d stages (--hierarchical auto)
+                      staged=cluster is not None,    # gloo across nodes: par4d stages (--hierarchical auto)
+                      sync_cost=sync["sync_seconds"])
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(_toml_fit(machine, {**fits, "gemm": gemm}, peak, nproc))
+    out.write_text(_toml_fit(machine, {**fits, "gemm": gemm, "sync": sync}, peak, nproc))
     return {"machine": machine, "fits": fits, "gemm": gemm, "gemm_rows": gemms, "rows": rows, "peak_total": peak,
-            "world": nproc}
+            "world": nproc, "sync": sync}
+
+
+def _apart(rows: list[dict]) -> tuple[list[dict], dict]:
+    """The collectives' rows, and the one row of :func:`_sync_row`."""
+    return [r for r in rows if r["kind"] != "sync"], next(r for r in rows if r["kind"] == "sync")
 
 
 def _toml_fit(machine, fits: dict, peak: float, ranks: int) -> str:

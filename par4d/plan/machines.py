@@ -65,6 +65,9 @@ class Machine:
     # The share of a collective's time its ranks' CPU is busy (gloo's copies and sums; calibrate measures it):
     # where ranks time-share the cores that share takes cores the compute needs and never hides.
     comm_cpu_share: float = 0.0
+    # Seconds each collective costs beyond its time from a common start: its ranks reach it at different moments
+    # (calibrate measures it; where ranks time-share the cores one may be off its core). No overlap hides it.
+    sync_cost: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -90,7 +93,7 @@ class Machine:
 # Fields that count things: whole numbers >= 1. Every other number is finite and > 0, except these lower bounds.
 COUNTS = ("devices_per_node", "bytes_per_element")
 # 0 = the paper's model (no per-step latency), no cost per GEMM, no CPU in collectives
-AT_LEAST_ZERO = ("latency", "latency_inter", "kernel_latency", "comm_cpu_share")
+AT_LEAST_ZERO = ("latency", "latency_inter", "kernel_latency", "comm_cpu_share", "sync_cost")
 OPTIONAL = ("latency_inter", "memory_bandwidth", "attention_efficiency")           # None: not given
 FRACTIONS = ("efficiency", "attention_efficiency", "comm_cpu_share")
 BOOLS = ("staged",)

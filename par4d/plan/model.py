@@ -255,6 +255,8 @@ class Prediction:
     percent_of_peak: float = 0.0
     microbatches: int = 1            # per step: gradient accumulation, and the pipeline's
     t_p2p: float = 0.0               # the pipeline's fill and drain hand-offs (in t_comm and t_comm_axes["pipe"])
+    t_sync: float = 0.0              # collectives' arrival cost (machine.sync_cost per call; in t_iter, never hidden)
+    collectives: float = 0.0         # collectives a rank issues per step (the full model's; a ledger's count)
     checkpointing: bool = False      # activation recomputation
     overlap: str | None = None       # the overlaps assumed (Overlap.describe()); None: synchronous
 
@@ -267,8 +269,9 @@ class Prediction:
                 "checkpointing": self.checkpointing, "overlap": self.overlap, "fits": self.fits,
                 "excluded": self.excluded, "t_comm": self.t_comm,
                 **{f"t_comm_{a}": self.t_comm_axes.get(a, 0.0) for a in AXES4}, "t_p2p": self.t_p2p,
-                "t_compute": self.t_compute, "t_exposed": self.t_exposed, "t_iter": self.t_iter,
-                "mem_bytes": self.mem_bytes, "percent_of_peak": self.percent_of_peak}
+                "t_sync": self.t_sync, "collectives": self.collectives, "t_compute": self.t_compute,
+                "t_exposed": self.t_exposed, "t_iter": self.t_iter, "mem_bytes": self.mem_bytes,
+                "percent_of_peak": self.percent_of_peak}
 
 
 def _extra_role(kind: str, axes: tuple[str, ...]) -> str:
@@ -376,13 +379,21 @@ def predict(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Mach
 class Communication:
     """What one iteration communicates on a grid with M microbatches, whatever the recomputation and
     overlap settings: seconds per axis and per role (:data:`ROLES`), the z gathers, the bytes the
-    data-parallel sync moves, and the pipeline's fill and drain hand-offs."""
+    data-parallel sync moves, the pipeline's fill and drain hand-offs, and how many collectives the rank issues."""
 
     axes: dict[str, float]
     roles: dict[str, float]
     gathers: float
     grad_bytes: float
     t_p2p: float
+    calls: float = 0.0     # collectives a step issues on a rank, the data sync and the hand-offs aside,
+    xy_calls: float = 0.0  # of them the layers' all-reduces over x and y (``xy`` issues each in row chunks)
+    # What a recomputed forward issues again beyond the gathers: its layers' sums over x and y and its norms'
+    # gathers over y (seconds per role and per axis, calls as above).
+    redo_roles: dict[str, float] = field(default_factory=dict)
+    redo_axes: dict[str, float] = field(default_factory=dict)
+    redo_calls: float = 0.0
+    redo_xy_calls: float = 0.0
 
 
 def communication(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Machine, variant: str,
@@ -396,15 +407,23 @@ def communication(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine
     alpha = latencies(sizes, machine) if full else dict.fromkeys(beta, 0.0)
     axes = {a: 0.0 for a in beta}                                       # pipe only where sizes names it
     roles = {r: 0.0 for r in ROLES}
-    gathers = 0
+    gathers = calls = xy_calls = redo_calls = redo_xy_calls = 0
+    redo_roles, redo_axes = dict.fromkeys(("in_sum", "forward"), 0.0), {a: 0.0 for a in beta}
     for layer in spec.layers():
         piece = layer if micro == 1 else Layer(layer.name, layer.m / micro, layer.k, layer.n, layer.transposed,
                                                layer.count)                 # the layer on one microbatch's rows
         for (axis, role), t in layer_terms(piece, sizes, beta, b, alpha, machine if full else None, not full).items():
             # The stage's 1/P of the layers; the data sync once per step, the rest once per microbatch.
-            t *= (1 if role == "sync" else micro) / pipe
-            axes[axis] += t
-            roles[role] += t
+            share = (1 if role == "sync" else micro) / pipe
+            axes[axis] += t * share
+            roles[role] += t * share
+            if sizes[axis] > 1 and role != "sync":
+                calls += layer.count * share
+                xy_calls += layer.count * share if role in ("in_sum", "input_grad") else 0
+            if role == "in_sum" and layer.name not in spec.NOT_RECOMPUTED:
+                redo_roles["in_sum"] += t * share
+                redo_axes[axis] += t * share
+                redo_xy_calls += layer.count * share if sizes[axis] > 1 else 0
         gathers += layer.count * micro / pipe if sizes["z"] > 1 else 0
     grad_bytes = 0.0
     if full:
@@ -412,8 +431,8 @@ def communication(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine
                  "reduce_scatter": machine.reduce_scatter_scale}
         weights = sum(layer.k * layer.n * layer.count for layer in spec.layers())
         extras = spec.extra_collectives(sizes) + [   # par4d's data sync: one bucketed all-reduce
-            ("all_reduce", ("data",), weights / (sizes["x"] * sizes["y"] * sizes["z"]), 1)]
-        for kind, axis_group, elements, count in extras:
+            ("all_reduce", ("data",), weights / (sizes["x"] * sizes["y"] * sizes["z"]), 1, 0)]
+        for kind, axis_group, elements, count, again in extras:
             role = _extra_role(kind, axis_group)
             if role == "sync":
                 elements /= pipe                    # the stage's own parameters, once per step
@@ -425,16 +444,26 @@ def communication(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine
             for axis in axis_group:
                 ranks *= sizes[axis]
             slowest = min(beta[a] for a in axis_group) * scale[kind]
-            t = collective_time(kind, tuple(axis_group), sizes, elements * b, slowest,
-                                max(alpha[a] for a in axis_group), machine) * count
+            one = collective_time(kind, tuple(axis_group), sizes, elements * b, slowest,
+                                  max(alpha[a] for a in axis_group), machine)
+            t = one * count
             axes[axis_group[-1]] += t
             roles[role] += t
+            if again:                               # re-issued by a recomputed forward, where the layers' are
+                again *= micro / pipe
+                redo_roles[role] += one * again
+                redo_axes[axis_group[-1]] += one * again
+                redo_calls += again if ranks > 1 else 0
+            # gradient sums over data alone ride in the sync's buckets (counted in _timed), over z and data not
+            bucketed = kind == "all_reduce" and "data" in axis_group and (axis_group == ("data",) or sizes["z"] == 1)
+            calls += count if ranks > 1 and not bucketed else 0
             if "data" in axis_group and kind == "all_reduce" and ranks > 1:
                 grad_bytes += elements * b
     t_p2p = 0.0
     if pipe > 1:
         t_p2p = axes["pipe"] = p2p_seconds(spec, sizes, machine, micro, alpha["pipe"], beta["pipe"])
-    return Communication(axes, roles, gathers, grad_bytes, t_p2p)
+    return Communication(axes, roles, gathers, grad_bytes, t_p2p, calls, xy_calls, redo_roles, redo_axes,
+                         redo_calls + redo_xy_calls, redo_xy_calls)
 
 
 def p2p_seconds(spec: GPTSpec, sizes: dict[str, int], machine: Machine, micro: int, alpha: float,
@@ -478,7 +507,15 @@ class CommunicationByCount:
             alpha = latencies(self.sizes, self.machine)["pipe"]
             beta = bandwidths(self.sizes, self.machine, aware=True)["pipe"]
             t_p2p = axes["pipe"] = p2p_seconds(self.spec, self.sizes, self.machine, micro, alpha, beta)
-        return Communication(axes, roles, first.gathers / low * micro, first.grad_bytes, t_p2p)
+        def between(a: float, b: float) -> float:
+            return a + (b - a) * share
+
+        return Communication(axes, roles, first.gathers / low * micro, first.grad_bytes, t_p2p,
+                             between(first.calls, last.calls), between(first.xy_calls, last.xy_calls),
+                             {r: between(first.redo_roles[r], last.redo_roles[r]) for r in first.redo_roles},
+                             {a: between(first.redo_axes[a], last.redo_axes[a]) for a in first.redo_axes},
+                             between(first.redo_calls, last.redo_calls),
+                             between(first.redo_xy_calls, last.redo_xy_calls))
 
 
 def timed_choice(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Machine, checkpointing: bool,
@@ -497,8 +534,13 @@ def _timed(pred: Prediction, spec, sizes: dict[str, int], machine: Machine, full
     pipe, micro = sizes.get("pipe", 1), pred.microbatches
     pred.t_p2p = comm.t_p2p
     pred.t_comm_axes = dict(comm.axes)
-    if full and checkpointing and not (overlap is not None and overlap.cache):
-        pred.t_comm_axes["z"] += comm.roles["gather"]       # the recomputed forward gathers the weights again
+    roles = comm.roles
+    if full and checkpointing:
+        if not (overlap is not None and overlap.cache):
+            pred.t_comm_axes["z"] += comm.roles["gather"]   # the recomputed forward gathers the weights again
+        for axis, t in comm.redo_axes.items():              # and sums over x and y, and norms' statistics
+            pred.t_comm_axes[axis] += t
+        roles = {r: t + comm.redo_roles.get(r, 0.0) for r, t in comm.roles.items()}
     pred.t_comm = sum(pred.t_comm_axes.values())
     world = sizes["x"] * sizes["y"] * sizes["z"] * sizes["data"] * pipe
     flops = spec.flops_per_iteration(checkpointing)
@@ -507,17 +549,29 @@ def _timed(pred: Prediction, spec, sizes: dict[str, int], machine: Machine, full
         t_stage = compute_seconds if compute_seconds is not None else stage_seconds(spec, sizes, machine,
                                                                                     checkpointing, micro)
         pred.t_compute = with_bubble(t_stage, micro, pipe, machine)       # the pipeline's fill and drain
-    pred.t_iter = pred.t_compute + pred.t_comm
+    buckets = 0 if comm.grad_bytes == 0 else 1 if overlap is None else (
+        math.ceil(comm.grad_bytes / overlap.bucket_bytes) + (1 if comm.grad_bytes > 2**20 else 0))
+    if full:
+        # Every collective waits for the last rank to reach it, a cost no overlap hides (calibrate measures it):
+        # the layers' and extras' calls (the x/y ones in row chunks under xy), the recomputed forward's gathers,
+        # the sync's buckets, the hand-offs on the path and the loss summed over the stages once.
+        regathers = comm.gathers if checkpointing and not (overlap is not None and overlap.cache) else 0
+        hand_offs = 2 * (micro if machine.cores_shared > 1 else pipe - 1) + 1 if pipe > 1 else 0
+        chunks = overlap.row_chunks if overlap is not None and overlap.xy else 1
+        redone = comm.redo_calls + comm.redo_xy_calls * (chunks - 1) if checkpointing else 0
+        pred.collectives = (comm.calls + comm.xy_calls * (chunks - 1) + regathers + redone + hand_offs
+                            + (buckets if sizes["data"] > 1 else 0))
+        pred.t_sync = pred.collectives * machine.sync_cost
+    pred.t_iter = pred.t_compute + pred.t_comm + pred.t_sync
     if full and overlap is not None:
-        buckets = math.ceil(comm.grad_bytes / overlap.bucket_bytes) + (1 if comm.grad_bytes > 2**20 else 0)
         # Where ranks time-share the cores, the share of each collective that is CPU work takes cores the compute
         # needs: it never hides; the rest (waiting) hides as on a device.
         busy = machine.comm_cpu_share if machine.cores_shared > 1 else 0.0
-        roles = {role: t * (1 - busy) for role, t in comm.roles.items()}
+        roles = {role: t * (1 - busy) for role, t in roles.items()}
         # The stage's collectives hide behind its own compute, not behind the bubble; the hand-offs never hide.
         pred.t_exposed = exposed_comm(roles, t_stage, overlap, comm.gathers, buckets, checkpointing) \
             + busy * (pred.t_comm - comm.t_p2p) + comm.t_p2p
-        pred.t_iter = pred.t_compute + pred.t_exposed
+        pred.t_iter = pred.t_compute + pred.t_exposed + pred.t_sync
     if pred.t_iter > 0:
         pred.percent_of_peak = 100 * flops / (pred.t_iter * world * machine.peak_flops)
     return pred

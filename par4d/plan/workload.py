@@ -177,22 +177,23 @@ class GPTSpec:
         return problem
 
     def extra_collectives(self, sizes: dict[str, int]) -> list[tuple[str, tuple[str, ...], float, int]]:
-        """Collectives outside Eqs 4-8, per iteration: (kind, axes, elements per rank, count).
-        Norm statistics, the vocabulary-parallel loss, the embeddings' gather/scatter over z,
-        and the gradient sync of embeddings, biases and norm gains."""
+        """Collectives outside Eqs 4-8, per iteration: (kind, axes, elements per rank, count, count a recomputed
+        forward issues again). Norm statistics (the blocks' forward ones again under recomputation), the
+        vocabulary-parallel loss, the embeddings' gather/scatter over z, and the gradient sync of embeddings,
+        biases and norm gains."""
         gy, gz, gd = sizes["y"], sizes["z"], sizes["data"]
         rows = self.tokens / (gd * gz)
         norms = 2 * self.n_layer + 1
         _, embed = self._vectors_and_embeddings                      # wte, wpe (full size)
         return [
-            ("all_gather", ("y",), 2 * rows, norms),                # row [mean, M2]
-            ("all_reduce", ("y",), 2 * rows, norms),                # row gradient statistics
-            ("all_reduce", ("x",), rows, 1),                        # loss: row max
-            ("all_reduce", ("x",), 2 * rows, 1),                    # loss: [sum exp, target logit]
-            ("all_gather", ("z",), embed / (gy * gz), 1),
-            ("reduce_scatter", ("z",), embed / gy, 1),
-            ("all_reduce", ("data",), embed / (gy * gz), 1),
-            ("all_reduce", ("z", "data"), self.vectors_per_rank(sizes), 1),
+            ("all_gather", ("y",), 2 * rows, norms, 2 * self.n_layer),   # row [mean, M2]
+            ("all_reduce", ("y",), 2 * rows, norms, 0),                 # row gradient statistics
+            ("all_reduce", ("x",), rows, 1, 0),                         # loss: row max
+            ("all_reduce", ("x",), 2 * rows, 1, 0),                     # loss: [sum exp, target logit]
+            ("all_gather", ("z",), embed / (gy * gz) / 2, 2, 0),        # wte and wpe, one call each
+            ("reduce_scatter", ("z",), embed / gy / 2, 2, 0),
+            ("all_reduce", ("data",), embed / (gy * gz), 1, 0),
+            ("all_reduce", ("z", "data"), self.vectors_per_rank(sizes), 1, 0),
         ]
 
     def memory_per_device(self, sizes: dict[str, int], bytes_per_element: int, checkpointing: bool, *,
