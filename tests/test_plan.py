@@ -399,7 +399,9 @@ def test_calibrate_never_overwrites_a_profile(tmp_path, capsys, monkeypatch):
         out.write_text("measured\n")
         return {"machine": NODE4, "fits": {}, "peak_total": 1e9, "world": nproc,
                 "gemm": {"efficiency": 0.9, "kernel_latency": 1e-6, "memory_bandwidth": 1e10, "median_error": 0.05,
-                         "points": 36, "attention_efficiency": 0.5}}
+                         "points": 36, "attention_efficiency": 0.5},
+                "sync": {"p": nproc, "compute_seconds": 3e-3, "collective_seconds": 1e-3, "both_seconds": 4.5e-3,
+                         "sync_seconds": 5e-4}}
 
     monkeypatch.setattr(par4d.plan.calibrate, "calibrate", measured)
     profile = tmp_path / "local.toml"

@@ -262,3 +262,25 @@ def test_the_model_counts_every_collective_a_step_issues():
         assert costly.t_iter == pytest.approx(counted.t_iter + costly.t_sync, rel=1e-12)
     with pytest.raises(ValueError, match="sync_cost"):
         replace(shared, sync_cost=-1e-3)
+
+
+def _sync_on_every_rank():
+    import par4d
+    from par4d.plan.calibrate import _sync_row
+
+    grid = par4d.init(x=4, hierarchical="off")
+    try:
+        return _sync_row(grid)
+    finally:
+        grid.close()
+
+
+def test_calibration_measures_what_a_collective_between_compute_costs(pool4):
+    """Every rank gets the same row (the slowest rank's times), and a round of compute and a collective takes at
+    least as long as either alone; sync_seconds is its median excess over the two."""
+    rows = pool4.run(_sync_on_every_rank)
+    assert all(row == rows[0] for row in rows)
+    row = rows[0]
+    assert (row["kind"], row["p"]) == ("sync", 4)
+    assert row["both_seconds"] >= max(row["compute_seconds"], row["collective_seconds"]) > 0
+    assert row["sync_seconds"] <= row["both_seconds"]

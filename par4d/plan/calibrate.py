@@ -202,21 +202,22 @@ def _measure_worker(settings: CalibrationSettings) -> list[dict]:
                 rows.append({"kind": kind, "p": p, "bytes": elements * 4, "seconds": worst[0].item(),
                              "cpu_seconds": worst[1].item()})
         if p == settings.nproc:
-            rows.append(_sync_row(grid, settings.repeats))
+            rows.append(_sync_row(grid))
         grid.close()
     dist.destroy_process_group()
     return rows
 
 
-SYNC_ROUNDS = 30
+SYNC_ROUNDS, SYNC_REPEATS = 30, 9
 
 
-def _sync_row(grid, repeats: int) -> dict:
+def _sync_row(grid) -> dict:
     """What a collective costs in training beyond its time from a common start: ranks reach it at different
     moments (where they time-share the cores, one may be off its core when the others arrive). Timed on every
-    rank of ``grid`` (its x axis spans them all): rounds of a compute chunk (a few ms of GEMMs), rounds of a
-    one-element all-reduce, and rounds of both in turn, as training issues them; the slowest rank's median of
-    ``repeats``. ``sync_seconds``: what a round of both takes beyond the two alone."""
+    rank of ``grid`` (its x axis spans them all), ``SYNC_REPEATS`` times in turn: rounds of a compute chunk
+    (four 256-square products), rounds of a one-element all-reduce, and rounds of both, as training issues
+    them; each time the slowest rank's. ``sync_seconds``: the median over the repeats of what a round of both
+    took beyond the two apart (one measurement of it varies by 2x here: the median of 9 is what is kept)."""
     from par4d import comm
 
     a, tiny = torch.randn(256, 256), torch.ones(1)
@@ -233,21 +234,19 @@ def _sync_row(grid, repeats: int) -> dict:
         reduce()
 
     def rounds(work) -> float:
-        samples = []
-        for _ in range(repeats):
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(SYNC_ROUNDS):
-                work()
-            samples.append(time.perf_counter() - start)
-        return statistics.median(samples) / SYNC_ROUNDS
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(SYNC_ROUNDS):
+            work()
+        return (time.perf_counter() - start) / SYNC_ROUNDS
 
     both()
-    worst = torch.tensor([rounds(chunk), rounds(reduce), rounds(both)])
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    compute, collective, together = worst.tolist()
+    samples = torch.tensor([[rounds(chunk), rounds(reduce), rounds(both)] for _ in range(SYNC_REPEATS)])
+    dist.all_reduce(samples, op=dist.ReduceOp.MAX)
+    extra = samples[:, 2] - samples[:, 0] - samples[:, 1]
+    compute, collective, together = samples.median(dim=0).values.tolist()
     return {"kind": "sync", "p": grid.world_size, "compute_seconds": compute, "collective_seconds": collective,
-            "both_seconds": together, "sync_seconds": max(0.0, together - compute - collective)}
+            "both_seconds": together, "sync_seconds": max(0.0, float(extra.median()))}
 
 
 def _nonnegative_fit(a: np.ndarray, t: np.ndarray) -> np.ndarray:
