@@ -134,14 +134,14 @@ US = 1e-6
 # c / (α + c / β): half of β at c = α β (340 KB over NVLink, 960 KB over the network at
 # 100 GB/s), which is how small messages lose bandwidth in this model.
 NCCL_NVLINK_STEP, NCCL_NET_STEP = 3.4 * US, 9.6 * US
-# GEMMs by shape (par4d/plan/compute.py): ``efficiency`` is the largest fraction of the bf16 peak a
-# matmul reached in the Maximum Achievable Matmul FLOPS table (stas00/ml-engineering,
-# compute/accelerator/README.md: A100 SXM 267.9 of 312 TFLOP/s, CUDA 12.1; H100 SXM 792.1 of 989,
-# CUDA 12.1; MI250X 147.0 of 191.5 for one GCD, ROCm 6.2); ``memory_bandwidth`` is the data sheet's
-# HBM bandwidth. ``attention_efficiency``: FlashAttention-2 (Dao, 2023) reports 50-73% of the A100's
-# peak, 0.6 taken; FlashAttention-3 (Shah et al., 2024) reports FlashAttention-2 at 35% of the H100's;
-# for the MI250X no published figure was found and the A100's low end, 0.5, is assumed.
-A100_MAMF, H100_MAMF, MI250X_MAMF = 267.9 / 312, 792.1 / 989, 147.0 / 191.5
+# GEMMs by shape (par4d/plan/compute.py), for the machines par4d has not measured (the A100s, the MI250X):
+# ``efficiency`` is the largest fraction of the bf16 peak a matmul reached in the Maximum Achievable Matmul
+# FLOPS table (stas00/ml-engineering, compute/accelerator/README.md: A100 SXM 267.9 of 312 TFLOP/s, CUDA 12.1;
+# MI250X 147.0 of 191.5 for one GCD, ROCm 6.2); ``memory_bandwidth`` is the data sheet's HBM bandwidth.
+# ``attention_efficiency``: FlashAttention-2 (Dao, 2023) reports 50-73% of the A100's peak, 0.6 taken; for the
+# MI250X no published figure was found and the A100's low end, 0.5, is assumed. The H100 and H200 carry
+# par4d's own measurements (below).
+A100_MAMF, MI250X_MAMF = 267.9 / 312, 147.0 / 191.5
 # Perlmutter GPU node: 4 A100-40GB (312 TFLOP/s bf16, HBM2 1,555 GB/s), NVLink 3 between every GPU
 # pair (4 links x 25 GB/s per direction = 100 GB/s), 4 Slingshot-11 NICs of 200 Gb/s = 100 GB/s per node.
 PERLMUTTER = Machine("perlmutter", devices_per_node=4, peak_flops=312e12, memory_bytes=40 * GB,
@@ -154,12 +154,16 @@ A100_80GB = Machine("a100-80gb", devices_per_node=8, peak_flops=312e12, memory_b
                     beta_intra=300 * GB, beta_inter=200 * GB, latency=NCCL_NVLINK_STEP,
                     latency_inter=NCCL_NET_STEP, efficiency=A100_MAMF, bytes_per_element=2,
                     memory_bandwidth=2039 * GB, attention_efficiency=0.6)
-# DGX H100: 8 H100 SXM (989 TFLOP/s bf16 dense, HBM3 3,350 GB/s, 80 GB), NVSwitch (NVLink 4: 450 GB/s
-# per direction), 8 NDR InfiniBand NICs of 400 Gb/s = 400 GB/s per node.
+# DGX H100: 8 H100 SXM (989 TFLOP/s bf16 dense, HBM3 3,350 GB/s on the data sheet, 80 GB), NVSwitch (NVLink 4:
+# 450 GB/s per direction), 8 NDR InfiniBand NICs of 400 Gb/s = 400 GB/s per node. Its compute terms are par4d's
+# own measurement of one H100 SXM (``par4d plan device``, torch 2.11 + CUDA 13.0, 2026-11-26; docs/planner.md,
+# "On a GPU"): 36 bf16 GEMM shapes fitted at 0.74 of peak and 7.1 us per GEMM (median error 5%; the published
+# MAMF search, 0.801, is the best shape's), fused causal attention at 0.50 (cuDNN's; FlashAttention-3's paper
+# gives FlashAttention-2 0.35), an element-wise sum at 3,028 GB/s.
 H100 = Machine("h100", devices_per_node=8, peak_flops=989e12, memory_bytes=80 * GB,
                beta_intra=450 * GB, beta_inter=400 * GB, latency=NCCL_NVLINK_STEP,
-               latency_inter=NCCL_NET_STEP, efficiency=H100_MAMF, bytes_per_element=2,
-               memory_bandwidth=3350 * GB, attention_efficiency=0.35)
+               latency_inter=NCCL_NET_STEP, efficiency=0.74, kernel_latency=7.1 * US, bytes_per_element=2,
+               memory_bandwidth=3028 * GB, attention_efficiency=0.50)
 # DGX H200: the H100's chip and clocks (989 TFLOP/s bf16 dense) with 141 GB of HBM3e (4,800 GB/s on the data
 # sheet); the same NVSwitch and NICs. Its compute terms are par4d's own measurement of one H200 (``par4d plan
 # device``, torch 2.11 + CUDA 13.0, 2026-11-26; docs/planner.md, "On a GPU"): 36 bf16 GEMM shapes fitted at 0.75

@@ -408,22 +408,26 @@ def communication(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine
     axes = {a: 0.0 for a in beta}                                       # pipe only where sizes names it
     roles = {r: 0.0 for r in ROLES}
     gathers = calls = xy_calls = redo_calls = redo_xy_calls = 0
-    redo_roles, redo_axes = dict.fromkeys(("in_sum", "forward"), 0.0), {a: 0.0 for a in beta}
+    redo_roles, redo_axes = {"in_sum": 0.0, "forward": 0.0}, {"x": 0.0, "y": 0.0}   # sums over x, y; norms over y
     for layer in spec.layers():
         piece = layer if micro == 1 else Layer(layer.name, layer.m / micro, layer.k, layer.n, layer.transposed,
                                                layer.count)                 # the layer on one microbatch's rows
         for (axis, role), t in layer_terms(piece, sizes, beta, b, alpha, machine if full else None, not full).items():
+            if not t:                   # an axis of one rank: no collective
+                continue
             # The stage's 1/P of the layers; the data sync once per step, the rest once per microbatch.
             share = (1 if role == "sync" else micro) / pipe
             axes[axis] += t * share
             roles[role] += t * share
-            if sizes[axis] > 1 and role != "sync":
-                calls += layer.count * share
-                xy_calls += layer.count * share if role in ("in_sum", "input_grad") else 0
-            if role == "in_sum" and layer.name not in spec.NOT_RECOMPUTED:
-                redo_roles["in_sum"] += t * share
-                redo_axes[axis] += t * share
-                redo_xy_calls += layer.count * share if sizes[axis] > 1 else 0
+            if role == "sync":
+                continue
+            calls += layer.count * share
+            if role in ("in_sum", "input_grad"):
+                xy_calls += layer.count * share
+                if role == "in_sum" and layer.name not in spec.NOT_RECOMPUTED:
+                    redo_roles["in_sum"] += t * share
+                    redo_axes[axis] += t * share
+                    redo_xy_calls += layer.count * share
         gathers += layer.count * micro / pipe if sizes["z"] > 1 else 0
     grad_bytes = 0.0
     if full:
@@ -455,8 +459,8 @@ def communication(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine
                 redo_axes[axis_group[-1]] += one * again
                 redo_calls += again if ranks > 1 else 0
             # gradient sums over data alone ride in the sync's buckets (counted in _timed), over z and data not
-            bucketed = kind == "all_reduce" and "data" in axis_group and (axis_group == ("data",) or sizes["z"] == 1)
-            calls += count if ranks > 1 and not bucketed else 0
+            if ranks > 1 and not (role == "sync" and (axis_group == ("data",) or sizes["z"] == 1)):
+                calls += count
             if "data" in axis_group and kind == "all_reduce" and ranks > 1:
                 grad_bytes += elements * b
     t_p2p = 0.0
