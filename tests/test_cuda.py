@@ -51,3 +51,17 @@ def test_bf16_with_the_offloaded_optimizer_trains_on_the_gpu(tmp_path):
     half = _train(tmp_path / "bf16", "--nproc", "1", "--precision", "bf16", "--offload-optimizer", "1000", gpu=True)
     assert half["device"] == "cuda" and "offloaded" in half["optimizer"]
     assert half["losses"] == pytest.approx(cpu["losses"], rel=2e-2) and half["final_loss"] < half["initial_loss"]
+
+
+def test_a_gpu_run_resumes_with_the_fused_optimizer(tmp_path):
+    """On a GPU AdamW is fused, and keeps its step count on the device: a run stopped after 3 steps and resumed
+    to 6 follows the straight 6-step run (the checkpoint's state is loaded into device tensors)."""
+    straight = _train(tmp_path / "straight", "--nproc", "1", gpu=True)
+    _train(tmp_path / "split", "--nproc", "1", "--steps", "3", "--save-every", "3", gpu=True)
+    result = subprocess.run([sys.executable, "-m", "par4d.cli", "train", "--resume", str(tmp_path / "split"),
+                             "--steps", "6", "--no-progress"], capture_output=True, text=True, timeout=600,
+                            env=gpu_env(OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
+    assert straight["device"] == "cuda" and len(losses) == 6
+    assert losses == pytest.approx(straight["losses"], rel=1e-5)

@@ -4,6 +4,7 @@ search against brute force, and the published comparison in docs/planner.md."""
 
 import itertools
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -138,6 +139,39 @@ def test_the_search_finds_what_brute_force_finds():
     assert found == pytest.approx(_brute_force(SPEC, 8, TIGHT), rel=1e-12)
     assert [p.t_iter for p in ranked] == sorted(p.t_iter for p in ranked)
     assert all(not p.fits for p in excluded)
+
+
+def test_where_collectives_cost_sync_the_search_still_finds_what_brute_force_finds():
+    """With a cost per collective, xy's row chunks (a collective each) can lose: the search times the first set
+    that fits with and without xy, and finds brute force's choice on every grid; xy off wins somewhere."""
+    costly = replace(TIGHT, sync_cost=1e-5)
+    ranked, _ = search(SPEC, 8, costly)
+    found = {tuple(p.sizes.values()): p.t_iter for p in ranked}
+    assert found == pytest.approx(_brute_force(SPEC, 8, costly), rel=1e-12)
+
+    def chunked(machine) -> tuple[int, int]:      # grids with x or y: (chosen with xy, without)
+        chosen = [p.overlap for p in search(SPEC, 8, machine)[0] if p.sizes["x"] * p.sizes["y"] > 1]
+        return sum(1 for o in chosen if o and "xy" in o), sum(1 for o in chosen if not o or "xy" not in o)
+
+    (free_xy, free_plain), (costly_xy, costly_plain) = chunked(TIGHT), chunked(costly)
+    assert costly_plain > free_plain and costly_xy > 0 and free_xy + free_plain == costly_xy + costly_plain
+
+
+def test_communication_at_any_count_from_two_computed():
+    """CommunicationByCount gives every microbatch count from two computed ones: each field equals a direct
+    computation, the collectives counted and a recomputed forward's included."""
+    from par4d.plan.model import CommunicationByCount, communication
+
+    for sizes in (dict(x=2, y=2, z=1, data=1, pipe=2), dict(x=1, y=2, z=2, data=1, pipe=2),
+                  dict(x=2, y=1, z=2, data=2, pipe=1)):
+        terms = CommunicationByCount(SPEC, sizes, TIGHT)
+        for micro in (1, 2, 4):
+            at, direct = terms.at(micro), communication(SPEC, sizes, TIGHT, "full", micro)
+            for name in ("gathers", "grad_bytes", "t_p2p", "calls", "xy_calls", "redo_calls", "redo_xy_calls"):
+                assert getattr(at, name) == pytest.approx(getattr(direct, name), rel=1e-12), (sizes, micro, name)
+            for name in ("axes", "roles", "redo_roles", "redo_axes"):
+                assert getattr(at, name) == pytest.approx(getattr(direct, name), rel=1e-12), (sizes, micro, name)
+        assert terms.at(4).calls > terms.at(1).calls > 0 and terms.at(4).redo_xy_calls > 0
 
 
 def test_fixed_choices_are_kept():

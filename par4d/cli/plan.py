@@ -235,12 +235,15 @@ def _device(args: argparse.Namespace) -> int:
 
     if args.iters < 1:
         raise ValueError(f"--iters must be >= 1, got {args.iters}")
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if not torch.cuda.is_available():
+        # A CPU profile describes one rank of those sharing the cores; calibrate measures its terms as such.
+        raise ValueError("plan device checks a GPU, and none is visible here; on CPUs, par4d calibrate measures "
+                         "the same terms for one rank (GEMMs by shape, attention, memory bandwidth)")
+    device = torch.device("cuda", torch.cuda.current_device())
     machine = load_machine(args.machine) if args.machine is not None else builtin_for(device)
     if machine is None:
-        what = torch.cuda.get_device_name(device) if device.type == "cuda" else "no GPU here (the CPU, in fp32)"
-        raise ValueError(f"plan device: no built-in machine for {what}; give --machine, a TOML profile of this "
-                         f"device (its peak_flops and memory_bandwidth are the ones checked)")
+        raise ValueError(f"plan device: no built-in machine describes this GPU ({torch.cuda.get_device_name(device)}"
+                         f"); give --machine, a TOML profile of it (its peak_flops and memory_bandwidth are checked)")
     result = check_device(machine, device, cpu_cores(), args.iters)
     if args.json:
         for row in result["steps"]:

@@ -33,6 +33,13 @@ INITIAL_SCALE = 2.0 ** 16     # fp16's scale at the start (halved on every overf
 GROWTH_INTERVAL = 2000        # good steps in a row before the scale doubles
 
 
+def fused_adamw(device: torch.device, offloaded: bool = False) -> bool | None:
+    """``fused=`` for torch's AdamW over parameters on ``device``: on a GPU its fused kernel, one pass over
+    the states instead of foreach's several (the same update, in another rounding); None (torch's choice)
+    elsewhere, and for the offloaded optimizer, which steps its own buckets."""
+    return True if device.type == "cuda" and not offloaded else None
+
+
 def parse_precision(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"--precision {name!r}: give one of {', '.join(DTYPES)}")

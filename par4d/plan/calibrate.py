@@ -35,29 +35,31 @@ MESSAGE_BYTES = (4096, 65536, 1 << 20, 4 << 20)
 GEMM_ROWS, GEMM_SIDES = (16, 128, 1024, 4096), (32, 128, 512)
 
 
+def finish(device: torch.device | None) -> None:
+    """Wait until ``device`` has run what was queued on it (a GPU's kernels run asynchronously)."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _seconds(run, least: float = 0.005, device: torch.device | None = None) -> float:
     """Median seconds of ``run()`` over 3 samples, each repeated until it lasts ``least`` seconds; on a CUDA
-    ``device`` each sample ends when the device has finished (its kernels run asynchronously)."""
-    def finish():
-        if device is not None and device.type == "cuda":
-            torch.cuda.synchronize(device)
-
+    ``device`` each sample ends when the device has finished."""
     run()
-    finish()
+    finish(device)
     count, start = 1, time.perf_counter()
     run()
-    finish()
+    finish(device)
     while time.perf_counter() - start < least:
         run()
         count += 1
-        finish()
+        finish(device)
     repeats = count
     samples = []
     for _ in range(3):
         start = time.perf_counter()
         for _ in range(repeats):
             run()
-        finish()
+        finish(device)
         samples.append((time.perf_counter() - start) / repeats)
     return statistics.median(samples)
 
@@ -243,10 +245,15 @@ def _sync_row(grid) -> dict:
     both()
     samples = torch.tensor([[rounds(chunk), rounds(reduce), rounds(both)] for _ in range(SYNC_REPEATS)])
     dist.all_reduce(samples, op=dist.ReduceOp.MAX)
-    extra = samples[:, 2] - samples[:, 0] - samples[:, 1]
     compute, collective, together = samples.median(dim=0).values.tolist()
     return {"kind": "sync", "p": grid.world_size, "compute_seconds": compute, "collective_seconds": collective,
-            "both_seconds": together, "sync_seconds": max(0.0, float(extra.median()))}
+            "both_seconds": together, "sync_seconds": sync_excess(samples.tolist())}
+
+
+def sync_excess(samples: list[list[float]]) -> float:
+    """From (compute, collective, both) seconds per repeat: the median of what both took beyond the two apart,
+    never below 0 (a collective between compute never costs less than its time alone)."""
+    return max(0.0, statistics.median(together - compute - collective for compute, collective, together in samples))
 
 
 def _nonnegative_fit(a: np.ndarray, t: np.ndarray) -> np.ndarray:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from par4d.models import GPTConfig
-from par4d.plan.calibrate import GPU_SHAPES, ComputeShapes, fit_gemms, measure_compute
+from par4d.plan.calibrate import GPU_SHAPES, ComputeShapes, finish, fit_gemms, measure_compute
 from par4d.plan.compute import gemm_seconds
 from par4d.plan.machines import BUILTIN, Machine
 from par4d.plan.workload import GPTSpec
@@ -51,16 +51,22 @@ CPU_STEPS = (StepCase("gpt-4x128", GPTConfig(vocab_size=256, block_size=128, n_l
 
 
 def builtin_for(device: torch.device) -> Machine | None:
-    """The built-in machine whose devices are ``device`` (by its CUDA name and memory), or None."""
+    """The built-in machine whose devices are ``device``, by its CUDA name and memory; None for any other (a
+    PCIe or NVL card, a GH200, another size: their peaks, bandwidths or memory differ from the built-ins')."""
     if device.type != "cuda":
         return None
     props = torch.cuda.get_device_properties(device)
-    name = props.name
-    for key, machine in (("H200", "h200"), ("H100", "h100"), ("MI250X", "frontier")):
-        if key in name:
-            return BUILTIN[machine]
-    if "A100" in name:
-        return BUILTIN["a100-80gb" if props.total_memory > 50e9 else "perlmutter"]
+    name, memory = props.name, props.total_memory
+    if any(form in name for form in ("PCIe", "PCIE", "NVL", "GH200")):
+        return None
+    if "H200" in name and memory > 135e9:
+        return BUILTIN["h200"]
+    if "H100" in name and 78e9 < memory < 90e9:
+        return BUILTIN["h100"]
+    if "A100" in name and "SXM" in name:
+        return BUILTIN["a100-80gb" if memory > 50e9 else "perlmutter"]
+    if "MI250X" in name:
+        return BUILTIN["frontier"]
     return None
 
 
@@ -82,20 +88,15 @@ def attention_rows(measured: list[dict], machine: Machine) -> list[dict]:
                  efficiency=r["flops"] / r["seconds"] / machine.peak_flops) for r in measured]
 
 
-def _finish(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _timed(step, device: torch.device, iters: int, warmup: int = 2) -> list[float]:
     for _ in range(warmup):
         step()
-    _finish(device)
+    finish(device)
     times = []
     for _ in range(iters):
         start = time.perf_counter()
         step()
-        _finish(device)
+        finish(device)
         times.append(time.perf_counter() - start)
     return times
 
@@ -106,22 +107,25 @@ def _batch(case: StepCase, device: torch.device) -> tuple[torch.Tensor, torch.Te
     return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
 
-def _par4d_step(case: StepCase, dtype: torch.dtype, iters: int, offload_bsize: int | None = None) -> dict:
+def _par4d_step(case: StepCase, device: torch.device, dtype: torch.dtype, iters: int,
+                offload_bsize: int | None = None) -> dict:
     """par4d's GPT on a one-rank grid, as ``par4d train`` steps it (mixed precision below fp32; with
     ``offload_bsize``, its masters and AdamW state in CPU memory, stepped that many elements at a time)."""
     from par4d.launch import init
     from par4d.models import GPT
-    from par4d.optim.precision import MixedPrecision
+    from par4d.optim.precision import MixedPrecision, fused_adamw
     from par4d.train.footprint import measure_footprint
     from par4d.train.step import train_step
 
     fresh = not dist.is_initialized()
     grid = init()
     try:
+        if grid.device.type != device.type:
+            raise ValueError(f"plan device: the rank's device is {grid.device}, the check's {device}")
         model = GPT(case.config, grid=grid)
 
-        def adamw(params):       # as par4d train's: fused on a GPU
-            return torch.optim.AdamW(params, lr=1e-4, fused=grid.device.type == "cuda" and not offload_bsize or None)
+        def adamw(params):       # as par4d train's
+            return torch.optim.AdamW(params, lr=1e-4, fused=fused_adamw(device, offload_bsize is not None))
 
         precision = (MixedPrecision(model, grid, dtype, adamw, offload_bsize=offload_bsize)
                      if dtype != torch.float32 or offload_bsize else None)
@@ -144,9 +148,10 @@ def _torch_step(case: StepCase, device: torch.device, dtype: torch.dtype, iters:
     """The same GPT in plain PyTorch (par4d's single-process reference model): fp32 parameters, autocast to
     ``dtype`` below fp32, AdamW fused on a GPU."""
     from par4d.models.reference import ReferenceGPT
+    from par4d.optim.precision import fused_adamw
 
     model = ReferenceGPT(case.config).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused_adamw(device))
     x, y = _batch(case, device)
 
     def step():
@@ -179,7 +184,7 @@ def step_rows(case: StepCase, machine: Machine, device: torch.device, dtype: tor
     for name, offload in ((f"{case.name} one rank", None),
                           (f"{case.name} one rank, optimizer offloaded (bsize {OFFLOAD_BSIZE:,})", OFFLOAD_BSIZE)):
         prediction = predict(spec, ONE, machine, "full", microbatches=1, offload_bsize=offload)
-        measured = _par4d_step(case, dtype, iters, offload)
+        measured = _par4d_step(case, device, dtype, iters, offload)
         if device.type == "cuda":
             torch.cuda.empty_cache()
         rows.append({"model": case.name, "framework": "par4d", "name": name, "tokens": spec.tokens,

@@ -532,6 +532,9 @@ def timed_choice(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine:
     return _timed(pred, spec, sizes, machine, True, checkpointing, t_stage, overlap, terms)
 
 
+SYNCHRONOUS = Overlap.none()
+
+
 def _timed(pred: Prediction, spec, sizes: dict[str, int], machine: Machine, full: bool, checkpointing: bool,
            compute_seconds: float | None, overlap: Overlap | None, comm: Communication) -> Prediction:
     """``pred`` with its times: ``comm`` and the compute, with what the overlaps hide."""
@@ -553,8 +556,8 @@ def _timed(pred: Prediction, spec, sizes: dict[str, int], machine: Machine, full
         t_stage = compute_seconds if compute_seconds is not None else stage_seconds(spec, sizes, machine,
                                                                                     checkpointing, micro)
         pred.t_compute = with_bubble(t_stage, micro, pipe, machine)       # the pipeline's fill and drain
-    buckets = 0 if comm.grad_bytes == 0 else 1 if overlap is None else (
-        math.ceil(comm.grad_bytes / overlap.bucket_bytes) + (1 if comm.grad_bytes > 2**20 else 0))
+    # The data-parallel sync's buckets: as many with the overlap off (it only waits for them at the end).
+    buckets = math.ceil(comm.grad_bytes / (overlap or SYNCHRONOUS).bucket_bytes) + (1 if comm.grad_bytes > 2**20 else 0)
     if full:
         # Every collective waits for the last rank to reach it, a cost no overlap hides (calibrate measures it):
         # the layers' and extras' calls (the x/y ones in row chunks under xy), the recomputed forward's gathers,

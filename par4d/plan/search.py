@@ -9,7 +9,9 @@ faster (each step below is tested against the brute-force search in tests/test_p
 * **Overlap switches**: each switch hides more communication, never less
   (:func:`~par4d.plan.model.exposed_comm`), and only two cost memory: OAG's prefetched
   weights and the cache's gathered ones under recomputation. So the best set is every
-  switch, then without the cache, then without OAG: the first that fits.
+  switch, then without the cache, then without OAG: the first that fits. One switch issues
+  more collectives: xy's row chunks; on a machine whose collectives cost ``sync_cost`` each
+  the first set that fits is timed with and without xy.
 * **Microbatches without a pipeline**: M microbatches pay M times the weight collectives and
   the activation collectives' latency, for compute no less (smaller GEMMs), so more is never
   faster; the best is the fewest that fit. With a pipeline, more microbatches shrink the bubble, and
@@ -19,7 +21,7 @@ faster (each step below is tested against the brute-force search in tests/test_p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from par4d.overlap import Overlap
 from par4d.plan.compute import stage_seconds, with_bubble
@@ -85,6 +87,14 @@ def search(spec: GPTSpec | ModuleWorkload, world: int, machine: Machine,
     return ranked, excluded
 
 
+def _with_and_without_xy(overlap: Overlap, machine: Machine) -> tuple[Overlap, ...]:
+    """The sets to time where the first fits: xy's row chunks cost a collective each, and where collectives cost
+    ``sync_cost`` beyond their time the set without xy (the same memory) can be the faster."""
+    if machine.sync_cost and overlap.xy:
+        return overlap, replace(overlap, xy=False, row_chunks=1)
+    return (overlap,)
+
+
 def _best(spec, sizes: dict[str, int], machine: Machine, space: Space, recompute: tuple[bool, ...]) -> Prediction:
     """The fastest choice on ``sizes`` that fits; else the smallest footprint, or why it cannot run.
     Memory is checked before anything is timed, and with a pipeline a microbatch count whose
@@ -133,10 +143,11 @@ def _best(spec, sizes: dict[str, int], machine: Machine, space: Space, recompute
                         smallest = (need, checkpointing, micro, overlap)
                     continue
                 t_stage = t_least if micro == 1 else stage_seconds(spec, sizes, machine, checkpointing, micro)
-                pred = timed_choice(spec, sizes, machine, checkpointing, micro, overlap if overlap.names else None,
-                                    need, t_stage, terms.at(micro))
-                if best is None or pred.t_iter < best.t_iter:
-                    best = pred
+                for candidate in _with_and_without_xy(overlap, machine):
+                    pred = timed_choice(spec, sizes, machine, checkpointing, micro,
+                                        candidate if candidate.names else None, need, t_stage, terms.at(micro))
+                    if best is None or pred.t_iter < best.t_iter:
+                        best = pred
                 break                                   # the first set that fits is the fastest
             else:
                 continue                                # nothing fits at this count: try more microbatches

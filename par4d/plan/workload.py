@@ -36,8 +36,9 @@ class Layer:
 
 def logit_bytes(gx: int, bytes_per_element: int) -> int:
     """Bytes per logit the loss keeps and moves (par4d.nn.loss): split over x, par4d's vocabulary-parallel
-    softmax in fp32; whole (G_x = 1), PyTorch's fused cross-entropy, whose log-softmax is in the logits' dtype."""
-    return 4 if gx > 1 else bytes_per_element
+    softmax in fp32 at least; whole (G_x = 1), PyTorch's fused cross-entropy, whose log-softmax is in the
+    logits' dtype."""
+    return max(4, bytes_per_element) if gx > 1 else bytes_per_element
 
 
 def state_bytes(params: float, bytes_per_element: int, offload_bsize: int | None = None) -> float:
@@ -176,7 +177,7 @@ class GPTSpec:
             return f"batch of {self.global_batch} sequences not divisible by z*data={gz * gd}"
         return problem
 
-    def extra_collectives(self, sizes: dict[str, int]) -> list[tuple[str, tuple[str, ...], float, int]]:
+    def extra_collectives(self, sizes: dict[str, int]) -> list[tuple[str, tuple[str, ...], float, int, int]]:
         """Collectives outside Eqs 4-8, per iteration: (kind, axes, elements per rank, count, count a recomputed
         forward issues again). Norm statistics (the blocks' forward ones again under recomputation), the
         vocabulary-parallel loss, the embeddings' gather/scatter over z, and the gradient sync of embeddings,

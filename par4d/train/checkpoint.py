@@ -654,7 +654,10 @@ def load(run_dir: Path, grid: Grid, model: nn.Module, optimizer: torch.optim.Opt
     for group in optimizer.param_groups:        # AdamW's state needs its tensors before they are filled
         for param in group["params"]:
             if not optimizer.state.get(param):
-                optimizer.state[param] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(param),
+                # fused (and capturable) AdamW keeps its step count on the parameter's device, else on the CPU
+                on_device = group.get("fused") or group.get("capturable")
+                step = torch.zeros((), dtype=torch.float32, device=param.device if on_device else "cpu")
+                optimizer.state[param] = {"step": step, "exp_avg": torch.zeros_like(param),
                                           "exp_avg_sq": torch.zeros_like(param)}
     wanted = list(_tensors(grid, model, optimizer))
     for key, _, _, full in wanted:              # every shape first: nothing is filled from a wrong checkpoint

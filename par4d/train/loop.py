@@ -20,7 +20,7 @@ from par4d.launch import distributed_env, init
 from par4d.launch.machine import job_peak, threads_per_rank
 from par4d.ledger import in_flight_seconds
 from par4d.optim.data_parallel import global_mean
-from par4d.optim.precision import MixedPrecision, parse_precision
+from par4d.optim.precision import MixedPrecision, fused_adamw, parse_precision
 from par4d.pipeline import evaluate_pipeline
 from par4d.train import checkpoint
 from par4d.train.board import Board, resident
@@ -130,13 +130,11 @@ def _setup(config: TrainConfig, grid, out: Path) -> _Job:
     if config.init_from and not config.resume and config.model == "gpt":   # GPT-2's weights; each rank reads its
         load_hf(Path(config.init_from), grid, model)                      # shards (a Hugging Face model loaded its own)
 
-    # On a GPU, AdamW's fused kernel: one pass over the states instead of foreach's several (the same update, in
-    # another rounding); the offloaded optimizer steps its own buckets.
-    fused = grid.device.type == "cuda" and config.offload_bsize is None
+    fused = fused_adamw(grid.device, offloaded=config.offload_bsize is not None)
 
     def adamw(params):
         return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95),
-                                 fused=fused or None)
+                                 fused=fused)
 
     # Mixed precision: the model computes in bf16/fp16, fp32 masters (what checkpoints hold) and
     # their AdamW beside it; `state` is what is saved and stepped either way.
