@@ -222,27 +222,32 @@ def _spread(ratios: list[float]) -> str:
     return f"median {statistics.median(ratios):.2f}, {min(ratios):.2f} to {max(ratios):.2f}"
 
 
+def _measured(title: str, shape: tuple[str, ...], rate: tuple[str, str, str], rows: list[dict]) -> list[str]:
+    """A term's rows as a Markdown table: the ``shape`` columns, measured ms, the ``rate`` column (heading, key,
+    format), predicted ms and the ratio, under a line with the ratios' spread."""
+    heading, key, form = rate
+    names = {"heads": "batch x heads", "seq": "sequence", "width": "head width"}
+    out = [f"{title}: predicted / measured {_spread([r['ratio'] for r in rows])}", "",
+           "| " + " | ".join(names.get(c, c) for c in shape) + f" | measured ms | {heading} | predicted ms | "
+           "predicted / measured |", "|" + " ---: |" * (len(shape) + 4)]
+    out += ["| " + " | ".join(str(r[c]) for c in shape) + f" | {r['seconds'] * 1e3:.4f} | {r[key]:{form}} | "
+            f"{r['predicted'] * 1e3:.4f} | {r['ratio']:.2f} |" for r in rows]
+    return out + [""]
+
+
 def report(result: dict) -> str:
     """:func:`check_device`'s result as Markdown: each term's measured value beside the machine's prediction
     (ratios predicted / measured: 1.00 is exact, above 1 the model is pessimistic)."""
     gemms, attention, fitted = result["gemms"], result["attention"], result["fitted"]
     out = [f"# {result['device']} ({result['dtype']}) against the machine profile '{result['machine']}'", "",
-           f"memory bandwidth: {result['memory_bandwidth'] / 1e9:,.0f} GB/s measured (an element-wise sum)", "",
-           f"GEMMs, {len(gemms)} shapes: predicted / measured {_spread([r['ratio'] for r in gemms])}", "",
-           "| m | n | k | measured ms | TFLOP/s | predicted ms | predicted / measured |",
-           "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    out += [f"| {r['m']} | {r['n']} | {r['k']} | {r['seconds'] * 1e3:.4f} | {r['tflops']:.1f} | "
-            f"{r['predicted'] * 1e3:.4f} | {r['ratio']:.2f} |" for r in gemms]
-    out += ["", f"Causal attention, forward and backward: predicted / measured "
-                f"{_spread([r['ratio'] for r in attention])}", "",
-            "| batch x heads | sequence | head width | measured ms | of peak | predicted ms | predicted / measured |",
-            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    out += [f"| {r['heads']} | {r['seq']} | {r['width']} | {r['seconds'] * 1e3:.3f} | {r['efficiency']:.2f} | "
-            f"{r['predicted'] * 1e3:.3f} | {r['ratio']:.2f} |" for r in attention]
-    out += ["", f"Fitted to these measurements at the profile's peak: GEMM efficiency {fitted['efficiency']:.2f}, "
+           f"memory bandwidth: {result['memory_bandwidth'] / 1e9:,.0f} GB/s measured (an element-wise sum)", ""]
+    out += _measured(f"GEMMs, {len(gemms)} shapes", ("m", "n", "k"), ("TFLOP/s", "tflops", ".1f"), gemms)
+    out += _measured("Causal attention, forward and backward", ("heads", "seq", "width"),
+                     ("of peak", "efficiency", ".2f"), attention)
+    out += [f"Fitted to these measurements at the profile's peak: GEMM efficiency {fitted['efficiency']:.2f}, "
                 f"{fitted['kernel_latency'] * 1e6:.1f} us per GEMM (median error {fitted['median_error']:.0%}), "
                 f"attention {fitted['attention_efficiency']:.2f} of peak", "",
-            "| model | framework | tokens | s/step | predicted s | predicted / measured | model FLOPs of peak | "
+            "| run | framework | tokens | s/step | predicted s | predicted / measured | model FLOPs of peak | "
             "held GB | device peak GB | predicted GB | par4d / torch |",
             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in result["steps"]:
