@@ -103,7 +103,7 @@ class GradientSync:
         self.trained = tuple((id(p), p.requires_grad) for p in model.parameters())   # what the buckets hold
         self.reduce_dtype: torch.dtype | None = getattr(model, "par4d_reduce_dtype", None)
         self.early_launches = 0              # buckets launched from hooks, during backward
-        self.buffer_bytes = self.peak_buffer_bytes = 0   # flattened buckets in flight, now and at most
+        self.peak_buffer_bytes = 0           # the most the flattened buckets in flight held at once
         self._hooks: list = []
         self._where: dict[int, tuple[tuple[str, ...], int]] = {}
         for axes, buckets in self.groups.items():
@@ -134,7 +134,6 @@ class GradientSync:
                     bucket.handle.wait()
                 bucket.ready.clear()
                 bucket.flat, bucket.grads, bucket.handle = None, [], None
-        self.buffer_bytes = 0
         if self.deferred is not None:
             self.deferred.arm()
         self._armed = self.overlap and last
@@ -177,8 +176,8 @@ class GradientSync:
         bucket.flat = _flatten_dense_tensors(bucket.grads)
         if self.reduce_dtype is not None:   # mixed precision may sum half gradients in fp32 (par4d.optim.precision)
             bucket.flat = bucket.flat.to(self.reduce_dtype)
-        self.buffer_bytes += bucket.flat.nbytes
-        self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes)
+        in_flight = sum(b.flat.nbytes for buckets in self.groups.values() for b in buckets if b.flat is not None)
+        self.peak_buffer_bytes = max(self.peak_buffer_bytes, in_flight)
         bucket.handle = comm.all_reduce(self.grid, bucket.flat, *axes, async_op=True)
 
     @torch.no_grad()
@@ -214,7 +213,6 @@ class GradientSync:
                     bucket.flat.mul_(self.scale)
                     for grad, synced in zip(bucket.grads, _unflatten_dense_tensors(bucket.flat, bucket.grads)):
                         grad.copy_(synced)
-                    self.buffer_bytes -= bucket.flat.nbytes
                 done = [p for p in bucket.params if p.grad is not None and id(p) not in tied]
                 bucket.ready.clear()
                 bucket.flat, bucket.grads, bucket.handle = None, [], None

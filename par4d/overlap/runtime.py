@@ -77,13 +77,12 @@ class WeightGathers:
         self._ahead: dict[int, Handle] = {}                  # position in the order -> prefetched gather
         self._diverged = False
         self._cache: OrderedDict[int, torch.Tensor] = OrderedDict()
-        self.cache_bytes = self.peak_cache_bytes = 0    # gathered weights the cache holds, now and at most
+        self.peak_cache_bytes = 0      # the most the cache's gathered weights held at once
 
     def begin(self) -> None:
         """A new iteration (the model's forward starts): settle the last one's order."""
         self._drain()
         self._cache.clear()
-        self.cache_bytes = 0
         if self._mode is not None:
             recorded = self._orders.get(self._mode)
             changed = recorded is not None and (self._diverged or len(self._seen) != len(recorded))
@@ -106,16 +105,13 @@ class WeightGathers:
             cached = self._cache.pop(id(layer), None)
             if cached is not None:
                 self.cache_hits += 1
-                self.cache_bytes -= cached.nbytes
                 return cached
         full = self._gather(layer)
         if self.checkpointing and not self.recomputing and self.cache_layers != 0:
-            replaced = self._cache.pop(id(layer), None)      # the same layer gathered twice in one forward
-            self.cache_bytes += full.nbytes - (replaced.nbytes if replaced is not None else 0)
             self._cache[id(layer)] = full
             while self.cache_layers is not None and len(self._cache) > self.cache_layers:
-                self.cache_bytes -= self._cache.popitem(last=False)[1].nbytes   # keep the last: recomputed first
-            self.peak_cache_bytes = max(self.peak_cache_bytes, self.cache_bytes)
+                self._cache.popitem(last=False)    # keep the last ones: backward recomputes them first
+            self.peak_cache_bytes = max(self.peak_cache_bytes, sum(t.nbytes for t in self._cache.values()))
         return full
 
     def _gather(self, layer: Algorithm1Layer) -> torch.Tensor:

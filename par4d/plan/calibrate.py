@@ -108,13 +108,10 @@ def measure_compute(threads: int, device: torch.device | None = None, dtype: tor
 def _warm_up(device: torch.device, dtype: torch.dtype, seconds: float = 1.0) -> None:
     """A GPU's clocks rise from idle only under load: products of 8192 x 8192 for ``seconds`` first, so every
     shape is timed at the clocks training runs at (the first shapes ran 1.5-3x slow on an idle H200)."""
-    if device.type != "cuda":
-        return
-    a = torch.randn(8192, 8192, device=device, dtype=dtype)
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        a @ a
-        torch.cuda.synchronize(device)
+    if device.type == "cuda":
+        from par4d.launch.machine import measure_matmul_peak
+
+        measure_matmul_peak(seconds, size=8192, dtype=dtype, device=device)
 
 
 def _attention(shapes, device: torch.device, dtype: torch.dtype) -> list[dict]:
@@ -161,6 +158,12 @@ def fit_gemms(rows: list[dict], peak: float, bandwidth: float, bytes_per_element
     _, efficiency, latency, roof = best
     return {"efficiency": efficiency, "kernel_latency": latency, "memory_bandwidth": bandwidth,
             "median_error": float(np.median(np.abs((roof + latency - t) / t))), "points": len(rows)}
+
+
+def fit_attention(rows: list[dict], peak: float) -> float:
+    """Attention's fused kernel as the planner takes it: the median of its FLOPs over its seconds, as a fraction
+    of ``peak`` (at most 1)."""
+    return min(1.0, statistics.median(r["flops"] / (r["seconds"] * peak) for r in rows))
 
 
 @dataclass(frozen=True)
@@ -338,9 +341,8 @@ def calibrate(nproc: int, out: Path, repeats: int = 5, cluster=None) -> dict:
     compute = measure_compute(threads)
     gemms = [dict(r, seconds=r["seconds"] * shared) for r in compute["gemms"]]
     gemm = fit_gemms(gemms, peak / nproc, compute["memory_bandwidth"] / shared)
-    # Attention's fused kernel: its FLOPs over the seconds a rank takes, as a fraction of a rank's peak.
-    gemm["attention_efficiency"] = min(1.0, statistics.median(
-        r["flops"] / (r["seconds"] * shared * peak / nproc) for r in compute["attention"]))
+    gemm["attention_efficiency"] = fit_attention([dict(r, seconds=r["seconds"] * shared) for r in compute["attention"]],
+                                                 peak / nproc)
     settings = CalibrationSettings(nproc, repeats)
     if cluster is None:
         rows, sync = _apart(launch_local(nproc, _measure_worker, (settings,), run_id="par4d-calibrate")[0])

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from par4d.models import GPTConfig
-from par4d.plan.calibrate import GPU_SHAPES, ComputeShapes, finish, fit_gemms, measure_compute
+from par4d.plan.calibrate import GPU_SHAPES, ComputeShapes, finish, fit_attention, fit_gemms, measure_compute
 from par4d.plan.compute import gemm_seconds
 from par4d.plan.machines import BUILTIN, Machine
 from par4d.plan.workload import GPTSpec
@@ -211,7 +211,7 @@ def check_device(machine: Machine, device: torch.device, threads: int, iters: in
     measured = measure_compute(threads, device, dtype, shapes)
     fitted = fit_gemms(measured["gemms"], machine.peak_flops, measured["memory_bandwidth"], dtype.itemsize)
     attention = attention_rows(measured["attention"], machine)
-    fitted["attention_efficiency"] = statistics.median(r["efficiency"] for r in attention)
+    fitted["attention_efficiency"] = fit_attention(measured["attention"], machine.peak_flops)
     return {"machine": machine.name, "device": torch.cuda.get_device_name(device) if gpu else "cpu",
             "dtype": str(dtype).removeprefix("torch."), "memory_bandwidth": measured["memory_bandwidth"],
             "gemms": gemm_rows(measured["gemms"], machine), "attention": attention, "fitted": fitted,

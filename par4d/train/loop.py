@@ -97,7 +97,7 @@ def _run(config: TrainConfig, stop: StopRequest, grid, out: Path) -> dict:
             grid.close()
             return measured
         val_loss = _evaluate(job.model, grid, job.batches, job.config.eval_batches, job.precision)
-        measured.rss = _rss_per_rank()
+        measured.rss = _gathered(resident())   # every rank's resident memory
         measured.footprints = _gathered(measured.footprint)
         if board is not None:
             board.step(job.config.steps, {"val_loss": val_loss})
@@ -260,11 +260,6 @@ def _gathered(mine: dict) -> list[dict]:
     return every
 
 
-def _rss_per_rank() -> list[dict[str, int]]:
-    """Every rank's resident memory (:func:`par4d.train.board.resident`; collective)."""
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, resident())
-    return every
 
 
 def _summarize(job: _Job, grid, run: Folder, measured: _Measured, peak: float, peak_what: str,
