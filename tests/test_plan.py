@@ -12,7 +12,7 @@ from par4d.grid import Grid
 from par4d.models import GPT, GPTConfig
 from par4d.plan import GPTSpec, Layer, Machine, bandwidths, factorizations, predict, rank_configurations, ring_time
 from par4d.plan.machines import load_machine
-from par4d.plan.model import layer_comm
+from par4d.plan.model import divisors, layer_comm
 from par4d.plan.workload import gpt_spec
 
 NODE4 = Machine("test", devices_per_node=4, peak_flops=100e12, memory_bytes=40e9, beta_intra=200.0,
@@ -66,6 +66,8 @@ def test_factorizations_are_complete_and_unique():
         rows = factorizations(world)
         assert len({tuple(r.values()) for r in rows}) == len(rows)
         assert all(r["x"] * r["y"] * r["z"] * r["data"] == world for r in rows)
+    for n in (1, 2, 12, 36, 97, 2048, 3600):                # squares, primes, powers of two
+        assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
 
 
 @pytest.mark.parametrize("world", [4, 8, 12])

@@ -67,24 +67,28 @@ def test_elementwise_bytes_by_hand():
 
 def test_the_search_with_shapes_finds_what_brute_force_finds():
     """The search's bound on a pipeline's microbatch counts holds when compute depends on the shapes."""
-    from tests.test_plan_search import TIGHT, _brute_force
+    from tests.test_plan_search import TIGHT, _brute_force, check_the_top_and_its_floors
 
     tight = replace(TIGHT, memory_bandwidth=4e8, kernel_latency=1e-5, attention_efficiency=0.3)
     ranked, _ = search(SPEC, 8, tight)
     assert {p.microbatches for p in ranked} > {1}
     found = {tuple(p.sizes.values()): p.t_iter for p in ranked}
-    assert found == pytest.approx(_brute_force(SPEC, 8, tight), rel=1e-12)
+    fastest = _brute_force(SPEC, 8, tight)
+    assert found == pytest.approx(fastest, rel=1e-12)
+    check_the_top_and_its_floors(SPEC, 8, tight, fastest)
 
 
 def test_the_search_on_shared_cores_finds_what_brute_force_finds():
     """Where ranks share the cores the bubble is absorbed (compute no longer grows as the microbatches shrink):
     the search's bound on a pipeline's counts follows the same rule, so it still skips nothing faster."""
-    from tests.test_plan_search import TIGHT, _brute_force
+    from tests.test_plan_search import TIGHT, _brute_force, check_the_top_and_its_floors
 
     shared = replace(TIGHT, memory_bandwidth=4e8, kernel_latency=1e-5, cores_shared=2.0, comm_cpu_share=0.5)
     ranked, _ = search(SPEC, 8, shared)
     found = {tuple(p.sizes.values()): p.t_iter for p in ranked}
-    assert found == pytest.approx(_brute_force(SPEC, 8, shared), rel=1e-12)
+    fastest = _brute_force(SPEC, 8, shared)
+    assert found == pytest.approx(fastest, rel=1e-12)
+    check_the_top_and_its_floors(SPEC, 8, shared, fastest)
 
 
 def test_builtin_machines_time_gemms_by_shape():

@@ -14,7 +14,7 @@ from par4d.overlap import NAMES, Overlap
 from par4d.plan import GPTSpec, Machine, bandwidths, predict
 from par4d.plan.machines import PERLMUTTER
 from par4d.plan.model import factorizations, latencies, ring_time
-from par4d.plan.search import Space, search
+from par4d.plan.search import Space, _Grid, search, search_top
 from par4d.plan.workload import gathered_bytes, state_bytes
 
 SPEC = GPTSpec("t", n_layer=4, hidden=64, heads=4, seq_len=32, global_batch=16, vocab=256)
@@ -132,11 +132,28 @@ def _brute_force(spec, world, machine):
     return best
 
 
+def check_the_top_and_its_floors(spec, world, machine, fastest: dict) -> None:
+    """search_top skips a grid where its floors say no choice on it is faster than the top found: on every grid
+    both floors are under brute force's fastest choice (``fastest``), and search_top's rows are search's first."""
+    for sizes in factorizations(world, tuple(range(1, spec.n_layer + 1))):
+        key = tuple(sizes.values())
+        if key in fastest:
+            grid = _Grid(spec, sizes, machine, Space(), (False, True))
+            assert grid.compute_floor() <= grid.floor() <= fastest[key] * (1 + 1e-12), (sizes, machine.name)
+    ranked, excluded = search(spec, world, machine)
+    for top in (1, 3, len(ranked)):
+        first, left_out, fitting = search_top(spec, world, machine, top=top)
+        assert [p.row() for p in first] == [p.row() for p in ranked[:top]]
+        assert [p.row() for p in left_out] == [p.row() for p in excluded] and fitting == len(ranked)
+
+
 def test_the_search_finds_what_brute_force_finds():
     ranked, excluded = search(SPEC, 8, TIGHT)
     assert {p.microbatches for p in ranked} > {1} and {p.checkpointing for p in ranked} == {False, True}
     found = {tuple(p.sizes.values()): p.t_iter for p in ranked}
-    assert found == pytest.approx(_brute_force(SPEC, 8, TIGHT), rel=1e-12)
+    fastest = _brute_force(SPEC, 8, TIGHT)
+    assert found == pytest.approx(fastest, rel=1e-12)
+    check_the_top_and_its_floors(SPEC, 8, TIGHT, fastest)
     assert [p.t_iter for p in ranked] == sorted(p.t_iter for p in ranked)
     assert all(not p.fits for p in excluded)
 
@@ -147,7 +164,9 @@ def test_where_collectives_cost_sync_the_search_still_finds_what_brute_force_fin
     costly = replace(TIGHT, sync_cost=1e-5)
     ranked, _ = search(SPEC, 8, costly)
     found = {tuple(p.sizes.values()): p.t_iter for p in ranked}
-    assert found == pytest.approx(_brute_force(SPEC, 8, costly), rel=1e-12)
+    fastest = _brute_force(SPEC, 8, costly)
+    assert found == pytest.approx(fastest, rel=1e-12)
+    check_the_top_and_its_floors(SPEC, 8, costly, fastest)
 
     def chunked(machine) -> tuple[int, int]:      # grids with x or y: (chosen with xy, without)
         chosen = [p.overlap for p in search(SPEC, 8, machine)[0] if p.sizes["x"] * p.sizes["y"] > 1]
@@ -172,6 +191,18 @@ def test_communication_at_any_count_from_two_computed():
             for name in ("axes", "roles", "redo_roles", "redo_axes"):
                 assert getattr(at, name) == pytest.approx(getattr(direct, name), rel=1e-12), (sizes, micro, name)
         assert terms.at(4).calls > terms.at(1).calls > 0 and terms.at(4).redo_xy_calls > 0
+
+
+def test_the_top_of_a_large_search_is_the_whole_searchs():
+    """GPT-80B on 16,384 GPUs (docs/planner.md's timing): the top 10 timed after skipping grids on their floors are
+    the whole search's first 10, and every grid is counted."""
+    spec = GPTSpec("gpt-80b", 42, 12288, 96).with_batch(2048, 2048)
+    ranked, excluded = search(spec, 16384, PERLMUTTER)
+    first, left_out, fitting = search_top(spec, 16384, PERLMUTTER, top=10)
+    assert [p.row() for p in first] == [p.row() for p in ranked[:10]]
+    assert len(left_out) == len(excluded) and fitting == len(ranked) == 1783
+    with pytest.raises(ValueError, match="top=0: must be >= 1"):
+        search_top(spec, 16384, PERLMUTTER, top=0)
 
 
 def test_fixed_choices_are_kept():

@@ -283,16 +283,22 @@ def _extra_role(kind: str, axes: tuple[str, ...]) -> str:
     return "forward" if kind == "all_gather" or axes == ("x",) else "backward"
 
 
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n``, ascending."""
+    low = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return low + [n // d for d in reversed(low) if d * d != n]
+
+
 def factorizations(world: int, pipes: tuple[int, ...] | None = None) -> list[dict[str, int]]:
     """Every (x, y, z, data) whose product is ``world``; with ``pipes``, every (x, y, z, data,
     pipe) whose product is ``world``, ``pipe`` among ``pipes``."""
-    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    every = divisors(world)
     out = []
     for pipe in (1,) if pipes is None else (p for p in pipes if world % p == 0):
         rest = world // pipe
-        for x in (d for d in divisors if rest % d == 0):
-            for y in (d for d in divisors if (rest // x) % d == 0):
-                for z in (d for d in divisors if (rest // (x * y)) % d == 0):
+        for x in (d for d in every if rest % d == 0):
+            for y in (d for d in every if (rest // x) % d == 0):
+                for z in (d for d in every if (rest // (x * y)) % d == 0):
                     sizes = {"x": x, "y": y, "z": z, "data": rest // (x * y * z)}
                     out.append(sizes if pipes is None else {**sizes, "pipe": pipe})
     return out
@@ -535,6 +541,11 @@ def timed_choice(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine:
 SYNCHRONOUS = Overlap.none()
 
 
+def bucket_count(grad_bytes: float, overlap: Overlap | None) -> int:
+    """The data-parallel sync's buckets: as many with the overlap off (it only waits for them at the end)."""
+    return math.ceil(grad_bytes / (overlap or SYNCHRONOUS).bucket_bytes) + (1 if grad_bytes > 2**20 else 0)
+
+
 def _timed(pred: Prediction, spec, sizes: dict[str, int], machine: Machine, full: bool, checkpointing: bool,
            compute_seconds: float | None, overlap: Overlap | None, comm: Communication) -> Prediction:
     """``pred`` with its times: ``comm`` and the compute, with what the overlaps hide."""
@@ -556,8 +567,7 @@ def _timed(pred: Prediction, spec, sizes: dict[str, int], machine: Machine, full
         t_stage = compute_seconds if compute_seconds is not None else stage_seconds(spec, sizes, machine,
                                                                                     checkpointing, micro)
         pred.t_compute = with_bubble(t_stage, micro, pipe, machine)       # the pipeline's fill and drain
-    # The data-parallel sync's buckets: as many with the overlap off (it only waits for them at the end).
-    buckets = math.ceil(comm.grad_bytes / (overlap or SYNCHRONOUS).bucket_bytes) + (1 if comm.grad_bytes > 2**20 else 0)
+    buckets = bucket_count(comm.grad_bytes, overlap)
     if full:
         # Every collective waits for the last rank to reach it, a cost no overlap hides (calibrate measures it):
         # the layers' and extras' calls (the x/y ones in row chunks under xy), the recomputed forward's gathers,

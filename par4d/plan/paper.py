@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from par4d.overlap import Overlap
 from par4d.plan.machines import PERLMUTTER, Machine
 from par4d.plan.model import Prediction
-from par4d.plan.search import Space, search
+from par4d.plan.search import Space, search, search_top
 from par4d.plan.workload import gpt_spec
 
 BATCH_TOKENS, SEQ_LEN = 4 * 2**20, 2048
@@ -68,8 +68,8 @@ def _spec(row: Published):
 def answer(row: Published, machine: Machine, pipelines: bool = True, zero3: bool = True) -> Answer:
     """The planner's answers for ``row``; without ``pipelines`` or ``zero3`` those searches are left out."""
     spec = _spec(row)
-    flat, _ = search(spec, row.gpus, machine, Space(pipe=1))
-    ranked = search(spec, row.gpus, machine)[0] if pipelines else flat
+    flat = search_top(spec, row.gpus, machine, Space(pipe=1), top=1)[0]
+    ranked = search_top(spec, row.gpus, machine, top=1)[0] if pipelines else flat
     sharded = None
     if zero3:
         plain, _ = search(spec, row.gpus, machine, Space(pipe=1, overlap=Overlap.none()))

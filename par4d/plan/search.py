@@ -17,10 +17,14 @@ faster (each step below is tested against the brute-force search in tests/test_p
   faster; the best is the fewest that fit. With a pipeline, more microbatches shrink the bubble, and
   every count (each divisor of the batch shard: equal microbatches) is timed.
 * **Recomputation**: on and off are both timed (it costs compute, saves memory).
+
+:func:`search_top` ranks only the first few grids, and skips every grid whose floor (no choice on it is
+faster) is slower than the few it has: the same first rows, in a fraction of the time on large machines.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, replace
 
 from par4d.overlap import Overlap
@@ -29,8 +33,13 @@ from par4d.plan.machines import Machine
 from par4d.plan.model import (
     CommunicationByCount,
     Prediction,
+    bandwidths,
+    bucket_count,
+    divisors,
     factorizations,
+    latencies,
     memory_bytes,
+    p2p_seconds,
     predict,
     problem,
     timed_choice,
@@ -72,6 +81,27 @@ def search(spec: GPTSpec | ModuleWorkload, world: int, machine: Machine,
            space: Space = Space()) -> tuple[list[Prediction], list[Prediction]]:
     """(every grid's fastest fitting choice, ranked by predicted step time; the grids where
     nothing fits, each with its smallest footprint or the reason it cannot run)."""
+    ranked, excluded, _ = _search(spec, world, machine, space, None)
+    return ranked, excluded
+
+
+def search_top(spec: GPTSpec | ModuleWorkload, world: int, machine: Machine, space: Space = Space(),
+               top: int = 10) -> tuple[list[Prediction], list[Prediction], int]:
+    """(the ``top`` fastest grids' choices: :func:`search`'s first ``top``, the same predictions in the same
+    order; the grids where nothing fits, as :func:`search`'s; how many grids have a choice that fits).
+
+    A grid is timed only where its floor (:meth:`_Grid.floor`: no choice on it is faster) is under the
+    ``top``-th step time found so far: grids go in the order of their floors, the cheap one (compute) first,
+    then the one with the grid's communication, and the search stops where the least floor left is slower.
+    Every grid is still checked to fit. (tests/test_plan_search.py checks the result against :func:`search`
+    and both floors against brute force.)"""
+    if top < 1:
+        raise ValueError(f"top={top}: must be >= 1")
+    return _search(spec, world, machine, space, top)
+
+
+def _search(spec, world: int, machine: Machine, space: Space,
+            top: int | None) -> tuple[list[Prediction], list[Prediction], int]:
     if isinstance(spec, GPTSpec):
         pipes = (space.pipe,) if space.pipe is not None else tuple(p for p in range(1, spec.n_layer + 1))
     else:
@@ -79,12 +109,43 @@ def search(spec: GPTSpec | ModuleWorkload, world: int, machine: Machine,
             raise ValueError(f"pipe={space.pipe}: the pipeline is modelled for par4d's GPT only")
         pipes = (1,)
     recompute = (False, True) if space.checkpointing is None else (space.checkpointing,)
-    ranked, excluded = [], []
-    for sizes in factorizations(world, pipes):
-        best = _best(spec, sizes, machine, space, recompute)
-        (ranked if best.fits else excluded).append(best)
-    ranked.sort(key=lambda p: (p.t_iter, p.sizes["pipe"], p.sizes["x"], p.sizes["y"], p.sizes["z"]))
-    return ranked, excluded
+    ranked, excluded, waiting = [], [], []       # waiting: (floor, order, grid, floor has communication)
+    for order, sizes in enumerate(factorizations(world, pipes)):
+        grid = _Grid(spec, sizes, machine, space, recompute)
+        if grid.reason is not None:
+            excluded.append(Prediction(dict(sizes), fits=False, excluded=grid.reason))
+        elif top is None or not grid.fits_somewhere():
+            best = grid.best()       # every grid's (or one whose least footprint may still not fit: it says)
+            (ranked if best.fits else excluded).append(best)
+        else:
+            waiting.append((grid.compute_floor(), order, grid, False))
+    fitting = len(ranked) + len(waiting)
+    heapq.heapify(waiting)
+    slowest = [-p.t_iter for p in heapq.nsmallest(top, ranked, key=_rank)] if top else []
+    heapq.heapify(slowest)           # the top fastest step times so far, negated: the top-th is slowest[0]
+    while waiting:
+        floor, order, grid, complete = heapq.heappop(waiting)
+        if len(slowest) == top and floor > -slowest[0] * (1 + FLOOR_SLACK):
+            break                    # no grid left is faster than the top-th found
+        if not complete:
+            heapq.heappush(waiting, (grid.floor(), order, grid, True))
+            continue
+        best = grid.best()
+        ranked.append(best)
+        if len(slowest) < top:
+            heapq.heappush(slowest, -best.t_iter)
+        elif best.t_iter < -slowest[0]:
+            heapq.heapreplace(slowest, -best.t_iter)
+    ranked.sort(key=_rank)
+    return (ranked if top is None else ranked[:top]), excluded, fitting
+
+
+# A floor and a step time computed in different orders of summation may differ in their last bits.
+FLOOR_SLACK = 1e-9
+
+
+def _rank(p: Prediction) -> tuple:
+    return (p.t_iter, p.sizes["pipe"], p.sizes["x"], p.sizes["y"], p.sizes["z"])
 
 
 def _with_and_without_xy(overlap: Overlap, machine: Machine) -> tuple[Overlap, ...]:
@@ -95,66 +156,119 @@ def _with_and_without_xy(overlap: Overlap, machine: Machine) -> tuple[Overlap, .
     return (overlap,)
 
 
-def _best(spec, sizes: dict[str, int], machine: Machine, space: Space, recompute: tuple[bool, ...]) -> Prediction:
-    """The fastest choice on ``sizes`` that fits; else the smallest footprint, or why it cannot run.
-    Memory is checked before anything is timed, and with a pipeline a microbatch count whose
-    compute with its bubble alone is slower than the best so far is not timed."""
-    pipe = sizes["pipe"]
-    reason = problem(spec, sizes)
-    if reason is not None:
-        return Prediction(dict(sizes), fits=False, excluded=reason)
-    shard = spec.samples // (sizes["z"] * sizes["data"])
-    if space.microbatches is not None and space.microbatches > shard:
-        return Prediction(dict(sizes), fits=False,
-                          excluded=f"microbatches={space.microbatches}: a data x z shard has {shard} samples")
-    counts = [space.microbatches] if space.microbatches is not None else [m for m in range(1, shard + 1)
-                                                                           if shard % m == 0]
-    if pipe > 1:
-        counts.reverse()     # the smallest bubble first: once one count's bound loses, every smaller one does
-    b, capacity = machine.bytes_per_element, machine.memory_bytes
-    best, smallest = None, None          # smallest: (bytes, checkpointing, microbatches, overlap)
-    terms = CommunicationByCount(spec, sizes, machine)   # the same with and without recomputation
-    held: dict[tuple[bool, object], tuple[float, float]] = {}
+class _Grid:
+    """One grid's choices: whether it can run, its fastest fitting choice, and floors under every choice's step
+    time (each a sum of terms no choice on the grid goes under: :func:`search_top` skips a grid on them)."""
 
-    def footprint(checkpointing: bool, overlap, micro: int) -> float:
+    def __init__(self, spec, sizes: dict[str, int], machine: Machine, space: Space, recompute: tuple[bool, ...]):
+        self.spec, self.sizes, self.machine, self.space, self.recompute = spec, sizes, machine, space, recompute
+        self.pipe = sizes.get("pipe", 1)
+        self.reason = problem(spec, sizes)
+        if self.reason is not None:
+            return
+        shard = spec.samples // (sizes["z"] * sizes["data"])
+        if space.microbatches is not None and space.microbatches > shard:
+            self.reason = f"microbatches={space.microbatches}: a data x z shard has {shard} samples"
+            return
+        self.counts = [space.microbatches] if space.microbatches is not None else divisors(shard)
+        self.terms = CommunicationByCount(spec, sizes, machine)   # the same with and without recomputation
+        self.held: dict[tuple[bool, object], tuple[float, float]] = {}
+
+    def sets(self, checkpointing: bool) -> tuple[Overlap, ...]:
+        """The overlap sets to try, fastest first (their memory never grows down the list)."""
+        sets = (self.space.overlap,) if self.space.overlap is not None else (
+            WITH_RECOMPUTE if checkpointing else WITHOUT_RECOMPUTE)
+        if self.pipe > 1:
+            sets = IN_PIPELINE.get(sets) or (self.space.overlap.in_pipeline(),)
+        return sets
+
+    def footprint(self, checkpointing: bool, overlap: Overlap, micro: int) -> float:
         """:func:`memory_bytes`, from two evaluations per setting: only the activations depend on the count,
         in proportion to the share of the batch held at once (min(P, M) / M)."""
-        if (checkpointing, overlap) not in held:
-            whole = memory_bytes(spec, sizes, b, checkpointing, 1, overlap, space.offload_bsize)
+        if (checkpointing, overlap) not in self.held:
+            spec, sizes, b, bsize = self.spec, self.sizes, self.machine.bytes_per_element, self.space.offload_bsize
+            whole = memory_bytes(spec, sizes, b, checkpointing, 1, overlap, bsize)
             rest = spec.memory_per_device(sizes, b, checkpointing, share=0.0, overlap=overlap,
-                                          offload_bsize=space.offload_bsize) / pipe
-            held[checkpointing, overlap] = (rest, whole - rest)
-        rest, activations = held[checkpointing, overlap]
-        return rest + activations * min(pipe, micro) / micro
-    for checkpointing in recompute:
-        sets = (space.overlap,) if space.overlap is not None else (
-            WITH_RECOMPUTE if checkpointing else WITHOUT_RECOMPUTE)
+                                          offload_bsize=bsize) / self.pipe
+            self.held[checkpointing, overlap] = (rest, whole - rest)
+        rest, activations = self.held[checkpointing, overlap]
+        return rest + activations * min(self.pipe, micro) / micro
+
+    def fits_somewhere(self) -> bool:
+        """Whether the choice that should hold the least fits: recomputation where it may be chosen, the last
+        overlap set, the most microbatches. (False only says to look at every choice.)"""
+        checkpointing = self.recompute[-1]
+        return self.footprint(checkpointing, self.sets(checkpointing)[-1], max(self.counts)) \
+            <= self.machine.memory_bytes
+
+    def compute_floor(self) -> float:
+        """No choice computes for less: its stage at the fewest microbatches (each GEMM at its largest, fewest
+        kernels) and without recomputation where that may be chosen, with the bubble of the most."""
+        t_stage = stage_seconds(self.spec, self.sizes, self.machine, self.recompute[0], min(self.counts))
+        return with_bubble(t_stage, max(self.counts), self.pipe, self.machine)
+
+    def floor(self) -> float:
+        """No choice's step is shorter: its compute and what no overlap it may choose hides (the collectives that
+        never hide; of those that do, the first gather and the last reduce-scatter and bucket, the last row chunk's
+        sums), or every collective (they hide behind the stage's compute at most), plus the hand-offs and each
+        collective's arrival cost; each term at the count where it is least (all but the hand-offs grow with it)."""
+        machine, pipe, few, many = self.machine, self.pipe, min(self.counts), max(self.counts)
+        comm = self.terms.at(few)
+        roles, gathers = comm.roles, comm.gathers
+        sets = [overlap for checkpointing in self.recompute for overlap in self.sets(checkpointing)]
+        on = {name for overlap in sets for name in overlap.names}
+        chunks = max((overlap.row_chunks for overlap in sets if overlap.xy), default=1)
+        buckets = max(bucket_count(comm.grad_bytes, overlap) for overlap in sets)
+        exposed = (roles["forward"] + roles["backward"] + roles["in_sum"] / chunks
+                   + (0.0 if "oar" in on else roles["input_grad"] / chunks)
+                   + (roles["gather"] / gathers if "oag" in on and gathers else roles["gather"])
+                   + (roles["reduce_scatter"] / gathers if "ors" in on and gathers else roles["reduce_scatter"])
+                   + (roles["sync"] / buckets if "dp" in on and buckets else roles["sync"]))
+        t_p2p, hand_offs = 0.0, 0
         if pipe > 1:
-            sets = IN_PIPELINE.get(sets) or (space.overlap.in_pipeline(),)
-        # The least a stage computes: one microbatch (each GEMM at its largest, fewest kernels).
-        t_least = stage_seconds(spec, sizes, machine, checkpointing)
-        for micro in counts:
-            if best is not None and with_bubble(t_least, micro, pipe, machine) >= best.t_iter:
-                break                                   # its compute alone is slower, and fewer microbatches' too
-            for overlap in sets:
-                need = footprint(checkpointing, overlap, micro)
-                if need > capacity:
-                    if smallest is None or need < smallest[0]:
-                        smallest = (need, checkpointing, micro, overlap)
-                    continue
-                t_stage = t_least if micro == 1 else stage_seconds(spec, sizes, machine, checkpointing, micro)
-                for candidate in _with_and_without_xy(overlap, machine):
-                    pred = timed_choice(spec, sizes, machine, checkpointing, micro,
-                                        candidate if candidate.names else None, need, t_stage, terms.at(micro))
-                    if best is None or pred.t_iter < best.t_iter:
-                        best = pred
-                break                                   # the first set that fits is the fastest
-            else:
-                continue                                # nothing fits at this count: try more microbatches
-            if pipe == 1:
-                break                                   # without a pipeline the fewest that fit are the fastest
-    if best is not None:
-        return best
-    _, checkpointing, micro, overlap = smallest
-    return predict(spec, sizes, machine, "full", checkpointing, overlap=overlap if overlap.names else None,
-                   microbatches=micro, offload_bsize=space.offload_bsize)
+            alpha, beta = latencies(self.sizes, machine)["pipe"], bandwidths(self.sizes, machine, aware=True)["pipe"]
+            t_p2p = min(comm.t_p2p, p2p_seconds(self.spec, self.sizes, machine, many, alpha, beta))
+            hand_offs = 2 * (few if machine.cores_shared > 1 else pipe - 1) + 1
+        return (max(self.compute_floor() + exposed, sum(roles.values())) + t_p2p
+                + (comm.calls + hand_offs) * machine.sync_cost)
+
+    def best(self) -> Prediction:
+        """The fastest choice on the grid that fits; else the smallest footprint, or why it cannot run. Memory
+        is checked before anything is timed, and with a pipeline a microbatch count whose compute with its
+        bubble alone is slower than the best so far is not timed."""
+        spec, sizes, machine, space, pipe = self.spec, self.sizes, self.machine, self.space, self.pipe
+        if self.reason is not None:
+            return Prediction(dict(sizes), fits=False, excluded=self.reason)
+        counts = list(reversed(self.counts)) if pipe > 1 else self.counts
+        # (with a pipeline the smallest bubble first: once one count's bound loses, every smaller one does)
+        self.terms.at(min(self.counts))     # computed first whether or not a floor asked: the same sums either way
+        best, smallest = None, None          # smallest: (bytes, checkpointing, microbatches, overlap)
+        for checkpointing in self.recompute:
+            # The least a stage computes: one microbatch (each GEMM at its largest, fewest kernels).
+            t_least = stage_seconds(spec, sizes, machine, checkpointing)
+            for micro in counts:
+                if best is not None and with_bubble(t_least, micro, pipe, machine) >= best.t_iter:
+                    break                               # its compute alone is slower, and fewer microbatches' too
+                for overlap in self.sets(checkpointing):
+                    need = self.footprint(checkpointing, overlap, micro)
+                    if need > machine.memory_bytes:
+                        if smallest is None or need < smallest[0]:
+                            smallest = (need, checkpointing, micro, overlap)
+                        continue
+                    t_stage = t_least if micro == 1 else stage_seconds(spec, sizes, machine, checkpointing, micro)
+                    for candidate in _with_and_without_xy(overlap, machine):
+                        pred = timed_choice(spec, sizes, machine, checkpointing, micro,
+                                            candidate if candidate.names else None, need, t_stage,
+                                            self.terms.at(micro))
+                        if best is None or pred.t_iter < best.t_iter:
+                            best = pred
+                    break                               # the first set that fits is the fastest
+                else:
+                    continue                            # nothing fits at this count: try more microbatches
+                if pipe == 1:
+                    break                               # without a pipeline the fewest that fit are the fastest
+        if best is not None:
+            return best
+        _, checkpointing, micro, overlap = smallest
+        return predict(spec, sizes, machine, "full", checkpointing, overlap=overlap if overlap.names else None,
+                       microbatches=micro, offload_bsize=space.offload_bsize)
