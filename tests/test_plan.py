@@ -363,7 +363,7 @@ def test_what_calibrate_writes_loads(tmp_path):
                       memory_bytes=6331317248.0, beta_intra=611201825.4235398, beta_inter=126612047.76046872,
                       latency=0.0005996755236718624, efficiency=0.5, bytes_per_element=4,
                       all_gather_scale=0.6679025336063775, reduce_scatter_scale=0.487086089044996,
-                      memory_bandwidth=1.9e10, kernel_latency=2.8e-6)
+                      memory_bandwidth=1.9e10, kernel_latency=2.8e-6, layer_overhead=5.8e-5)
     fits = {"all_reduce": {"alpha": 6e-4, "beta": 6.1e8, "points": 8, "c1": 6e-3, "c2": 1e-8, "c3": -6e-3},
             "gemm": {"efficiency": 0.97, "kernel_latency": 2.8e-6, "memory_bandwidth": 1.9e10, "median_error": 0.04,
                      "points": 36}}
@@ -403,7 +403,8 @@ def test_calibrate_never_overwrites_a_profile(tmp_path, capsys, monkeypatch):
                 "gemm": {"efficiency": 0.9, "kernel_latency": 1e-6, "memory_bandwidth": 1e10, "median_error": 0.05,
                          "points": 36, "attention_efficiency": 0.5},
                 "sync": {"p": nproc, "compute_seconds": 3e-3, "collective_seconds": 1e-3, "both_seconds": 4.5e-3,
-                         "sync_seconds": 5e-4}}
+                         "sync_seconds": 5e-4},
+                "host": {"seconds": 3e-5, "layer_overhead": 6e-5, "step_seconds": 4e-3, "layer_passes": 51}}
 
     monkeypatch.setattr(par4d.plan.calibrate, "calibrate", measured)
     profile = tmp_path / "local.toml"

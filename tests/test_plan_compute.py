@@ -80,10 +80,12 @@ def test_the_search_with_shapes_finds_what_brute_force_finds():
 
 def test_the_search_on_shared_cores_finds_what_brute_force_finds():
     """Where ranks share the cores the bubble is absorbed (compute no longer grows as the microbatches shrink):
-    the search's bound on a pipeline's counts follows the same rule, so it still skips nothing faster."""
+    the search's bound on a pipeline's counts follows the same rule, so it still skips nothing faster (with the
+    host's cost per layer pass too, which grows with the microbatches)."""
     from tests.test_plan_search import TIGHT, _brute_force, check_the_top_and_its_floors
 
-    shared = replace(TIGHT, memory_bandwidth=4e8, kernel_latency=1e-5, cores_shared=2.0, comm_cpu_share=0.5)
+    shared = replace(TIGHT, memory_bandwidth=4e8, kernel_latency=1e-5, cores_shared=2.0, comm_cpu_share=0.5,
+                     layer_overhead=2e-5)
     ranked, _ = search(SPEC, 8, shared)
     found = {tuple(p.sizes.values()): p.t_iter for p in ranked}
     fastest = _brute_force(SPEC, 8, shared)
@@ -117,4 +119,34 @@ def test_ranks_sharing_cores_absorb_the_bubble_and_hide_nothing():
     assert device.t_exposed < device.t_comm
     half = predict(SPEC, sizes, replace(shared, comm_cpu_share=0.5), microbatches=2, overlap=Overlap())
     assert device.t_exposed - device.t_p2p < half.t_exposed - half.t_p2p < cpu.t_exposed - cpu.t_p2p
-    assert cpu.t_p2p == pytest.approx(device.t_p2p * 2, rel=1e-12)      # 2 M = 4 hand-offs against 2 (P - 1) = 2
+    # The pipe axis spans both nodes. On a device: fill and drain, 2 (P - 1) = 2 hand-offs over the link (β_inter
+    # shared by the 4 rings of a node). Sharing cores: every one, 2 M = 4, at what it costs inside a node (its copies;
+    # the wait on the link is absorbed as the bubble is).
+    stream = 16 // 4 / 2 * SPEC.seq_len * SPEC.hidden * SHAPED.bytes_per_element
+    assert device.t_p2p == pytest.approx(2 * (SHAPED.latency + stream / (SHAPED.beta_inter / 4)), rel=1e-12)
+    assert cpu.t_p2p == pytest.approx(4 * (SHAPED.latency + stream / SHAPED.beta_intra), rel=1e-12)
+
+
+def test_the_hosts_cost_per_layer_pass_adds_to_the_compute():
+    """``layer_overhead`` per layer pass: 3 passes of each layer per microbatch (4 of a recomputed one, the head
+    not recomputed), the stage's 1/P, with or without shapes; 0 leaves the compute as it was."""
+    sizes = dict(x=2, y=1, z=1, data=2, pipe=2)
+    layers = sum(layer.count for layer in SPEC.layers())
+    head = sum(layer.count for layer in SPEC.layers() if layer.name in SPEC.NOT_RECOMPUTED)
+    for machine in (SHAPED, replace(SHAPED, memory_bandwidth=None)):
+        host = replace(machine, layer_overhead=2.0**-14)
+        for checkpointing, micro in ((False, 1), (False, 4), (True, 2)):
+            passes = 3 * layers + (layers - head if checkpointing else 0)
+            added = stage_seconds(SPEC, sizes, host, checkpointing, micro) - stage_seconds(SPEC, sizes, machine,
+                                                                                            checkpointing, micro)
+            assert added == pytest.approx(2.0**-14 * passes * micro / 2, rel=1e-9)
+    assert head == 1 and layers == 4 * SPEC.n_layer + 1
+
+
+def test_the_hosts_cost_per_layer_pass_is_measured_on_the_bench_gpt():
+    """calibrate's measurement runs the bench GPT's step on one rank (a fresh process) and divides what a
+    microbatch adds by its layer passes: 3 for each of the 4 blocks' 4 GEMMs and the head's."""
+    from par4d.plan.profile import profile_layer_overhead
+
+    row = profile_layer_overhead(threads=1, repeats=3)
+    assert row["layer_passes"] == 3 * (4 * 4 + 1) and row["step_seconds"] > 0 and row["seconds"] >= 0

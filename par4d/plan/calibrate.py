@@ -2,7 +2,8 @@
 
 Measures the fp32 matmul peak and, with the threads one rank gets, the memory bandwidth and a grid of
 GEMM shapes, fitted to the planner's roofline (par4d/plan/compute.py: the fraction of peak the largest
-GEMMs reach and a fixed cost per GEMM), all before any rank starts; then, on ``nproc`` local
+GEMMs reach and a fixed cost per GEMM), and the host's cost per layer pass of a training step, all before
+any rank starts; then, on ``nproc`` local
 ranks, the time of all-reduce, all-gather and reduce-scatter for every group size p
 that divides ``nproc`` and a range of message sizes, with all groups of that size
 busy at once (as in training). Fits per collective kind
@@ -327,6 +328,7 @@ def calibrate(nproc: int, out: Path, repeats: int = 5, cluster=None) -> dict:
     from par4d.launch import launch_local
     from par4d.launch.machine import cpu_cores, measure_matmul_peak, threads_per_rank
     from par4d.plan.machines import Machine
+    from par4d.plan.profile import profile_layer_overhead
 
     if cluster is not None:
         nproc = cluster.world_size
@@ -343,6 +345,8 @@ def calibrate(nproc: int, out: Path, repeats: int = 5, cluster=None) -> dict:
     gemm = fit_gemms(gemms, peak / nproc, compute["memory_bandwidth"] / shared)
     gemm["attention_efficiency"] = fit_attention([dict(r, seconds=r["seconds"] * shared) for r in compute["attention"]],
                                                  peak / nproc)
+    host = profile_layer_overhead(threads)      # the host's cost per layer pass, stretched as the compute
+    host["layer_overhead"] = host["seconds"] * shared
     settings = CalibrationSettings(nproc, repeats)
     if cluster is None:
         rows, sync = _apart(launch_local(nproc, _measure_worker, (settings,), run_id="par4d-calibrate")[0])
@@ -364,6 +368,7 @@ def calibrate(nproc: int, out: Path, repeats: int = 5, cluster=None) -> dict:
                       latency=fits["all_reduce"]["alpha"], latency_inter=latency_inter,
                       efficiency=gemm["efficiency"], memory_bandwidth=gemm["memory_bandwidth"],
                       kernel_latency=gemm["kernel_latency"], bytes_per_element=4, cores_shared=shared,
+                      layer_overhead=host["layer_overhead"],
                       attention_efficiency=gemm["attention_efficiency"],
                       # the share of all the collectives' time (every kind, group and size) the CPU was busy
                       comm_cpu_share=min(1.0, sum(r["cpu_seconds"] for r in rows) / sum(r["seconds"] for r in rows)),
@@ -372,9 +377,9 @@ def calibrate(nproc: int, out: Path, repeats: int = 5, cluster=None) -> dict:
                       staged=cluster is not None,    # gloo across nodes: par4d stages (--hierarchical auto)
                       sync_cost=sync["sync_seconds"])
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(_toml_fit(machine, {**fits, "gemm": gemm, "sync": sync}, peak, nproc))
+    out.write_text(_toml_fit(machine, {**fits, "gemm": gemm, "sync": sync, "host": host}, peak, nproc))
     return {"machine": machine, "fits": fits, "gemm": gemm, "gemm_rows": gemms, "rows": rows, "peak_total": peak,
-            "world": nproc, "sync": sync}
+            "world": nproc, "sync": sync, "host": host}
 
 
 def _apart(rows: list[dict]) -> tuple[list[dict], dict]:

@@ -40,21 +40,25 @@ def stage_seconds(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine
     ones (input and weight gradient: the same FLOPs and bytes, transposed), once more under
     recomputation (not the head's), on each of the ``microbatches``' rows; attention's FLOPs at
     ``attention_efficiency``; the element-wise bytes at the memory bandwidth. The stage's share is
-    1/P of each. Without ``memory_bandwidth``: FLOPs per device over peak x efficiency."""
+    1/P of each. Without ``memory_bandwidth``: FLOPs per device over peak x efficiency. Either way each
+    layer pass of each microbatch adds the host's ``layer_overhead``."""
     world = math.prod(sizes.values())                     # every axis, pipe included
+    pipe = sizes.get("pipe", 1)
     matmul, attention = spec.flops_split(checkpointing)
     attention_flops = attention * sizes["y"] / world     # replicated over y
-    if machine.memory_bandwidth is None:
-        return (matmul / world + attention_flops) / (machine.peak_flops * machine.efficiency)
-    pipe = sizes.get("pipe", 1)
     rows = 1 / (sizes["data"] * sizes["z"] * microbatches)
-    gemms = 0.0
+    gemms = host = 0.0                                    # per microbatch
     for layer in spec.layers():
         g_in, g_out = (sizes["x"], sizes["y"]) if layer.transposed else (sizes["y"], sizes["x"])
-        passes = 4 if checkpointing and layer.name not in spec.NOT_RECOMPUTED else 3
-        gemms += layer.count * passes * gemm_seconds(layer.m * rows, layer.n / g_out, layer.k / g_in, machine)
+        passes = layer.count * (4 if checkpointing and layer.name not in spec.NOT_RECOMPUTED else 3)
+        host += passes * machine.layer_overhead
+        if machine.memory_bandwidth is not None:
+            gemms += passes * gemm_seconds(layer.m * rows, layer.n / g_out, layer.k / g_in, machine)
+    if machine.memory_bandwidth is None:
+        return (matmul / world + attention_flops) / (machine.peak_flops * machine.efficiency) \
+            + host * microbatches / pipe
     attention_efficiency = machine.attention_efficiency or machine.efficiency
-    return (gemms * microbatches / pipe + attention_flops / (machine.peak_flops * attention_efficiency)
+    return ((gemms + host) * microbatches / pipe + attention_flops / (machine.peak_flops * attention_efficiency)
             + spec.elementwise_bytes(sizes, machine.bytes_per_element, checkpointing) / pipe
             / machine.memory_bandwidth)
 

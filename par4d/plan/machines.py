@@ -15,6 +15,7 @@ figures (link bandwidths, documented per field). User profiles are TOML files:
     efficiency = 0.5           # fraction of peak the largest GEMMs reach (with memory_bandwidth: by shape)
     memory_bandwidth = 1.5e12  # optional: bytes/s of device memory; GEMMs are then timed by their shapes
     kernel_latency = 5e-6      # optional: seconds every GEMM costs beyond its roofline time
+    layer_overhead = 30e-6     # optional: host seconds a training step spends per layer pass beyond its kernels
     attention_efficiency = 0.6 # optional: fraction of peak attention's fused matmuls reach (default: efficiency)
     cores_shared = 1.0         # optional: ranks time-sharing each core (CPU ranks beyond the cores; 1: a device each)
     comm_cpu_share = 0.0       # optional: share of a collective's time the CPU is busy (counts with cores_shared)
@@ -58,6 +59,10 @@ class Machine:
     # The compute model by shape (par4d/plan/compute.py); None: FLOPs over peak x efficiency, shapes aside.
     memory_bandwidth: float | None = None    # bytes/s of device memory (GEMMs' roofline, element-wise work)
     kernel_latency: float = 0.0              # seconds per GEMM beyond its roofline time
+    # Host seconds per layer pass (a GEMM's forward or backward) in a training step beyond its kernels: the module's
+    # Python, autograd and the launches around it. calibrate measures it on CPUs, where it adds to the compute;
+    # on a GPU the host runs ahead of the kernels, and the built-ins leave it 0.
+    layer_overhead: float = 0.0
     attention_efficiency: float | None = None   # of peak, by attention's fused matmuls (None: efficiency)
     # Ranks time-sharing each core (a CPU machine running more ranks than cores; 1: a device per rank): a rank
     # that waits gives its share to the others, and communication's copies and sums take the cores compute needs.
@@ -93,7 +98,7 @@ class Machine:
 # Fields that count things: whole numbers >= 1. Every other number is finite and > 0, except these lower bounds.
 COUNTS = ("devices_per_node", "bytes_per_element")
 # 0 = the paper's model (no per-step latency), no cost per GEMM, no CPU in collectives
-AT_LEAST_ZERO = ("latency", "latency_inter", "kernel_latency", "comm_cpu_share", "sync_cost")
+AT_LEAST_ZERO = ("latency", "latency_inter", "kernel_latency", "layer_overhead", "comm_cpu_share", "sync_cost")
 OPTIONAL = ("latency_inter", "memory_bandwidth", "attention_efficiency")           # None: not given
 FRACTIONS = ("efficiency", "attention_efficiency", "comm_cpu_share")
 BOOLS = ("staged",)

@@ -481,11 +481,14 @@ def p2p_seconds(spec: GPTSpec, sizes: dict[str, int], machine: Machine, micro: i
     """The pipeline's hand-offs on the critical path: on a device, fill and drain, P - 1 hand-offs of one
     microbatch's stream shard (rows, seq, n_embd / G_y) each way; where ranks time-share the cores
     (``machine.cores_shared``) a hand-off takes cores the compute needs wherever it happens, so a stage's own,
-    one each way per microbatch (M), all count."""
+    one each way per microbatch (M), all count, each at what it costs inside a node: its copies. A hand-off's
+    wait on a slower link is absorbed as the bubble is (one stage waits while the others use the cores),
+    unlike a collective's, which all its ranks wait for at once."""
     shard = spec.samples // (sizes["z"] * sizes["data"])
     stream = shard / micro * spec.seq_len * spec.hidden / sizes["y"] * machine.bytes_per_element
-    hand_offs = micro if machine.cores_shared > 1 else sizes["pipe"] - 1
-    return 2 * hand_offs * (alpha + stream / beta)
+    if machine.cores_shared > 1:
+        return 2 * micro * (machine.latency + stream / machine.beta_intra)
+    return 2 * (sizes["pipe"] - 1) * (alpha + stream / beta)
 
 
 class CommunicationByCount:

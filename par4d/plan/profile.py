@@ -39,6 +39,15 @@ def profile_memory(choices: list[dict], threads: int = 1) -> list[dict]:
     return _in_a_fresh_process("profile_memory", choices, threads, _held)
 
 
+def profile_layer_overhead(threads: int, repeats: int = 21) -> dict:
+    """What a training step costs the host per layer pass (a GEMM's forward or one of its two backward) beyond its
+    kernels, with ``threads`` torch threads: the bench GPT on one rank, on sequences of 2 tokens (its compute
+    negligible), stepped with 1 and with 4 microbatches in turn ``repeats`` times; ``seconds``: what the median
+    step gains per microbatch, over the layer passes of one microbatch."""
+    return _in_a_fresh_process("profile_layer_overhead", [{"x": 1, "y": 1, "z": 1, "data": 1}], threads,
+                               _overhead, repeats)[0]
+
+
 def _in_a_fresh_process(name: str, items: list[dict], threads: int, measure, *args) -> list[dict]:
     """:func:`_as_rank0` in a spawned process (the caller's torch.distributed state untouched), the choices
     (:func:`as_choice`) all of one world size."""
@@ -106,6 +115,25 @@ def _timed(grid, step, iters: int) -> dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return {"seconds": statistics.median(times), "collectives": collectives}
+
+
+def _overhead(grid, step, repeats: int) -> dict:
+    from par4d.plan.measure import WARMUP, TrainingStep
+    from par4d.plan.workload import MEASURED
+
+    steps = {micro: TrainingStep(grid, batch_size=4, seq_len=2, microbatches=micro) for micro in (1, 4)}
+    times: dict[int, list[float]] = {micro: [] for micro in steps}
+    for _ in range(WARMUP):
+        for run in steps.values():
+            run()
+    for _ in range(repeats):
+        for micro, run in steps.items():
+            start = time.perf_counter()
+            run()
+            times[micro].append(time.perf_counter() - start)
+    one, four = (statistics.median(times[micro]) for micro in (1, 4))
+    passes = 3 * sum(layer.count for layer in MEASURED.layers())
+    return {"seconds": max(0.0, (four - one) / 3 / passes), "step_seconds": one, "layer_passes": passes}
 
 
 def _held(grid, step) -> dict:
