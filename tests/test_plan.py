@@ -404,7 +404,8 @@ def test_calibrate_never_overwrites_a_profile(tmp_path, capsys, monkeypatch):
                          "points": 36, "attention_efficiency": 0.5},
                 "sync": {"p": nproc, "compute_seconds": 3e-3, "collective_seconds": 1e-3, "both_seconds": 4.5e-3,
                          "sync_seconds": 5e-4},
-                "host": {"seconds": 3e-5, "layer_overhead": 6e-5, "step_seconds": 4e-3, "layer_passes": 51}}
+                "host": {"microbatch_seconds": 1.5e-3, "layer_overhead": 4e-5, "step_seconds": 4e-3, "batch": 4,
+                         "seq_len": 2, "layer_passes": 51}}
 
     monkeypatch.setattr(par4d.plan.calibrate, "calibrate", measured)
     profile = tmp_path / "local.toml"

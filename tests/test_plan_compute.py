@@ -143,10 +143,21 @@ def test_the_hosts_cost_per_layer_pass_adds_to_the_compute():
     assert head == 1 and layers == 4 * SPEC.n_layer + 1
 
 
-def test_the_hosts_cost_per_layer_pass_is_measured_on_the_bench_gpt():
-    """calibrate's measurement runs the bench GPT's step on one rank (a fresh process) and divides what a
-    microbatch adds by its layer passes: 3 for each of the 4 blocks' 4 GEMMs and the head's."""
+def test_the_hosts_cost_per_layer_pass_is_what_a_microbatch_adds_beyond_the_gemms():
+    """calibrate's measurement runs the bench GPT's step on one rank (a fresh process) with 1 and 4 microbatches;
+    the profile's ``layer_overhead`` then makes its model add what a microbatch added there (stretched by the ranks
+    sharing the cores), its GEMMs' own cost per microbatch (kernel latency, weights read again) taken out."""
+    from par4d.plan.calibrate import layer_overhead
     from par4d.plan.profile import profile_layer_overhead
+    from par4d.plan.workload import MEASURED
 
     row = profile_layer_overhead(threads=1, repeats=3)
-    assert row["layer_passes"] == 3 * (4 * 4 + 1) and row["step_seconds"] > 0 and row["seconds"] >= 0
+    assert row["layer_passes"] == 3 * (4 * 4 + 1) and row["step_seconds"] > 0
+    host = dict(row, microbatch_seconds=1.5e-3)          # a measurement's, fixed: what follows is arithmetic
+    shared = replace(SHAPED, cores_shared=2.0, memory_bandwidth=2.0**33, kernel_latency=3e-6, bytes_per_element=4)
+    profile = replace(shared, layer_overhead=layer_overhead(host, shared))
+    spec, alone = MEASURED.with_batch(row["batch"], row["seq_len"]), dict(x=1, y=1, z=1, data=1)
+    added = (stage_seconds(spec, alone, profile, False, 4) - stage_seconds(spec, alone, profile, False, 1)) / 3
+    assert added == pytest.approx(1.5e-3 * 2.0, rel=1e-9)
+    assert 0 < profile.layer_overhead < 1.5e-3 * 2.0 / row["layer_passes"]     # the GEMMs took their share
+    assert layer_overhead(dict(host, microbatch_seconds=0.0), shared) == 0.0    # never below nothing

@@ -132,17 +132,23 @@ def _brute_force(spec, world, machine):
     return best
 
 
-def check_the_top_and_its_floors(spec, world, machine, fastest: dict) -> None:
+def check_the_top_and_its_floors(spec, world, machine, fastest: dict | None = None, space: Space | None = None) -> None:
     """search_top skips a grid where its floors say no choice on it is faster than the top found: on every grid
-    both floors are under brute force's fastest choice (``fastest``), and search_top's rows are search's first."""
-    for sizes in factorizations(world, tuple(range(1, spec.n_layer + 1))):
+    both floors are under brute force's fastest choice (``fastest``; else the search's own, in ``space``), and
+    search_top's rows are search's first."""
+    space = space or Space()
+    ranked, excluded = search(spec, world, machine, space)
+    if fastest is None:
+        fastest = {tuple(p.sizes.values()): p.t_iter for p in ranked}
+    recompute = (False, True) if space.checkpointing is None else (space.checkpointing,)
+    pipes = (space.pipe,) if space.pipe else tuple(range(1, spec.n_layer + 1))
+    for sizes in factorizations(world, pipes):
         key = tuple(sizes.values())
         if key in fastest:
-            grid = _Grid(spec, sizes, machine, Space(), (False, True))
+            grid = _Grid(spec, sizes, machine, space, recompute)
             assert grid.compute_floor() <= grid.floor() <= fastest[key] * (1 + 1e-12), (sizes, machine.name)
-    ranked, excluded = search(spec, world, machine)
     for top in (1, 3, len(ranked)):
-        first, left_out, fitting = search_top(spec, world, machine, top=top)
+        first, left_out, fitting = search_top(spec, world, machine, space, top=top)
         assert [p.row() for p in first] == [p.row() for p in ranked[:top]]
         assert [p.row() for p in left_out] == [p.row() for p in excluded] and fitting == len(ranked)
 
@@ -193,6 +199,16 @@ def test_communication_at_any_count_from_two_computed():
         assert terms.at(4).calls > terms.at(1).calls > 0 and terms.at(4).redo_xy_calls > 0
 
 
+def test_the_top_is_the_whole_searchs_with_choices_fixed_and_collectives_staged():
+    """search_top against search where the user fixed a choice (the floors then cover only what may be chosen),
+    and on a machine whose collectives across nodes go in stages (each count's communication computed)."""
+    staged = replace(TIGHT, devices_per_node=2, staged=True, memory_bytes=1e12)
+    for machine in (TIGHT, staged):
+        for space in (Space(overlap=Overlap.none()), Space(microbatches=2), Space(checkpointing=True),
+                      Space(pipe=2, microbatches=4), Space(overlap=Overlap.parse("oar,xy"))):
+            check_the_top_and_its_floors(SPEC, 8, machine, space=space)
+
+
 def test_the_top_of_a_large_search_is_the_whole_searchs():
     """GPT-80B on 16,384 GPUs (docs/planner.md's timing): the top 10 timed after skipping grids on their floors are
     the whole search's first 10, and every grid is counted."""
@@ -203,6 +219,23 @@ def test_the_top_of_a_large_search_is_the_whole_searchs():
     assert len(left_out) == len(excluded) and fitting == len(ranked) == 1783
     with pytest.raises(ValueError, match="top=0: must be >= 1"):
         search_top(spec, 16384, PERLMUTTER, top=0)
+
+
+def test_each_row_chunk_of_an_x_or_y_sum_pays_the_rings_latency():
+    """Under xy each all-reduce over x or y goes in row chunks, each a collective of its own: on x = 2 (inside a
+    node) every layer sums over x once a pass (the normal layers' input gradients, the transposed layers' outputs),
+    and the second chunk pays the ring's 2 steps of α again; under recomputation the transposed layers' forward sums
+    again (not the head's: it is normal)."""
+    sizes = dict(x=2, y=1, z=1, data=4, pipe=1)
+    one = replace(Overlap.parse("xy"), row_chunks=1)
+    for checkpointing in (False, True):
+        chunked, whole = (predict(SPEC, sizes, NODE4, checkpointing=checkpointing, overlap=overlap)
+                          for overlap in (Overlap.parse("xy"), one))
+        layers = sum(layer.count for layer in SPEC.layers())
+        redone = sum(layer.count for layer in SPEC.layers() if layer.transposed) if checkpointing else 0
+        assert chunked.t_comm_axes["x"] - whole.t_comm_axes["x"] == pytest.approx(
+            (layers + redone) * 2 * NODE4.latency, rel=1e-9)
+        assert chunked.collectives - whole.collectives == layers + redone
 
 
 def test_fixed_choices_are_kept():

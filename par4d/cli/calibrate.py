@@ -43,9 +43,9 @@ def run(args: argparse.Namespace) -> int:
           f"memory {gemm['memory_bandwidth'] / 1e9:.1f} GB/s; median error of the fit {gemm['median_error']:.0%}; "
           f"attention (fused, forward and backward) {gemm['attention_efficiency']:.2f} of a rank's peak")
     host = result["host"]
-    print(f"host work per layer pass of a training step, beyond its kernels: {host['seconds'] * 1e6:.1f} us alone, "
-          f"{host['layer_overhead'] * 1e6:.1f} us with the cores shared (the profile's layer_overhead; a step of the "
-          f"bench GPT on 2-token sequences, 1 against 4 microbatches)")
+    print(f"host work of a training step: {host['microbatch_seconds'] * 1e3:.2f} ms a microbatch of the bench GPT "
+          f"alone (2-token sequences, 1 against 4 microbatches); beyond what its GEMMs cost, with the cores shared: "
+          f"{host['layer_overhead'] * 1e6:.1f} us per layer pass (the profile's layer_overhead)")
     across = any("alpha_inter" in f for f in result["fits"].values())
     print(f"{'collective':<15} {'alpha (us)':>10} {'beta (GB/s)':>11} "
           + (f"{'across: alpha':>13} {'beta':>7} " if across else "")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -345,8 +345,7 @@ def calibrate(nproc: int, out: Path, repeats: int = 5, cluster=None) -> dict:
     gemm = fit_gemms(gemms, peak / nproc, compute["memory_bandwidth"] / shared)
     gemm["attention_efficiency"] = fit_attention([dict(r, seconds=r["seconds"] * shared) for r in compute["attention"]],
                                                  peak / nproc)
-    host = profile_layer_overhead(threads)      # the host's cost per layer pass, stretched as the compute
-    host["layer_overhead"] = host["seconds"] * shared
+    host = profile_layer_overhead(threads)
     settings = CalibrationSettings(nproc, repeats)
     if cluster is None:
         rows, sync = _apart(launch_local(nproc, _measure_worker, (settings,), run_id="par4d-calibrate")[0])
@@ -368,7 +367,6 @@ def calibrate(nproc: int, out: Path, repeats: int = 5, cluster=None) -> dict:
                       latency=fits["all_reduce"]["alpha"], latency_inter=latency_inter,
                       efficiency=gemm["efficiency"], memory_bandwidth=gemm["memory_bandwidth"],
                       kernel_latency=gemm["kernel_latency"], bytes_per_element=4, cores_shared=shared,
-                      layer_overhead=host["layer_overhead"],
                       attention_efficiency=gemm["attention_efficiency"],
                       # the share of all the collectives' time (every kind, group and size) the CPU was busy
                       comm_cpu_share=min(1.0, sum(r["cpu_seconds"] for r in rows) / sum(r["seconds"] for r in rows)),
@@ -376,10 +374,27 @@ def calibrate(nproc: int, out: Path, repeats: int = 5, cluster=None) -> dict:
                       reduce_scatter_scale=fits["reduce_scatter"]["beta"] / beta,
                       staged=cluster is not None,    # gloo across nodes: par4d stages (--hierarchical auto)
                       sync_cost=sync["sync_seconds"])
+    host["layer_overhead"] = layer_overhead(host, machine)
+    machine = replace(machine, layer_overhead=host["layer_overhead"])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(_toml_fit(machine, {**fits, "gemm": gemm, "sync": sync, "host": host}, peak, nproc))
     return {"machine": machine, "fits": fits, "gemm": gemm, "gemm_rows": gemms, "rows": rows, "peak_total": peak,
             "world": nproc, "sync": sync, "host": host}
+
+
+def layer_overhead(host: dict, machine) -> float:
+    """The host's seconds per layer pass (``machine.layer_overhead``) from one rank's measurement alone
+    (:func:`~par4d.plan.profile.profile_layer_overhead`): what a microbatch added to the step, stretched by the ranks
+    sharing each core,
+    less what ``machine``'s GEMMs already charge a microbatch more (their kernel latency, their weights read
+    again), over a microbatch's layer passes."""
+    from par4d.plan.compute import stage_seconds
+    from par4d.plan.workload import MEASURED
+
+    spec, alone = MEASURED.with_batch(host["batch"], host["seq_len"]), {"x": 1, "y": 1, "z": 1, "data": 1}
+    kernels = replace(machine, layer_overhead=0.0)
+    modelled = (stage_seconds(spec, alone, kernels, False, 4) - stage_seconds(spec, alone, kernels, False, 1)) / 3
+    return max(0.0, (host["microbatch_seconds"] * machine.cores_shared - modelled) / host["layer_passes"])
 
 
 def _apart(rows: list[dict]) -> tuple[list[dict], dict]:

@@ -400,6 +400,10 @@ class Communication:
     redo_axes: dict[str, float] = field(default_factory=dict)
     redo_calls: float = 0.0
     redo_xy_calls: float = 0.0
+    # The latency (ring steps x α) of one pass of the layers' all-reduces over x and y, per (role, axis): ``xy``'s
+    # row chunks pay it once per chunk. ``redo_xy_latency``: a recomputed forward's sums.
+    xy_latency: dict[tuple[str, str], float] = field(default_factory=dict)
+    redo_xy_latency: dict[tuple[str, str], float] = field(default_factory=dict)
 
 
 def communication(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Machine, variant: str,
@@ -415,6 +419,8 @@ def communication(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine
     roles = {r: 0.0 for r in ROLES}
     gathers = calls = xy_calls = redo_calls = redo_xy_calls = 0
     redo_roles, redo_axes = {"in_sum": 0.0, "forward": 0.0}, {"x": 0.0, "y": 0.0}   # sums over x, y; norms over y
+    xy_latency = {(role, axis): 0.0 for role in ("in_sum", "input_grad") for axis in ("x", "y")}
+    redo_xy_latency = {("in_sum", axis): 0.0 for axis in ("x", "y")}
     for layer in spec.layers():
         piece = layer if micro == 1 else Layer(layer.name, layer.m / micro, layer.k, layer.n, layer.transposed,
                                                layer.count)                 # the layer on one microbatch's rows
@@ -430,10 +436,13 @@ def communication(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine
             calls += layer.count * share
             if role in ("in_sum", "input_grad"):
                 xy_calls += layer.count * share
+                latency = ring_time("all_reduce", sizes[axis], 0.0, beta[axis], alpha[axis]) * layer.count * share
+                xy_latency[role, axis] += latency
                 if role == "in_sum" and layer.name not in spec.NOT_RECOMPUTED:
                     redo_roles["in_sum"] += t * share
                     redo_axes[axis] += t * share
                     redo_xy_calls += layer.count * share
+                    redo_xy_latency[role, axis] += latency
         gathers += layer.count * micro / pipe if sizes["z"] > 1 else 0
     grad_bytes = 0.0
     if full:
@@ -473,7 +482,7 @@ def communication(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine
     if pipe > 1:
         t_p2p = axes["pipe"] = p2p_seconds(spec, sizes, machine, micro, alpha["pipe"], beta["pipe"])
     return Communication(axes, roles, gathers, grad_bytes, t_p2p, calls, xy_calls, redo_roles, redo_axes,
-                         redo_calls + redo_xy_calls, redo_xy_calls)
+                         redo_calls + redo_xy_calls, redo_xy_calls, xy_latency, redo_xy_latency)
 
 
 def p2p_seconds(spec: GPTSpec, sizes: dict[str, int], machine: Machine, micro: int, alpha: float,
@@ -528,7 +537,10 @@ class CommunicationByCount:
                              {r: between(first.redo_roles[r], last.redo_roles[r]) for r in first.redo_roles},
                              {a: between(first.redo_axes[a], last.redo_axes[a]) for a in first.redo_axes},
                              between(first.redo_calls, last.redo_calls),
-                             between(first.redo_xy_calls, last.redo_xy_calls))
+                             between(first.redo_xy_calls, last.redo_xy_calls),
+                             {k: between(first.xy_latency[k], last.xy_latency[k]) for k in first.xy_latency},
+                             {k: between(first.redo_xy_latency[k], last.redo_xy_latency[k])
+                              for k in first.redo_xy_latency})
 
 
 def timed_choice(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Machine, checkpointing: bool,
@@ -555,13 +567,18 @@ def _timed(pred: Prediction, spec, sizes: dict[str, int], machine: Machine, full
     pipe, micro = sizes.get("pipe", 1), pred.microbatches
     pred.t_p2p = comm.t_p2p
     pred.t_comm_axes = dict(comm.axes)
-    roles = comm.roles
+    roles = dict(comm.roles)
     if full and checkpointing:
         if not (overlap is not None and overlap.cache):
             pred.t_comm_axes["z"] += comm.roles["gather"]   # the recomputed forward gathers the weights again
         for axis, t in comm.redo_axes.items():              # and sums over x and y, and norms' statistics
             pred.t_comm_axes[axis] += t
         roles = {r: t + comm.redo_roles.get(r, 0.0) for r, t in comm.roles.items()}
+    chunks = overlap.row_chunks if overlap is not None and overlap.xy else 1
+    if full and chunks > 1:                 # each row chunk of an x/y sum pays the ring's latency again
+        for (role, axis), t in (*comm.xy_latency.items(), *(comm.redo_xy_latency.items() if checkpointing else ())):
+            roles[role] += t * (chunks - 1)
+            pred.t_comm_axes[axis] += t * (chunks - 1)
     pred.t_comm = sum(pred.t_comm_axes.values())
     world = sizes["x"] * sizes["y"] * sizes["z"] * sizes["data"] * pipe
     flops = spec.flops_per_iteration(checkpointing)
@@ -577,7 +594,6 @@ def _timed(pred: Prediction, spec, sizes: dict[str, int], machine: Machine, full
         # the sync's buckets, the hand-offs on the path and the loss summed over the stages once.
         regathers = comm.gathers if checkpointing and not (overlap is not None and overlap.cache) else 0
         hand_offs = 2 * (micro if machine.cores_shared > 1 else pipe - 1) + 1 if pipe > 1 else 0
-        chunks = overlap.row_chunks if overlap is not None and overlap.xy else 1
         redone = comm.redo_calls + comm.redo_xy_calls * (chunks - 1) if checkpointing else 0
         pred.collectives = (comm.calls + comm.xy_calls * (chunks - 1) + regathers + redone + hand_offs
                             + (buckets if sizes["data"] > 1 else 0))

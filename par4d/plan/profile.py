@@ -40,12 +40,12 @@ def profile_memory(choices: list[dict], threads: int = 1) -> list[dict]:
 
 
 def profile_layer_overhead(threads: int, repeats: int = 21) -> dict:
-    """What a training step costs the host per layer pass (a GEMM's forward or one of its two backward) beyond its
-    kernels, with ``threads`` torch threads: the bench GPT on one rank, on sequences of 2 tokens (its compute
-    negligible), stepped with 1 and with 4 microbatches in turn ``repeats`` times; ``seconds``: what the median
-    step gains per microbatch, over the layer passes of one microbatch."""
-    return _in_a_fresh_process("profile_layer_overhead", [{"x": 1, "y": 1, "z": 1, "data": 1}], threads,
-                               _overhead, repeats)[0]
+    """What a training step costs the host per microbatch at a negligible compute, with ``threads`` torch threads on
+    the CPU: the bench GPT on one rank, on a batch of ``batch`` sequences of ``seq_len`` = 2 tokens, stepped with 1
+    and with 4 microbatches in turn ``repeats`` times; ``microbatch_seconds``: what the median step gains per
+    microbatch; ``layer_passes``: a microbatch's (3 per layer: its forward GEMM and two backward ones).
+    calibrate takes the modelled GEMMs out of it (:func:`par4d.plan.calibrate.layer_overhead`)."""
+    return _spawned(_overhead, threads, repeats)
 
 
 def _in_a_fresh_process(name: str, items: list[dict], threads: int, measure, *args) -> list[dict]:
@@ -57,10 +57,14 @@ def _in_a_fresh_process(name: str, items: list[dict], threads: int, measure, *ar
     worlds = {math.prod(choice["sizes"].values()) for choice in choices}
     if len(worlds) != 1:
         raise ValueError(f"{name}: grids of one world size expected, got sizes {sorted(worlds)}")
-    # An executor, not a Pool: if the child dies (killed, out of memory) this raises
-    # BrokenProcessPool instead of waiting forever.
+    return _spawned(_as_rank0, choices, threads, measure, *args)
+
+
+def _spawned(function, *args):
+    """``function(*args)`` in a spawned process. An executor, not a Pool: if the child dies (killed, out of
+    memory) this raises BrokenProcessPool instead of waiting forever."""
     with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
-        return pool.submit(_as_rank0, choices, threads, measure, *args).result()
+        return pool.submit(function, *args).result()
 
 
 def cores_shared(world: int, threads: int, cores: int, cuda: bool) -> float:
@@ -117,11 +121,20 @@ def _timed(grid, step, iters: int) -> dict:
     return {"seconds": statistics.median(times), "collectives": collectives}
 
 
-def _overhead(grid, step, repeats: int) -> dict:
+def _overhead(threads: int, repeats: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from par4d.grid import build_grid, validate_sizes
     from par4d.plan.measure import WARMUP, TrainingStep
     from par4d.plan.workload import MEASURED
 
-    steps = {micro: TrainingStep(grid, batch_size=4, seq_len=2, microbatches=micro) for micro in (1, 4)}
+    torch.set_num_threads(threads)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    grid = build_grid(validate_sizes({"x": 1, "y": 1, "z": 1, "data": 1}, 1), torch.device("cpu"))  # CPU ranks'
+    batch, seq_len = 4, 2
+    steps = {micro: TrainingStep(grid, batch_size=batch, seq_len=seq_len, microbatches=micro) for micro in (1, 4)}
     times: dict[int, list[float]] = {micro: [] for micro in steps}
     for _ in range(WARMUP):
         for run in steps.values():
@@ -131,9 +144,11 @@ def _overhead(grid, step, repeats: int) -> dict:
             start = time.perf_counter()
             run()
             times[micro].append(time.perf_counter() - start)
+    grid.close()
+    dist.destroy_process_group()
     one, four = (statistics.median(times[micro]) for micro in (1, 4))
-    passes = 3 * sum(layer.count for layer in MEASURED.layers())
-    return {"seconds": max(0.0, (four - one) / 3 / passes), "step_seconds": one, "layer_passes": passes}
+    return {"microbatch_seconds": (four - one) / 3, "step_seconds": one, "batch": batch, "seq_len": seq_len,
+            "layer_passes": 3 * sum(layer.count for layer in MEASURED.layers())}
 
 
 def _held(grid, step) -> dict:

@@ -10,8 +10,8 @@ faster (each step below is tested against the brute-force search in tests/test_p
   (:func:`~par4d.plan.model.exposed_comm`), and only two cost memory: OAG's prefetched
   weights and the cache's gathered ones under recomputation. So the best set is every
   switch, then without the cache, then without OAG: the first that fits. One switch issues
-  more collectives: xy's row chunks; on a machine whose collectives cost ``sync_cost`` each
-  the first set that fits is timed with and without xy.
+  more collectives: xy's row chunks, each paying the ring's latency and ``sync_cost``; where
+  collectives cost either, the first set that fits is timed with and without xy.
 * **Microbatches without a pipeline**: M microbatches pay M times the weight collectives and
   the activation collectives' latency, for compute no less (smaller GEMMs), so more is never
   faster; the best is the fewest that fit. With a pipeline, more microbatches shrink the bubble, and
@@ -149,9 +149,10 @@ def _rank(p: Prediction) -> tuple:
 
 
 def _with_and_without_xy(overlap: Overlap, machine: Machine) -> tuple[Overlap, ...]:
-    """The sets to time where the first fits: xy's row chunks cost a collective each, and where collectives cost
-    ``sync_cost`` beyond their time the set without xy (the same memory) can be the faster."""
-    if machine.sync_cost and overlap.xy:
+    """The sets to time where the first fits: each of xy's row chunks is a collective of its own, paying the ring's
+    latency and ``sync_cost``, so where collectives cost either the set without xy (the same memory) can be the
+    faster."""
+    if overlap.xy and (machine.sync_cost or machine.latency or machine.latency_inter):
         return overlap, replace(overlap, xy=False, row_chunks=1)
     return (overlap,)
 
