@@ -56,13 +56,20 @@ def test_skinny_shards_and_small_microbatches_lose():
 
 
 def test_elementwise_bytes_by_hand():
+    """Forward, twice that backward (and the forward again under recomputation); where y splits the row each
+    block's two norms run unfused: 12 more passes forward (once more recomputed) and 17 backward."""
     sizes = dict(x=2, y=4, z=2, data=1)
     tokens = SPEC.tokens / 2
     d, b = SPEC.hidden, 2
-    per_token = SPEC.n_layer * 3 * b * d * (STREAM_PASSES / 4 + OUTPUT_PASSES / 2)
-    assert SPEC.elementwise_bytes(sizes, b, False) == pytest.approx(
-        tokens * (per_token + LOGIT_PASSES * 4 * SPEC.vocab / 2), rel=1e-12)
-    assert SPEC.elementwise_bytes(sizes, b, True) > SPEC.elementwise_bytes(sizes, b, False)
+    logits = LOGIT_PASSES * 4 * SPEC.vocab / 2
+    for checkpointing, passes in ((False, 3), (True, 4)):
+        norms = 2 * (12 * (passes - 2) + 17)
+        per_token = SPEC.n_layer * b * d * ((passes * STREAM_PASSES + norms) / 4 + passes * OUTPUT_PASSES / 2)
+        assert SPEC.elementwise_bytes(sizes, b, checkpointing) == pytest.approx(tokens * (per_token + logits),
+                                                                                rel=1e-12)
+    fused = dict(sizes, y=1)                                 # the whole row: the fused kernel
+    per_token = SPEC.n_layer * 3 * b * d * (STREAM_PASSES + OUTPUT_PASSES / 2)
+    assert SPEC.elementwise_bytes(fused, b, False) == pytest.approx(tokens * (per_token + logits), rel=1e-12)
 
 
 def test_the_search_with_shapes_finds_what_brute_force_finds():
@@ -112,9 +119,11 @@ def test_ranks_sharing_cores_absorb_the_bubble_and_hide_nothing():
     cpu = predict(SPEC, sizes, shared, microbatches=2, overlap=Overlap())
     t_stage = stage_seconds(SPEC, sizes, SHAPED, False, 2)
     assert device.t_compute == pytest.approx(t_stage * 3 / 2, rel=1e-12)
-    assert cpu.t_compute == pytest.approx(t_stage, rel=1e-12)                     # max(t, 1.5 t / 2)
+    # The 3 slots of 2 stages x 2 microbatches: one stage, both (twice the cores there are: 2 slots' time), one.
+    assert cpu.t_compute == pytest.approx(t_stage * (1 + 2 + 1) / (2 * 2), rel=1e-12)
+    # s = 1.25: both stages at work need 1.25 times the cores; alone, a stage runs no faster than at full speed.
     lightly = predict(SPEC, sizes, replace(SHAPED, cores_shared=1.25), microbatches=2)
-    assert lightly.t_compute == pytest.approx(t_stage * 1.5 / 1.25, rel=1e-12)   # the critical path is longer
+    assert lightly.t_compute == pytest.approx(t_stage * (1 + 1.25 + 1) / (1.25 * 2), rel=1e-12)
     assert cpu.t_exposed == pytest.approx(cpu.t_comm, rel=1e-12)            # all of it CPU work: nothing hides
     assert device.t_exposed < device.t_comm
     half = predict(SPEC, sizes, replace(shared, comm_cpu_share=0.5), microbatches=2, overlap=Overlap())
@@ -125,6 +134,26 @@ def test_ranks_sharing_cores_absorb_the_bubble_and_hide_nothing():
     stream = 16 // 4 / 2 * SPEC.seq_len * SPEC.hidden * SHAPED.bytes_per_element
     assert device.t_p2p == pytest.approx(2 * (SHAPED.latency + stream / (SHAPED.beta_inter / 4)), rel=1e-12)
     assert cpu.t_p2p == pytest.approx(4 * (SHAPED.latency + stream / SHAPED.beta_intra), rel=1e-12)
+
+
+def test_a_pipeline_on_shared_cores_takes_its_schedules_slots():
+    """Where ranks share the cores, each of the M + P - 1 slots of the schedule takes max(1, a s / P) of a
+    microbatch's stage at full speed, a the stages at work: summed slot by slot, the closed form is the same; on a
+    device it is the bubble; it never grows with M (the search stops its counts on it)."""
+    from par4d.plan.compute import with_bubble
+
+    for shared in (1.0, 1.25, 2.0, 3.0, 4.0, 8.0):
+        machine = replace(SHAPED, cores_shared=shared)
+        for pipe in range(1, 13):
+            previous = None
+            for micro in range(1, 40):
+                at_work = [sum(1 for stage in range(pipe) if 0 <= t - stage < micro) for t in range(micro + pipe - 1)]
+                slots = sum(max(1.0, a * shared / pipe) for a in at_work)
+                t = with_bubble(1.0, micro, pipe, machine)
+                assert t == pytest.approx(slots / (shared * micro), rel=1e-12), (shared, pipe, micro)
+                assert previous is None or t <= previous * (1 + 1e-12)
+                previous = t
+    assert with_bubble(1.0, 4, 4, replace(SHAPED, cores_shared=2.0)) == 1.125     # 4 stages, 4 ranks, 2 cores
 
 
 def test_the_hosts_cost_per_layer_pass_adds_to_the_compute():

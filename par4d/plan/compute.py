@@ -64,11 +64,22 @@ def stage_seconds(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine
 
 
 def with_bubble(t_stage: float, micro: int, pipe: int, machine: Machine) -> float:
-    """A step's compute from one stage's: the pipeline's fill and drain ``(M + P - 1) / M``; where ranks
-    time-share the cores (``cores_shared``) a stage idle in them gives its share to the others, so the step takes
-    the ranks' work at their shared speed, or the critical path at full speed, whichever is longer. Never grows
-    with M (the search's bound relies on it)."""
-    bubble = (micro + pipe - 1) / micro
+    """A step's compute from one stage's: the pipeline's fill and drain ``(M + P - 1) / M``. Where ranks time-share
+    the cores (``cores_shared`` = s), the schedule's M + P - 1 slots each take a microbatch's stage alone at full
+    speed, or longer where the a stages at work (and their copies over the other axes) need more cores than there
+    are: ``max(1, a s / P)`` of it. A stage idle in the fill and drain gives its cores to the others, but no rank runs
+    faster than alone (its threads). Never grows with M (the search's bound relies on it)."""
     if machine.cores_shared > 1:
-        return t_stage * max(1.0, bubble / machine.cores_shared)
-    return t_stage * bubble
+        share = machine.cores_shared / pipe        # of the cores one microbatch's stage at work needs
+        few, many = min(pipe, micro), max(pipe, micro)
+        slots = 2 * _ramp(few - 1, share) + (many - few + 1) * max(1.0, share * few)
+        return t_stage * slots / (machine.cores_shared * micro)
+    return t_stage * ((micro + pipe - 1) / micro)
+
+
+def _ramp(n: int, share: float) -> float:
+    """``max(1, a share)`` summed over a = 1 .. n: the slots of a pipeline's fill (or drain) with a stages at work."""
+    if n <= 0:
+        return 0.0
+    ones = min(n, math.floor(1 / share))
+    return ones + share * (n * (n + 1) - ones * (ones + 1)) / 2

@@ -67,6 +67,11 @@ def gathered_bytes(blocks: list[float], counts: list[int], checkpointing: bool, 
 # two residual sums (two reads, a write: 3 each), attn.proj's and mlp.proj's biases (2 each); over x,
 # qkv's bias (2 x 3d), fc's (2 x 4d) and GELU (2 x 4d). The loss reads and writes the logits twice.
 STREAM_PASSES, OUTPUT_PASSES, LOGIT_PASSES = 2 + 2 + 3 + 3 + 2 + 2, 6 + 8 + 8, 4
+# A norm over a row split over y (par4d/nn/norm.py, _ShardedLayerNorm) is not PyTorch's fused kernel: its forward
+# reads and writes the row 14 times (mean, centre, square, sum, centre again, scale, gain, bias), its backward 21
+# (the two gradient products and their sums, four more in the input's gradient), where the fused kernel's count
+# in STREAM_PASSES is 2 and twice that: what each of a block's two norms adds, forward and backward.
+SHARDED_NORM_EXTRA = (14 - 2, 21 - 2 * 2)
 # What autograd keeps per token of a block, in units of the width d, in the training dtype: over y, ln1's and
 # ln2's normalized inputs and the inputs of qkv and fc; over x, q, k, v, attention's output, fc's output and
 # GELU's (GPTSpec.memory_terms; tests/test_plan_memory.py measures them).
@@ -247,12 +252,17 @@ class GPTSpec:
         a stage's is 1/P of it): per token and block, the forward reads and writes ``14 d`` elements of
         the residual stream's layout (features over y: two norms, two residual sums, the transposed
         layers' biases) and ``22 d`` of the normal layers' outputs (over x: qkv's and fc's biases, GELU),
-        backward twice that, recomputation the forward again; the loss reads and writes the logits
+        backward twice that, recomputation the forward again; where y splits the row, the two norms run unfused
+        (:data:`SHARDED_NORM_EXTRA` more); the loss reads and writes the logits
         (``V / G_x`` per token, :func:`logit_bytes` each) twice forward and twice backward (:data:`LOGIT_PASSES`)."""
         gx, gy, gz, gd = sizes["x"], sizes["y"], sizes["z"], sizes["data"]
         tokens = self.tokens / (gd * gz)
         passes = 4 if checkpointing else 3
-        per_token = self.n_layer * passes * bytes_per_element * self.hidden * (STREAM_PASSES / gy + OUTPUT_PASSES / gx)
+        stream = passes * STREAM_PASSES
+        if gy > 1:                            # the norms unfused, their forward again under recomputation
+            forward, backward = SHARDED_NORM_EXTRA
+            stream += 2 * (forward * (passes - 2) + backward)
+        per_token = self.n_layer * bytes_per_element * self.hidden * (stream / gy + passes * OUTPUT_PASSES / gx)
         return tokens * (per_token + LOGIT_PASSES * logit_bytes(gx, bytes_per_element) * self.vocab / gx)
 
     def with_batch(self, global_batch: int | None = None, seq_len: int | None = None) -> GPTSpec:
