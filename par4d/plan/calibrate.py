@@ -23,6 +23,7 @@ import statistics
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -30,6 +31,9 @@ import torch.distributed as dist
 
 from par4d.comm import KINDS
 from par4d.ledger import ring_terms
+
+if TYPE_CHECKING:
+    from par4d.plan.machines import Machine
 
 MESSAGE_BYTES = (4096, 65536, 1 << 20, 4 << 20)
 # GEMM shapes (rows, out, in) on the CPU: skinny to square, the shards a small model's grids give each rank.
@@ -382,12 +386,11 @@ def calibrate(nproc: int, out: Path, repeats: int = 5, cluster=None) -> dict:
             "world": nproc, "sync": sync, "host": host}
 
 
-def layer_overhead(host: dict, machine) -> float:
+def layer_overhead(host: dict, machine: Machine) -> float:
     """The host's seconds per layer pass (``machine.layer_overhead``) from one rank's measurement alone
-    (:func:`~par4d.plan.profile.profile_layer_overhead`): what a microbatch added to the step, stretched by the ranks
-    sharing each core,
-    less what ``machine``'s GEMMs already charge a microbatch more (their kernel latency, their weights read
-    again), over a microbatch's layer passes."""
+    (:func:`~par4d.plan.profile.profile_layer_overhead`): what a microbatch added to the step, stretched by the
+    ranks sharing each core, less what ``machine``'s GEMMs already charge a microbatch more (their kernel latency,
+    their weights read again), over a microbatch's layer passes."""
     from par4d.plan.compute import stage_seconds
     from par4d.plan.workload import MEASURED
 
