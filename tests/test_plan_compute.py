@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from par4d.plan import GPTSpec, Machine
-from par4d.plan.compute import gemm_seconds, stage_seconds
+from par4d.plan.compute import OPTIMIZER_BYTES, gemm_seconds, optimizer_seconds, stage_seconds
 from par4d.plan.machines import BUILTIN
 from par4d.plan.model import factorizations
 from par4d.plan.search import search
@@ -118,12 +118,13 @@ def test_ranks_sharing_cores_absorb_the_bubble_and_hide_nothing():
     shared = replace(SHAPED, cores_shared=2.0, comm_cpu_share=1.0)
     cpu = predict(SPEC, sizes, shared, microbatches=2, overlap=Overlap())
     t_stage = stage_seconds(SPEC, sizes, SHAPED, False, 2)
-    assert device.t_compute == pytest.approx(t_stage * 3 / 2, rel=1e-12)
+    adamw = optimizer_seconds(SPEC, sizes, SHAPED)                                 # once a step, after the flush
+    assert device.t_compute == pytest.approx(t_stage * 3 / 2 + adamw, rel=1e-12)
     # The 3 slots of 2 stages x 2 microbatches: one stage, both (twice the cores there are: 2 slots' time), one.
-    assert cpu.t_compute == pytest.approx(t_stage * (1 + 2 + 1) / (2 * 2), rel=1e-12)
+    assert cpu.t_compute == pytest.approx(t_stage * (1 + 2 + 1) / (2 * 2) + adamw, rel=1e-12)
     # s = 1.25: both stages at work need 1.25 times the cores; alone, a stage runs no faster than at full speed.
     lightly = predict(SPEC, sizes, replace(SHAPED, cores_shared=1.25), microbatches=2)
-    assert lightly.t_compute == pytest.approx(t_stage * (1 + 1.25 + 1) / (1.25 * 2), rel=1e-12)
+    assert lightly.t_compute == pytest.approx(t_stage * (1 + 1.25 + 1) / (1.25 * 2) + adamw, rel=1e-12)
     assert cpu.t_exposed == pytest.approx(cpu.t_comm, rel=1e-12)            # all of it CPU work: nothing hides
     assert device.t_exposed < device.t_comm
     half = predict(SPEC, sizes, replace(shared, comm_cpu_share=0.5), microbatches=2, overlap=Overlap())
@@ -154,6 +155,26 @@ def test_a_pipeline_on_shared_cores_takes_its_schedules_slots():
                 assert previous is None or t <= previous * (1 + 1e-12)
                 previous = t
     assert with_bubble(1.0, 4, 4, replace(SHAPED, cores_shared=2.0)) == 1.125     # 4 stages, 4 ranks, 2 cores
+
+
+def test_adamws_pass_is_the_ranks_state_through_memory_once_a_step():
+    """AdamW reads and writes 28 bytes per parameter of the rank's stage once a step, at the memory bandwidth; it
+    is in every prediction's compute but an offloaded optimizer's (the device does not run it) and a profiled one's
+    (the measured step has it)."""
+    from par4d.plan.model import predict
+
+    sizes = dict(x=2, y=1, z=2, data=1, pipe=2)
+    shard = SPEC.params_per_rank(sizes)
+    assert shard == pytest.approx(SPEC.params() / 4, rel=0.2) and OPTIMIZER_BYTES == 28
+    adamw = optimizer_seconds(SPEC, sizes, SHAPED)
+    assert adamw == shard / 2 * 28 / SHAPED.memory_bandwidth
+    one, four = (predict(SPEC, sizes, SHAPED, microbatches=m) for m in (1, 4))
+    t_stage = stage_seconds(SPEC, sizes, SHAPED, False, 1)
+    assert one.t_compute == pytest.approx(t_stage * 2 + adamw, rel=1e-12)                 # not in the bubble
+    assert four.t_compute - stage_seconds(SPEC, sizes, SHAPED, False, 4) * 5 / 4 == pytest.approx(adamw, rel=1e-9)
+    assert predict(SPEC, sizes, SHAPED, microbatches=1, offload_bsize=64).t_compute == pytest.approx(t_stage * 2)
+    assert predict(SPEC, sizes, SHAPED, microbatches=1, compute_seconds=0.5).t_compute == 0.5 * 2
+    assert optimizer_seconds(SPEC, sizes, replace(SHAPED, memory_bandwidth=None)) == 0.0
 
 
 def test_the_hosts_cost_per_layer_pass_adds_to_the_compute():

@@ -12,7 +12,7 @@ import torch
 from par4d.launch.machine import job_peak
 from par4d.models import GPTConfig
 from par4d.plan.calibrate import ComputeShapes
-from par4d.plan.compute import gemm_seconds, stage_seconds
+from par4d.plan.compute import gemm_seconds, optimizer_seconds, stage_seconds
 from par4d.plan.device import ONE, StepCase, attention_rows, builtin_for, check_device, gemm_rows, report
 from par4d.plan.machines import BUILTIN, Machine
 from par4d.plan.workload import GPTSpec
@@ -76,8 +76,11 @@ def test_the_cpu_check_measures_every_term_and_the_planner_predicts_the_steps_me
     device, offloaded, peer = result["steps"]
     assert [r["framework"] for r in result["steps"]] == ["par4d", "par4d", "torch"]
     assert "offloaded" in offloaded["name"] and "PyTorch" in peer["name"]
-    # One device communicates nothing: the prediction is the compute model's, exactly.
-    assert device["predicted_s"] == stage_seconds(spec, ONE, CPU, checkpointing=False)
+    # One device communicates nothing: the prediction is the compute model's and AdamW's pass, exactly; offloaded,
+    # the device runs no optimizer.
+    t_stage = stage_seconds(spec, ONE, CPU, checkpointing=False)
+    assert device["predicted_s"] == t_stage + optimizer_seconds(spec, ONE, CPU)
+    assert offloaded["predicted_s"] == t_stage
     assert device["par4d_over_torch"] == device["s_per_iter"] / peer["s_per_iter"]
     # What a step holds, as the footprint counts it, is what the planner predicts: on the device, and with the
     # masters and AdamW state in CPU memory (the device keeps the fp32 parameters and gradients and one bucket).

@@ -63,6 +63,21 @@ def stage_seconds(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine
             / machine.memory_bandwidth)
 
 
+# AdamW's one pass over a parameter's state: it reads the parameter (or its fp32 master), its gradient and the two
+# moments, and writes the parameter and the moments back: 16 + 12 bytes in fp32; in 16 bits with fp32 masters
+# 14 + 14 (the 16-bit gradient read, the 16-bit copy written).
+OPTIMIZER_BYTES = 28
+
+
+def optimizer_seconds(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Machine) -> float:
+    """One step's AdamW on the device: its stage's share of the rank's parameters, :data:`OPTIMIZER_BYTES` each
+    through memory (the fused kernel is memory-bound); 0 on a machine without ``memory_bandwidth``. Where the
+    optimizer is offloaded the device does not run it, and the CPU's time for it is not modelled."""
+    if machine.memory_bandwidth is None:
+        return 0.0
+    return spec.params_per_rank(sizes) / sizes.get("pipe", 1) * OPTIMIZER_BYTES / machine.memory_bandwidth
+
+
 def with_bubble(t_stage: float, micro: int, pipe: int, machine: Machine) -> float:
     """A step's compute from one stage's: the pipeline's fill and drain ``(M + P - 1) / M``. Where ranks time-share
     the cores (``cores_shared`` = s), the schedule's M + P - 1 slots each take a microbatch's stage alone at full

@@ -10,8 +10,8 @@ calibrated on this device would carry. On a GPU it runs in bf16 at GPU sizes; on
 ``par4d calibrate`` times, with every core.
 
 On one device there is no communication: this checks compute and memory, which every grid's prediction
-is built on. The optimizer's own time (AdamW's pass over the states) is not in the model; the step rows
-include it.
+is built on, with AdamW's pass over the states (:func:`par4d.plan.compute.optimizer_seconds`); an offloaded
+optimizer's CPU time is not in the model, and its step rows include it.
 """
 
 from __future__ import annotations
@@ -257,7 +257,8 @@ def report(result: dict) -> str:
         out.append(f"| {r['name']} | {r['framework']} | {r['tokens']:,} | {r['s_per_iter']:.4f} | "
                    f"{r['predicted_s']:.4f} | {r['predicted_s'] / r['s_per_iter']:.2f} | {r['peak_share']:.1%} | "
                    f"{held} | {peak} | {r['predicted_bytes'] / 1e9:.2f} | {ratio} |")
-    out += ["", "predicted s: compute only (one device communicates nothing; AdamW's own pass is not modelled); "
+    out += ["", "predicted s: compute and AdamW's pass on the device (one device communicates nothing; an offloaded "
+                "optimizer's CPU time is not modelled); "
                 "held: par4d's footprint of a step (par4d/train/footprint.py); device peak: the allocator's "
                 "(torch.cuda.max_memory_allocated); predicted: the full model's, one rank"]
     return "\n".join(out)

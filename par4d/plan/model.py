@@ -7,8 +7,8 @@ Three variants rank configurations:
 * ``aware``: the same with Eq 10's placement-aware bandwidth per axis,
 * ``full``: ``aware`` + a latency term per collective step, the collectives of the
   non-matmul layers (norm statistics, vocabulary-parallel loss, embeddings, bias
-  gradients), compute time (each GEMM by its shard's shape, attention and the element-wise
-  work, par4d/plan/compute.py), and memory per device:
+  gradients), compute time (each GEMM by its shard's shape, attention, the element-wise
+  work and AdamW's pass, par4d/plan/compute.py), and memory per device:
   ``t_iter = t_compute + t_comm`` for the synchronous path, and with overlap
   settings ``t_iter = t_compute + t_exposed``: each overlapped collective hidden
   behind the compute it overlaps with (:func:`exposed_comm`).
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from par4d.hierarchy import STAGE_MIN_BYTES
 from par4d.ledger import ring_terms
 from par4d.overlap import Overlap
-from par4d.plan.compute import stage_seconds, with_bubble
+from par4d.plan.compute import optimizer_seconds, stage_seconds, with_bubble
 from par4d.plan.machines import Machine
 from par4d.plan.workload import GPTSpec, Layer, ModuleWorkload
 
@@ -378,7 +378,9 @@ def predict(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Mach
             pred.excluded = (f"needs {pred.mem_bytes / 1e9:.1f} GB per device, "
                              f"{machine.name} has {machine.memory_bytes / 1e9:.0f} GB")
     comm = communication(spec, sizes, machine, variant, micro) if terms is None else terms
-    return _timed(pred, spec, sizes, machine, full, checkpointing, compute_seconds, overlap, comm)
+    optimizer = optimizer_seconds(spec, sizes, machine) if full and compute_seconds is None and \
+        offload_bsize is None else 0.0       # a profiled step's compute has its optimizer in it
+    return _timed(pred, spec, sizes, machine, full, checkpointing, compute_seconds, overlap, comm, optimizer)
 
 
 @dataclass(frozen=True)
@@ -545,12 +547,13 @@ class CommunicationByCount:
 
 def timed_choice(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Machine, checkpointing: bool,
                  micro: int, overlap: Overlap | None, mem_bytes: float, t_stage: float,
-                 terms: Communication) -> Prediction:
+                 terms: Communication, optimizer: float) -> Prediction:
     """The full model's prediction of a choice that fits, from what the search already knows of it: its
-    memory, one stage's compute per step and its communication terms (what :func:`predict` computes)."""
+    memory, one stage's compute per step, its optimizer's pass and its communication terms (what :func:`predict`
+    computes)."""
     pred = Prediction(dict(sizes), microbatches=micro, checkpointing=checkpointing, mem_bytes=mem_bytes,
                       overlap=overlap.describe() if overlap is not None else None)
-    return _timed(pred, spec, sizes, machine, True, checkpointing, t_stage, overlap, terms)
+    return _timed(pred, spec, sizes, machine, True, checkpointing, t_stage, overlap, terms, optimizer)
 
 
 SYNCHRONOUS = Overlap.none()
@@ -562,8 +565,10 @@ def bucket_count(grad_bytes: float, overlap: Overlap | None) -> int:
 
 
 def _timed(pred: Prediction, spec, sizes: dict[str, int], machine: Machine, full: bool, checkpointing: bool,
-           compute_seconds: float | None, overlap: Overlap | None, comm: Communication) -> Prediction:
-    """``pred`` with its times: ``comm`` and the compute, with what the overlaps hide."""
+           compute_seconds: float | None, overlap: Overlap | None, comm: Communication,
+           optimizer: float = 0.0) -> Prediction:
+    """``pred`` with its times: ``comm`` and the compute (with the bubble, then ``optimizer``, its pass once a
+    step), with what the overlaps hide."""
     pipe, micro = sizes.get("pipe", 1), pred.microbatches
     pred.t_p2p = comm.t_p2p
     pred.t_comm_axes = dict(comm.axes)
@@ -586,7 +591,7 @@ def _timed(pred: Prediction, spec, sizes: dict[str, int], machine: Machine, full
     if full:
         t_stage = compute_seconds if compute_seconds is not None else stage_seconds(spec, sizes, machine,
                                                                                     checkpointing, micro)
-        pred.t_compute = with_bubble(t_stage, micro, pipe, machine)       # the pipeline's fill and drain
+        pred.t_compute = with_bubble(t_stage, micro, pipe, machine) + optimizer   # the fill and drain, then AdamW
     buckets = bucket_count(comm.grad_bytes, overlap)
     if full:
         # Every collective waits for the last rank to reach it, a cost no overlap hides (calibrate measures it):

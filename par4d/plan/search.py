@@ -28,7 +28,7 @@ import heapq
 from dataclasses import dataclass, replace
 
 from par4d.overlap import Overlap
-from par4d.plan.compute import stage_seconds, with_bubble
+from par4d.plan.compute import optimizer_seconds, stage_seconds, with_bubble
 from par4d.plan.machines import Machine
 from par4d.plan.model import (
     CommunicationByCount,
@@ -173,6 +173,8 @@ class _Grid:
             return
         self.counts = [space.microbatches] if space.microbatches is not None else divisors(shard)
         self.terms = CommunicationByCount(spec, sizes, machine)   # the same with and without recomputation
+        # AdamW's pass on the device, once a step (none where the optimizer is offloaded)
+        self.optimizer = optimizer_seconds(spec, sizes, machine) if space.offload_bsize is None else 0.0
         self.held: dict[tuple[bool, object], tuple[float, float]] = {}
 
     def sets(self, checkpointing: bool) -> tuple[Overlap, ...]:
@@ -206,7 +208,7 @@ class _Grid:
         """No choice computes for less: its stage at the fewest microbatches (each GEMM at its largest, fewest
         kernels) and without recomputation where that may be chosen, with the bubble of the most."""
         t_stage = stage_seconds(self.spec, self.sizes, self.machine, self.recompute[0], min(self.counts))
-        return with_bubble(t_stage, max(self.counts), self.pipe, self.machine)
+        return with_bubble(t_stage, max(self.counts), self.pipe, self.machine) + self.optimizer
 
     def floor(self) -> float:
         """No choice's step is shorter: its compute and what no overlap it may choose hides (the collectives that
@@ -260,7 +262,7 @@ class _Grid:
                     for candidate in _with_and_without_xy(overlap, machine):
                         pred = timed_choice(spec, sizes, machine, checkpointing, micro,
                                             candidate if candidate.names else None, need, t_stage,
-                                            self.terms.at(micro))
+                                            self.terms.at(micro), self.optimizer)
                         if best is None or pred.t_iter < best.t_iter:
                             best = pred
                     break                               # the first set that fits is the fastest

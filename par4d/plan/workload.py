@@ -152,6 +152,15 @@ class GPTSpec:
     def _vectors_and_embeddings(self) -> tuple[int, int]:
         return self.config.vector_params(), self.config.embedding_params()
 
+    def params_per_rank(self, sizes: dict[str, int]) -> float:
+        """This rank's parameters (the whole model's, a stage holding 1/P of them): the matmul weights over x, y
+        and z; the embeddings' rows over z and features over y (whole over x); biases and norm gains over the one
+        of x and y their layer's features lie on."""
+        vectors, embed = self._vectors_and_embeddings
+        matmul = self.params() - vectors - embed
+        return matmul / (sizes["x"] * sizes["y"] * sizes["z"]) + embed / (sizes["y"] * sizes["z"]) \
+            + self.vectors_per_rank(sizes)
+
     def vectors_per_rank(self, sizes: dict[str, int]) -> float:
         """This rank's biases and norm gains: per block qkv's and fc's biases (``7 d``) over x, where those
         layers' outputs lie; the norms' weights and biases and the projections' biases (``6 d``) over y, and
@@ -228,11 +237,7 @@ class GPTSpec:
           data (over z alone: the norms' and biases')."""
         gx, gy, gz, gd = sizes["x"], sizes["y"], sizes["z"], sizes["data"]
         b, h = bytes_per_element, self.hidden
-        vectors, embed = self._vectors_and_embeddings
-        # The matmul weights over x, y and z; the embeddings' rows over z and features over y (whole over x);
-        # biases and norm gains over the one of x and y their layer's features lie on.
-        matmul = self.params() - vectors - embed
-        shard = matmul / (gx * gy * gz) + embed / (gy * gz) + self.vectors_per_rank(sizes)
+        shard = self.params_per_rank(sizes)
         gathered = 0.0 if gz == 1 else gathered_bytes([layer.k * layer.n / (gx * gy) * b for layer in self.layers()],
                                                       [layer.count for layer in self.layers()], checkpointing, overlap)
         rows = self.tokens / (gd * gz) * share
@@ -359,6 +364,10 @@ class ModuleWorkload:
 
     def params(self) -> int:
         return sum(layer.k * layer.n * layer.count for layer in self.recorded)
+
+    def params_per_rank(self, sizes: dict[str, int]) -> float:
+        """This rank's parameters: every recorded layer's over x, y and z."""
+        return self.params() / (sizes["x"] * sizes["y"] * sizes["z"])
 
     def flops_per_iteration(self, checkpointing: bool = False) -> float:
         # 2 m k n forward, 4 m k n backward, one more forward under recomputation.
