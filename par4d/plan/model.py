@@ -21,7 +21,7 @@ drain bubble and the stages' point-to-point hand-offs (:func:`predict`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from par4d.hierarchy import STAGE_MIN_BYTES
 from par4d.ledger import ring_terms
@@ -507,9 +507,8 @@ class CommunicationByCount:
 
     On a machine whose collectives do not go in stages every term is affine in M (the weights'
     collectives M times, the activations' the same bytes in M pieces, each piece paying its latency, the
-    sync once), so two computed counts give every other; the hand-offs (a term in 1/M) and the gathers
-    (M times) are computed. A staged machine's collectives (the faster of two ways) are computed at every
-    count."""
+    sync once), so two computed counts give every other term; the hand-offs (a term in 1/M) are computed. A
+    staged machine's collectives (the faster of two ways) are computed at every count."""
 
     def __init__(self, spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Machine):
         self.spec, self.sizes, self.machine = spec, sizes, machine
@@ -524,25 +523,19 @@ class CommunicationByCount:
     def _between(self, micro: int) -> Communication:
         (low, first), (high, last) = list(self.known.items())[:2]
         share = (micro - low) / (high - low)
-        axes = {a: first.axes[a] + (last.axes[a] - first.axes[a]) * share for a in first.axes}
-        roles = {r: first.roles[r] + (last.roles[r] - first.roles[r]) * share for r in ROLES}
-        t_p2p = 0.0
-        if "pipe" in self.sizes and self.sizes["pipe"] > 1:
-            alpha = latencies(self.sizes, self.machine)["pipe"]
-            beta = bandwidths(self.sizes, self.machine, aware=True)["pipe"]
-            t_p2p = axes["pipe"] = p2p_seconds(self.spec, self.sizes, self.machine, micro, alpha, beta)
-        def between(a: float, b: float) -> float:
+
+        def between(a, b):
+            if isinstance(a, dict):
+                return {key: a[key] + (b[key] - a[key]) * share for key in a}
             return a + (b - a) * share
 
-        return Communication(axes, roles, first.gathers / low * micro, first.grad_bytes, t_p2p,
-                             between(first.calls, last.calls), between(first.xy_calls, last.xy_calls),
-                             {r: between(first.redo_roles[r], last.redo_roles[r]) for r in first.redo_roles},
-                             {a: between(first.redo_axes[a], last.redo_axes[a]) for a in first.redo_axes},
-                             between(first.redo_calls, last.redo_calls),
-                             between(first.redo_xy_calls, last.redo_xy_calls),
-                             {k: between(first.xy_latency[k], last.xy_latency[k]) for k in first.xy_latency},
-                             {k: between(first.redo_xy_latency[k], last.redo_xy_latency[k])
-                              for k in first.redo_xy_latency})
+        terms = {f.name: between(getattr(first, f.name), getattr(last, f.name)) for f in fields(Communication)}
+        if self.sizes.get("pipe", 1) > 1:                       # the hand-offs: a term in 1/M, computed
+            alpha = latencies(self.sizes, self.machine)["pipe"]
+            beta = bandwidths(self.sizes, self.machine, aware=True)["pipe"]
+            terms["t_p2p"] = terms["axes"]["pipe"] = p2p_seconds(self.spec, self.sizes, self.machine, micro,
+                                                                 alpha, beta)
+        return Communication(**terms)
 
 
 def timed_choice(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Machine, checkpointing: bool,

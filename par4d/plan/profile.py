@@ -17,6 +17,7 @@ import multiprocessing as mp
 import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 
 
 def as_choice(item: dict) -> dict:
@@ -77,6 +78,27 @@ def cores_shared(world: int, threads: int, cores: int, cuda: bool) -> float:
 def _as_rank0(choices: list[dict], threads: int, measure, *args) -> list[dict]:
     """``measure(grid, step, *args)`` for each choice's :class:`~par4d.plan.measure.TrainingStep`, this process
     standing in for rank 0 of the job with torch's fake process group."""
+    from par4d.grid import build_grid, validate_sizes
+    from par4d.launch import device
+    from par4d.plan.measure import TrainingStep
+
+    world = math.prod(choices[0]["sizes"].values())
+    rows = []
+    with _fake_rank0(world, threads):
+        for choice in choices:
+            # Not par4d.init: its check that every rank asked for the same grid needs peers.
+            grid = build_grid(validate_sizes(choice["sizes"], world), device(None))
+            step = TrainingStep(grid, microbatches=choice.get("microbatches"),
+                                recompute=choice.get("recompute", False))
+            rows.append(measure(grid, step, *args))
+            grid.close()
+    return rows
+
+
+@contextmanager
+def _fake_rank0(world: int, threads: int):
+    """This process as rank 0 of a job of ``world`` ranks with torch's fake process group (its collectives
+    return at once and move nothing), with ``threads`` torch threads."""
     import torch
     import torch.distributed as dist
 
@@ -84,22 +106,12 @@ def _as_rank0(choices: list[dict], threads: int, measure, *args) -> list[dict]:
     # fake-backend mode uses the same one).
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from par4d.grid import build_grid, validate_sizes
-    from par4d.launch import device
-    from par4d.plan.measure import TrainingStep
-
     torch.set_num_threads(threads)
-    world = math.prod(choices[0]["sizes"].values())
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    rows = []
-    for choice in choices:
-        # Not par4d.init: its check that every rank asked for the same grid needs peers.
-        grid = build_grid(validate_sizes(choice["sizes"], world), device(None))
-        step = TrainingStep(grid, microbatches=choice.get("microbatches"), recompute=choice.get("recompute", False))
-        rows.append(measure(grid, step, *args))
-        grid.close()
-    dist.destroy_process_group()
-    return rows
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def _timed(grid, step, iters: int) -> dict:
@@ -123,29 +135,25 @@ def _timed(grid, step, iters: int) -> dict:
 
 def _overhead(threads: int, repeats: int) -> dict:
     import torch
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from par4d.grid import build_grid, validate_sizes
     from par4d.plan.measure import WARMUP, TrainingStep
     from par4d.plan.workload import MEASURED
 
-    torch.set_num_threads(threads)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
-    grid = build_grid(validate_sizes({"x": 1, "y": 1, "z": 1, "data": 1}, 1), torch.device("cpu"))  # CPU ranks'
     batch, seq_len = 4, 2
-    steps = {micro: TrainingStep(grid, batch_size=batch, seq_len=seq_len, microbatches=micro) for micro in (1, 4)}
-    times: dict[int, list[float]] = {micro: [] for micro in steps}
-    for _ in range(WARMUP):
-        for run in steps.values():
-            run()
-    for _ in range(repeats):
-        for micro, run in steps.items():
-            start = time.perf_counter()
-            run()
-            times[micro].append(time.perf_counter() - start)
-    grid.close()
-    dist.destroy_process_group()
+    times: dict[int, list[float]] = {1: [], 4: []}
+    with _fake_rank0(1, threads):
+        grid = build_grid(validate_sizes({"x": 1, "y": 1, "z": 1, "data": 1}, 1), torch.device("cpu"))  # CPU ranks'
+        steps = {micro: TrainingStep(grid, batch_size=batch, seq_len=seq_len, microbatches=micro) for micro in times}
+        for _ in range(WARMUP):
+            for run in steps.values():
+                run()
+        for _ in range(repeats):
+            for micro, run in steps.items():
+                start = time.perf_counter()
+                run()
+                times[micro].append(time.perf_counter() - start)
+        grid.close()
     one, four = (statistics.median(times[micro]) for micro in (1, 4))
     return {"microbatch_seconds": (four - one) / 3, "step_seconds": one, "batch": batch, "seq_len": seq_len,
             "layer_passes": 3 * sum(layer.count for layer in MEASURED.layers())}
