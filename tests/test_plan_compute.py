@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from par4d.plan import GPTSpec, Machine
-from par4d.plan.compute import OPTIMIZER_BYTES, gemm_seconds, optimizer_seconds, stage_seconds
+from par4d.plan.compute import OFFLOAD_LINK_BYTES, OPTIMIZER_BYTES, gemm_seconds, optimizer_seconds, stage_seconds
 from par4d.plan.machines import BUILTIN
 from par4d.plan.model import factorizations
 from par4d.plan.search import search
@@ -159,8 +159,8 @@ def test_a_pipeline_on_shared_cores_takes_its_schedules_slots():
 
 def test_adamws_pass_is_the_ranks_state_through_memory_once_a_step():
     """AdamW reads and writes 28 bytes per parameter of the rank's stage once a step, at the memory bandwidth; it
-    is in every prediction's compute but an offloaded optimizer's (the device does not run it) and a profiled one's
-    (the measured step has it)."""
+    is in every prediction's compute but a profiled one's (the measured step has it). Offloaded, each parameter's
+    master and moments also cross the host link, 24 bytes, where the machine gives its bandwidth."""
     from par4d.plan.model import predict
 
     sizes = dict(x=2, y=1, z=2, data=1, pipe=2)
@@ -172,7 +172,14 @@ def test_adamws_pass_is_the_ranks_state_through_memory_once_a_step():
     t_stage = stage_seconds(SPEC, sizes, SHAPED, False, 1)
     assert one.t_compute == pytest.approx(t_stage * 2 + adamw, rel=1e-12)                 # not in the bubble
     assert four.t_compute - stage_seconds(SPEC, sizes, SHAPED, False, 4) * 5 / 4 == pytest.approx(adamw, rel=1e-9)
-    assert predict(SPEC, sizes, SHAPED, microbatches=1, offload_bsize=64).t_compute == pytest.approx(t_stage * 2)
+    assert SHAPED.host_bandwidth is None and OFFLOAD_LINK_BYTES == 24
+    assert optimizer_seconds(SPEC, sizes, SHAPED, offload_bsize=64) == adamw      # no link given: not timed
+    linked = replace(SHAPED, host_bandwidth=SHAPED.memory_bandwidth / 50)
+    link = shard / 2 * 24 / linked.host_bandwidth
+    assert optimizer_seconds(SPEC, sizes, linked, offload_bsize=64) == pytest.approx(adamw + link, rel=1e-12)
+    assert optimizer_seconds(SPEC, sizes, linked) == adamw                       # on the device: no link
+    offloaded = predict(SPEC, sizes, linked, microbatches=1, offload_bsize=64)
+    assert offloaded.t_compute == pytest.approx(t_stage * 2 + adamw + link, rel=1e-12)
     assert predict(SPEC, sizes, SHAPED, microbatches=1, compute_seconds=0.5).t_compute == 0.5 * 2
     assert optimizer_seconds(SPEC, sizes, replace(SHAPED, memory_bandwidth=None)) == 0.0
 

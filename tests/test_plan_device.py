@@ -13,14 +13,14 @@ from par4d.launch.machine import job_peak
 from par4d.models import GPTConfig
 from par4d.plan.calibrate import ComputeShapes
 from par4d.plan.compute import gemm_seconds, optimizer_seconds, stage_seconds
-from par4d.plan.device import ONE, StepCase, attention_rows, builtin_for, check_device, gemm_rows, report
+from par4d.plan.device import OFFLOAD_BSIZE, ONE, StepCase, attention_rows, builtin_for, check_device, gemm_rows, report
 from par4d.plan.machines import BUILTIN, Machine
 from par4d.plan.workload import GPTSpec
 from tests.conftest import pool
 
 CPU = Machine("cpu-test", devices_per_node=1, peak_flops=50e9, memory_bytes=8e9, beta_intra=1e9, beta_inter=1e9,
               efficiency=0.9, kernel_latency=5e-6, bytes_per_element=4, memory_bandwidth=10e9,
-              attention_efficiency=0.5)
+              attention_efficiency=0.5, host_bandwidth=5e9)
 TINY = ComputeShapes(rows=(16, 64), sides=(32, 64), attention=((4, 64, 16),), elements=1 << 16)
 STEP = StepCase("gpt-2x64", GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=64), batch=4)
 
@@ -77,10 +77,15 @@ def test_the_cpu_check_measures_every_term_and_the_planner_predicts_the_steps_me
     assert [r["framework"] for r in result["steps"]] == ["par4d", "par4d", "torch"]
     assert "offloaded" in offloaded["name"] and "PyTorch" in peer["name"]
     # One device communicates nothing: the prediction is the compute model's and AdamW's pass, exactly; offloaded,
-    # the device runs no optimizer.
+    # its copies over the profile's host link too.
     t_stage = stage_seconds(spec, ONE, CPU, checkpointing=False)
     assert device["predicted_s"] == t_stage + optimizer_seconds(spec, ONE, CPU)
-    assert offloaded["predicted_s"] == t_stage
+    offloaded_optimizer = optimizer_seconds(spec, ONE, CPU, OFFLOAD_BSIZE)
+    assert offloaded["predicted_s"] == t_stage + offloaded_optimizer > device["predicted_s"]
+    link = result["host_link"]       # measured: copies of one bucket each way, and their harmonic mean
+    assert link["bytes"] == 4 * OFFLOAD_BSIZE and link["to_device"] > 0 and link["to_host"] > 0
+    assert link["host_bandwidth"] == pytest.approx(2 / (1 / link["to_device"] + 1 / link["to_host"]), rel=1e-12)
+    assert result["fitted"]["host_bandwidth"] == link["host_bandwidth"]
     assert device["par4d_over_torch"] == device["s_per_iter"] / peer["s_per_iter"]
     # What a step holds, as the footprint counts it, is what the planner predicts: on the device, and with the
     # masters and AdamW state in CPU memory (the device keeps the fp32 parameters and gradients and one bucket).

@@ -67,15 +67,22 @@ def stage_seconds(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine
 # moments, and writes the parameter and the moments back: 16 + 12 bytes in fp32; in 16 bits with fp32 masters
 # 14 + 14 (the 16-bit gradient read, the 16-bit copy written).
 OPTIMIZER_BYTES = 28
+# Bytes a parameter crosses the host link in an offloaded step (par4d.optim.offload): its fp32 master and AdamW's
+# two moments to the device and back, 12 each way, in copies the step waits for bucket by bucket.
+OFFLOAD_LINK_BYTES = 24
 
 
-def optimizer_seconds(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Machine) -> float:
-    """One step's AdamW on the device: its stage's share of the rank's parameters, :data:`OPTIMIZER_BYTES` each
-    through memory (the fused kernel is memory-bound); 0 on a machine without ``memory_bandwidth``. Where the
-    optimizer is offloaded the device does not run it, and the CPU's time for it is not modelled."""
-    if machine.memory_bandwidth is None:
-        return 0.0
-    return spec.params_per_rank(sizes) / sizes.get("pipe", 1) * OPTIMIZER_BYTES / machine.memory_bandwidth
+def optimizer_seconds(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Machine,
+                      offload_bsize: int | None = None) -> float:
+    """One step's AdamW: its stage's share of the rank's parameters, :data:`OPTIMIZER_BYTES` each through the
+    device's memory (the kernels are memory-bound); 0 on a machine without ``memory_bandwidth``. Offloaded
+    (``offload_bsize``), the same pass on the device plus :data:`OFFLOAD_LINK_BYTES` each over the host link
+    (``host_bandwidth``; a machine without it leaves the link out)."""
+    params = spec.params_per_rank(sizes) / sizes.get("pipe", 1)
+    device = 0.0 if machine.memory_bandwidth is None else params * OPTIMIZER_BYTES / machine.memory_bandwidth
+    if offload_bsize is None or machine.host_bandwidth is None:
+        return device
+    return device + params * OFFLOAD_LINK_BYTES / machine.host_bandwidth
 
 
 def with_bubble(t_stage: float, micro: int, pipe: int, machine: Machine) -> float:

@@ -10,8 +10,9 @@ calibrated on this device would carry. On a GPU it runs in bf16 at GPU sizes; on
 ``par4d calibrate`` times, with every core.
 
 On one device there is no communication: this checks compute and memory, which every grid's prediction
-is built on, with AdamW's pass over the states (:func:`par4d.plan.compute.optimizer_seconds`); an offloaded
-optimizer's CPU time is not in the model, and its step rows include it.
+is built on, with AdamW's pass over the states (:func:`par4d.plan.compute.optimizer_seconds`), and, offloaded,
+its masters' and moments' copies over the host link, whose bandwidth each way it measures too (pinned copies of
+one offload bucket).
 """
 
 from __future__ import annotations
@@ -172,6 +173,32 @@ def _torch_step(case: StepCase, device: torch.device, dtype: torch.dtype, iters:
 OFFLOAD_BSIZE = 1 << 22
 
 
+def measure_host_link(device: torch.device, elements: int = OFFLOAD_BSIZE, repeats: int = 21) -> dict:
+    """Bytes/s of copies between host memory and ``device`` as the offloaded optimizer makes them: a bucket of
+    ``elements`` fp32 values, pinned on the host where the device is a GPU, the median of ``repeats`` each way;
+    ``host_bandwidth``: the rate of a step that moves as much each way (the two rates' harmonic mean), what a
+    profile's ``host_bandwidth`` holds."""
+    host, back = torch.ones(elements, dtype=torch.float32), torch.zeros(elements, dtype=torch.float32)
+    if device.type == "cuda":                  # as the offloaded masters and moments are (empty_like would not be)
+        host, back = host.pin_memory(), back.pin_memory()
+    on_device = torch.empty(elements, dtype=torch.float32, device=device)
+
+    def rate(copy) -> float:
+        copy()
+        times = []
+        for _ in range(repeats):
+            finish(device)
+            start = time.perf_counter()
+            copy()
+            finish(device)
+            times.append(time.perf_counter() - start)
+        return elements * 4 / statistics.median(times)
+
+    to_device, to_host = rate(lambda: on_device.copy_(host)), rate(lambda: back.copy_(on_device))
+    return {"to_device": to_device, "to_host": to_host, "host_bandwidth": 2 / (1 / to_device + 1 / to_host),
+            "bytes": elements * 4}
+
+
 def step_rows(case: StepCase, machine: Machine, device: torch.device, dtype: torch.dtype, iters: int) -> list[dict]:
     """par4d's measured step of ``case`` (its optimizer on the device, then offloaded) and PyTorch's, beside the
     full model's prediction (compute and memory on one device), each with its model FLOPs as a share of the
@@ -212,8 +239,11 @@ def check_device(machine: Machine, device: torch.device, threads: int, iters: in
     fitted = fit_gemms(measured["gemms"], machine.peak_flops, measured["memory_bandwidth"], dtype.itemsize)
     attention = attention_rows(measured["attention"], machine)
     fitted["attention_efficiency"] = fit_attention(measured["attention"], machine.peak_flops)
+    link = measure_host_link(device)
+    fitted["host_bandwidth"] = link["host_bandwidth"]
     return {"machine": machine.name, "device": torch.cuda.get_device_name(device) if gpu else "cpu",
             "dtype": str(dtype).removeprefix("torch."), "memory_bandwidth": measured["memory_bandwidth"],
+            "host_link": link, "machine_host_bandwidth": machine.host_bandwidth,
             "gemms": gemm_rows(measured["gemms"], machine), "attention": attention, "fitted": fitted,
             "steps": [row for case in steps for row in step_rows(case, machine, device, dtype, iters)]}
 
@@ -239,8 +269,12 @@ def report(result: dict) -> str:
     """:func:`check_device`'s result as Markdown: each term's measured value beside the machine's prediction
     (ratios predicted / measured: 1.00 is exact, above 1 the model is pessimistic)."""
     gemms, attention, fitted = result["gemms"], result["attention"], result["fitted"]
+    link, profile = result["host_link"], result["machine_host_bandwidth"]
     out = [f"# {result['device']} ({result['dtype']}) against the machine profile '{result['machine']}'", "",
-           f"memory bandwidth: {result['memory_bandwidth'] / 1e9:,.0f} GB/s measured (an element-wise sum)", ""]
+           f"memory bandwidth: {result['memory_bandwidth'] / 1e9:,.0f} GB/s measured (an element-wise sum)", "",
+           f"host link ({link['bytes'] / 2**20:.0f} MiB copies): {link['to_device'] / 1e9:.1f} GB/s to the device, "
+           f"{link['to_host'] / 1e9:.1f} GB/s back, {link['host_bandwidth'] / 1e9:.1f} GB/s a step moving both "
+           f"(the profile's: {'not given' if profile is None else f'{profile / 1e9:.1f} GB/s'})", ""]
     out += _measured(f"GEMMs, {len(gemms)} shapes", ("m", "n", "k"), ("TFLOP/s", "tflops", ".1f"), gemms)
     out += _measured("Causal attention, forward and backward", ("heads", "seq", "width"),
                      ("of peak", "efficiency", ".2f"), attention)
@@ -257,8 +291,8 @@ def report(result: dict) -> str:
         out.append(f"| {r['name']} | {r['framework']} | {r['tokens']:,} | {r['s_per_iter']:.4f} | "
                    f"{r['predicted_s']:.4f} | {r['predicted_s'] / r['s_per_iter']:.2f} | {r['peak_share']:.1%} | "
                    f"{held} | {peak} | {r['predicted_bytes'] / 1e9:.2f} | {ratio} |")
-    out += ["", "predicted s: compute and AdamW's pass on the device (one device communicates nothing; an offloaded "
-                "optimizer's CPU time is not modelled); "
+    out += ["", "predicted s: compute and AdamW's pass on the device (one device communicates nothing), and offloaded "
+                "its states' copies over the profile's host link; "
                 "held: par4d's footprint of a step (par4d/train/footprint.py); device peak: the allocator's "
                 "(torch.cuda.max_memory_allocated); predicted: the full model's, one rank"]
     return "\n".join(out)

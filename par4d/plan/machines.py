@@ -17,6 +17,8 @@ figures (link bandwidths, documented per field). User profiles are TOML files:
     kernel_latency = 5e-6      # optional: seconds every GEMM costs beyond its roofline time
     layer_overhead = 30e-6     # optional: host seconds a training step spends per layer pass beyond its kernels
     attention_efficiency = 0.6 # optional: fraction of peak attention's fused matmuls reach (default: efficiency)
+    host_bandwidth = 50e9      # optional: bytes/s each way between host memory and a device (PCIe): the
+                               #   offloaded optimizer's link (default: its transfers are not timed)
     cores_shared = 1.0         # optional: ranks time-sharing each core (CPU ranks beyond the cores; 1: a device each)
     comm_cpu_share = 0.0       # optional: share of a collective's time the CPU is busy (counts with cores_shared)
     bytes_per_element = 2      # 2 for bf16/fp16 training, 4 for fp32
@@ -73,6 +75,9 @@ class Machine:
     # Seconds each collective costs beyond its time from a common start: its ranks reach it at different moments
     # (calibrate measures it; where ranks time-share the cores one may be off its core). No overlap hides it.
     sync_cost: float = 0.0
+    # Bytes/s each way between host memory and a device (PCIe, pinned copies): an offloaded optimizer streams its
+    # masters and moments over it every step (par4d/plan/compute.py). None: those transfers are not timed.
+    host_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -99,7 +104,8 @@ class Machine:
 COUNTS = ("devices_per_node", "bytes_per_element")
 # 0 = the paper's model (no per-step latency), no cost per GEMM, no CPU in collectives
 AT_LEAST_ZERO = ("latency", "latency_inter", "kernel_latency", "layer_overhead", "comm_cpu_share", "sync_cost")
-OPTIONAL = ("latency_inter", "memory_bandwidth", "attention_efficiency")           # None: not given
+# None: not given
+OPTIONAL = ("latency_inter", "memory_bandwidth", "attention_efficiency", "host_bandwidth")
 FRACTIONS = ("efficiency", "attention_efficiency", "comm_cpu_share")
 BOOLS = ("staged",)
 
@@ -147,18 +153,24 @@ NCCL_NVLINK_STEP, NCCL_NET_STEP = 3.4 * US, 9.6 * US
 # MI250X no published figure was found and the A100's low end, 0.5, is assumed. The H100 and H200 carry
 # par4d's own measurements (below).
 A100_MAMF, MI250X_MAMF = 267.9 / 312, 147.0 / 191.5
+# Host links (``host_bandwidth``, the offloaded optimizer's), each way: an A100 SXM's PCIe 4.0 x16 on paper, 32 GB/s;
+# an MI250X GCD's Infinity Fabric link to the CPU, 36 GB/s (OLCF's Frontier user guide). The H100 and H200 (PCIe
+# 5.0 x16, 64 GB/s on paper) carry what par4d measured on an H200's host (``par4d plan device``, 2026-11-26):
+# pinned copies of one 16 MiB offload bucket at 49.8 GB/s to the device and 52.2 back, 51 GB/s a step moving both.
+HOPPER_HOST_LINK = 51 * GB
+PCIE4_X16, FRONTIER_HOST_LINK = 32 * GB, 36 * GB
 # Perlmutter GPU node: 4 A100-40GB (312 TFLOP/s bf16, HBM2 1,555 GB/s), NVLink 3 between every GPU
 # pair (4 links x 25 GB/s per direction = 100 GB/s), 4 Slingshot-11 NICs of 200 Gb/s = 100 GB/s per node.
 PERLMUTTER = Machine("perlmutter", devices_per_node=4, peak_flops=312e12, memory_bytes=40 * GB,
                      beta_intra=100 * GB, beta_inter=100 * GB, latency=NCCL_NVLINK_STEP,
                      latency_inter=NCCL_NET_STEP, efficiency=A100_MAMF, bytes_per_element=2,
-                     memory_bandwidth=1555 * GB, attention_efficiency=0.6)
+                     memory_bandwidth=1555 * GB, attention_efficiency=0.6, host_bandwidth=PCIE4_X16)
 # DGX A100 (80 GB): 8 A100-80GB SXM (HBM2e 2,039 GB/s), NVSwitch (NVLink 3: 300 GB/s per direction),
 # 8 HDR InfiniBand NICs of 200 Gb/s = 200 GB/s per node.
 A100_80GB = Machine("a100-80gb", devices_per_node=8, peak_flops=312e12, memory_bytes=80 * GB,
                     beta_intra=300 * GB, beta_inter=200 * GB, latency=NCCL_NVLINK_STEP,
                     latency_inter=NCCL_NET_STEP, efficiency=A100_MAMF, bytes_per_element=2,
-                    memory_bandwidth=2039 * GB, attention_efficiency=0.6)
+                    memory_bandwidth=2039 * GB, attention_efficiency=0.6, host_bandwidth=PCIE4_X16)
 # DGX H100: 8 H100 SXM (989 TFLOP/s bf16 dense, HBM3 3,350 GB/s on the data sheet, 80 GB), NVSwitch (NVLink 4:
 # 450 GB/s per direction), 8 NDR InfiniBand NICs of 400 Gb/s = 400 GB/s per node. Its compute terms are par4d's
 # own measurement of one H100 SXM (``par4d plan device``, torch 2.11 + CUDA 13.0, 2026-11-26; docs/planner.md,
@@ -168,7 +180,7 @@ A100_80GB = Machine("a100-80gb", devices_per_node=8, peak_flops=312e12, memory_b
 H100 = Machine("h100", devices_per_node=8, peak_flops=989e12, memory_bytes=80 * GB,
                beta_intra=450 * GB, beta_inter=400 * GB, latency=NCCL_NVLINK_STEP,
                latency_inter=NCCL_NET_STEP, efficiency=0.74, kernel_latency=7.1 * US, bytes_per_element=2,
-               memory_bandwidth=3028 * GB, attention_efficiency=0.50)
+               memory_bandwidth=3028 * GB, attention_efficiency=0.50, host_bandwidth=HOPPER_HOST_LINK)
 # DGX H200: the H100's chip and clocks (989 TFLOP/s bf16 dense) with 141 GB of HBM3e (4,800 GB/s on the data
 # sheet); the same NVSwitch and NICs. Its compute terms are par4d's own measurement of one H200 (``par4d plan
 # device``, torch 2.11 + CUDA 13.0, 2026-11-26; docs/planner.md, "On a GPU"): 36 bf16 GEMM shapes fitted at 0.75
@@ -177,14 +189,14 @@ H100 = Machine("h100", devices_per_node=8, peak_flops=989e12, memory_bytes=80 * 
 H200 = Machine("h200", devices_per_node=8, peak_flops=989e12, memory_bytes=141 * GB,
                beta_intra=450 * GB, beta_inter=400 * GB, latency=NCCL_NVLINK_STEP,
                latency_inter=NCCL_NET_STEP, efficiency=0.75, kernel_latency=6.2 * US, bytes_per_element=2,
-               memory_bandwidth=4349 * GB, attention_efficiency=0.52)
+               memory_bandwidth=4349 * GB, attention_efficiency=0.52, host_bandwidth=HOPPER_HOST_LINK)
 # Frontier node: 4 MI250X = 8 GCDs (191.5 TFLOP/s bf16, 64 GB and 1,638 GB/s of HBM2e each), Infinity
 # Fabric between GCDs (50-200 GB/s; 100 GB/s assumed), 4 Slingshot-11 NICs = 100 GB/s per node.
 # RCCL keeps NCCL's cost model; its step latencies are taken as NCCL's.
 FRONTIER = Machine("frontier", devices_per_node=8, peak_flops=191.5e12, memory_bytes=64 * GB,
                    beta_intra=100 * GB, beta_inter=100 * GB, latency=NCCL_NVLINK_STEP,
                    latency_inter=NCCL_NET_STEP, efficiency=MI250X_MAMF, bytes_per_element=2,
-                   memory_bandwidth=1638 * GB, attention_efficiency=0.5)
+                   memory_bandwidth=1638 * GB, attention_efficiency=0.5, host_bandwidth=FRONTIER_HOST_LINK)
 
 BUILTIN = {m.name: m for m in (PERLMUTTER, A100_80GB, H100, H200, FRONTIER)}
 

@@ -378,8 +378,8 @@ def predict(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Mach
             pred.excluded = (f"needs {pred.mem_bytes / 1e9:.1f} GB per device, "
                              f"{machine.name} has {machine.memory_bytes / 1e9:.0f} GB")
     comm = communication(spec, sizes, machine, variant, micro) if terms is None else terms
-    optimizer = optimizer_seconds(spec, sizes, machine) if full and compute_seconds is None and \
-        offload_bsize is None else 0.0       # a profiled step's compute has its optimizer in it
+    # a profiled step's compute has its optimizer in it
+    optimizer = optimizer_seconds(spec, sizes, machine, offload_bsize) if full and compute_seconds is None else 0.0
     return _timed(pred, spec, sizes, machine, full, checkpointing, compute_seconds, overlap, comm, optimizer)
 
 

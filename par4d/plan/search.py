@@ -173,8 +173,8 @@ class _Grid:
             return
         self.counts = [space.microbatches] if space.microbatches is not None else divisors(shard)
         self.terms = CommunicationByCount(spec, sizes, machine)   # the same with and without recomputation
-        # AdamW's pass on the device, once a step (none where the optimizer is offloaded)
-        self.optimizer = optimizer_seconds(spec, sizes, machine) if space.offload_bsize is None else 0.0
+        # AdamW's pass, once a step (offloaded, through the host link too)
+        self.optimizer = optimizer_seconds(spec, sizes, machine, space.offload_bsize)
         self.held: dict[tuple[bool, object], tuple[float, float]] = {}
 
     def sets(self, checkpointing: bool) -> tuple[Overlap, ...]:
