@@ -460,6 +460,38 @@ def test_group_placement_and_staged_time_are_the_stages_ring_times():
     assert staged_time("all_gather", ("data",), sizes, s, machine) == pytest.approx(s / 0.5e9 + 2 * s / 10e9)
 
 
+def test_all_gather_and_reduce_scatter_take_their_own_scale_across_nodes():
+    """A profile measures each kind's bandwidth inside a node and across: a group that spans nodes prices its
+    all-gathers and reduce-scatters at the scale across (relative to beta_inter), one inside at the scale inside;
+    without a scale across, the one inside serves both."""
+    from par4d.plan.model import across_nodes, kind_scale, layer_terms, staged_time
+    
+    assert across_nodes({"x": 2, "y": 1, "z": 2, "data": 2}, _two_by_two(staged=False)) == {
+        "x": False, "y": False, "z": True, "data": True}
+    assert across_nodes({"x": 1, "y": 1, "z": 2, "data": 2, "pipe": 2}, _two_by_two(staged=False))["z"] is False
+    both = replace(_two_by_two(staged=False), all_gather_scale=0.5, reduce_scatter_scale=0.25, all_gather_scale_inter=0.8,
+                   reduce_scatter_scale_inter=0.4)
+    inside_only = replace(both, all_gather_scale_inter=None, reduce_scatter_scale_inter=None)
+    assert [kind_scale(k, both, a) for k in ("all_gather", "reduce_scatter", "all_reduce") for a in (False, True)] \
+        == [0.5, 0.8, 0.25, 0.4, 1.0, 1.0]
+    assert [kind_scale(k, inside_only, True) for k in ("all_gather", "reduce_scatter")] == [0.5, 0.25]
+    assert kind_scale("all_gather", None, True) == 1.0
+    # z = 4 over 2-device nodes spans both: its gather and reduce-scatter at 0.8 and 0.4 of beta_inter (1 GB/s, one
+    # ring: x = y = 1); z = 2 stays inside, at 0.5 and 0.25 of beta_intra (10 GB/s).
+    layer = Layer("fc", m=64, k=256, n=512)
+    beta = {"x": 10e9, "y": 10e9, "z": 1e9, "data": 1e9}
+    far = layer_terms(layer, {"x": 1, "y": 1, "z": 4, "data": 1}, beta, 2, 0.0, both)
+    assert far["z", "gather"] == pytest.approx(3 * (256 * 512 / 4 * 2) / (1e9 * 0.8), rel=1e-12)
+    assert far["z", "reduce_scatter"] == pytest.approx(3 / 4 * (256 * 512 * 2) / (1e9 * 0.4), rel=1e-12)
+    near = layer_terms(layer, {"x": 1, "y": 1, "z": 2, "data": 2}, {**beta, "z": 10e9}, 2, 0.0, both)
+    assert near["z", "gather"] == pytest.approx(1 * (256 * 512 / 2 * 2) / (10e9 * 0.5), rel=1e-12)
+    # Staged (2 per node, 2 nodes): the link stage at the scale across, the node's at the scale inside.
+    staged = replace(both, staged=True)
+    s = 1e5
+    assert staged_time("all_gather", ("data",), {"x": 1, "y": 1, "z": 1, "data": 4}, s, staged) == pytest.approx(
+        s / (0.5e9 * 0.8) + 2 * s / (10e9 * 0.5))
+
+
 def test_the_planner_prices_staged_sync_and_hidden_xy_sums():
     from par4d.overlap import Overlap
     from par4d.plan.model import ROLES, exposed_comm

@@ -357,6 +357,7 @@ def calibrate(nproc: int, out: Path, repeats: int = 5, cluster=None) -> dict:
         fits = fit(rows)
         beta = beta_inter = fits["all_reduce"]["beta"]
         latency_inter = None                 # one node: every ring step is the node's
+        inter_scales = {}
     else:
         from par4d.launch.cluster import launch_cluster
 
@@ -365,6 +366,11 @@ def calibrate(nproc: int, out: Path, repeats: int = 5, cluster=None) -> dict:
         fits = fit(rows, per_node)           # groups inside a node and across, in one fit
         beta, beta_inter = fits["all_reduce"]["beta"], fits["all_reduce"]["beta_inter"]
         latency_inter = fits["all_reduce"]["alpha_inter"]
+        # Each kind's ratio to the all-reduce across nodes, from the fits across: the ratio inside rides on the
+        # all-reduce's β inside, the noisiest fit (0.9 to 6.6 GB/s over five runs on emulated nodes), and put on
+        # the link it priced all-gathers there at 0.13-0.63 of what they measured.
+        inter_scales = {f"{kind}_scale_inter": fits[kind]["beta_inter"] / beta_inter
+                        for kind in ("all_gather", "reduce_scatter")}
     memory = _total_memory()
     machine = Machine(name=name, devices_per_node=per_node, peak_flops=peak / nproc,
                       memory_bytes=memory / nproc, beta_intra=beta, beta_inter=beta_inter,
@@ -375,7 +381,7 @@ def calibrate(nproc: int, out: Path, repeats: int = 5, cluster=None) -> dict:
                       # the share of all the collectives' time (every kind, group and size) the CPU was busy
                       comm_cpu_share=min(1.0, sum(r["cpu_seconds"] for r in rows) / sum(r["seconds"] for r in rows)),
                       all_gather_scale=fits["all_gather"]["beta"] / beta,
-                      reduce_scatter_scale=fits["reduce_scatter"]["beta"] / beta,
+                      reduce_scatter_scale=fits["reduce_scatter"]["beta"] / beta, **inter_scales,
                       staged=cluster is not None,    # gloo across nodes: par4d stages (--hierarchical auto)
                       sync_cost=sync["sync_seconds"])
     host["layer_overhead"] = layer_overhead(host, machine)

@@ -23,7 +23,9 @@ figures (link bandwidths, documented per field). User profiles are TOML files:
     comm_cpu_share = 0.0       # optional: share of a collective's time the CPU is busy (counts with cores_shared)
     bytes_per_element = 2      # 2 for bf16/fp16 training, 4 for fp32
     all_gather_scale = 1.0     # optional: all-gather / reduce-scatter bandwidth
-    reduce_scatter_scale = 1.0 #   relative to all-reduce (full model only)
+    reduce_scatter_scale = 1.0 #   relative to all-reduce's (full model only), inside a node
+    all_gather_scale_inter = 1.0     # optional: the same across nodes, relative to beta_inter
+    reduce_scatter_scale_inter = 1.0 #   (default: the scales inside)
     staged = false             # optional: collectives over groups that span nodes go in stages
                                #   (par4d's gloo path, --hierarchical auto; NCCL's own algorithms: false)
 
@@ -57,6 +59,9 @@ class Machine:
     # implementations that reach the model; gloo on CPU measures well below).
     all_gather_scale: float = 1.0
     reduce_scatter_scale: float = 1.0
+    # The same across nodes, relative to beta_inter (gloo's ratios differ there); None: the scales inside.
+    all_gather_scale_inter: float | None = None
+    reduce_scatter_scale_inter: float | None = None
     staged: bool = False     # par4d stages collectives over groups that span nodes (docs/architecture.md)
     # The compute model by shape (par4d/plan/compute.py); None: FLOPs over peak x efficiency, shapes aside.
     memory_bandwidth: float | None = None    # bytes/s of device memory (GEMMs' roofline, element-wise work)
@@ -105,7 +110,8 @@ COUNTS = ("devices_per_node", "bytes_per_element")
 # 0 = the paper's model (no per-step latency), no cost per GEMM, no CPU in collectives
 AT_LEAST_ZERO = ("latency", "latency_inter", "kernel_latency", "layer_overhead", "comm_cpu_share", "sync_cost")
 # None: not given
-OPTIONAL = ("latency_inter", "memory_bandwidth", "attention_efficiency", "host_bandwidth")
+OPTIONAL = ("latency_inter", "memory_bandwidth", "attention_efficiency", "host_bandwidth", "all_gather_scale_inter",
+            "reduce_scatter_scale_inter")
 FRACTIONS = ("efficiency", "attention_efficiency", "comm_cpu_share")
 BOOLS = ("staged",)
 

@@ -64,6 +64,29 @@ def bandwidths(sizes: dict[str, int], machine: Machine, aware: bool) -> dict[str
     return out
 
 
+def across_nodes(sizes: dict[str, int], machine: Machine) -> dict[str, bool]:
+    """Per axis: whether its groups span nodes (placed as :func:`bandwidths` places them, which then gives them
+    β_inter)."""
+    axes = AXES5 if "pipe" in sizes else AXES4
+    out, inner = {}, 1
+    for axis in axes:
+        span = inner * sizes[axis]
+        out[axis] = not (span <= machine.devices_per_node and machine.devices_per_node % span == 0)
+        inner *= sizes[axis]
+    return out
+
+
+def kind_scale(kind: str, machine: Machine | None, across: bool) -> float:
+    """``kind``'s bandwidth relative to the all-reduce's β it is priced at: the profile's measured all-gather or
+    reduce-scatter scale inside a node, or across nodes (its ``_inter`` scale where given); 1 for an all-reduce and
+    without a machine."""
+    if machine is None or kind == "all_reduce":
+        return 1.0
+    inside, far = ((machine.all_gather_scale, machine.all_gather_scale_inter) if kind == "all_gather" else
+                   (machine.reduce_scatter_scale, machine.reduce_scatter_scale_inter))
+    return far if across and far is not None else inside
+
+
 def latencies(sizes: dict[str, int], machine: Machine) -> dict[str, float]:
     """α per ring step, per axis (the full model's): NCCL's own ring model (its ``tuning.cc``) pays
     the network's latency for the ``nodes - 1`` steps of a ring pass that cross nodes and the
@@ -96,17 +119,17 @@ def group_placement(sizes: dict[str, int], group: tuple[str, ...], devices_per_n
 
 
 def staged_time(kind: str, group: tuple[str, ...], sizes: dict[str, int], message_bytes: float,
-                machine: Machine, scale: float = 1.0) -> float | None:
+                machine: Machine) -> float | None:
     """Seconds of ``kind`` over ``group`` in par4d's stages (docs/architecture.md, "Staged collectives"),
     or None where its groups do not span nodes with 2 or more members on each: inside the node at
     β_intra, across at β_inter shared by the rings on the node's link (the L link-stage rings of every
-    one of the ``inner`` groups a node holds, as Eq 10 shares it)."""
+    one of the ``inner`` groups a node holds, as Eq 10 shares it), each stage's kind at its measured scale
+    there (:func:`kind_scale`)."""
     inner, per_node, nodes = group_placement(sizes, group, machine.devices_per_node)
     if per_node < 2 or nodes < 2:
         return None
-    # ``scale``: the flat collective's measured all-gather / reduce-scatter bandwidth scale, on every stage alike
-    link = machine.beta_inter / min(machine.devices_per_node, inner * per_node) * scale
-    intra = machine.beta_intra * scale
+    link = machine.beta_inter / min(machine.devices_per_node, inner * per_node) * kind_scale(kind, machine, True)
+    intra = machine.beta_intra * kind_scale(kind, machine, False)
     near = machine.latency
     far = machine.latency if machine.latency_inter is None else machine.latency_inter
     m = message_bytes
@@ -134,9 +157,7 @@ def collective_time(kind: str, group: tuple[str, ...], sizes: dict[str, int], me
     flat = ring_time(kind, ranks, message_bytes, beta, latency)
     if machine is None or not machine.staged or message_bytes < STAGE_MIN_BYTES:
         return flat
-    scale = 1.0 if kind == "all_reduce" else (
-        machine.all_gather_scale if kind == "all_gather" else machine.reduce_scatter_scale)
-    staged = staged_time(kind, group, sizes, message_bytes, machine, scale)
+    staged = staged_time(kind, group, sizes, message_bytes, machine)
     return flat if staged is None else min(flat, staged)
 
 
@@ -151,15 +172,18 @@ hidden), ``sync`` (the data-parallel sums: behind backward with the dp overlap).
 
 def layer_terms(layer: Layer, sizes: dict[str, int], beta: dict[str, float], bytes_per_element: int,
                 latency: float | dict[str, float] = 0.0, machine: Machine | None = None,
-                data_ar: bool = True) -> dict[tuple[str, str], float]:
+                data_ar: bool = True, across: dict[str, bool] | None = None) -> dict[tuple[str, str], float]:
     """Eqs 4-8 for one layer (times ``layer.count``), per (axis, role). A transposed layer
     swaps x and y (sizes and bandwidths). ``latency``: α per ring step, one for every axis
     or per axis (:func:`latencies`). With ``machine``, all-gather and reduce-scatter
-    use its measured bandwidth scales; ``data_ar=False`` leaves Eq 8 out (the full model
-    counts par4d's bucketed data all-reduce once per iteration instead)."""
+    use its measured bandwidth scales (inside or across nodes: ``across``, default :func:`across_nodes`);
+    ``data_ar=False`` leaves Eq 8 out (the full model counts par4d's bucketed data all-reduce once per iteration
+    instead)."""
     alpha = latency if isinstance(latency, dict) else dict.fromkeys(beta, latency)
-    ag = machine.all_gather_scale if machine else 1.0
-    rs = machine.reduce_scatter_scale if machine else 1.0
+    if across is None:
+        across = across_nodes(sizes, machine) if machine else {}
+    z_far = across.get("z", False)               # only z's collectives are gathers and reduce-scatters
+    ag, rs = kind_scale("all_gather", machine, z_far), kind_scale("reduce_scatter", machine, z_far)
     gx, gy, gz, gd = sizes["x"], sizes["y"], sizes["z"], sizes["data"]
     in_axis, out_axis = ("x", "y") if layer.transposed else ("y", "x")
     g_in, g_out = sizes[in_axis], sizes[out_axis]
@@ -417,6 +441,7 @@ def communication(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine
     b = machine.bytes_per_element
     beta = bandwidths(sizes, machine, aware=variant != "agnostic")
     alpha = latencies(sizes, machine) if full else dict.fromkeys(beta, 0.0)
+    across = across_nodes(sizes, machine)
     axes = {a: 0.0 for a in beta}                                       # pipe only where sizes names it
     roles = {r: 0.0 for r in ROLES}
     gathers = calls = xy_calls = redo_calls = redo_xy_calls = 0
@@ -426,7 +451,8 @@ def communication(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine
     for layer in spec.layers():
         piece = layer if micro == 1 else Layer(layer.name, layer.m / micro, layer.k, layer.n, layer.transposed,
                                                layer.count)                 # the layer on one microbatch's rows
-        for (axis, role), t in layer_terms(piece, sizes, beta, b, alpha, machine if full else None, not full).items():
+        for (axis, role), t in layer_terms(piece, sizes, beta, b, alpha, machine if full else None, not full,
+                                              across).items():
             if not t:                   # an axis of one rank: no collective
                 continue
             # The stage's 1/P of the layers; the data sync once per step, the rest once per microbatch.
@@ -448,8 +474,6 @@ def communication(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine
         gathers += layer.count * micro / pipe if sizes["z"] > 1 else 0
     grad_bytes = 0.0
     if full:
-        scale = {"all_reduce": 1.0, "all_gather": machine.all_gather_scale,
-                 "reduce_scatter": machine.reduce_scatter_scale}
         weights = sum(layer.k * layer.n * layer.count for layer in spec.layers())
         extras = spec.extra_collectives(sizes) + [   # par4d's data sync: one bucketed all-reduce
             ("all_reduce", ("data",), weights / (sizes["x"] * sizes["y"] * sizes["z"]), 1, 0)]
@@ -464,7 +488,7 @@ def communication(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine
             ranks = 1
             for axis in axis_group:
                 ranks *= sizes[axis]
-            slowest = min(beta[a] for a in axis_group) * scale[kind]
+            slowest = min(beta[a] for a in axis_group) * kind_scale(kind, machine, any(across[a] for a in axis_group))
             one = collective_time(kind, tuple(axis_group), sizes, elements * b, slowest,
                                   max(alpha[a] for a in axis_group), machine)
             t = one * count
