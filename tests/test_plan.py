@@ -465,12 +465,12 @@ def test_all_gather_and_reduce_scatter_take_their_own_scale_across_nodes():
     all-gathers and reduce-scatters at the scale across (relative to beta_inter), one inside at the scale inside;
     without a scale across, the one inside serves both."""
     from par4d.plan.model import across_nodes, kind_scale, layer_terms, staged_time
-    
+
     assert across_nodes({"x": 2, "y": 1, "z": 2, "data": 2}, _two_by_two(staged=False)) == {
         "x": False, "y": False, "z": True, "data": True}
     assert across_nodes({"x": 1, "y": 1, "z": 2, "data": 2, "pipe": 2}, _two_by_two(staged=False))["z"] is False
-    both = replace(_two_by_two(staged=False), all_gather_scale=0.5, reduce_scatter_scale=0.25, all_gather_scale_inter=0.8,
-                   reduce_scatter_scale_inter=0.4)
+    both = replace(_two_by_two(staged=False), all_gather_scale=0.5, reduce_scatter_scale=0.25,
+                   all_gather_scale_inter=0.8, reduce_scatter_scale_inter=0.4)
     inside_only = replace(both, all_gather_scale_inter=None, reduce_scatter_scale_inter=None)
     assert [kind_scale(k, both, a) for k in ("all_gather", "reduce_scatter", "all_reduce") for a in (False, True)] \
         == [0.5, 0.8, 0.25, 0.4, 1.0, 1.0]

@@ -51,22 +51,18 @@ def bandwidths(sizes: dict[str, int], machine: Machine, aware: bool) -> dict[str
     axes = AXES5 if "pipe" in sizes else AXES4
     if not aware:
         return {a: machine.beta_inter for a in axes}
+    far = across_nodes(sizes, machine)
     out, inner = {}, 1
     for axis in axes:
-        span = inner * sizes[axis]
-        # Inside a node: the group's ranks fit in one node and groups tile the nodes
-        # (x=3 on 4-device nodes has a group that straddles two nodes).
-        if span <= machine.devices_per_node and machine.devices_per_node % span == 0:
-            out[axis] = machine.beta_intra
-        else:
-            out[axis] = machine.beta_inter / min(machine.devices_per_node, inner)
+        out[axis] = machine.beta_inter / min(machine.devices_per_node, inner) if far[axis] else machine.beta_intra
         inner *= sizes[axis]
     return out
 
 
 def across_nodes(sizes: dict[str, int], machine: Machine) -> dict[str, bool]:
-    """Per axis: whether its groups span nodes (placed as :func:`bandwidths` places them, which then gives them
-    β_inter)."""
+    """Per axis (innermost first, as :func:`bandwidths` places them): whether its groups span nodes. A group is
+    inside a node where its ranks fit in one and the groups tile the nodes (x=3 on 4-device nodes has a group that
+    straddles two)."""
     axes = AXES5 if "pipe" in sizes else AXES4
     out, inner = {}, 1
     for axis in axes:
