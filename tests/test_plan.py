@@ -320,6 +320,8 @@ def _profile(tmp_path, line: str):
     ('peak_flops = "fast"', "machine.peak_flops must be a number, got 'fast'"),
     ("gpus_per_node = 4", "unknown keys ['gpus_per_node'] in [machine]"),
     ("staged = 1", "machine.staged must be true or false, got 1"),
+    ("host_bandwidth = 0", "machine.host_bandwidth must be > 0, got 0"),
+    ("reduce_scatter_scale_inter = -0.4", "machine.reduce_scatter_scale_inter must be > 0, got -0.4"),
 ])
 def test_machine_profile_values_are_checked(tmp_path, line, message):
     path = _profile(tmp_path, line)

@@ -162,7 +162,9 @@ A100_MAMF, MI250X_MAMF = 267.9 / 312, 147.0 / 191.5
 # Host links (``host_bandwidth``, the offloaded optimizer's), each way: an A100 SXM's PCIe 4.0 x16 on paper, 32 GB/s;
 # an MI250X GCD's Infinity Fabric link to the CPU, 36 GB/s (OLCF's Frontier user guide). The H100 and H200 (PCIe
 # 5.0 x16, 64 GB/s on paper) carry what par4d measured on an H200's host (``par4d plan device``, 2026-11-26):
-# pinned copies of one 16 MiB offload bucket at 49.8 GB/s to the device and 52.2 back, 51 GB/s a step moving both.
+# pinned copies of one 16 MiB offload bucket at 49.8 GB/s to the device and 52.2 back, 51 GB/s a step moving both:
+# 80% of its paper figure (the A100s' and Frontier's are paper figures, likely as high). Each is one rank's link alone:
+# where GPUs share a PCIe switch's uplink (two to a switch on a DGX A100), ranks offloading at once get less.
 HOPPER_HOST_LINK = 51 * GB
 PCIE4_X16, FRONTIER_HOST_LINK = 32 * GB, 36 * GB
 # Perlmutter GPU node: 4 A100-40GB (312 TFLOP/s bf16, HBM2 1,555 GB/s), NVLink 3 between every GPU

@@ -119,8 +119,9 @@ def staged_time(kind: str, group: tuple[str, ...], sizes: dict[str, int], messag
     """Seconds of ``kind`` over ``group`` in par4d's stages (docs/architecture.md, "Staged collectives"),
     or None where its groups do not span nodes with 2 or more members on each: inside the node at
     β_intra, across at β_inter shared by the rings on the node's link (the L link-stage rings of every
-    one of the ``inner`` groups a node holds, as Eq 10 shares it), each stage's kind at its measured scale
-    there (:func:`kind_scale`)."""
+    one of the ``inner`` groups a node holds, as Eq 10 shares it). A staged all-gather's or reduce-scatter's stages
+    take their kind's measured scale inside and across (:func:`kind_scale`); a staged all-reduce's stages stay at
+    all-reduce's β, the kind the profile measures against."""
     inner, per_node, nodes = group_placement(sizes, group, machine.devices_per_node)
     if per_node < 2 or nodes < 2:
         return None
