@@ -146,6 +146,20 @@ def _bandwidth(elements: int, device: torch.device) -> float:
     return 3 * elements * 4 / _seconds(lambda: torch.add(a, b, out=out), device=device)
 
 
+def measure_host_link(device: torch.device, elements: int) -> dict:
+    """Bytes/s of copies between host memory and ``device`` as the offloaded optimizer makes them (par4d.optim.offload):
+    ``elements`` fp32 values, pinned on the host where the device is a GPU, each way; ``host_bandwidth``: the rate of a
+    step that moves as much each way (the two rates' harmonic mean), what a profile's ``host_bandwidth`` holds."""
+    host, back = torch.ones(elements), torch.zeros(elements)
+    if device.type == "cuda":                  # as the offloaded masters and moments are (empty_like would not be)
+        host, back = host.pin_memory(), back.pin_memory()
+    on_device = torch.empty(elements, device=device)
+    to_device = elements * 4 / _seconds(lambda: on_device.copy_(host), device=device)
+    to_host = elements * 4 / _seconds(lambda: back.copy_(on_device), device=device)
+    return {"to_device": to_device, "to_host": to_host, "host_bandwidth": 2 / (1 / to_device + 1 / to_host),
+            "bytes": elements * 4}
+
+
 def fit_gemms(rows: list[dict], peak: float, bandwidth: float, bytes_per_element: int = 4) -> dict:
     """The roofline of par4d/plan/compute.py fitted to measured GEMMs: ``efficiency`` (0.01 to 1, a 0.01 grid)
     and ``kernel_latency`` (least squares, >= 0) minimizing the squared relative error, at the given ``peak``

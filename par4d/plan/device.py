@@ -25,7 +25,15 @@ import torch
 import torch.distributed as dist
 
 from par4d.models import GPTConfig
-from par4d.plan.calibrate import GPU_SHAPES, ComputeShapes, finish, fit_attention, fit_gemms, measure_compute
+from par4d.plan.calibrate import (
+    GPU_SHAPES,
+    ComputeShapes,
+    finish,
+    fit_attention,
+    fit_gemms,
+    measure_compute,
+    measure_host_link,
+)
 from par4d.plan.compute import gemm_seconds
 from par4d.plan.machines import BUILTIN, Machine
 from par4d.plan.workload import GPTSpec
@@ -173,32 +181,6 @@ def _torch_step(case: StepCase, device: torch.device, dtype: torch.dtype, iters:
 OFFLOAD_BSIZE = 1 << 22
 
 
-def measure_host_link(device: torch.device, elements: int = OFFLOAD_BSIZE, repeats: int = 21) -> dict:
-    """Bytes/s of copies between host memory and ``device`` as the offloaded optimizer makes them: a bucket of
-    ``elements`` fp32 values, pinned on the host where the device is a GPU, the median of ``repeats`` each way;
-    ``host_bandwidth``: the rate of a step that moves as much each way (the two rates' harmonic mean), what a
-    profile's ``host_bandwidth`` holds."""
-    host, back = torch.ones(elements, dtype=torch.float32), torch.zeros(elements, dtype=torch.float32)
-    if device.type == "cuda":                  # as the offloaded masters and moments are (empty_like would not be)
-        host, back = host.pin_memory(), back.pin_memory()
-    on_device = torch.empty(elements, dtype=torch.float32, device=device)
-
-    def rate(copy) -> float:
-        copy()
-        times = []
-        for _ in range(repeats):
-            finish(device)
-            start = time.perf_counter()
-            copy()
-            finish(device)
-            times.append(time.perf_counter() - start)
-        return elements * 4 / statistics.median(times)
-
-    to_device, to_host = rate(lambda: on_device.copy_(host)), rate(lambda: back.copy_(on_device))
-    return {"to_device": to_device, "to_host": to_host, "host_bandwidth": 2 / (1 / to_device + 1 / to_host),
-            "bytes": elements * 4}
-
-
 def step_rows(case: StepCase, machine: Machine, device: torch.device, dtype: torch.dtype, iters: int) -> list[dict]:
     """par4d's measured step of ``case`` (its optimizer on the device, then offloaded) and PyTorch's, beside the
     full model's prediction (compute and memory on one device), each with its model FLOPs as a share of the
@@ -239,7 +221,7 @@ def check_device(machine: Machine, device: torch.device, threads: int, iters: in
     fitted = fit_gemms(measured["gemms"], machine.peak_flops, measured["memory_bandwidth"], dtype.itemsize)
     attention = attention_rows(measured["attention"], machine)
     fitted["attention_efficiency"] = fit_attention(measured["attention"], machine.peak_flops)
-    link = measure_host_link(device)
+    link = measure_host_link(device, OFFLOAD_BSIZE)
     fitted["host_bandwidth"] = link["host_bandwidth"]
     return {"machine": machine.name, "device": torch.cuda.get_device_name(device) if gpu else "cpu",
             "dtype": str(dtype).removeprefix("torch."), "memory_bandwidth": measured["memory_bandwidth"],
