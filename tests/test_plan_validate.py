@@ -276,8 +276,9 @@ def _sync_on_every_rank():
 
 
 def test_calibration_measures_what_a_collective_between_compute_costs(pool4):
-    """A round of compute and a collective, timed on all 4 ranks, takes at least as long as either alone; the
-    sync cost is the median excess over the two apart (an odd count of repeats: the middle one), never below 0."""
+    """A round of compute and a collective, timed on all 4 ranks (the mean over them), takes at least as long as
+    either alone; the sync cost is the median excess over the two apart (an odd count of repeats: the middle
+    one), never below 0."""
     from par4d.plan.calibrate import sync_excess
 
     row = pool4.run(_sync_on_every_rank)[0]

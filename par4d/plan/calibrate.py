@@ -240,8 +240,11 @@ def _sync_row(grid) -> dict:
     moments (where they time-share the cores, one may be off its core when the others arrive). Timed on every
     rank of ``grid`` (its x axis spans them all), ``SYNC_REPEATS`` times in turn: rounds of a compute chunk
     (four 256-square products), rounds of a one-element all-reduce, and rounds of both, as training issues
-    them; each time the slowest rank's. ``sync_seconds``: the median over the repeats of what a round of both
-    took beyond the two apart (one measurement of it varies by 2x here: the median of 9 is what is kept)."""
+    them; each the mean over the ranks. The mean, not the slowest rank: the planner prices compute at each
+    rank's share of the cores, the mean rank's time; and with no collective to keep them in step, the slowest
+    rank's compute rounds hold the very wait for it that a round of both pays (on 8 ranks of 2 cores it measured
+    0.07-0.54 ms beside the mean's 0.43-0.81). ``sync_seconds``: the median over the repeats of what a round of
+    both took beyond the two apart (one measurement of it varies by 2x here: the median of 9 is what is kept)."""
     from par4d import comm
 
     a, tiny = torch.randn(256, 256), torch.ones(1)
@@ -265,8 +268,10 @@ def _sync_row(grid) -> dict:
         return (time.perf_counter() - start) / SYNC_ROUNDS
 
     both()
-    samples = torch.tensor([[rounds(chunk), rounds(reduce), rounds(both)] for _ in range(SYNC_REPEATS)])
-    dist.all_reduce(samples, op=dist.ReduceOp.MAX)
+    samples = torch.tensor([[rounds(chunk), rounds(reduce), rounds(both)] for _ in range(SYNC_REPEATS)],
+                           dtype=torch.float64)
+    dist.all_reduce(samples)
+    samples /= dist.get_world_size()
     compute, collective, together = samples.median(dim=0).values.tolist()
     return {"kind": "sync", "p": grid.world_size, "compute_seconds": compute, "collective_seconds": collective,
             "both_seconds": together, "sync_seconds": sync_excess(samples.tolist())}
