@@ -1,6 +1,7 @@
 """The grid: the rank layout of docs/architecture.md, process groups, launcher environments."""
 
 import itertools
+import os
 
 import torch
 import torch.distributed as dist
@@ -113,3 +114,41 @@ def test_grids_closed_and_jobs_joined_again():
         assert summed == [4.0, 4.0, 4.0] and gathered == [0.0, 1.0]
         assert over_x == {0: 1, 1: 1, 2: 5, 3: 5}[rank]        # x pairs: (0, 1), (2, 3)
         assert over_yz == 6                                     # x, y, z span all four ranks
+
+
+def _world_and_gloo_interface():
+    import os
+
+    import par4d
+
+    grid = par4d.init(data=2)
+    try:
+        return dist.get_world_size(), os.environ.get("GLOO_SOCKET_IFNAME")
+    finally:
+        grid.close()
+        dist.destroy_process_group()
+
+
+def test_local_ranks_start_where_the_hostname_does_not_resolve():
+    """launch_local's ranks meet at 127.0.0.1 and gloo binds the loopback interface. Left to itself, torch's
+    agent hands the ranks this machine's hostname, and where that does not resolve (a container, a cloud GPU
+    box) they retry it until their 300 s store timeout and fail. Run under a hostname of its own, in a UTS
+    namespace (root only: skipped elsewhere); the launcher's own environment is left as it was."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "--uts", "true"], capture_output=True).returncode:
+        pytest.skip("needs a UTS namespace of its own (unshare --uts, as root)")
+    script = ("import os; from par4d.launch import launch_local; "
+              "from tests.test_grid import _world_and_gloo_interface as ranks; "
+              "print(sorted(launch_local(2, ranks, ()).values()), os.environ.get('GLOO_SOCKET_IFNAME'))")
+    env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
+    done = subprocess.run(["unshare", "--uts", "sh", "-c", 'hostname par4d-no-such-host && exec "$0" -c "$1"',
+                           sys.executable, script], capture_output=True, text=True, timeout=120, env=env,
+                          cwd=Path(__file__).parent.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[(2, 'lo'), (2, 'lo')] None"     # unshare: Linux, lo

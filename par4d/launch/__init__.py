@@ -132,12 +132,15 @@ def launch_local(nproc: int, entrypoint: Callable, args: Sequence, run_id: str =
         run_id=run_id,
         rdzv_backend="c10d",
         rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        # Else the agent hands the ranks this machine's hostname as MASTER_ADDR: where it does not resolve
+        # (a container, a cloud GPU box), they retry it until their 300 s store timeout and fail.
+        local_addr="127.0.0.1",
         max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
     )
     try:
-        with _agent_quiet():
+        with _agent_quiet(), _environment(_loopback_gloo()):
             return elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as error:
         rank, failure = error.get_first_failure()
@@ -197,6 +200,30 @@ def _cause(failure) -> str:
     if code > 128 and code - 128 in signal.Signals._value2member_map_:
         return f"exit status {code} ({signal.Signals(code - 128).name})"
     return f"exit status {code}"
+
+
+def _loopback_gloo() -> dict[str, str]:
+    """``GLOO_SOCKET_IFNAME`` for ranks on this machine alone: its loopback interface (``lo``, ``lo0``), unless
+    the user set one. Without it gloo looks the hostname up for every process group, and where the resolver
+    does not answer each lookup waits out its timeout (measured: 10 s each, 90 s to build a 2 x 2 grid)."""
+    names = {name for _, name in socket.if_nameindex()}
+    loopback = next((name for name in ("lo", "lo0") if name in names), None)
+    return {} if "GLOO_SOCKET_IFNAME" in os.environ or loopback is None else {"GLOO_SOCKET_IFNAME": loopback}
+
+
+@contextlib.contextmanager
+def _environment(variables: dict[str, str]):
+    """``variables`` set in this process's environment (which the ranks it spawns inherit) while it runs."""
+    before = {key: os.environ.get(key) for key in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @contextlib.contextmanager
