@@ -117,8 +117,6 @@ def test_grids_closed_and_jobs_joined_again():
 
 
 def _world_and_gloo_interface():
-    import os
-
     import par4d
 
     grid = par4d.init(data=2)
