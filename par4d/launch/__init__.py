@@ -140,7 +140,7 @@ def launch_local(nproc: int, entrypoint: Callable, args: Sequence, run_id: str =
         start_method="spawn",
     )
     try:
-        with _agent_quiet(), _environment(_loopback_gloo()):
+        with _agent_quiet(), environment(_loopback_gloo()):
             return elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as error:
         rank, failure = error.get_first_failure()
@@ -212,7 +212,7 @@ def _loopback_gloo() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def _environment(variables: dict[str, str]):
+def environment(variables: dict[str, str]):
     """``variables`` set in this process's environment (which the ranks it spawns inherit) while it runs."""
     before = {key: os.environ.get(key) for key in variables}
     os.environ.update(variables)

@@ -5,11 +5,10 @@ Either way a rank's failure is one line that names its traceback's log.
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 from pathlib import Path
 
-from par4d.launch import RankFailed, distributed_env, launch_local
+from par4d.launch import RankFailed, distributed_env, environment, launch_local
 from par4d.train.config import TrainConfig
 from par4d.train.lock import HELD_ENV, RunLock
 from par4d.train.loop import failure_log, worker
@@ -36,13 +35,12 @@ def local_ranks(config: TrainConfig, world: int, max_restarts: int) -> dict:
         # rank 0 on its own device, in the run's compute dtype.
         if config.peak_flops is None and not torch.cuda.is_available():
             config = replace(config, peak_flops=measure_matmul_peak(threads=cpu_cores()))
-        os.environ[HELD_ENV] = str(Path(config.out).resolve())    # the ranks inherit it
         try:
-            return launch_local(world, worker, (config, True), run_id="par4d-train", max_restarts=max_restarts)[0]
+            with environment({HELD_ENV: str(Path(config.out).resolve())}):    # the ranks inherit it
+                return launch_local(world, worker, (config, True), run_id="par4d-train",
+                                    max_restarts=max_restarts)[0]
         except RankFailed as error:
             raise RankFailed(error.rank, _with_log(error.cause, error.rank, config.out)) from None
-        finally:
-            os.environ.pop(HELD_ENV, None)
 
 
 def _with_log(cause: str, rank: int, out: str | None) -> str:
