@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import par4d
 from par4d.grid import Grid, build_grid, validate_sizes
+from par4d.models import GPTConfig
 from par4d.plan.model import factorizations
 
 _current: dict[tuple, Grid] = {}
@@ -76,4 +77,60 @@ def assert_bitwise(what: str, ours, base) -> None:
         raise AssertionError(f"{what}: not bitwise equal (max |diff| {diff:.3g})")
 
 
-__all__ = ["RecordingAdamW", "assert_bitwise", "factorizations", "float64", "grid"]
+# par4d's GPT against its twin: not powers of two where the grid allows (vocabulary 36, width 24, head dim 6).
+GPT_CONFIG = GPTConfig(vocab_size=36, block_size=8, n_layer=2, n_head=4, n_embd=24, seed=3)
+GPT_BATCH, GPT_STEPS = 4, 3
+
+
+def compare_gpt_with_twin(grid: Grid, sizes: dict, config: GPTConfig) -> int:
+    """par4d's GPT on ``grid`` against its single-device twin: the same initial parameters, then for each of
+    GPT_STEPS AdamW steps the loss and every gradient, and the parameters after them; returns how many there are."""
+    from par4d.layout import shard_batch
+    from par4d.optim.data_parallel import global_mean, sync_gradients
+    from par4d.train.recipes.gpt import build_gpt, build_reference
+
+    twin = build_reference(config)
+    model = build_gpt(config, grid)
+    start = model.reference_state()
+    for name, param in twin.named_parameters():
+        assert torch.equal(start[name], param.detach()), f"{sizes}: initial {name} differs from the twin"
+        assert param.dtype == torch.float64, f"{name} is {param.dtype}"
+
+    # The key bias's gradient is zero in exact arithmetic (softmax is shift-invariant),
+    # so both sides hold round-off there; eps=1e-4 keeps Adam from scaling round-off
+    # up to a full lr-sized step, while real gradients (>= 1e-3 here) still move by ~lr.
+    opt_twin = torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-4)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(GPT_STEPS):
+        tokens = torch.randint(0, config.vocab_size, (GPT_BATCH, config.block_size + 1), generator=gen)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        ref_loss = twin(inputs, targets)
+        ref_loss.backward()
+        loss = model(shard_batch(grid, inputs), shard_batch(grid, targets))
+        loss.backward()
+        sync_gradients(model, grid)
+
+        torch.testing.assert_close(global_mean(loss, grid), ref_loss.detach(),
+                                   msg=lambda m, s=step: f"{sizes} step {s} loss: {m}")
+        grads = model.reference_state(grad=True)
+        assert set(grads) == {name for name, _ in twin.named_parameters()}
+        for name, param in twin.named_parameters():
+            torch.testing.assert_close(grads[name], param.grad, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, n=name, s=step: f"{sizes} step {s} grad {n}: {m}")
+        opt.step()
+        opt_twin.step()
+        opt.zero_grad()
+        opt_twin.zero_grad()
+
+    after = model.reference_state()
+    for name, param in twin.named_parameters():
+        # atol 1e-5 = 1/1000 of one lr step: Adam divides by sqrt(v), so tiny gradients'
+        # round-off moves a weight by up to ~1e-6; a wrong gradient moves it by ~lr.
+        torch.testing.assert_close(after[name], param.detach(), rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, n=name: f"{sizes} after {GPT_STEPS} AdamW steps, {n}: {m}")
+    return len(after)
+
+
+__all__ = ["GPT_BATCH", "GPT_CONFIG", "GPT_STEPS", "RecordingAdamW", "assert_bitwise", "compare_gpt_with_twin",
+           "factorizations", "float64", "grid"]

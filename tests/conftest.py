@@ -3,6 +3,8 @@ import pytest
 from tests.devices import count_gpus, hide_gpus
 from tests.pool import RankPool
 
+# A failed assert in tests/helpers.py shows its values, as one in a test module does.
+pytest.register_assert_rewrite("tests.helpers")
 hide_gpus()
 
 _pools: dict[int, RankPool] = {}

@@ -125,7 +125,7 @@ def _compare(grid, which: str, force: dict | None, weights: str | None) -> dict:
     after = full_state_dict(model)
     worst["far"] += [f"{n} after {STEPS} steps" for n, p in twin.named_parameters()
                      if not torch.allclose(after[n], p, rtol=1e-5, atol=1e-5)]
-    worst["plan"] = [(t.name, t.kind) for t in model.par4d_plan]
+    worst["plan"] = [(t.name, t.kind) for t in par4d.state(model).plan]
     worst["names"] = sorted(after) == sorted(n for n, _ in twin.named_parameters(remove_duplicate=False))
     return worst
 
@@ -216,7 +216,8 @@ def _counted(sizes: dict, which: str) -> dict:
     measured, planned = Counter(), Counter()
     for e in entries:
         measured[(e.kind, e.axes)] += e.elements
-    for kind, axes, elements in [m for t in model.par4d_plan for m in t.messages] + list(model.par4d_sync):
+    parallel = par4d.state(model)
+    for kind, axes, elements in [m for t in parallel.plan for m in t.messages] + list(parallel.sync_messages):
         planned[(kind, axes)] += elements
     return {"measured": dict(measured), "planned": dict(planned)}
 
@@ -237,7 +238,7 @@ def _gathered_over_y(sizes: dict, which: str, shard_stream: bool) -> dict:
     with grid.ledger.capture() as entries:
         _run(model, shard_batch(grid, x), shard_batch(grid, y)).backward()
     return {"y": sum(e.elements for e in entries if e.kind == "all_gather" and e.axes == ("y",)),
-            "stream": model.par4d_stream}
+            "stream": par4d.state(model).stream}
 
 
 def test_the_residual_stream_is_sharded_over_y(pool4):
@@ -261,12 +262,14 @@ def test_the_stream_stays_whole_where_par4d_does_not_know_every_use_of_it():
         with torch.device("meta"):
             return par4d.parallelize(_llama(), grid, **kwargs)
 
-    kinds = {t.name: t.kind for t in built().par4d_plan}
-    assert built().par4d_stream == 2 and kinds["model.norm"] == kinds["model.layers.1.input_layernorm"] == "sharded"
+    kinds = {t.name: t.kind for t in par4d.state(built()).plan}
+    assert par4d.state(built()).stream == 2
+    assert kinds["model.norm"] == kinds["model.layers.1.input_layernorm"] == "sharded"
     forced = built(force={"model.layers.0.mlp.down_proj": "replicated"})
-    assert forced.par4d_stream == 1 and {t.name: t.kind for t in forced.par4d_plan}["model.norm"] == "replicated"
-    assert built(shard_stream=False).par4d_stream == 1
-    assert par4d.parallelize(_Plain(), grid).par4d_stream == 1           # not a model par4d knows the stream of
+    assert par4d.state(forced).stream == 1
+    assert {t.name: t.kind for t in par4d.state(forced).plan}["model.norm"] == "replicated"
+    assert par4d.state(built(shard_stream=False)).stream == 1
+    assert par4d.state(par4d.parallelize(_Plain(), grid)).stream == 1           # not a model par4d knows the stream of
     with torch.device("meta"):
         lm = _llama()
     layers = [(n, m) for n, m in lm.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
@@ -294,9 +297,9 @@ def test_gpt2_plan_keeps_conv1d_orientation():
     model = par4d.parallelize(_gpt2(), grid, force={"*.attn.c_attn": "transposed"})
     fc = model.transformer.h[0].mlp.c_fc                           # Conv1D(3072-like): weight (in=32, out=128)
     assert fc.weight_layout == "in_out" and tuple(fc.weight.shape) == (32, 128 // 4)
-    proj = next(t for t in model.par4d_plan if t.name == "transformer.h.0.attn.c_proj")
+    proj = next(t for t in par4d.state(model).plan if t.name == "transformer.h.0.attn.c_proj")
     assert proj.why == "a lone layer: transformer.h.0.attn.c_attn of its block is transposed"
-    tied = next(t for t in model.par4d_plan if t.name == "lm_head")
+    tied = next(t for t in par4d.state(model).plan if t.name == "lm_head")
     assert tied.why == "its weight is tied to transformer.wte.weight: kept whole"
     with pytest.raises(ValueError, match="lm_head is forced normal, but its weight is tied to transformer.wte.weight"):
         par4d.parallelize(_gpt2(), grid, force={"lm_head": "normal"})
@@ -319,10 +322,10 @@ def test_batch_norms_are_synchronised_where_samples_are_split():
     assert isinstance(model.features[1], par4d.nn.BatchNorm)
     assert model.state_dict().keys() == before.keys()
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items() if not k.startswith("features.0"))
-    row = model.par4d_plan[-1]
+    row = par4d.state(model).plan[-1]
     assert (row.name, row.kind) == ("features.1", "replicated") and "synchronised over z and data" in row.why
     kept = par4d.parallelize(_Wrap(nn.Conv2d(4, 8, 3), nn.BatchNorm2d(8)), par4d.Grid.virtual({"x": 2, "y": 2}))
-    assert type(kept.features[1]) is nn.BatchNorm2d and kept.par4d_plan[-1].name == "features.1"
+    assert type(kept.features[1]) is nn.BatchNorm2d and par4d.state(kept).plan[-1].name == "features.1"
 
 
 class _Wrap(nn.Module):
@@ -334,12 +337,12 @@ class _Wrap(nn.Module):
 def test_force_keeps_a_layer_whole():
     grid = par4d.Grid.virtual({"x": 2, "y": 1, "z": 2})
     model = par4d.parallelize(_Head(), grid, force={"h*": "replicated"})
-    assert isinstance(model.head, nn.Linear) and model.par4d_plan[0].kind == "replicated"
+    assert isinstance(model.head, nn.Linear) and par4d.state(model).plan[0].kind == "replicated"
 
 
 def test_heads_the_grid_does_not_divide_are_named():
     """4 query and 2 key/value heads on x=4: attention's layers are lone, and the plan says why."""
     model = par4d.parallelize(_llama(), par4d.Grid.virtual({"x": 4, "y": 1, "z": 1}))
-    why = {t.name: t.why for t in model.par4d_plan}["model.layers.1.self_attn.k_proj"]
+    why = {t.name: t.why for t in par4d.state(model).plan}["model.layers.1.self_attn.k_proj"]
     assert why == ("attention with 4 query and 2 key/value heads, which x=4 does not divide: "
                    "a lone layer (whole features in and out)")

@@ -1,4 +1,4 @@
-"""Metrics where people look (issue 27): TensorBoard event files beside metrics.jsonl, with the same values;
+"""Metrics where people look (docs/data.md): TensorBoard event files beside metrics.jsonl, with the same values;
 the validation loss every --eval-every steps, which changes no training step; a resume that purges what
 an interrupted attempt wrote after its step; a planted link refused before any rank starts."""
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from par4d.cli import main
-from tests.test_train import _losses, _pooled
+from tests.helpers import run_losses, train_pooled
 
 COMMON = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--batch-size", "8", "--seq-len", "16",
           "--no-progress", "--grid", "x=2,z=2"]
@@ -23,10 +23,10 @@ def _scalars(run) -> dict[str, list[tuple[int, float]]]:
 
 def test_tensorboard_holds_what_metrics_jsonl_holds_and_eval_every_changes_no_step(tmp_path, capsys, pool4):
     plain, board = tmp_path / "plain", tmp_path / "board"
-    _pooled(pool4, *COMMON, "--steps", "4", "--no-tensorboard", "--out", str(plain))
+    train_pooled(pool4, *COMMON, "--steps", "4", "--no-tensorboard", "--out", str(plain))
     assert not (plain / "tensorboard").exists()
-    _pooled(pool4, *COMMON, "--steps", "4", "--eval-every", "2", "--save-every", "2", "--out", str(board))
-    assert _losses(board) == _losses(plain)             # evaluating on the way changes no training step
+    train_pooled(pool4, *COMMON, "--steps", "4", "--eval-every", "2", "--save-every", "2", "--out", str(board))
+    assert run_losses(board) == run_losses(plain)             # evaluating on the way changes no training step
     rows = [json.loads(line) for line in (board / "metrics.jsonl").read_text().splitlines()]
     assert [("val_loss" in r) for r in rows] == [False, True, False, False]   # step 4's is the summary's
     scalars = _scalars(board)
@@ -42,7 +42,7 @@ def test_tensorboard_holds_what_metrics_jsonl_holds_and_eval_every_changes_no_st
     import shutil
 
     shutil.rmtree(board / "checkpoints" / "step-00000004")   # as if the run had died before saving step 4
-    _pooled(pool4, "--resume", str(board), "--steps", "6")    # from step 2: steps 3 and 4 run again
+    train_pooled(pool4, "--resume", str(board), "--steps", "6")    # from step 2: steps 3 and 4 run again
     assert [s for s, _ in _scalars(board)["loss/train"]] == [1, 2, 3, 4, 5, 6]   # the first attempt's 3, 4 purged
     assert [json.loads(line)["step"] for line in (board / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4,
                                                                                                           5, 6]

@@ -8,6 +8,7 @@ from par4d.models import GPT, GPTConfig, ReferenceGPT
 from par4d.train import checkpoint
 from par4d.train.step import train_step
 from tests import cases
+from tests.helpers import grid_id, sizes_id
 
 CONFIG = GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16, seed=9)
 
@@ -16,7 +17,7 @@ def _step(model, grid, opt, seed):
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, CONFIG.vocab_size, (4, CONFIG.block_size + 1), generator=gen)
     x, y = shard_batch(grid, tokens[:, :-1]), shard_batch(grid, tokens[:, 1:])
-    train_step(model, opt, grid, model, x, y)
+    train_step(model, opt, grid, (x, y))
 
 
 def _round_trip(sizes: dict, folder: str) -> int:
@@ -46,7 +47,7 @@ def _round_trip(sizes: dict, folder: str) -> int:
 
 
 @pytest.mark.parametrize("sizes", [dict(x=1, y=2, z=1, data=2), dict(x=1, y=1, z=2, data=2),
-                                   dict(x=2, y=2, z=1, data=1)], ids=lambda s: "x{x}y{y}z{z}d{data}".format(**s))
+                                   dict(x=2, y=2, z=1, data=1)], ids=grid_id)
 def test_checkpoint_round_trip(pool4, tmp_path, sizes):
     counts = pool4.run(_round_trip, sizes, str(tmp_path))
     assert counts == [len(list(ReferenceGPT(CONFIG, init=False).parameters()))] * 4
@@ -117,7 +118,7 @@ def _load_elsewhere(sizes: dict, folder: str, expected: dict) -> int:
     (dict(z=4), dict(x=2, data=2)),
     (dict(data=4), dict(x=2, y=2)),
     (dict(y=2, data=2), dict(z=2, data=2)),
-], ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
+], ids=sizes_id)
 def test_a_checkpoint_loads_at_another_grid(pool4, tmp_path, a, b):
     expected = pool4.run(_train_and_save, a, str(tmp_path))[0]
     counts = pool4.run(_load_elsewhere, b, str(tmp_path), expected)

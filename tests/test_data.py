@@ -1,4 +1,4 @@
-"""Tokenizers, ``par4d data prepare`` and datasets that stream (issue 27): a BPE tokenizer trained here
+"""Tokenizers, ``par4d data prepare`` and datasets that stream (docs/data.md): a BPE tokenizer trained here
 on the spot (no download); prepared folders hold exactly the inputs' documents' tokens in order; preparing
 goes on after an interruption to the same bytes; each rank reads only its rows, and the rows of every
 grid are shares of the same global batch; bad input named before anything starts."""
@@ -18,22 +18,7 @@ from par4d.data.dataset import open_dataset, verify
 from par4d.data.tokenizer import load_tokenizer
 from par4d.grid import Grid
 from par4d.train.data import Batches
-
-PARAGRAPHS = [f"Paragraph {i}: " + " ".join(f"word{(i * 7 + j) % 50}" for j in range(5 + i % 9)) for i in range(300)]
-
-
-def _tokenizer(folder: Path, vocab: int = 300) -> Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(PARAGRAPHS, trainer)
-    folder.mkdir(parents=True, exist_ok=True)
-    tok.save(str(folder / "tokenizer.json"))
-    return folder / "tokenizer.json"
+from tests.helpers import PARAGRAPHS, bpe_tokenizer, checked_config, run_losses, train_alone, train_pooled
 
 
 @pytest.fixture
@@ -42,7 +27,7 @@ def inputs(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    tok = _tokenizer(tmp_path / "tok")
+    tok = bpe_tokenizer(tmp_path / "tok")
     text = tmp_path / "in" / "a.txt"
     text.parent.mkdir()
     text.write_text("\n\n".join(PARAGRAPHS[:100]) + "\n")
@@ -66,7 +51,7 @@ def _split_tokens(folder: Path, split: str) -> list[int]:
 
 
 def test_a_tokenizer_is_loaded_from_a_file_or_a_folder_and_a_bad_one_is_named(tmp_path):
-    path = _tokenizer(tmp_path / "tok")
+    path = bpe_tokenizer(tmp_path / "tok")
     tok = load_tokenizer(path)
     assert (tok.vocab, tok.eos) == (300, 0) and load_tokenizer(path.parent).sha256 == tok.sha256
     assert tok.decode(tok.encode(["Paragraph 7: word49"])[0]) == "Paragraph 7: word49"
@@ -206,8 +191,6 @@ def test_each_rank_reads_only_its_rows_and_every_grid_shares_one_global_batch(in
 
 
 def test_par4d_data_prepare_and_train_resume_on_another_grid(inputs, tmp_path, capsys, pool4):
-    from tests.test_train import _alone, _checked, _losses, _pooled
-
     tok_path, folder = inputs
     assert main(["data", "prepare", str(folder), "--tokenizer", str(tok_path.parent), "--out", str(tmp_path / "ds"),
                  "--shard-tokens", "600", "--no-progress"]) == 0
@@ -215,15 +198,15 @@ def test_par4d_data_prepare_and_train_resume_on_another_grid(inputs, tmp_path, c
     common = ["--data", str(tmp_path / "ds"), "--n-layer", "2", "--n-embd", "32", "--n-head", "2",
               "--batch-size", "8", "--seq-len", "16", "--no-progress"]
     alone, piped = tmp_path / "alone", tmp_path / "grid"
-    config = _checked("--nproc", "1", *common, "--steps", "6", "--out", str(alone), world=1)
+    config = checked_config("--nproc", "1", *common, "--steps", "6", "--out", str(alone), world=1)
     assert config.vocab_size == 300 and config.tokenizer == str(tmp_path / "ds" / "tokenizer.json")
-    _alone(config)
-    _pooled(pool4, "--grid", "x=2,z=2", *common, "--steps", "4", "--out", str(piped))
-    _pooled(pool4, "--resume", str(piped), "--grid", "z=2,data=2", "--steps", "6")
-    assert _losses(piped) == pytest.approx(_losses(alone), rel=1e-5)
-    assert _losses(alone)[0] == pytest.approx(np.log(300), abs=0.1)
+    train_alone(config)
+    train_pooled(pool4, "--grid", "x=2,z=2", *common, "--steps", "4", "--out", str(piped))
+    train_pooled(pool4, "--resume", str(piped), "--grid", "z=2,data=2", "--steps", "6")
+    assert run_losses(piped) == pytest.approx(run_losses(alone), rel=1e-5)
+    assert run_losses(alone)[0] == pytest.approx(np.log(300), abs=0.1)
     # a resume with another tokenizer, a dataset of another one, an unfinished folder: refused before any rank
-    other = _tokenizer(tmp_path / "other", vocab=280)
+    other = bpe_tokenizer(tmp_path / "other", vocab=280)
     assert main(["train", "--resume", str(piped), "--tokenizer", str(other), "--steps", "8"]) == 2
     assert "is not the run's tokenizer" in capsys.readouterr().err
     assert main(["train", *common, "--tokenizer", str(other), "--out", str(tmp_path / "r2")]) == 2

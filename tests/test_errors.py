@@ -11,7 +11,7 @@ import par4d
 from par4d.grid import parse_grid, validate_sizes
 from par4d.layout import shard_batch
 from par4d.models import GPT, GPTConfig
-from par4d.train.model import build_gpt
+from par4d.train.recipes.gpt import build_gpt
 from tests import cases
 
 

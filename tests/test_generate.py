@@ -1,4 +1,4 @@
-"""``par4d generate`` (issue 27): greedy text from a run's checkpoint is what par4d's own model, stepped one
+"""``par4d generate`` (docs/data.md): greedy text from a run's checkpoint is what par4d's own model, stepped one
 token at a time without a cache, predicts (so the key/value cache and the export's mapping change nothing);
 a seed gives the same sample every time; a tokenizer's run speaks its tokens; bad input named."""
 
@@ -7,7 +7,7 @@ import torch
 
 from par4d.cli import main
 from par4d.train.generate import Codec, Sampling, generate, load_model
-from tests.test_train import _alone, _checked
+from tests.helpers import bpe_tokenizer, checked_config, train_alone
 
 SMALL = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--batch-size", "8", "--seq-len", "32",
          "--steps", "3", "--no-progress", "--nproc", "1"]
@@ -16,13 +16,13 @@ SMALL = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--batch-size", "8
 @pytest.fixture(scope="module")
 def gpt_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("gen") / "run"
-    _alone(_checked(*SMALL, "--out", str(run), world=1))
+    train_alone(checked_config(*SMALL, "--out", str(run), world=1))
     return run
 
 
 def test_greedy_text_is_what_par4ds_own_model_predicts_token_by_token(gpt_run):
     from par4d.train.hf import _full_tensors, _model_config, find_checkpoint, param_shapes
-    from par4d.train.model import build_reference
+    from par4d.train.recipes.gpt import build_reference
 
     prompt = "def main("
     text, ids = generate(gpt_run, prompt, Sampling(max_tokens=12, temperature=0))
@@ -56,14 +56,12 @@ def test_the_cli_prints_the_prompt_and_its_continuation_and_names_bad_input(gpt_
 
 
 def test_a_tokenizers_run_speaks_its_tokens(tmp_path):
-    from tests.test_data import _tokenizer
-
-    tok = _tokenizer(tmp_path / "tok")
+    tok = bpe_tokenizer(tmp_path / "tok")
     text = tmp_path / "corpus.txt"
     text.write_text("\n\n".join(f"Paragraph {i}: word{i % 7} word{i % 5}" for i in range(400)))
     run = tmp_path / "run"
-    _alone(_checked(*SMALL, "--model", "hf-llama", "--n-head", "4", "--tokenizer", str(tok), "--data", str(text),
-                    "--out", str(run), world=1))
+    train_alone(checked_config(*SMALL, "--model", "hf-llama", "--n-head", "4", "--tokenizer", str(tok),
+                               "--data", str(text), "--out", str(run), world=1))
     model, settings, step = load_model(run)
     assert step == 3 and model.config.vocab_size == 300 and settings["tokenizer"] == str(tok)
     codec = Codec(settings)

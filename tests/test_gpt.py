@@ -5,76 +5,26 @@ import torch
 
 from par4d.layout import shard_batch
 from par4d.models import GPT, GPTConfig, ReferenceGPT
-from par4d.optim.data_parallel import global_mean, sync_gradients
-from par4d.train.model import build_gpt, build_reference
+from par4d.optim.data_parallel import sync_gradients
+from par4d.train.recipes.gpt import build_reference
 from tests import cases
-
-# Not powers of two where the grid allows: vocabulary 36, width 24, head dim 6.
-CONFIG = GPTConfig(vocab_size=36, block_size=8, n_layer=2, n_head=4, n_embd=24, seed=3)
-BATCH, STEPS = 4, 3
+from tests.cases import GPT_BATCH, GPT_CONFIG, compare_gpt_with_twin
+from tests.helpers import grid_id
 
 
-def _gpt_matches_twin(sizes: dict, config: GPTConfig = CONFIG) -> int:
+def _gpt_matches_twin(sizes: dict, config: GPTConfig = GPT_CONFIG) -> int:
     """Loss, every gradient and the parameters after the AdamW steps, in float64 (``cases.float64``)."""
     with cases.float64():
-        return _compare(cases.grid(**sizes), sizes, config)
+        return compare_gpt_with_twin(cases.grid(**sizes), sizes, config)
 
 
-def _compare(grid, sizes: dict, config: GPTConfig) -> int:
-    twin = build_reference(config)
-    model = build_gpt(config, grid)
-    start = model.reference_state()
-    for name, param in twin.named_parameters():
-        assert torch.equal(start[name], param.detach()), f"{sizes}: initial {name} differs from the twin"
-        assert param.dtype == torch.float64, f"{name} is {param.dtype}"
-
-    # The key bias's gradient is zero in exact arithmetic (softmax is shift-invariant),
-    # so both sides hold round-off there; eps=1e-4 keeps Adam from scaling round-off
-    # up to a full lr-sized step, while real gradients (>= 1e-3 here) still move by ~lr.
-    opt_twin = torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-4)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-4)
-    gen = torch.Generator().manual_seed(0)
-    for step in range(STEPS):
-        tokens = torch.randint(0, config.vocab_size, (BATCH, config.block_size + 1), generator=gen)
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        ref_loss = twin(inputs, targets)
-        ref_loss.backward()
-        loss = model(shard_batch(grid, inputs), shard_batch(grid, targets))
-        loss.backward()
-        sync_gradients(model, grid)
-
-        torch.testing.assert_close(global_mean(loss, grid), ref_loss.detach(),
-                                   msg=lambda m, s=step: f"{sizes} step {s} loss: {m}")
-        grads = model.reference_state(grad=True)
-        assert set(grads) == {name for name, _ in twin.named_parameters()}
-        for name, param in twin.named_parameters():
-            torch.testing.assert_close(grads[name], param.grad, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m, n=name, s=step: f"{sizes} step {s} grad {n}: {m}")
-        opt.step()
-        opt_twin.step()
-        opt.zero_grad()
-        opt_twin.zero_grad()
-
-    after = model.reference_state()
-    for name, param in twin.named_parameters():
-        # atol 1e-5 = 1/1000 of one lr step: Adam divides by sqrt(v), so tiny gradients'
-        # round-off moves a weight by up to ~1e-6; a wrong gradient moves it by ~lr.
-        torch.testing.assert_close(after[name], param.detach(), rtol=1e-5, atol=1e-5,
-                                   msg=lambda m, n=name: f"{sizes} after {STEPS} AdamW steps, {n}: {m}")
-    return len(after)
-
-
-def _ids(sizes):
-    return "x{x}y{y}z{z}d{data}".format(**sizes)
-
-
-@pytest.mark.parametrize("sizes", cases.factorizations(4), ids=_ids)
+@pytest.mark.parametrize("sizes", cases.factorizations(4), ids=grid_id)
 def test_gpt_matches_twin_4_ranks(pool4, sizes):
-    assert set(pool4.run(_gpt_matches_twin, sizes)) == {len(list(ReferenceGPT(CONFIG, init=False).parameters()))}
+    assert set(pool4.run(_gpt_matches_twin, sizes)) == {len(list(ReferenceGPT(GPT_CONFIG, init=False).parameters()))}
 
 
 @pytest.mark.parametrize("sizes", [dict(x=2, y=2, z=2, data=1), dict(x=2, y=2, z=1, data=2),
-                                   dict(x=2, y=1, z=2, data=2), dict(x=1, y=2, z=2, data=2)], ids=_ids)
+                                   dict(x=2, y=1, z=2, data=2), dict(x=1, y=2, z=2, data=2)], ids=grid_id)
 def test_gpt_matches_twin_8_ranks(pool8, sizes):
     assert len(set(pool8.run(_gpt_matches_twin, sizes))) == 1
 
@@ -116,7 +66,7 @@ def test_gpt_with_phantom_mlp_matches_twin(pool4, sizes):
     applies the same phantom parameters as one block matrix per layer."""
     from dataclasses import replace
 
-    config = replace(CONFIG, mlp="phantom", phantom_k=3, phantom_p=sizes["x"])
+    config = replace(GPT_CONFIG, mlp="phantom", phantom_k=3, phantom_p=sizes["x"])
     expected = len(list(build_reference(config, init=False).parameters()))
     assert pool4.run(_gpt_matches_twin, sizes, config) == [expected] * 4
     assert config.num_params() == sum(p.numel() for p in build_reference(config, init=False).parameters())
@@ -126,8 +76,8 @@ def _clipped_like_torch(sizes: dict) -> float:
     from par4d.optim.data_parallel import clip_grad_norm_
 
     grid = cases.grid(**sizes)
-    twin, model = ReferenceGPT(CONFIG), GPT(CONFIG, grid=grid)
-    tokens = torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.block_size + 1),
+    twin, model = ReferenceGPT(GPT_CONFIG), GPT(GPT_CONFIG, grid=grid)
+    tokens = torch.randint(0, GPT_CONFIG.vocab_size, (GPT_BATCH, GPT_CONFIG.block_size + 1),
                            generator=torch.Generator().manual_seed(5))
     twin(tokens[:, :-1], tokens[:, 1:]).backward()
     model(shard_batch(grid, tokens[:, :-1]), shard_batch(grid, tokens[:, 1:])).backward()

@@ -105,8 +105,8 @@ def _grids_one_after_another():
 
 
 def test_grids_closed_and_jobs_joined_again():
-    """Through the launcher's env:// store: a second join used to connect to the first
-    join's stale peers (torch restarts group numbering on destroy_process_group)."""
+    """Through the launcher's env:// store: a second join meets its own peers, never the first
+    join's stale ones (torch restarts group numbering on destroy_process_group)."""
     from par4d.launch import launch_local
 
     results = launch_local(4, _grids_one_after_another, ())

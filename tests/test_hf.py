@@ -18,9 +18,10 @@ from par4d.layout import placement_of, shard, shard_batch
 from par4d.models import GPTConfig, ReferenceGPT
 from par4d.train import checkpoint
 from par4d.train.hf import check_hf, expected_tensors, export_hf, load_hf
-from par4d.train.model import build_gpt
+from par4d.train.recipes.gpt import build_gpt
 from par4d.train.step import train_step
 from tests import cases
+from tests.helpers import sizes_id
 
 CONFIG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16, seed=3)
 TOKENS = torch.randint(0, CONFIG.vocab_size, (4, CONFIG.block_size + 1), generator=torch.Generator().manual_seed(5))
@@ -35,7 +36,7 @@ def _train_and_save(sizes: dict, run: str, config: GPTConfig) -> dict | None:
     for seed in range(2):
         tokens = torch.randint(0, config.vocab_size, (4, config.block_size + 1),
                                generator=torch.Generator().manual_seed(seed))
-        train_step(model, optimizer, grid, model, shard_batch(grid, tokens[:, :-1]), shard_batch(grid, tokens[:, 1:]))
+        train_step(model, optimizer, grid, (shard_batch(grid, tokens[:, :-1]), shard_batch(grid, tokens[:, 1:])))
     checkpoint.save(Path(run), 2, grid, model, optimizer, {"model_config": asdict(config)})
     state = model.reference_state() if config.mlp == "dense" else None
     return state if grid.rank == 0 else None
@@ -95,7 +96,7 @@ def _load_and_check(sizes: dict, out: str, state: dict) -> float:
 
 
 @pytest.mark.parametrize("sizes", [dict(y=2, z=2), dict(x=2, y=2)],
-                         ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
+                         ids=sizes_id)
 def test_load_hf_reproduces_the_weights_at_another_grid(pool4, exported, sizes):
     losses = pool4.run(_load_and_check, sizes, str(exported["out"]), exported["state"])
     with torch.no_grad():

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 import par4d
+from par4d.auto.causal_lm import CausalLM
 from par4d.auto.stages import Absent, Elsewhere, cut_stage, stage_layers, tie_across_stages
 from par4d.grid import Grid
 from par4d.layout import placement_of, shard_batch
 from par4d.nn import full_state_dict
 from par4d.optim.data_parallel import global_mean, grad_norm, sync_gradients
 from par4d.pipeline import run_pipeline
-from par4d.train.model import CausalLM
 from tests import cases
 
 STEPS = 3

@@ -10,7 +10,7 @@ from par4d import comm
 from par4d.grid import groups_of, validate_sizes
 from par4d.hierarchy import check_mode, node_indices, split
 from tests import cases
-from tests.test_gpt import CONFIG, _compare
+from tests.cases import GPT_CONFIG, compare_gpt_with_twin
 
 TWO_BY_TWO = (0, 0, 1, 1)
 
@@ -115,7 +115,7 @@ def _gpt_staged(sizes: dict, nodes: tuple) -> tuple[int, list]:
     with cases.float64():
         grid = cases.grid(**sizes, nodes=nodes, hierarchical="on")
         with grid.ledger.capture() as entries:
-            params = _compare(grid, sizes, CONFIG)
+            params = compare_gpt_with_twin(grid, sizes, GPT_CONFIG)
     return params, sorted({(e.kind, e.axes, e.stage) for e in entries if e.stage})
 
 

@@ -1,17 +1,17 @@
-"""``par4d inspect`` (issue 27): a run's checkpoints verified, the one a resume takes marked, its data and
+"""``par4d inspect`` (docs/data.md): a run's checkpoints verified, the one a resume takes marked, its data and
 tokenizer checked against what the run recorded; a checkpoint alone; a dataset's shards verified."""
 
 from par4d.cli import main
-from tests.test_train import _alone, _checked
+from tests.helpers import PARAGRAPHS, bpe_tokenizer, checked_config, train_alone
 
 
 def test_inspect_says_what_a_resume_would_take_and_what_changed(tmp_path, capsys):
     text = tmp_path / "corpus.txt"
     text.write_text("\n\n".join(f"line {i}: some words to learn" for i in range(200)))
     run = tmp_path / "run"
-    _alone(_checked("--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--batch-size", "8", "--seq-len", "16",
-                    "--steps", "2", "--save-every", "1", "--no-progress", "--nproc", "1", "--data", str(text),
-                    "--out", str(run), world=1))
+    train_alone(checked_config("--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--batch-size", "8",
+                               "--seq-len", "16", "--steps", "2", "--save-every", "1", "--no-progress", "--nproc", "1",
+                               "--data", str(text), "--out", str(run), world=1))
     capsys.readouterr()
     assert main(["inspect", str(run)]) == 0
     out = capsys.readouterr().out
@@ -34,10 +34,9 @@ def test_inspect_says_what_a_resume_would_take_and_what_changed(tmp_path, capsys
 def test_inspect_verifies_a_datasets_shards(tmp_path, capsys):
     from par4d.data.prepare import prepare
     from par4d.data.tokenizer import load_tokenizer
-    from tests.test_data import PARAGRAPHS, _tokenizer
 
     (tmp_path / "in.txt").write_text("\n\n".join(PARAGRAPHS))
-    index = prepare([str(tmp_path / "in.txt")], load_tokenizer(_tokenizer(tmp_path / "tok")), tmp_path / "ds",
+    index = prepare([str(tmp_path / "in.txt")], load_tokenizer(bpe_tokenizer(tmp_path / "tok")), tmp_path / "ds",
                     shard_tokens=800, progress=False)
     assert main(["inspect", str(tmp_path / "ds")]) == 0
     out = capsys.readouterr().out

@@ -6,6 +6,7 @@ import torch
 import par4d
 from par4d.layout import shard_activation
 from tests import cases
+from tests.helpers import grid_id
 
 BATCH, SEQ, K, N = 4, 3, 12, 20
 F32 = 4
@@ -24,7 +25,7 @@ def _linear_entries(sizes: dict, transposed: bool) -> list:
 
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("sizes", [dict(x=2, y=2, z=2, data=1), dict(x=2, y=2, z=1, data=2),
-                                   dict(x=1, y=2, z=2, data=2)], ids=lambda s: "x{x}y{y}z{z}d{data}".format(**s))
+                                   dict(x=1, y=2, z=2, data=2)], ids=grid_id)
 def test_linear_moves_the_model_message_sizes(pool8, sizes, transposed):
     gx, gy, gz, gd = sizes["x"], sizes["y"], sizes["z"], sizes["data"]
     g_in, g_out = (gx, gy) if transposed else (gy, gx)

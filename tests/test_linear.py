@@ -7,6 +7,7 @@ import par4d
 from par4d.layout import shard_activation
 from par4d.optim.data_parallel import sync_gradients
 from tests import cases
+from tests.helpers import grid_id
 
 GRIDS_4 = cases.factorizations(4)
 GRIDS_8 = [dict(x=2, y=2, z=2, data=1), dict(x=2, y=2, z=1, data=2), dict(x=2, y=1, z=2, data=2),
@@ -57,12 +58,12 @@ def _compare_linear(sizes: dict) -> int:
     return checked
 
 
-@pytest.mark.parametrize("sizes", GRIDS_4, ids=lambda s: "x{x}y{y}z{z}d{data}".format(**s))
+@pytest.mark.parametrize("sizes", GRIDS_4, ids=grid_id)
 def test_linear_matches_torch_4_ranks(pool4, sizes):
     assert pool4.run(_compare_linear, sizes) == [4] * 4
 
 
-@pytest.mark.parametrize("sizes", GRIDS_8, ids=lambda s: "x{x}y{y}z{z}d{data}".format(**s))
+@pytest.mark.parametrize("sizes", GRIDS_8, ids=grid_id)
 def test_linear_matches_torch_8_ranks(pool8, sizes):
     assert pool8.run(_compare_linear, sizes) == [4] * 8
 

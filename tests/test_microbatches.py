@@ -12,6 +12,7 @@ microbatch.
 import pytest
 import torch
 
+import par4d
 from par4d.layout import shard_batch
 from par4d.models import GPT, GPTConfig
 from par4d.nn import Linear
@@ -40,9 +41,9 @@ def _train(grid, microbatches: int, overlap: str, recompute: int) -> dict:
     losses, steps = [], []
     for x, y in _batches(grid, STEPS):
         with grid.ledger.capture() as entries:
-            losses.append(train_step(model, optimizer, grid, model, x, y, grad_clip=0.5, microbatches=microbatches))
+            losses.append(train_step(model, optimizer, grid, (x, y), grad_clip=0.5, microbatches=microbatches))
         steps.append(entries)
-    runtime = model.par4d_runtime
+    runtime = par4d.state(model).runtime
     z_layers = sum(isinstance(m, Linear) for m in model.modules()) if grid.size("z") > 1 else 0
 
     def ledger(kind: str, axis: str) -> tuple[int, int]:
@@ -84,7 +85,7 @@ def _fp16(grid, microbatches: int) -> dict:
                                lambda params: cases.RecordingAdamW(params, lr=1e-2, eps=1e-4))
     precision.scale = SCALE
     x, y = _batches(grid, 1)[0]
-    loss = train_step(model, None, grid, model, x, y, grad_clip=0.5, microbatches=microbatches, precision=precision)
+    loss = train_step(model, precision, grid, (x, y), grad_clip=0.5, microbatches=microbatches)
     return {"losses": [loss.float()], "grads": precision.optimizer.grads, "params": [],
             "stepped": len(precision.optimizer.grads)}   # 0: the step was skipped (an overflow)
 

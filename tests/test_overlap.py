@@ -6,8 +6,8 @@ row chunks: xy cuts the rows of the x/y all-reduces, which is arithmetic) does:
 losses, every gradient after the data-parallel sync, every parameter after 3 AdamW
 steps (``torch.equal``, no tolerance). All 64 combinations on x=2,z=2; every pair of
 switches on z=2,data=2; each switch alone and all together on x=2,y=2,z=2 and
-x=2,z=2,data=2 (8 ranks). (Each collective costs ~1 ms of latency on this machine's
-gloo: the suite stays fast by covering pairs, where switches interact, on the rest.)
+x=2,z=2,data=2 (8 ranks). (Every collective pays gloo's latency: the suite stays fast
+by covering pairs, where switches interact, on the rest.)
 Each run also proves the switch did something (prefetched gathers, cache hits,
 deferred reduce-scatters, buckets launched during backward), and the ledger's bytes
 are exact: overlap moves the same bytes; the cache removes exactly the recomputed
@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+import par4d
 from par4d.layout import shard_batch, shard_features
 from par4d.models import GPT, GPTConfig
 from par4d.models.config import recompute_spacing
@@ -52,8 +53,8 @@ def _train(grid, names: tuple[str, ...], recompute: int, row_chunks: int | None 
         for _ in range(STEPS):
             tokens = torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.block_size + 1), generator=gen)
             x, y = shard_batch(grid, tokens[:, :-1]), shard_batch(grid, tokens[:, 1:])
-            losses.append(train_step(model, optimizer, grid, model, x, y, grad_clip=0.5))
-    runtime = model.par4d_runtime
+            losses.append(train_step(model, optimizer, grid, (x, y), grad_clip=0.5))
+    runtime = par4d.state(model).runtime
     return {"losses": losses, "grads": optimizer.grads, "params": [p.detach().clone() for p in model.parameters()],
             "gather_bytes": sum(e.bytes for e in entries if e.kind == "all_gather" and e.axes == ("z",)),
             "other_bytes": sum(e.bytes for e in entries if not (e.kind == "all_gather" and e.axes == ("z",))),
@@ -146,9 +147,10 @@ def _wandering(sizes: dict, names: tuple[str, ...]) -> dict:
         for _ in _Wandering.PLANS:
             full = torch.randn(rows * grid.size("z", "data"), width, generator=gen)
             h = shard_features(grid, shard_batch(grid, full), "y").contiguous()
-            losses.append(train_step(model, optimizer, grid, model, h))
+            losses.append(train_step(model, optimizer, grid, h))
         results.append({"losses": losses, "grads": optimizer.grads,
-                        "params": [p.detach().clone() for p in model.parameters()], "runtime": model.par4d_runtime})
+                        "params": [p.detach().clone() for p in model.parameters()],
+                        "runtime": par4d.state(model).runtime})
     base, run = results
     for key in ("losses", "grads", "params"):
         cases.assert_bitwise(f"{grid.describe()} wandering {key}", run[key], base[key])
@@ -187,7 +189,7 @@ def _outside_the_step_and_after_a_failure(sizes: dict) -> dict:
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (overlapped, synchronous)]
     hook = overlapped.wte.weight.register_hook(fail)       # runs late in backward: the layers have deferred
     try:
-        train_step(overlapped, optimizers[0], grid, overlapped, x, y)
+        train_step(overlapped, optimizers[0], grid, (x, y))
         raise AssertionError("the injected failure did not raise")
     except RuntimeError as error:
         assert "injected failure" in str(error)
@@ -195,11 +197,11 @@ def _outside_the_step_and_after_a_failure(sizes: dict) -> dict:
     overlapped.zero_grad(set_to_none=True)
     runs = []
     for model, optimizer in zip((overlapped, synchronous), optimizers):
-        losses = [train_step(model, optimizer, grid, model, x, y) for _ in range(2)]
+        losses = [train_step(model, optimizer, grid, (x, y)) for _ in range(2)]
         runs.append({"losses": losses, "params": [p.detach().clone() for p in model.parameters()]})
     for key in ("losses", "params"):
         cases.assert_bitwise(f"after a failed step, {key}", runs[0][key], runs[1][key])
-    return {"deferred": overlapped.par4d_runtime.deferred.deferred}
+    return {"deferred": par4d.state(overlapped).runtime.deferred.deferred}
 
 
 def test_overlap_acts_only_inside_the_step_and_survives_a_failed_backward(pool4):

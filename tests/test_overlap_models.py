@@ -2,7 +2,7 @@
 
 The Hugging Face GPT-2 and Llama (their layers made par4d's by ``parallelize``) and par4d's
 U-Net (its Conv2d layers), built as ``par4d train --model ...`` builds them
-(``par4d.train.model.build_model``), train bit for bit alike with ``--overlap all`` and
+(``par4d.train.recipes.build_model``), train bit for bit alike with ``--overlap all`` and
 ``--overlap none`` (with all's row chunks: xy cuts rows, which is arithmetic) on x=2,y=2,z=2:
 losses, every gradient after the data-parallel sync and clipping, every parameter after 3 AdamW
 steps (``torch.equal``). The ledger shows the overlaps at work: the same collectives with the
@@ -18,13 +18,15 @@ from dataclasses import replace
 import pytest
 import torch
 
+import par4d
 from par4d.layout import shard_batch
 from par4d.models.unet import shard_images
 from par4d.optim.data_parallel import gradient_sync
 from par4d.overlap import Overlap, set_overlap
 from par4d.overlap.policy import XY_CHUNKS
-from par4d.train.config import IMAGE_CHANNELS, VOCAB_BYTES, TrainConfig
-from par4d.train.model import build_model
+from par4d.train.config import VOCAB_BYTES, TrainConfig
+from par4d.train.recipes import build_model
+from par4d.train.recipes.unet import IMAGE_CHANNELS
 from par4d.train.step import train_step
 from tests import cases
 
@@ -56,8 +58,8 @@ def _train(model_name: str, overlap: str, recompute: str = "none") -> dict:
     losses = []
     with grid.ledger.capture() as entries:
         for x, y in _batches(config, grid):
-            losses.append(train_step(model, optimizer, grid, model, x, y, grad_clip=0.5))
-    runtime = model.par4d_runtime
+            losses.append(train_step(model, optimizer, grid, (x, y), grad_clip=0.5))
+    runtime = par4d.state(model).runtime
     return {"losses": losses, "grads": optimizer.grads, "params": [p.detach().clone() for p in model.parameters()],
             "collectives": Counter((e.kind, e.axes, e.elements) for e in entries),
             "overlapped": Counter((e.kind, e.axes) for e in entries if e.overlapped),

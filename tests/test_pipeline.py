@@ -8,7 +8,7 @@ from par4d.layout import shard_batch
 from par4d.models import GPTConfig
 from par4d.optim.data_parallel import global_mean, sync_gradients
 from par4d.pipeline import run_pipeline
-from par4d.train.model import build_gpt, build_reference
+from par4d.train.recipes.gpt import build_gpt, build_reference
 from tests import cases
 
 CONFIG = GPTConfig(vocab_size=36, block_size=8, n_layer=4, n_head=4, n_embd=24, seed=3)

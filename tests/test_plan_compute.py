@@ -12,6 +12,7 @@ from par4d.plan.machines import BUILTIN
 from par4d.plan.model import factorizations
 from par4d.plan.search import search
 from par4d.plan.workload import LOGIT_PASSES, OUTPUT_PASSES, STREAM_PASSES
+from tests.helpers import TIGHT, brute_force, check_the_top_and_its_floors
 
 SPEC = GPTSpec("t", n_layer=4, hidden=64, heads=4, seq_len=32, global_batch=16, vocab=256)
 SHAPED = Machine("shaped", devices_per_node=4, peak_flops=2.0**40, memory_bytes=1e12, beta_intra=2.0**30,
@@ -74,13 +75,11 @@ def test_elementwise_bytes_by_hand():
 
 def test_the_search_with_shapes_finds_what_brute_force_finds():
     """The search's bound on a pipeline's microbatch counts holds when compute depends on the shapes."""
-    from tests.test_plan_search import TIGHT, _brute_force, check_the_top_and_its_floors
-
     tight = replace(TIGHT, memory_bandwidth=4e8, kernel_latency=1e-5, attention_efficiency=0.3)
     ranked, _ = search(SPEC, 8, tight)
     assert {p.microbatches for p in ranked} > {1}
     found = {tuple(p.sizes.values()): p.t_iter for p in ranked}
-    fastest = _brute_force(SPEC, 8, tight)
+    fastest = brute_force(SPEC, 8, tight)
     assert found == pytest.approx(fastest, rel=1e-12)
     check_the_top_and_its_floors(SPEC, 8, tight, fastest)
 
@@ -89,13 +88,11 @@ def test_the_search_on_shared_cores_finds_what_brute_force_finds():
     """Where ranks share the cores the bubble is absorbed (compute no longer grows as the microbatches shrink):
     the search's bound on a pipeline's counts follows the same rule, so it still skips nothing faster (with the
     host's cost per layer pass too, which grows with the microbatches)."""
-    from tests.test_plan_search import TIGHT, _brute_force, check_the_top_and_its_floors
-
     shared = replace(TIGHT, memory_bandwidth=4e8, kernel_latency=1e-5, cores_shared=2.0, comm_cpu_share=0.5,
                      layer_overhead=2e-5)
     ranked, _ = search(SPEC, 8, shared)
     found = {tuple(p.sizes.values()): p.t_iter for p in ranked}
-    fastest = _brute_force(SPEC, 8, shared)
+    fastest = brute_force(SPEC, 8, shared)
     assert found == pytest.approx(fastest, rel=1e-12)
     check_the_top_and_its_floors(SPEC, 8, shared, fastest)
 

@@ -2,7 +2,6 @@
 microbatches without a pipeline, memory of overlaps and of the offloaded optimizer, the
 search against brute force, and the published comparison in docs/planner.md."""
 
-import itertools
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -10,12 +9,13 @@ from pathlib import Path
 import pytest
 
 from par4d.cli import main
-from par4d.overlap import NAMES, Overlap
+from par4d.overlap import Overlap
 from par4d.plan import GPTSpec, Machine, bandwidths, predict
 from par4d.plan.machines import PERLMUTTER
-from par4d.plan.model import factorizations, latencies, ring_time
-from par4d.plan.search import Space, _Grid, search, search_top
+from par4d.plan.model import latencies, ring_time
+from par4d.plan.search import Space, search, search_top
 from par4d.plan.workload import gathered_bytes, state_bytes
+from tests.helpers import TIGHT, brute_force, check_the_top_and_its_floors
 
 SPEC = GPTSpec("t", n_layer=4, hidden=64, heads=4, seq_len=32, global_batch=16, vocab=256)
 ONE = dict(x=1, y=1, z=1, data=1)
@@ -24,9 +24,6 @@ NODE4 = Machine("node4", devices_per_node=4, peak_flops=2.0**40, memory_bytes=1e
                 beta_inter=2.0**26, latency=2.0**-16, latency_inter=2.0**-12, bytes_per_element=2)
 FLAT = Machine("flat", devices_per_node=64, peak_flops=2.0**40, memory_bytes=1e12, beta_intra=2.0**30,
                beta_inter=2.0**30, latency=0.0, bytes_per_element=2)
-# Memory tight enough that microbatches, recomputation and the overlap sets decide what fits.
-TIGHT = Machine("tight", devices_per_node=4, peak_flops=1e9, memory_bytes=1.2e6, beta_intra=1e9, beta_inter=1e8,
-                latency=1e-5, latency_inter=5e-5, bytes_per_element=2)
 
 
 def test_eq_10_examples_of_section_v():
@@ -110,54 +107,11 @@ def test_memory_of_overlaps_and_of_the_offloaded_optimizer():
     assert kept - offloaded == pytest.approx(16 * shard - (4 * shard + 16 * 256), rel=1e-12)
 
 
-def _brute_force(spec, world, machine):
-    """Every grid's fastest fitting choice over every microbatch count, recomputation and every
-    subset of the overlap switches (those that act: a pipeline runs without OAG, ORS and dp)."""
-    best = {}
-    subsets = [Overlap.parse(",".join(names)) if names else Overlap.none()
-               for r in range(len(NAMES) + 1) for names in itertools.combinations(NAMES, r)]
-    for sizes in factorizations(world, tuple(range(1, spec.n_layer + 1))):
-        if spec.check(sizes) or sizes["pipe"] > spec.n_layer:
-            continue
-        shard = spec.global_batch // (sizes["z"] * sizes["data"])
-        for micro in (m for m in range(1, shard + 1) if shard % m == 0):
-            for checkpointing, overlap in itertools.product((False, True), subsets):
-                if sizes["pipe"] > 1:           # what acts in a pipeline (TrainConfig.overlap_run)
-                    overlap = overlap.in_pipeline()
-                pred = predict(spec, sizes, machine, "full", checkpointing,
-                               overlap=overlap if overlap.names else None, microbatches=micro)
-                key = tuple(sizes.values())
-                if pred.fits and (key not in best or pred.t_iter < best[key]):
-                    best[key] = pred.t_iter
-    return best
-
-
-def check_the_top_and_its_floors(spec, world, machine, fastest: dict | None = None, space: Space | None = None) -> None:
-    """search_top skips a grid where its floors say no choice on it is faster than the top found: on every grid
-    both floors are under brute force's fastest choice (``fastest``; else the search's own, in ``space``), and
-    search_top's rows are search's first."""
-    space = space or Space()
-    ranked, excluded = search(spec, world, machine, space)
-    if fastest is None:
-        fastest = {tuple(p.sizes.values()): p.t_iter for p in ranked}
-    recompute = (False, True) if space.checkpointing is None else (space.checkpointing,)
-    pipes = (space.pipe,) if space.pipe else tuple(range(1, spec.n_layer + 1))
-    for sizes in factorizations(world, pipes):
-        key = tuple(sizes.values())
-        if key in fastest:
-            grid = _Grid(spec, sizes, machine, space, recompute)
-            assert grid.compute_floor() <= grid.floor() <= fastest[key] * (1 + 1e-12), (sizes, machine.name)
-    for top in (1, 3, len(ranked)):
-        first, left_out, fitting = search_top(spec, world, machine, space, top=top)
-        assert [p.row() for p in first] == [p.row() for p in ranked[:top]]
-        assert [p.row() for p in left_out] == [p.row() for p in excluded] and fitting == len(ranked)
-
-
 def test_the_search_finds_what_brute_force_finds():
     ranked, excluded = search(SPEC, 8, TIGHT)
     assert {p.microbatches for p in ranked} > {1} and {p.checkpointing for p in ranked} == {False, True}
     found = {tuple(p.sizes.values()): p.t_iter for p in ranked}
-    fastest = _brute_force(SPEC, 8, TIGHT)
+    fastest = brute_force(SPEC, 8, TIGHT)
     assert found == pytest.approx(fastest, rel=1e-12)
     check_the_top_and_its_floors(SPEC, 8, TIGHT, fastest)
     assert [p.t_iter for p in ranked] == sorted(p.t_iter for p in ranked)
@@ -170,7 +124,7 @@ def test_where_collectives_cost_sync_the_search_still_finds_what_brute_force_fin
     costly = replace(TIGHT, sync_cost=1e-5)
     ranked, _ = search(SPEC, 8, costly)
     found = {tuple(p.sizes.values()): p.t_iter for p in ranked}
-    fastest = _brute_force(SPEC, 8, costly)
+    fastest = brute_force(SPEC, 8, costly)
     assert found == pytest.approx(fastest, rel=1e-12)
     check_the_top_and_its_floors(SPEC, 8, costly, fastest)
 

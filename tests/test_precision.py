@@ -9,7 +9,7 @@ from par4d.layout import shard_batch
 from par4d.models import GPTConfig
 from par4d.optim.precision import INITIAL_SCALE, MixedPrecision
 from par4d.train import checkpoint
-from par4d.train.model import build_gpt
+from par4d.train.recipes.gpt import build_gpt
 from par4d.train.step import train_step
 from tests import cases
 
@@ -35,7 +35,7 @@ def _build(grid, model: str = "gpt"):
     if model == "gpt":
         return build_gpt(CONFIG, grid)
     from par4d.train.config import TrainConfig
-    from par4d.train.model import build_model
+    from par4d.train.recipes import build_model
 
     return build_model(TrainConfig(grid=grid.sizes, out=None, model=model, n_layer=CONFIG.n_layer,
                                    n_embd=CONFIG.n_embd, n_head=CONFIG.n_head, seq_len=CONFIG.block_size,
@@ -52,7 +52,7 @@ def _train(grid, dtype, folder=None, model_name: str = "gpt"):
     losses = []
     for inputs, targets in _batches():
         x, y = shard_batch(grid, inputs), shard_batch(grid, targets)
-        losses.append(train_step(model, optimizer, grid, model, x, y, grad_clip=1.0, precision=precision).item())
+        losses.append(train_step(model, precision or optimizer, grid, (x, y), grad_clip=1.0).item())
     return model, precision, losses
 
 
@@ -113,11 +113,11 @@ def _forced_overflow(reduce_in_fp32: bool) -> dict:
     x, y = shard_batch(grid, inputs), shard_batch(grid, targets)
     precision.scale = 2.0 ** 40          # past fp16's range: the scaled gradients overflow
     with grid.ledger.capture() as entries:
-        train_step(model, None, grid, model, x, y, precision=precision)
+        train_step(model, precision, grid, (x, y))
     skipped = (precision.skipped, precision.scale, all(torch.equal(a, b) for a, b in zip(before, model.parameters())))
     reduce = [e for e in entries if e.kind == "all_reduce" and e.axes == ("z", "data")]
     precision.scale = 1024.0
-    train_step(model, None, grid, model, x, y, precision=precision)
+    train_step(model, precision, grid, (x, y))
     moved = not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     return {"skipped": skipped, "moved": moved, "bytes_per_element": {e.bytes // e.elements for e in reduce}}
 
@@ -151,7 +151,7 @@ def _offloaded(sizes: dict, bsize: int, folder: str, model_name: str = "gpt") ->
     held = []
     for inputs, targets in _batches():
         x, y = shard_batch(grid, inputs), shard_batch(grid, targets)
-        train_step(plain_model, None, grid, plain_model, x, y, grad_clip=0.5, precision=plain)
+        train_step(plain_model, plain, grid, (x, y), grad_clip=0.5)
         if grid.size("pipe") > 1:                      # train_step's parts, to count the device's bytes
             run_pipeline(offload_model, grid, x, y, 2)
         else:
@@ -210,8 +210,7 @@ def _overlapped_step(sizes: dict) -> dict:
             return step_from(pairs, *args)
         precision.optimizer.step_from = recorded
         for inputs, targets in _batches():
-            train_step(model, None, grid, model, shard_batch(grid, inputs), shard_batch(grid, targets),
-                       grad_clip=0.0, precision=precision)
+            train_step(model, precision, grid, (shard_batch(grid, inputs), shard_batch(grid, targets)), grad_clip=0.0)
         sync = gradient_sync(model, grid)
         runs[overlapped] = (precision, in_flight, sum(len(bs) for bs in sync.groups.values()), bool(sync.scaled_only))
     (mine, in_flight, buckets, unsummed), (theirs, after, _, _) = runs[True], runs[False]

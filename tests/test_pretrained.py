@@ -16,7 +16,7 @@ from par4d.cli import main
 from par4d.grid import Grid
 from par4d.layout import shard_batch
 from tests import cases
-from tests.test_train import _checked, _pooled
+from tests.helpers import checked_config, train_pooled
 
 TOKENS = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(7))
 LLAMA = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -47,7 +47,7 @@ def _transformers_logits(folder: Path) -> torch.Tensor:
 
 def _logits_on_grid(config, sizes: dict) -> torch.Tensor:
     """This rank's logits (its samples) of the run's model, its weights read from the pretrained folder."""
-    from par4d.train.model import build_model
+    from par4d.train.recipes import build_model
 
     grid = cases.grid(**sizes)
     model = build_model(config, grid)
@@ -57,8 +57,8 @@ def _logits_on_grid(config, sizes: dict) -> torch.Tensor:
 
 def _grid_logits(pool, folder: Path, model: str, sizes: dict) -> list[torch.Tensor]:
     grid = ",".join(f"{a}={n}" for a, n in sizes.items())
-    config = _checked("--model", model, "--init-from", "hf", str(folder), "--grid", grid, "--seq-len", "16",
-                      "--batch-size", "4", world=pool.world)
+    config = checked_config("--model", model, "--init-from", "hf", str(folder), "--grid", grid, "--seq-len", "16",
+                            "--batch-size", "4", world=pool.world)
     return pool.run(_logits_on_grid, config, sizes)
 
 
@@ -86,8 +86,9 @@ def test_a_fine_tuned_run_exports_a_folder_transformers_loads(pool4, tmp_path, c
 
     pretrained = _save(tmp_path / "pretrained", "llama", True, torch.bfloat16, "20KB")
     run, out = tmp_path / "run", tmp_path / "exported"
-    _pooled(pool4, "--model", "hf-llama", "--init-from", "hf", str(pretrained), "--grid", "x=2,z=2", "--seq-len", "16",
-            "--batch-size", "4", "--steps", "2", "--lr", "1e-2", "--out", str(run), "--no-progress")
+    train_pooled(pool4, "--model", "hf-llama", "--init-from", "hf", str(pretrained), "--grid", "x=2,z=2",
+                 "--seq-len", "16", "--batch-size", "4", "--steps", "2", "--lr", "1e-2", "--out", str(run),
+                 "--no-progress")
     assert main(["export", "--run", str(run), "--to", "hf", str(out), "--max-shard-mb", "0.03"]) == 0
     assert "AutoModelForCausalLM.from_pretrained" in capsys.readouterr().out
     index = json.loads((out / "model.safetensors.index.json").read_text())

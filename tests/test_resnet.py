@@ -85,7 +85,7 @@ def _train(grid, force: dict | None) -> dict:
     with torch.no_grad():
         note("eval", model.eval()(shard_batch(grid, x)), shard_batch(grid, twin.eval()(x)), "logits", OUTPUTS)
     return {"worst": worst, "names": sorted(model.state_dict()) == sorted(twin.state_dict()),
-            "plan": [(t.name, t.kind) for t in model.par4d_plan],
+            "plan": [(t.name, t.kind) for t in par4d.state(model).plan],
             "synchronised": sorted(n for n, m in model.named_modules() if isinstance(m, BatchNorm))}
 
 
@@ -176,7 +176,7 @@ def _compare_through_train_step(grid) -> dict:
     twin = ResNet18(num_classes=8, width=8)
     model = par4d.parallelize(copy.deepcopy(twin), grid)
     # the buckets only: set_overlap would also give fc an overlap runtime, which parallelize's layers lack
-    model.par4d_overlap = par4d.Overlap(bucket_mb=0.01)
+    par4d.state(model).overlap = par4d.Overlap(bucket_mb=0.01)
     opt_twin = torch.optim.AdamW(twin.parameters(), lr=1e-2, eps=1e-4)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
     gen = torch.Generator().manual_seed(1)
@@ -186,14 +186,14 @@ def _compare_through_train_step(grid) -> dict:
         ref = F.cross_entropy(twin(x), y)
         ref.backward()
         opt_twin.step(), opt_twin.zero_grad()
-        local = train_step(model, opt, grid, lambda a, b: F.cross_entropy(model(a), b), shard_batch(grid, x),
-                           shard_batch(grid, y))
+        local = train_step(model, opt, grid, (shard_batch(grid, x), shard_batch(grid, y)),
+                           loss=lambda a, b: F.cross_entropy(model(a), b))
         worst["loss"] = max(worst["loss"], abs(global_mean(local, grid).item() - ref.item()) / ref.item())
     after, buffers = full_state_dict(model), dict(model.named_buffers())
     worst["params"] = max(_worst(after[n], p, PARAMS) for n, p in twin.named_parameters())
     worst["buffers"] = max(_worst(buffers[n], b, BUFFERS) if b.is_floating_point() else _unequal(buffers[n], b)
                            for n, b in twin.named_buffers())
-    worst["early"] = model.par4d_gradient_sync.early_launches     # buckets all-reduced during backward
+    worst["early"] = par4d.state(model).sync.early_launches     # buckets all-reduced during backward
     return worst
 
 
@@ -208,7 +208,7 @@ def test_resnet18_plan_counts_batch_norms():
     shapes-only pass runs through par4d's BatchNorm on the meta device)."""
     grid = par4d.Grid.virtual({"x": 2, "y": 1, "z": 2, "data": 2})
     model = par4d.parallelize(ResNet18(num_classes=8, width=8), grid, example=(torch.randn(8, 3, 32, 32),))
-    rows = {t.name: t for t in model.par4d_plan}
+    rows = {t.name: t for t in par4d.state(model).plan}
     assert rows["layer3.0.bn1"].messages == (("all_reduce", ("z", "data"), 4 * 3 * 32), ("all_reduce", ("z", "data"),
                                                                                            2 * 32))
 

@@ -24,7 +24,7 @@ from par4d.cli import main
 from par4d.train import checkpoint
 from par4d.train.lock import LOCK, RunLock
 from tests import cases
-from tests.test_train import SMALL, _pooled, _train
+from tests.helpers import SMALL, train_pooled, train_subprocess
 
 BASE = ["--grid", "x=2", "--steps", "4", "--save-every", "2", *SMALL]     # checkpoints at steps 2 and 4
 STEP2, STEP4 = "step-00000002", "step-00000004"
@@ -37,7 +37,7 @@ def base(tmp_path_factory) -> Path:
     from tests.conftest import pool
 
     run = tmp_path_factory.mktemp("base") / "run"
-    _pooled(pool(2), *BASE, "--out", str(run))
+    train_pooled(pool(2), *BASE, "--out", str(run))
     return run
 
 
@@ -105,7 +105,7 @@ def test_a_resume_never_writes_through_links_planted_in_the_run(base, tmp_path, 
     for path, victim in zip(planted, _victims(tmp_path, len(planted))):
         _link(path, victim)
     before = _outside(tmp_path, run)
-    _pooled(pool2, "--resume", str(run), "--steps", "6")
+    train_pooled(pool2, "--resume", str(run), "--steps", "6")
     assert _outside(tmp_path, run) == before
     for name in ("summary.json", "loss.png", "metrics.jsonl", "checkpoints/latest"):
         assert _regular(run / name), name
@@ -223,7 +223,7 @@ def test_a_resume_past_a_corrupt_checkpoint_sets_it_aside_and_keeps_an_intact_on
         _link(piece, Path("/etc/hostname") if Path("/etc/hostname").is_file() else Path(sys.executable))
     corrupt = _sha_tree(run / "checkpoints" / STEP4)
     before = _outside(tmp_path, run)
-    summary = _pooled(pool2, "--resume", str(run), "--steps", "6")
+    summary = train_pooled(pool2, "--resume", str(run), "--steps", "6")
     assert summary["resumed_from"]["step"] == 2
     said = capsys.readouterr().out
     assert f"checkpoint {STEP4} is unusable" in said, said
@@ -240,7 +240,7 @@ def test_a_pointer_to_an_older_checkpoint_resumes_from_the_newest_and_overwrites
     run = _copy(base, tmp_path)
     (run / "checkpoints" / "latest").write_text(STEP2)
     newest = _sha_tree(run / "checkpoints" / STEP4)
-    summary = _pooled(pool2, "--resume", str(run), "--steps", "6")
+    summary = train_pooled(pool2, "--resume", str(run), "--steps", "6")
     assert summary["resumed_from"]["step"] == 4
     assert f"names {STEP2}, but {STEP4} is newer and intact" in capsys.readouterr().out
     assert _sha_tree(run / "checkpoints" / STEP4) == newest
@@ -256,7 +256,7 @@ def test_a_second_run_on_a_folder_in_use_is_refused_naming_the_holder(base, tmp_
             assert f"{folder} is in use by another par4d run (pid {os.getpid()} on" in err, err
             if folder == new:   # under torchrun rank 0 takes the lock: the same refusal, from the rank
                 with pytest.raises(AssertionError, match="is in use by another par4d run"):
-                    _pooled(pool2, *args)
+                    train_pooled(pool2, *args)
         assert {p.name for p in folder.iterdir()} <= before | {LOCK}
 
 
@@ -434,11 +434,11 @@ def test_sizes_from_a_hugging_face_config_are_checked_before_anything_is_built(b
     assert main(["export", "--run", str(base), "--to", "hf", str(out)]) == 0
     config = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**config, "n_layer": 10 ** 7}))
-    result = _train("--init-from", "hf", str(out), "--nproc", "2", "--grid", "x=2", "--steps", "1", "--no-progress",
-                    "--out", str(tmp_path / "run"), status=2, timeout=60)
+    result = train_subprocess("--init-from", "hf", str(out), "--nproc", "2", "--grid", "x=2", "--steps", "1",
+                              "--no-progress", "--out", str(tmp_path / "run"), status=2, timeout=60)
     assert "n_layer=10000000" in result.stderr and "parameters" in result.stderr, result.stderr
     (out / "config.json").write_text(json.dumps({**config, "n_layer": "12"}))
-    result = _train("--init-from", "hf", str(out), "--steps", "1", "--out", str(tmp_path / "run"), status=2)
+    result = train_subprocess("--init-from", "hf", str(out), "--steps", "1", "--out", str(tmp_path / "run"), status=2)
     assert 'config.json: n_layer is "12", not a size >= 1' in result.stderr, result.stderr
     assert not (tmp_path / "run").exists()
 
@@ -505,7 +505,7 @@ def test_errors_about_a_resumed_runs_own_values_name_the_run_not_a_flag(base, tm
     run = tmp_path / "on-text"
     from tests.conftest import pool
 
-    _pooled(pool(2), *BASE, "--data", str(text), "--out", str(run))
+    train_pooled(pool(2), *BASE, "--data", str(text), "--out", str(run))
     text.write_text("another text altogether, not the one it started on. " * 40)
     assert main(["train", "--resume", str(run), "--steps", "6"]) == 2
     err = capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""``par4d train --config FILE`` (issue 27): TOML sections of every option, flags over the file, bad files
+"""``par4d train --config FILE`` (docs/config.md): TOML sections of every option, flags over the file, bad files
 named by file and line before anything starts, a run's own ``config.toml`` trains the same run again, and
 the shipped examples under configs/ are valid settings of par4d train."""
 
@@ -10,6 +10,7 @@ import pytest
 from par4d.cli import _parser, main
 from par4d.grid import parse_grid
 from par4d.train.settings_file import SECTIONS, apply, read
+from tests.helpers import run_losses, train_in_pool
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -104,15 +105,13 @@ def _configured(*flags: str, world: int):
 
 
 def test_a_runs_config_toml_trains_the_same_run_again(tmp_path, pool4):
-    from tests.test_train import _losses, _train_in_pool
-
     path = tmp_path / "run.toml"
     path.write_text('[model]\nn_layer = 2\nn_embd = 32\nn_head = 2\n[data]\nseq_len = 16\nbatch_size = 8\n'
                     '[grid]\nx = 2\nz = 2\n[schedule]\nsteps = 3\n[logging]\nprogress = false\n')
     first, again = tmp_path / "first", tmp_path / "again"
-    pool4.run(_train_in_pool, _configured("--config", str(path), "--out", str(first), world=4))
+    pool4.run(train_in_pool, _configured("--config", str(path), "--out", str(first), world=4))
     saved = first / "config.toml"
     assert "[grid]\nx = 2\ny = 1\nz = 2\ndata = 1\npipe = 1\n" in saved.read_text()
-    pool4.run(_train_in_pool, _configured("--config", str(saved), "--out", str(again), world=4))
-    assert _losses(again) == _losses(first) and len(_losses(first)) == 3
+    pool4.run(train_in_pool, _configured("--config", str(saved), "--out", str(again), world=4))
+    assert run_losses(again) == run_losses(first) and len(run_losses(first)) == 3
     assert (again / "config.toml").read_text() == saved.read_text()

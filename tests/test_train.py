@@ -9,71 +9,11 @@ from pathlib import Path
 
 import pytest
 
+import par4d
 from par4d.bench.faults import RESTART, plan_faults
 from par4d.cli import main
 from par4d.grid import default_grid
-
-SMALL = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--batch-size", "8", "--seq-len", "16",
-         "--no-progress"]
-
-
-def _train(*args: str, timeout: float = 240, env_extra: dict | None = None,
-           status: int = 0) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
-    result = subprocess.run([sys.executable, "-m", "par4d.cli", "train", *args], capture_output=True, text=True,
-                            timeout=timeout, env=env)
-    assert result.returncode == status, result.stderr[-3000:]
-    return result
-
-
-def _losses(run: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-def _checked(*args: str, world: int):
-    """The config `par4d train ARGS` launches, checked as the CLI checks it (without measuring the peak)."""
-    from dataclasses import replace
-
-    from par4d.cli import _parser
-    from par4d.train.configure import configure
-
-    return replace(configure(_parser().parse_args(["train", *args]), world, inside=False), peak_flops=1.0)
-
-
-def _train_in_pool(config):
-    """`par4d train`'s loop on a pool's rank (its worker would leave the pool's job when done). One thread
-    per rank, as par4d's launcher gives 4 ranks on 2 cores: the loop, seeing no launcher, would take every
-    core in each rank (5x slower)."""
-    from unittest import mock
-
-    from par4d.train.loop import run
-    from par4d.train.stop import StopRequest
-
-    with mock.patch("par4d.train.loop._threads_per_rank", return_value=1), StopRequest() as stop:
-        return run(config, stop)
-
-
-def _alone(config) -> None:
-    """`par4d train` as one rank in this process (its summary printed), the test's thread count kept."""
-    import torch
-
-    from par4d.cli.train import _finish
-    from par4d.train.loop import worker
-
-    threads = torch.get_num_threads()
-    try:
-        assert _finish(worker(config)) == 0
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _pooled(pool, *args: str) -> dict:
-    """`par4d train ARGS` on the pool's ranks, its summary printed here as the CLI prints it; rank 0's summary."""
-    from par4d.cli.train import _finish
-
-    summary = pool.run(_train_in_pool, _checked(*args, world=pool.world), timeout=240)[0]
-    assert _finish(summary) == 0
-    return summary
+from tests.helpers import SMALL, checked_config, run_losses, train_alone, train_in_pool, train_pooled, train_subprocess
 
 
 def test_resume_continues_the_exact_trajectory_and_overlap_changes_no_bit(tmp_path, capsys, pool4):
@@ -81,13 +21,13 @@ def test_resume_continues_the_exact_trajectory_and_overlap_changes_no_bit(tmp_pa
     every overlap and recomputation, stop, resume to 10: the same losses, bit for bit."""
     grid = ["--grid", "x=2,z=2"]
     straight, split = tmp_path / "straight", tmp_path / "split"
-    _pooled(pool4, *grid, *SMALL, "--steps", "10", "--out", str(straight), "--overlap", "none")
+    train_pooled(pool4, *grid, *SMALL, "--steps", "10", "--out", str(straight), "--overlap", "none")
     printed = capsys.readouterr().out
-    _pooled(pool4, *grid, *SMALL, "--steps", "5", "--out", str(split), "--overlap", "all", "--recompute", "auto")
-    assert len(_losses(split)) == 5
-    _pooled(pool4, "--resume", str(split), "--steps", "10")
+    train_pooled(pool4, *grid, *SMALL, "--steps", "5", "--out", str(split), "--overlap", "all", "--recompute", "auto")
+    assert len(run_losses(split)) == 5
+    train_pooled(pool4, "--resume", str(split), "--steps", "10")
 
-    assert _losses(split) == _losses(straight)   # bit for bit: same grid, same batches, same state
+    assert run_losses(split) == run_losses(straight)   # bit for bit: same grid, same batches, same state
     overlapped = json.loads((split / "summary.json").read_text())
     assert (overlapped["overlap"], overlapped["recompute_every"]) == ("all", 1)
     assert "in flight" in printed and "exposed" in printed
@@ -212,7 +152,7 @@ def test_joins_a_torchrun_job_and_survives_its_restarts(tmp_path):
     result = _torchrun("--steps", "5", "--save-every", "2", "--out", str(run), faults="1:3", restarts=1)
     assert result.returncode == 0, result.stderr[-3000:]
     assert RESTART.findall(result.stdout) == [("1", "2")], result.stdout[-2000:]
-    assert len(_losses(run)) == 5
+    assert len(run_losses(run)) == 5
     assert json.loads((run / "summary.json").read_text())["grid"]["x"] == 2
 
     raised = tmp_path / "raised"
@@ -258,13 +198,13 @@ def test_resume_on_another_grid_and_rank_count(tmp_path, capsys, pool2, pool4):
     """4 steps on 2 ranks (x=2), then resumed on 4 ranks at z=2,data=2 up to 6: the run goes on
     from its checkpoint, says the grid changed, and follows a one-rank run to fp32 rounding."""
     run, alone = tmp_path / "moved", tmp_path / "alone"
-    _alone(_checked("--nproc", "1", *SMALL, "--steps", "6", "--out", str(alone), world=1))
-    _pooled(pool2, "--grid", "x=2", *SMALL, "--steps", "4", "--out", str(run))
+    train_alone(checked_config("--nproc", "1", *SMALL, "--steps", "6", "--out", str(alone), world=1))
+    train_pooled(pool2, "--grid", "x=2", *SMALL, "--steps", "4", "--out", str(run))
     capsys.readouterr()
-    _pooled(pool4, "--resume", str(run), "--grid", "z=2,data=2", "--steps", "6")
+    train_pooled(pool4, "--resume", str(run), "--grid", "z=2,data=2", "--steps", "6")
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 7))
-    assert _losses(run) == pytest.approx(_losses(alone), rel=1e-5)
+    assert run_losses(run) == pytest.approx(run_losses(alone), rel=1e-5)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["grid_changed"] and summary["resumed_from"]["grid"]["x"] == 2
     assert summary["grid"] == {"x": 1, "y": 1, "z": 2, "data": 2, "pipe": 1}
@@ -288,21 +228,21 @@ def test_a_killed_rank_and_a_preempted_run_end_as_an_uninterrupted_one(tmp_path,
     with the parameters and AdamW state of an uninterrupted run (on the pool), bit for bit."""
     common = ["--grid", "x=2", *SMALL, "--steps", "14", "--save-every", "5"]
     straight, killed, stopped = tmp_path / "straight", tmp_path / "killed", tmp_path / "stopped"
-    _pooled(pool2, *common, "--out", str(straight))
+    train_pooled(pool2, *common, "--out", str(straight))
     common = ["--nproc", "2", *common]
-    result = _train(*common, "--out", str(killed), "--max-restarts", "1", env_extra={"PAR4D_FAULTS": "1:12"})
+    result = train_subprocess(*common, "--out", str(killed), "--max-restarts", "1", env_extra={"PAR4D_FAULTS": "1:12"})
     assert RESTART.findall(result.stdout) == [("1", "10")], result.stdout[-2000:]   # what bench faults reads
     assert json.loads((killed / "summary.json").read_text())["start_step"] == 10
-    assert _losses(killed) == _losses(straight)
+    assert run_losses(killed) == run_losses(straight)
     want = _final_tensors(straight)
     got = _final_tensors(killed)
     assert set(got) == set(want) and all(torch_equal(got[k], want[k]) for k in want)
 
-    result = _train(*common, "--out", str(stopped), env_extra={"PAR4D_FAULTS": "0:7:TERM"}, status=143)
+    result = train_subprocess(*common, "--out", str(stopped), env_extra={"PAR4D_FAULTS": "0:7:TERM"}, status=143)
     assert f"stopped by SIGTERM: step 7 is saved; continue with: par4d train --resume {stopped}" in result.stdout
-    assert len(_losses(stopped)) == 7 and not (stopped / "summary.json").exists()
-    _train("--resume", str(stopped), "--nproc", "2")
-    assert _losses(stopped) == _losses(straight)
+    assert len(run_losses(stopped)) == 7 and not (stopped / "summary.json").exists()
+    train_subprocess("--resume", str(stopped), "--nproc", "2")
+    assert run_losses(stopped) == run_losses(straight)
     got = _final_tensors(stopped)
     assert set(got) == set(want) and all(torch_equal(got[k], want[k]) for k in want)
 
@@ -320,7 +260,7 @@ def test_resume_keeps_the_model_and_data_takes_the_schedule(tmp_path, capsys, mo
     data = tmp_path / "corpus.txt"
     data.write_text("par4d trains on this line of text. " * 40)
     run = tmp_path / "run"
-    _alone(_checked("--nproc", "1", *SMALL, "--steps", "3", "--data", str(data), "--out", str(run), world=1))
+    train_alone(checked_config("--nproc", "1", *SMALL, "--steps", "3", "--data", str(data), "--out", str(run), world=1))
     saved = json.loads((run / "summary.json").read_text())["config"]
     assert saved["data"] == str(data.resolve()) and len(saved["data_sha256"]) == 64
 
@@ -340,8 +280,8 @@ def test_resume_keeps_the_model_and_data_takes_the_schedule(tmp_path, capsys, mo
     data.write_text("par4d trains on this line of text. " * 40)
 
     capsys.readouterr()
-    _alone(_checked("--resume", str(run), "--nproc", "1", "--steps", "5", "--lr", "0.001", "--batch-size", "8",
-                    world=1))
+    train_alone(checked_config("--resume", str(run), "--nproc", "1", "--steps", "5", "--lr", "0.001",
+                               "--batch-size", "8", world=1))
     assert "--lr 0.001 replaces the run's 0.003 from step 3" in capsys.readouterr().out
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
@@ -352,8 +292,8 @@ def test_an_error_inside_a_rank_is_one_line_and_a_nan_loss_stops_the_run(tmp_pat
     """A learning rate of 1e30 turns the loss NaN at step 2: the run stops before recording it,
     the user reads one line naming the rank and the cause, and the traceback is in the run's log."""
     run = tmp_path / "run"
-    result = _train("--nproc", "2", "--grid", "x=2", *SMALL, "--steps", "10", "--lr", "1e30", "--grad-clip", "0",
-                    "--out", str(run), status=1)
+    result = train_subprocess("--nproc", "2", "--grid", "x=2", *SMALL, "--steps", "10", "--lr", "1e30",
+                              "--grad-clip", "0", "--out", str(run), status=1)
     lines = result.stderr.strip().splitlines()
     rank = lines[0].removeprefix("par4d train: error: rank ")[0]   # both ranks fail; the first to is named
     log = run / "logs" / f"rank-{rank}.log"
@@ -361,7 +301,7 @@ def test_an_error_inside_a_rank_is_one_line_and_a_nan_loss_stops_the_run(tmp_pat
                      f"(learning rate 1e+29): the run stops here without recording it (try a lower --lr, or "
                      f"--grad-clip; a resume takes both) (traceback in {log})"]
     assert "Traceback (most recent call last)" in log.read_text() and "FloatingPointError" in log.read_text()
-    assert len(_losses(run)) == 1
+    assert len(run_losses(run)) == 1
 
 
 def test_bench_faults_plans_one_kill_per_attempt_each_further_on():
@@ -380,17 +320,17 @@ def test_an_error_on_one_rank_tears_the_job_down(tmp_path):
     the run goes on from its checkpoint."""
     run = tmp_path / "run"
     common = [*SMALL, "--steps", "6", "--save-every", "2"]
-    result = _train("--nproc", "4", "--grid", "x=2,z=2", *common, "--out", str(run),
-                    env_extra={"PAR4D_FAULTS": "2:3:RAISE"}, status=1, timeout=120)
+    result = train_subprocess("--nproc", "4", "--grid", "x=2,z=2", *common, "--out", str(run),
+                              env_extra={"PAR4D_FAULTS": "2:3:RAISE"}, status=1, timeout=120)
     assert result.stderr.strip().splitlines() == [
         f"par4d train: error: rank 2 failed: RuntimeError: fault injected by PAR4D_FAULTS after step 3 "
         f"(traceback in {run / 'logs' / 'rank-2.log'})"]
     assert "RuntimeError: fault injected" in (run / "logs" / "rank-2.log").read_text()
     retried = tmp_path / "retried"
-    result = _train("--nproc", "2", "--grid", "x=2", *common, "--out", str(retried), "--max-restarts", "1",
-                    env_extra={"PAR4D_FAULTS": "1:3:RAISE"})
+    result = train_subprocess("--nproc", "2", "--grid", "x=2", *common, "--out", str(retried), "--max-restarts", "1",
+                              env_extra={"PAR4D_FAULTS": "1:3:RAISE"})
     assert RESTART.findall(result.stdout) == [("1", "2")]
-    assert len(_losses(retried)) == 6
+    assert len(run_losses(retried)) == 6
 
 
 def test_a_run_exported_to_transformers_starts_another_run_on_another_grid(tmp_path, capsys, pool2, pool4):
@@ -403,11 +343,11 @@ def test_a_run_exported_to_transformers_starts_another_run_on_another_grid(tmp_p
     from par4d.train.data import Batches, as_tokens, read_corpus
 
     first, exported, second = tmp_path / "first", tmp_path / "hf", tmp_path / "second"
-    _pooled(pool2, "--grid", "x=2", *SMALL, "--steps", "3", "--out", str(first))
+    train_pooled(pool2, "--grid", "x=2", *SMALL, "--steps", "3", "--out", str(first))
     assert main(["export", "--run", str(first), "--to", "hf", str(exported)]) == 0
     capsys.readouterr()
-    _pooled(pool4, "--grid", "z=2,data=2", "--init-from", "hf", str(exported), "--batch-size", "8", "--steps", "2",
-            "--seed", "5", "--no-progress", "--out", str(second))   # shape from config.json, other batches
+    train_pooled(pool4, "--grid", "z=2,data=2", "--init-from", "hf", str(exported), "--batch-size", "8", "--steps", "2",
+                 "--seed", "5", "--no-progress", "--out", str(second))   # shape from config.json, other batches
     assert re.search(rf"started from +{re.escape(str(exported))}\n", capsys.readouterr().out)
     summary = json.loads((second / "summary.json").read_text())
     assert (summary["config"]["n_embd"], summary["config"]["seq_len"]) == (32, 16)
@@ -417,7 +357,7 @@ def test_a_run_exported_to_transformers_starts_another_run_on_another_grid(tmp_p
     with torch.no_grad():
         logits = model(inputs).logits
     want = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), targets.reshape(-1)).item()
-    assert _losses(second)[0] == pytest.approx(want, abs=1e-5)
+    assert run_losses(second)[0] == pytest.approx(want, abs=1e-5)
     assert main(["train", "--resume", str(second), "--init-from", "hf", str(exported), "--steps", "3"]) == 2
 
 
@@ -427,21 +367,21 @@ def test_the_pipeline_trains_as_one_rank_and_resumes_across_pipe(tmp_path, capsy
     common = ["--n-layer", "4", "--n-embd", "32", "--n-head", "2", "--batch-size", "8", "--seq-len", "16",
               "--no-progress"]
     alone, piped = tmp_path / "alone", tmp_path / "piped"
-    _alone(_checked("--nproc", "1", *common, "--steps", "6", "--out", str(alone), world=1))
-    _pooled(pool4, "--grid", "pipe=2,x=2", "--microbatches", "4", "--pipeline-limit", "1", *common, "--steps", "4",
-            "--out", str(piped))
+    train_alone(checked_config("--nproc", "1", *common, "--steps", "6", "--out", str(alone), world=1))
+    train_pooled(pool4, "--grid", "pipe=2,x=2", "--microbatches", "4", "--pipeline-limit", "1", *common, "--steps", "4",
+                 "--out", str(piped))
     capsys.readouterr()
-    _pooled(pool4, "--resume", str(piped), "--grid", "pipe=4", "--steps", "6")
+    train_pooled(pool4, "--resume", str(piped), "--grid", "pipe=4", "--steps", "6")
     assert "saved on grid x=2 y=1 z=1 data=1 pipe=2: the grid changed" in capsys.readouterr().out
-    assert _losses(piped) == pytest.approx(_losses(alone), rel=1e-5)
+    assert run_losses(piped) == pytest.approx(run_losses(alone), rel=1e-5)
     # Rank 0 is the first stage: it sends each step's activations forward, 8 x 16 x 32 fp32 values.
     rows = [json.loads(line) for line in (piped / "metrics.jsonl").read_text().splitlines()]
     assert [r["p2p_sent_bytes"] for r in rows] == [8 * 16 * 32 * 4] * 6
     assert json.loads((piped / "summary.json").read_text())["grid"]["pipe"] == 4
 
     failed = tmp_path / "failed"
-    result = _train("--grid", "pipe=2", *common, "--steps", "6", "--out", str(failed),
-                    env_extra={"PAR4D_FAULTS": "1:2:RAISE"}, status=1, timeout=120)
+    result = train_subprocess("--grid", "pipe=2", *common, "--steps", "6", "--out", str(failed),
+                              env_extra={"PAR4D_FAULTS": "1:2:RAISE"}, status=1, timeout=120)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("par4d train: error: rank 1 failed: RuntimeError: fault"), lines
 
@@ -453,17 +393,17 @@ def test_mixed_precision_run_resumes_in_another_precision(tmp_path, capsys, pool
     common = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--batch-size", "8", "--seq-len", "16",
               "--no-progress"]
     half, full = tmp_path / "half", tmp_path / "full"
-    _alone(_checked("--nproc", "1", *common, "--steps", "6", "--out", str(full), world=1))
+    train_alone(checked_config("--nproc", "1", *common, "--steps", "6", "--out", str(full), world=1))
     capsys.readouterr()
-    _pooled(pool4, "--grid", "pipe=2,x=2", "--precision", "fp16", "--offload-optimizer", "100", *common,
-            "--steps", "4", "--out", str(half))
+    train_pooled(pool4, "--grid", "pipe=2,x=2", "--precision", "fp16", "--offload-optimizer", "100", *common,
+                 "--steps", "4", "--out", str(half))
     assert ("AdamW offloaded to CPU memory in buckets of 100 elements, stepping after the whole all-reduce "
             "(gradient clipping needs the global norm)") in capsys.readouterr().out
     rows = [json.loads(line) for line in (half / "metrics.jsonl").read_text().splitlines()]
     assert [(r["loss_scale"], r["skipped_steps"]) for r in rows] == [(2.0 ** 16, 0)] * 4
-    _pooled(pool4, "--resume", str(half), "--precision", "fp32", "--steps", "6")
+    train_pooled(pool4, "--resume", str(half), "--precision", "fp32", "--steps", "6")
     assert "--precision fp32 replaces the run's fp16 from step 4" in capsys.readouterr().out
-    assert _losses(half) == pytest.approx(_losses(full), rel=1e-2)
+    assert run_losses(half) == pytest.approx(run_losses(full), rel=1e-2)
 
 
 def test_hugging_face_models_train_as_one_rank(tmp_path, capsys, pool4):
@@ -474,25 +414,25 @@ def test_hugging_face_models_train_as_one_rank(tmp_path, capsys, pool4):
     common = ["--n-layer", "2", "--n-embd", "32", "--n-head", "4", "--batch-size", "8", "--seq-len", "16",
               "--no-progress"]
     runs = {name: tmp_path / name for name in ("gpt2-1", "gpt2-4", "gpt2-piped", "llama-1", "llama-4")}
-    _alone(_checked("--model", "hf-gpt2", "--nproc", "1", *common, "--steps", "6", "--out", str(runs["gpt2-1"]),
-                    world=1))
+    train_alone(checked_config("--model", "hf-gpt2", "--nproc", "1", *common, "--steps", "6",
+                               "--out", str(runs["gpt2-1"]), world=1))
     assert "hf-gpt2: Hugging Face's, made parallel by par4d.parallelize" in capsys.readouterr().out
-    pool4.run(_train_in_pool, _checked("--model", "hf-gpt2", "--grid", "x=2,z=2", *common, "--steps", "4",
-                                       "--out", str(runs["gpt2-4"]), world=4))
-    assert _losses(runs["gpt2-4"]) == pytest.approx(_losses(runs["gpt2-1"])[:4], rel=1e-5)
-    pool4.run(_train_in_pool, _checked("--model", "hf-gpt2", "--grid", "pipe=2,x=2", *common, "--steps", "4",
-                                       "--out", str(runs["gpt2-piped"]), world=4))
-    pool4.run(_train_in_pool, _checked("--resume", str(runs["gpt2-piped"]), "--grid", "x=2,z=2", "--steps", "6",
-                                       "--no-progress", world=4))
-    assert _losses(runs["gpt2-piped"]) == pytest.approx(_losses(runs["gpt2-1"]), rel=1e-5)
-    _alone(_checked("--model", "hf-llama", "--nproc", "1", *common, "--steps", "6", "--out", str(runs["llama-1"]),
-                    world=1))
-    pool4.run(_train_in_pool, _checked("--model", "hf-llama", "--grid", "x=2,y=2", *common, "--steps", "4",
-                                       "--out", str(runs["llama-4"]), world=4))
-    resumed = pool4.run(_train_in_pool, _checked("--resume", str(runs["llama-4"]), "--grid", "z=2,data=2",
-                                                 "--steps", "6", "--no-progress", world=4))[0]
+    pool4.run(train_in_pool, checked_config("--model", "hf-gpt2", "--grid", "x=2,z=2", *common, "--steps", "4",
+                                            "--out", str(runs["gpt2-4"]), world=4))
+    assert run_losses(runs["gpt2-4"]) == pytest.approx(run_losses(runs["gpt2-1"])[:4], rel=1e-5)
+    pool4.run(train_in_pool, checked_config("--model", "hf-gpt2", "--grid", "pipe=2,x=2", *common, "--steps", "4",
+                                            "--out", str(runs["gpt2-piped"]), world=4))
+    pool4.run(train_in_pool, checked_config("--resume", str(runs["gpt2-piped"]), "--grid", "x=2,z=2", "--steps", "6",
+                                            "--no-progress", world=4))
+    assert run_losses(runs["gpt2-piped"]) == pytest.approx(run_losses(runs["gpt2-1"]), rel=1e-5)
+    train_alone(checked_config("--model", "hf-llama", "--nproc", "1", *common, "--steps", "6",
+                               "--out", str(runs["llama-1"]), world=1))
+    pool4.run(train_in_pool, checked_config("--model", "hf-llama", "--grid", "x=2,y=2", *common, "--steps", "4",
+                                            "--out", str(runs["llama-4"]), world=4))
+    resumed = pool4.run(train_in_pool, checked_config("--resume", str(runs["llama-4"]), "--grid", "z=2,data=2",
+                                                      "--steps", "6", "--no-progress", world=4))[0]
     assert resumed["grid_changed"] and resumed["start_step"] == 4
-    assert _losses(runs["llama-4"]) == pytest.approx(_losses(runs["llama-1"]), rel=1e-5)
+    assert run_losses(runs["llama-4"]) == pytest.approx(run_losses(runs["llama-1"]), rel=1e-5)
     # Exported as its own GPT-2 and started from on one rank: its first loss is what transformers computes
     import torch
     from transformers import GPT2LMHeadModel
@@ -501,13 +441,14 @@ def test_hugging_face_models_train_as_one_rank(tmp_path, capsys, pool4):
 
     exported, again = tmp_path / "exported", tmp_path / "again"
     assert main(["export", "--run", str(runs["gpt2-4"]), "--to", "hf", str(exported)]) == 0
-    _alone(_checked("--model", "hf-gpt2", "--init-from", "hf", str(exported), "--nproc", "1", "--batch-size", "8",
-                    "--seq-len", "16", "--steps", "1", "--seed", "5", "--no-progress", "--out", str(again), world=1))
+    train_alone(checked_config("--model", "hf-gpt2", "--init-from", "hf", str(exported), "--nproc", "1",
+                               "--batch-size", "8", "--seq-len", "16", "--steps", "1", "--seed", "5", "--no-progress",
+                               "--out", str(again), world=1))
     model = GPT2LMHeadModel.from_pretrained(exported).eval()
     inputs, targets = Batches(as_tokens(read_corpus(None, 16)), 16, 8, seed=5).train_batch(0)
     with torch.no_grad():
         want = torch.nn.functional.cross_entropy(model(inputs).logits.reshape(-1, 256), targets.reshape(-1)).item()
-    assert _losses(again)[0] == pytest.approx(want, abs=1e-5)
+    assert run_losses(again)[0] == pytest.approx(want, abs=1e-5)
 
 
 def test_a_hugging_face_model_too_big_for_the_machine_is_refused_with_its_own_count(tmp_path, capsys):
@@ -516,7 +457,7 @@ def test_a_hugging_face_model_too_big_for_the_machine_is_refused_with_its_own_co
     import torch
 
     from par4d.train.config import TrainConfig
-    from par4d.train.model import hf_lm
+    from par4d.train.recipes.hf import hf_lm
 
     sizes = ["--n-layer", "64", "--n-embd", "16384", "--n-head", "16", "--seq-len", "16"]
     with torch.device("meta"):
@@ -550,14 +491,14 @@ def test_unet_trains_as_one_rank_and_resumes_on_another_grid(tmp_path, capsys, p
     to 6: the same losses to fp32 rounding, with a validation loss, checkpoints and a summary as the GPT's.
     What does not apply to the U-Net is refused by name."""
     alone, split = tmp_path / "alone", tmp_path / "split"
-    _alone(_checked(*UNET, "--nproc", "1", "--steps", "6", "--out", str(alone), world=1))
+    train_alone(checked_config(*UNET, "--nproc", "1", "--steps", "6", "--out", str(alone), world=1))
     printed = capsys.readouterr().out
     assert "unet: par4d's U-Net" in printed and "pixels/s" in printed and "Eq 3" not in printed, printed
-    pool4.run(_train_in_pool, _checked(*UNET, "--grid", "x=2,z=2", "--steps", "3", "--out", str(split), world=4))
-    resumed = pool4.run(_train_in_pool, _checked("--resume", str(split), "--grid", "y=2,data=2", "--steps", "6",
-                                                 "--no-progress", world=4))[0]
+    pool4.run(train_in_pool, checked_config(*UNET, "--grid", "x=2,z=2", "--steps", "3", "--out", str(split), world=4))
+    resumed = pool4.run(train_in_pool, checked_config("--resume", str(split), "--grid", "y=2,data=2", "--steps", "6",
+                                                      "--no-progress", world=4))[0]
     assert resumed["grid_changed"] and resumed["start_step"] == 3
-    assert _losses(split) == pytest.approx(_losses(alone), rel=1e-5)
+    assert run_losses(split) == pytest.approx(run_losses(alone), rel=1e-5)
     one = json.loads((alone / "summary.json").read_text())
     assert resumed["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5)
     assert one["overlap"] == resumed["overlap"] == "oar,ors,oag,dp,xy"   # all but the cache (no recompute)
@@ -578,17 +519,17 @@ def test_the_overlaps_asked_for_reach_every_model_and_a_pipeline_reports_what_ra
     """The layer overlaps (OAR, ORS, OAG) reach the U-Net and the Hugging Face models as they reach par4d's
     GPT (tests/test_overlap_models.py proves them bitwise): what is asked is what the model gets, silently."""
     from par4d.grid import Grid
-    from par4d.train.model import build_model
+    from par4d.train.recipes import build_model
 
     for args in (UNET, ["--model", "hf-gpt2", *SMALL]):
-        config = _checked(*args, "--overlap", "oar,ors,dp", "--out", "unused", world=1)
+        config = checked_config(*args, "--overlap", "oar,ors,dp", "--out", "unused", world=1)
         assert config.overlap_settings().names == ("oar", "ors", "dp") and capsys.readouterr().out == ""
         model = build_model(config, Grid.virtual({"x": 1, "y": 1, "z": 1, "data": 1, "pipe": 1}))
-        assert model.par4d_overlap == config.overlap_settings() and model.par4d_runtime is not None
+        assert par4d.state(model).overlap == config.overlap_settings() and par4d.state(model).runtime is not None
         assert config.overlap_run() == config.overlap_settings()
     # A pipeline's stages run outside the model's forward and the armed backward: only OAR and xy act, and the run
     # says so before it starts; what it reports is what ran.
-    piped = _checked(*SMALL, "--n-layer", "2", "--grid", "pipe=2", "--overlap", "all", "--out", "unused", world=2)
+    piped = checked_config(*SMALL, "--n-layer", "2", "--grid", "pipe=2", "--overlap", "all", "--out", "unused", world=2)
     assert piped.overlap_run().names == ("oar", "xy")
     assert piped.overlap_settings().names == ("oar", "ors", "oag", "dp", "xy")
     assert ("--grid pipe=2: --overlap ors,oag,dp do not act with a pipeline yet" in capsys.readouterr().out)

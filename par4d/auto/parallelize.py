@@ -51,6 +51,7 @@ from par4d.nn.batchnorm import BATCH_AXES, BatchNorm
 from par4d.nn.conv import Conv2d
 from par4d.nn.embedding import Embedding
 from par4d.nn.linear import Linear
+from par4d.parallel import state
 
 TREATMENTS = ("normal", "transposed", "replicated")
 ELEMENTWISE = (nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Identity, nn.Dropout, nn.LeakyReLU)
@@ -274,15 +275,15 @@ def _forced(name: str, force: dict[str, str]) -> str | None:
 def parallelize(model: nn.Module, grid: Grid, *, force: dict[str, str] | None = None,
                 example: tuple | dict | None = None, report: bool = False, shard_stream: bool = True) -> nn.Module:
     """Replace ``model``'s ``nn.Linear`` layers (in place) by par4d's, keeping names and values;
-    returns the model, whose ``par4d_plan`` lists every layer's :class:`Treatment`.
+    returns the model, whose ``par4d.state(model).plan`` lists every layer's :class:`Treatment`.
 
     ``force``: {name pattern (fnmatch): normal, transposed or replicated}, the last match
     wins; a forced normal or transposed layer is a lone one (whole features around it).
     ``example``: the inputs of one step's whole batch, ``model(*example)`` or
     ``model(**example)`` (meta tensors will do): the plan then has each layer's collectives
-    per step (:mod:`par4d.auto.messages`), and ``model.par4d_sync`` the data-parallel sums.
+    per step (:mod:`par4d.auto.messages`), and the state's ``sync_messages`` the data-parallel sums.
     ``report``: print the plan. ``shard_stream``: shard the residual stream over y where par4d knows
-    every use of it (:mod:`par4d.auto.stream`; False: keep it whole, the plan's ``par4d_stream`` is 1).
+    every use of it (:mod:`par4d.auto.stream`; False: keep it whole, the state's ``stream`` is 1).
     A layer whose sizes the grid does not divide raises, naming the layer and the numbers (force it
     ``replicated`` to keep it whole)."""
     force = dict(force or {})
@@ -324,9 +325,10 @@ def parallelize(model: nn.Module, grid: Grid, *, force: dict[str, str] | None = 
             plan.append(Treatment(name, kind, why, messages=messages))
             continue
         layer = _replacement(module, name, kind, roles.get(name), grid, stream)
-        state = dict(module.named_parameters(recurse=False))
+        weights = dict(module.named_parameters(recurse=False))
         if not module.weight.is_meta:          # on the meta device: its shards are loaded next (load_safetensors)
-            layer.load_full_state({k: v.detach().to(layer.weight.device, layer.weight.dtype) for k, v in state.items()})
+            layer.load_full_state({k: v.detach().to(layer.weight.device, layer.weight.dtype)
+                                   for k, v in weights.items()})
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer)
         messages = tuple(layer_messages(layer, seen[name], grid.sizes)) if seen else ()
@@ -348,11 +350,12 @@ def parallelize(model: nn.Module, grid: Grid, *, force: dict[str, str] | None = 
     for param in model.parameters():
         if placement_of(param) is None:        # whole on every rank: its gradient is summed over z and data
             place(param, REPLICATED)
-    model.par4d_plan = plan
-    model.par4d_stream = grid.size("y") if stream else 1     # the residual stream's features cut in this many
-    model.par4d_sync = tuple(sync_messages(model, grid.sizes)) if seen else ()
+    parallel = state(model)
+    parallel.plan = plan
+    parallel.stream = grid.size("y") if stream else 1     # the residual stream's features cut in this many
+    parallel.sync_messages = tuple(sync_messages(model, grid.sizes)) if seen else ()
     if report:
-        print(plan_table(plan, model.par4d_sync, grid.sizes, counted=bool(seen)))
+        print(plan_table(plan, parallel.sync_messages, grid.sizes, counted=bool(seen)))
     return model
 
 

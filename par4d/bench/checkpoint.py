@@ -2,12 +2,12 @@
 
 One job of N ranks (default 4), in turns for ``--repeats`` rounds:
 
-* par4d: the GPT (:func:`par4d.train.model.build_gpt`) on grid A (default ``x=2,z=2``)
+* par4d: the GPT (:func:`par4d.train.recipes.gpt.build_gpt`) on grid A (default ``x=2,z=2``)
   takes one AdamW step (so its optimizer state exists) and is saved
   (:func:`par4d.train.checkpoint.save`); grid A is closed, the model built again on grid B
   (default ``z=2,data=2``, other initial weights) with a fresh AdamW, and
   :func:`par4d.train.checkpoint.load` is timed: it must reshard A's pieces onto B.
-* torch: the same model's plain-PyTorch twin (:func:`par4d.train.model.build_reference`)
+* torch: the same model's plain-PyTorch twin (:func:`par4d.train.recipes.gpt.build_reference`)
   sharded with FSDP2 (``fully_shard`` per block and root) over all N ranks takes one
   AdamW step and is saved with ``dcp.save`` of ``get_state_dict(model, optimizer)``; then
   the twin is built again as HSDP (FSDP2 on the (2, N/2) mesh of ``par4d bench peers``:
@@ -80,7 +80,7 @@ from par4d.models import GPTConfig
 from par4d.overlap import Overlap
 from par4d.train import checkpoint
 from par4d.train.config import TrainConfig
-from par4d.train.model import build_gpt, build_reference
+from par4d.train.recipes.gpt import build_gpt, build_reference
 from par4d.train.step import train_step
 
 STEP_TOKENS = 16          # tokens per sequence of the one training step before the save (values only: not timed)
@@ -272,7 +272,7 @@ def _par4d_round(bench: CheckpointBench, folder: Path) -> tuple[dict, dict]:
     model = build_gpt(bench.config, grid, overlap=overlap)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     inputs, targets = _step_batch(bench.config, bench.world)
-    train_step(model, optimizer, grid, model, shard_batch(grid, inputs), shard_batch(grid, targets))
+    train_step(model, optimizer, grid, (shard_batch(grid, inputs), shard_batch(grid, targets)))
     expected = _par4d_state(grid, model, optimizer)
     save: dict = {}
     with _measured(save):

@@ -205,8 +205,8 @@ def _row(name: str, sizes: dict, timed: _Timed, per_rank_bytes: float, source: s
 def _bench_par4d(model: str, sizes: dict, workload: Workload, settings: PeersSettings, hierarchical: str,
                  shard_stream: bool = True) -> dict:
     from par4d.auto import parallelize
+    from par4d.auto.causal_lm import CausalLM
     from par4d.overlap import Overlap, set_overlap
-    from par4d.train.model import CausalLM
     from par4d.train.step import train_step
 
     grid = init(**sizes, hierarchical=hierarchical)
@@ -218,7 +218,7 @@ def _bench_par4d(model: str, sizes: dict, workload: Workload, settings: PeersSet
     x, y = shard_batch(grid, inputs), shard_batch(grid, targets)
 
     def step() -> torch.Tensor:
-        return train_step(net, optimizer, grid, net, x, y)
+        return train_step(net, optimizer, grid, (x, y))
 
     before = grid.ledger.total_bytes()
     timed = _time(step, net, optimizer, settings.iters)

@@ -48,7 +48,7 @@ from par4d.models import GPT, GPTConfig, ReferenceGPT
 from par4d.optim.data_parallel import global_mean
 from par4d.optim.precision import MixedPrecision
 from par4d.overlap import Overlap, set_overlap
-from par4d.train.model import build_gpt
+from par4d.train.recipes.gpt import build_gpt
 from par4d.train.step import train_step
 
 ROWS = ("par4d offload", "par4d offload, dp off", "par4d bf16", "torch FSDP2 CPU offload")
@@ -83,8 +83,7 @@ def _par4d(bench: OffloadBench, grid: Grid, offload: bool, dp: bool) -> tuple[Ca
     x, y = shard_batch(grid, inputs), shard_batch(grid, targets)
 
     def step(after_backward=None) -> torch.Tensor:
-        return train_step(model, None, grid, model, x, y, grad_clip=0.0, precision=precision,
-                          after_backward=after_backward)
+        return train_step(model, precision, grid, (x, y), after_backward=after_backward)
 
     held: list[int] = []
     first = float(global_mean(step(), grid))

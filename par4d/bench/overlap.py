@@ -87,12 +87,12 @@ def bench_worker(bench: OverlapBench) -> list[dict]:
         for name, switches in ROWS:
             set_overlap(model, _settings(switches, bench.prefetch))
             gradient_sync(model, grid)                       # rebuild the buckets for these settings
-            train_step(model, optimizer, grid, model, x, y)   # warm-up: records the gather order (OAG)
+            train_step(model, optimizer, grid, (x, y))   # warm-up: records the gather order (OAG)
             for _ in range(bench.iters):
                 dist.barrier()
                 with grid.ledger.capture() as entries:
                     began = time.perf_counter()
-                    train_step(model, optimizer, grid, model, x, y)
+                    train_step(model, optimizer, grid, (x, y))
                     seconds = time.perf_counter() - began
                 times[name].append(seconds)
                 exposed[name].append(sum(e.seconds for e in entries))

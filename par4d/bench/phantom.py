@@ -95,7 +95,7 @@ def _run_scheme(settings: CompareSettings, grid, scheme: str, k: int | None) -> 
         dist.barrier()
         start, waited, sent = time.perf_counter(), grid.ledger.total_seconds(), grid.ledger.total_bytes()
         with grid.ledger.capture() as captured:
-            train_step(model, opt, grid, mse, inp, target)
+            train_step(model, opt, grid, (inp, target), loss=mse)
         times.append(time.perf_counter() - start)
         comm_s.append(grid.ledger.total_seconds() - waited)
         comm_b.append(grid.ledger.total_bytes() - sent)

@@ -10,7 +10,7 @@ rows alike:
   ``after_backward`` hook: :func:`par4d.pipeline.run_pipeline` (no fixed schedule: a stage runs
   whatever message arrives first, at most ``pipe`` microbatches in flight), the gradient sync
   (nothing to sum on a pipe-only grid) and an AdamW step, on par4d's GPT
-  (:func:`par4d.train.model.build_gpt`).
+  (:func:`par4d.train.recipes.gpt.build_gpt`).
 * ``torch GPipe`` and ``torch 1F1B``: par4d's plain-PyTorch twin (:func:`build_reference`) cut
   at the same boundaries (``wte``/``wpe`` on stage 0, ``blocks[i]`` of the stage's range,
   ``ln_f``/``head`` on the last stage, cross-entropy as the schedule's ``loss_fn``), wrapped in
@@ -106,7 +106,7 @@ from par4d.grid import Grid
 from par4d.launch import init
 from par4d.launch.machine import threads_per_rank
 from par4d.models import GPT, GPTConfig
-from par4d.train.model import build_gpt, build_reference
+from par4d.train.recipes.gpt import build_gpt, build_reference
 from par4d.train.step import train_step
 
 SCHEDULES = (("torch GPipe", "ScheduleGPipe"), ("torch 1F1B", "Schedule1F1B"))
@@ -281,7 +281,7 @@ class _Par4dRow(_Row):
         def after_backward(stats) -> None:    # the pipeline's order, and its end before the sync and step
             seen.update(stats=stats, piped=time.perf_counter() - began)
 
-        loss = train_step(self.module, self.opt, self.grid, self.module, x, y, microbatches=self.bench.microbatches,
+        loss = train_step(self.module, self.opt, self.grid, (x, y), microbatches=self.bench.microbatches,
                           after_backward=after_backward)
         stats, piped = seen["stats"], seen["piped"]
         events = clock.end()

@@ -7,8 +7,9 @@ import argparse
 import signal
 from pathlib import Path
 
-from par4d.train.config import IMAGE_CHANNELS, MODELS
 from par4d.train.configure import DEFAULT_NPROC, default
+from par4d.train.recipes import MODELS
+from par4d.train.recipes.unet import IMAGE_CHANNELS
 from par4d.train.report import say
 
 

@@ -1,4 +1,4 @@
-"""Training data as token ids (issue 27): Hugging Face tokenizers, datasets prepared once into
+"""Training data as token ids (docs/data.md): Hugging Face tokenizers, datasets prepared once into
 memory-mapped token shards and read a window at a time.
 
 * :mod:`par4d.data.tokenizer`: a ``tokenizer.json`` (or a model folder holding one), checked and hashed.

@@ -29,6 +29,7 @@ from par4d.nn.base import ShardedModule, full_state_dict, load_full_state_dict
 from par4d.nn.recompute import run_blocks
 from par4d.overlap.apply import set_overlap
 from par4d.overlap.policy import Overlap
+from par4d.parallel import state
 
 MLPFactory = Callable[[GPTConfig, Grid, str], nn.Module]
 """``factory(config, grid, name)``: a block's MLP, residual layout (features over y) in and out."""
@@ -70,7 +71,7 @@ class GPT(nn.Module):
 
     ``mlp``: the factory of each block's MLP (default :class:`DenseMLP`); a config with
     ``mlp="phantom"`` needs :class:`par4d.phantom.PhantomMLP` (or build the model with
-    :func:`par4d.train.model.build_gpt`, which picks the factory the config names).
+    :func:`par4d.train.recipes.gpt.build_gpt`, which picks the factory the config names).
 
     ``overlap``: the overlaps of its collectives (None: every one, ``Overlap()``;
     ``Overlap.none()``: synchronous); ``par4d.overlap.set_overlap`` changes them later.
@@ -84,7 +85,7 @@ class GPT(nn.Module):
         if mlp is None:
             if config.mlp != "dense":
                 raise ValueError(f"GPTConfig.mlp={config.mlp!r} needs its MLP factory: pass "
-                                 f"mlp=par4d.phantom.PhantomMLP, or build with par4d.train.model.build_gpt")
+                                 f"mlp=par4d.phantom.PhantomMLP, or build with par4d.train.recipes.gpt.build_gpt")
             mlp = DenseMLP
         stages = config.stage_blocks(grid.size("pipe"))
         for blocks in stages:
@@ -136,8 +137,8 @@ class GPT(nn.Module):
             if seq > self.config.block_size:
                 raise ValueError(f"sequence length {seq} exceeds block_size={self.config.block_size}")
             h = self.wte(inputs) + self.wpe(torch.arange(seq, device=inputs.device))   # (B, T, D/G_y)
-        h = run_blocks(list(self.blocks.values()), h, self.recompute, self.par4d_runtime,
-                       getattr(self, "par4d_observe_recompute", None))
+        parallel = state(self)
+        h = run_blocks(list(self.blocks.values()), h, self.recompute, parallel.runtime, parallel.observe_recompute)
         if not self.last:
             return h
         logits = self.head(self.ln_f(h))                                              # (B, T, V/G_x)

@@ -63,8 +63,8 @@ class ReferenceGPT(nn.Module):
         super().__init__()
         if mlp is None:
             if config.mlp != "dense":
-                raise ValueError(f"GPTConfig.mlp={config.mlp!r} needs its twin MLP factory: pass "
-                                 f"mlp=par4d.phantom.PhantomMLPTwin, or build with par4d.train.model.build_reference")
+                raise ValueError(f"GPTConfig.mlp={config.mlp!r} needs its twin MLP factory: pass mlp=par4d.phantom."
+                                 f"PhantomMLPTwin, or build with par4d.train.recipes.gpt.build_reference")
             mlp = _MLP
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)

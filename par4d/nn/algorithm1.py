@@ -142,9 +142,9 @@ class Algorithm1(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_w = layer.local_weight_grad(grad_out, inp, w)  # partial over z
             in_out = layer.weight_layout == "in_out"
-            if overlap and overlap.reduce_scatter and runtime.deferred.armed and grid.size("z") > 1:
-                # ORS: autograd gets no gradient here; the runtime accumulates it after backward.
-                runtime.deferred.defer(layer.weight, comm.reduce_scatter(grid, grad_w, "z", async_op=True), in_out)
+            if overlap and overlap.reduce_scatter:
+                # ORS: inside the step's backward the runtime defers it (None here) and accumulates it after.
+                grad_w_shard = runtime.deferred.reduce_scatter(grid, layer, grad_w, in_out)
             else:
                 grad_w_shard = comm.reduce_scatter(grid, grad_w, "z")
                 grad_w_shard = grad_w_shard.t() if in_out else grad_w_shard

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,6 +26,7 @@ from par4d import comm
 from par4d.grid import TENSOR_AXES, Grid
 from par4d.layout import Placement, placement_of
 from par4d.overlap.policy import BUCKET_MB, Overlap
+from par4d.parallel import state
 
 if TYPE_CHECKING:
     from par4d.overlap.runtime import DeferredGrads
@@ -74,10 +76,10 @@ class GradientSync:
     cut at ``bucket_bytes`` (the first at 1 MB, as DDP's). The synchronous path and the overlapped one use the same
     buckets, so they add the same numbers in the same order (the same bits).
 
-    Overlapped (``overlap=True``, between :meth:`arm` of the step's last backward pass and
-    :meth:`finish`): a gradient hook marks each parameter ready as autograd accumulates its
-    gradient (the earlier microbatches' included); a bucket whose
-    parameters are all ready is all-reduced asynchronously while backward goes on.
+    Overlapped (``overlap=True``, inside :meth:`backward` around the step's last backward pass): a
+    gradient hook marks each parameter ready as autograd accumulates its gradient (the earlier
+    microbatches' included); a bucket whose parameters are all ready is all-reduced asynchronously
+    while backward goes on.
     Buckets of one group are launched strictly in order (every rank of the group issues
     the same collectives in the same order). Gradients that arrive outside autograd's
     accumulation (ORS's deferred reduce-scatters) are picked up by :meth:`finish`.
@@ -99,9 +101,9 @@ class GradientSync:
         self.tied = [p for p in model.parameters() if p.requires_grad and placement_of(p).pipe_peer]
         self.scaled_only = grouped.pop((), [])
         self.groups = {axes: [_Bucket(b) for b in _buckets(ps, bucket_bytes)] for axes, ps in sorted(grouped.items())}
-        self._armed = False
+        self._armed = False                  # inside the step's last backward pass (:meth:`backward`)
         self.trained = tuple((id(p), p.requires_grad) for p in model.parameters())   # what the buckets hold
-        self.reduce_dtype: torch.dtype | None = getattr(model, "par4d_reduce_dtype", None)
+        self.reduce_dtype: torch.dtype | None = state(model).reduce_dtype
         self.early_launches = 0              # buckets launched from hooks, during backward
         self.peak_buffer_bytes = 0           # the most the flattened buckets in flight held at once
         self._hooks: list = []
@@ -123,20 +125,24 @@ class GradientSync:
         if self.deferred is not None and self._on_deferred in self.deferred.listeners:
             self.deferred.listeners.remove(self._on_deferred)
 
-    def arm(self, last: bool = True) -> None:
-        """The next backward pass is the training step's: defer its reduce-scatters (ORS) and, if it is
-        the ``last`` (or only) one of the step, launch buckets as they fill. Earlier ones (gradient
-        accumulation over microbatches) only add to ``.grad``: the sum over data (and z) runs once, over
-        the accumulated gradients. State a raised backward left behind is dropped."""
+    @contextmanager
+    def backward(self, last: bool = True) -> Iterator[None]:
+        """Around one of the training step's backward passes: its reduce-scatters are deferred (ORS)
+        and, if it is the ``last`` (or only) one of the step, buckets launch as they fill. Earlier ones
+        (gradient accumulation over microbatches) only add to ``.grad``: the sum over data (and z) runs
+        once, over the accumulated gradients. State a raised backward left behind is dropped first."""
         for buckets in self.groups.values():
             for bucket in buckets:
                 if bucket.handle is not None:
                     bucket.handle.wait()
                 bucket.ready.clear()
                 bucket.flat, bucket.grads, bucket.handle = None, [], None
-        if self.deferred is not None:
-            self.deferred.arm()
         self._armed = self.overlap and last
+        try:
+            with self.deferred.collecting() if self.deferred is not None else nullcontext():
+                yield
+        finally:
+            self._armed = False
 
     def _on_grad(self, param: torch.Tensor) -> None:
         if not self._armed or (self.deferred is not None and self.deferred.owes(param)):
@@ -244,26 +250,22 @@ class GradientSync:
 
 
 def gradient_sync(model: nn.Module, grid: Grid) -> GradientSync:
-    """The model's :class:`GradientSync`, built on first use with the model's overlap
-    settings (``par4d.overlap.set_overlap``), or DDP's default for a model that has none (its
-    buckets all-reduced during backward, ``Overlap()``)."""
-    if "par4d_overlap" in vars(model):    # set_overlap was called (None: synchronous)
-        settings = model.par4d_overlap or Overlap.none()
-    else:
-        settings = Overlap()
-    runtime = getattr(model, "par4d_runtime", None)
-    sync = getattr(model, "par4d_gradient_sync", None)
-    deferred = runtime.deferred if runtime is not None else None
+    """The model's :class:`GradientSync` (its :class:`~par4d.parallel.ParallelState`'s), built on first
+    use with the model's overlap settings (``par4d.set_overlap``), or DDP's default for a model that
+    has none (its buckets all-reduced during backward, ``Overlap()``)."""
+    parallel = state(model)
+    settings = parallel.overlap if parallel.overlap is not None else Overlap()
+    deferred = parallel.runtime.deferred if parallel.runtime is not None else None
     # Which parameters train is part of the buckets: unfreezing one, or replacing one, rebuilds them.
     trained = tuple((id(p), p.requires_grad) for p in model.parameters())
-    wanted = (grid, settings.bucket_bytes, settings.data_parallel, deferred, trained,
-              getattr(model, "par4d_reduce_dtype", None))
+    wanted = (grid, settings.bucket_bytes, settings.data_parallel, deferred, trained, parallel.reduce_dtype)
+    sync = parallel.sync
     if sync is None or (sync.grid, sync.bucket_bytes, sync.overlap, sync.deferred, sync.trained,
                         sync.reduce_dtype) != wanted:
         if sync is not None:       # the settings changed (set_overlap): rebuild the buckets and hooks
             sync.close()
         sync = GradientSync(model, grid, settings.bucket_bytes, settings.data_parallel, deferred)
-        model.par4d_gradient_sync = sync
+        parallel.sync = sync
     return sync
 
 

@@ -1,4 +1,10 @@
-"""Mixed precision (the async-pipeline paper's Section V-B): the model's parameters and
+"""Precision policies: what a training step does once backward is done. Finishing the
+data-parallel sync, clipping, stepping (offloaded or not), zeroing the gradients and the loss
+scale are one method, :meth:`Precision.step`, of the run's policy; fp32 is a policy like the others.
+
+:class:`FullPrecision` (fp32): the model's own parameters are stepped by the user's optimizer.
+
+:class:`MixedPrecision` (the async-pipeline paper's Section V-B): the model's parameters and
 gradients in a compute dtype (bf16 or fp16), fp32 master weights and their optimizer state
 beside them, and for fp16 a dynamic loss scale.
 
@@ -10,9 +16,9 @@ masters, and, if any is inf or NaN on any rank, skips the step and halves the sc
 model. After ``growth_interval`` good steps in a row the scale doubles. bf16 has fp32's
 range: its scale stays 1 and a non-finite gradient is an error, as in fp32.
 
-Checkpoints hold the masters (:attr:`MixedPrecision.masters` looks like a model to
-:mod:`par4d.train.checkpoint`: the same names and placements), so a run saved in one
-precision resumes in any other.
+Checkpoints hold a policy's ``masters`` (the model itself in fp32; mixed precision's fp32 copy,
+which looks like a model to :mod:`par4d.train.checkpoint`: the same names and placements), so a
+run saved in one precision resumes in any other.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from par4d.grid import Grid
 from par4d.layout import place, placement_of
 from par4d.optim.data_parallel import GradientSync, clip_factor, clip_grad_norm_, grad_norm
 from par4d.optim.offload import OffloadedAdamW
+from par4d.parallel import state
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 INITIAL_SCALE = 2.0 ** 16     # fp16's scale at the start (halved on every overflow)
@@ -44,6 +51,18 @@ def parse_precision(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"--precision {name!r}: give one of {', '.join(DTYPES)}")
     return DTYPES[name]
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the storages behind ``tensors`` (other values skipped), each storage counted once."""
+    seen, total = set(), 0
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.numel():
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total
 
 
 class Masters:
@@ -64,7 +83,69 @@ class Masters:
         return (p for _, p in self._named)
 
 
-class MixedPrecision:
+class Precision:
+    """What every policy gives the step and the run: ``dtype`` (the model computes in it), ``scale``
+    (the loss is multiplied by it before backward), ``masters`` (what checkpoints save and load),
+    ``optimizer`` (what steps them), ``grad_norm`` (the last step's global norm, where clipping
+    computed it), and :meth:`step`."""
+
+    dtype: torch.dtype
+    scale: float
+    masters: nn.Module | Masters
+    optimizer: torch.optim.Optimizer
+    grad_norm: torch.Tensor | None
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The optimizer's groups (the run sets each step's learning rate there)."""
+        return self.optimizer.param_groups
+
+    def step(self, sync: GradientSync, grad_clip: float = 0.0) -> bool:
+        """Finish the gradient ``sync``, clip to ``grad_clip`` (0: no clipping), step, zero the
+        gradients; False for a step skipped (fp16 overflow)."""
+        raise NotImplementedError
+
+    def describe(self, grad_clip: float, overlap: bool = True) -> str:
+        """The optimizer in a line, for the run's summary (``overlap``: the sync's ``dp`` switch)."""
+        raise NotImplementedError
+
+    def metrics(self) -> dict:
+        """What a run records of the policy per step."""
+        return {}
+
+    def optimizer_device_bytes(self) -> int:
+        """Bytes the optimizer side holds on the device."""
+        raise NotImplementedError
+
+    def load_masters(self) -> None:
+        """The model's parameters from the masters (after a checkpoint filled them)."""
+
+
+class FullPrecision(Precision):
+    """fp32: ``optimizer`` steps ``model``'s own parameters, which are also what checkpoints save."""
+
+    def __init__(self, model: nn.Module, grid: Grid, optimizer: torch.optim.Optimizer):
+        self.model, self.grid, self.optimizer = model, grid, optimizer
+        self.dtype, self.scale, self.masters, self.grad_norm = torch.float32, 1.0, model, None
+
+    @torch.no_grad()
+    def step(self, sync: GradientSync, grad_clip: float = 0.0) -> bool:
+        sync.finish()                       # after backward: sums what is still partial over data (and z)
+        self.grad_norm = None
+        if grad_clip > 0:                   # after the sync: the norm is that of the global batch's gradient
+            self.grad_norm = clip_grad_norm_(self.model, grad_clip, self.grid)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return True
+
+    def describe(self, grad_clip: float, overlap: bool = True) -> str:
+        return f"{type(self.optimizer).__name__} (fp32)"
+
+    def optimizer_device_bytes(self) -> int:
+        return storage_bytes(t for s in self.optimizer.state.values() for t in s.values())
+
+
+class MixedPrecision(Precision):
     """Master weights, optimizer and loss scale of ``model``: the masters are copied from it as
     it is (fp32), then the model is cast to the compute ``dtype`` in place.
 
@@ -80,7 +161,7 @@ class MixedPrecision:
         if dtype not in DTYPES.values():
             raise ValueError(f"mixed precision computes in {', '.join(DTYPES)}, not {dtype}")
         self.model, self.grid, self.dtype = model, grid, dtype
-        model.par4d_reduce_dtype = torch.float32 if reduce_in_fp32 and dtype != torch.float32 else None
+        state(model).reduce_dtype = torch.float32 if reduce_in_fp32 and dtype != torch.float32 else None
         self.masters = Masters(model, torch.device("cpu") if offload_bsize else None)
         model.to(dtype)               # in place: the same parameter objects
         self._master_of = {id(p): m for p, m in zip(model.parameters(), self.masters.parameters())}
@@ -104,7 +185,6 @@ class MixedPrecision:
         return self.offloaded and overlap and grad_clip == 0 and self.dtype != torch.float16
 
     def describe(self, grad_clip: float, overlap: bool = True) -> str:
-        """The optimizer in a line, for the run's summary (``overlap``: the ``dp`` switch)."""
         name = str(self.dtype).removeprefix("torch.")
         if not self.offloaded:
             return f"AdamW on fp32 masters beside the {name} model"
@@ -163,6 +243,10 @@ class MixedPrecision:
         self._clear(pairs)
         return not found.item()
 
+    def metrics(self) -> dict:
+        """fp16's loss scale, and the steps it skipped for inf/NaN gradients."""
+        return {"loss_scale": self.scale, "skipped_steps": self.skipped}
+
     def _pairs(self, params) -> list[tuple[nn.Parameter, nn.Parameter]]:
         """(parameter, its master) for each of ``params`` with a gradient."""
         return [(p, self._master_of[id(p)]) for p in params if p.grad is not None]
@@ -202,6 +286,5 @@ class MixedPrecision:
 
     @torch.no_grad()
     def load_masters(self) -> None:
-        """The model's parameters from the masters (after a checkpoint filled them)."""
         for param, master in zip(self.model.parameters(), self.masters.parameters()):
             param.copy_(master)

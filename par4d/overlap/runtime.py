@@ -162,34 +162,50 @@ class WeightGathers:
 class DeferredGrads:
     """ORS: weight-gradient reduce-scatters waited for when the backward pass is done.
 
-    Only in an armed backward (:meth:`arm`: each of the training step's backward passes,
-    one per microbatch), so ``torch.autograd.grad``, ``backward(inputs=...)`` and other
-    backward passes keep autograd's meaning. Autograd still runs the parameter's
+    Only inside the training step's backward passes (:meth:`collecting`, entered by the
+    data-parallel sync around each, one per microbatch), so ``torch.autograd.grad``,
+    ``backward(inputs=...)`` and other backward passes keep autograd's meaning. Autograd still runs the parameter's
     accumulation (with no gradient), so gradient hooks fire before the gradient exists:
     :meth:`owes` tells such a hook to wait, and ``listeners`` hear of the parameters once
     :meth:`finish` has written them. A backward that raised leaves handles behind: the next
-    :meth:`arm` waits for and drops them.
+    :meth:`collecting` waits for and drops them.
     """
 
     def __init__(self) -> None:
-        self.armed = False
+        self._collecting = False
         self._pending: list[tuple[torch.Tensor, Handle, bool]] = []
         self._owed: set[int] = set()
         self._task: int | None = None     # the autograd graph task whose end runs finish()
         self.listeners: list[Callable[[list[torch.Tensor]], None]] = []
         self.deferred = 0                 # reduce-scatters deferred so far
 
-    def arm(self) -> None:
-        """The next backward pass is one of the training step's: defer its reduce-scatters."""
+    @contextmanager
+    def collecting(self) -> Iterator[None]:
+        """Around one of the training step's backward passes: its reduce-scatters are deferred."""
         for _, handle, _ in self._pending:    # left by a backward that raised
             handle.wait()
         self._pending, self._task = [], None
         self._owed.clear()
-        self.armed = True
+        self._collecting = True
+        try:
+            yield
+        finally:
+            self._collecting = False
 
-    def defer(self, param: torch.Tensor, handle: Handle, transposed: bool = False) -> None:
-        """Call from a backward function: ``handle``'s result is ``param``'s gradient (its
-        transpose if ``transposed``: a weight stored (in, out))."""
+    def reduce_scatter(self, grid: Grid, layer: Algorithm1Layer, grad_w: torch.Tensor,
+                       transposed: bool) -> torch.Tensor | None:
+        """The weight gradient's reduce-scatter over z for ``layer``'s backward: deferred (ORS,
+        None returned: autograd gets no gradient, :meth:`finish` writes it) inside a step's
+        backward on a grid with z > 1, else done now and returned (transposed back if stored (in, out))."""
+        if self._collecting and grid.size("z") > 1:
+            self._defer(layer.weight, comm.reduce_scatter(grid, grad_w, "z", async_op=True), transposed)
+            return None
+        shard = comm.reduce_scatter(grid, grad_w, "z")
+        return shard.t() if transposed else shard
+
+    def _defer(self, param: torch.Tensor, handle: Handle, transposed: bool = False) -> None:
+        """``handle``'s result is ``param``'s gradient (its transpose if ``transposed``: a weight
+        stored (in, out))."""
         task = torch._C._current_graph_task_id()
         if task != self._task:            # once per backward pass, at its end
             Variable._execution_engine.queue_callback(self.finish)
@@ -206,7 +222,7 @@ class DeferredGrads:
     def finish(self) -> None:
         """Wait for every deferred reduce-scatter and accumulate as autograd would: the
         contributions to one parameter summed in arrival order, then added to ``.grad``."""
-        pending, self._pending, self._task, self.armed = self._pending, [], None, False
+        pending, self._pending, self._task = self._pending, [], None
         sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for param, handle, transposed in pending:
             grad = handle.wait()

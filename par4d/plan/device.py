@@ -122,7 +122,7 @@ def _par4d_step(case: StepCase, device: torch.device, dtype: torch.dtype, iters:
     ``offload_bsize``, its masters and AdamW state in CPU memory, stepped that many elements at a time)."""
     from par4d.launch import init
     from par4d.models import GPT
-    from par4d.optim.precision import MixedPrecision, fused_adamw
+    from par4d.optim.precision import FullPrecision, MixedPrecision, fused_adamw
     from par4d.train.footprint import measure_footprint
     from par4d.train.step import train_step
 
@@ -137,15 +137,15 @@ def _par4d_step(case: StepCase, device: torch.device, dtype: torch.dtype, iters:
             return torch.optim.AdamW(params, lr=1e-4, fused=fused_adamw(device, offload_bsize is not None))
 
         precision = (MixedPrecision(model, grid, dtype, adamw, offload_bsize=offload_bsize)
-                     if dtype != torch.float32 or offload_bsize else None)
-        optimizer = precision.optimizer if precision is not None else adamw(model.parameters())
+                     if dtype != torch.float32 or offload_bsize
+                     else FullPrecision(model, grid, adamw(model.parameters())))
         x, y = _batch(case, grid.device)
 
         def step():
-            return train_step(model, optimizer, grid, model, x, y, precision=precision)
+            return train_step(model, precision, grid, (x, y))
 
         times = _timed(step, grid.device, iters)
-        held = measure_footprint(model, None if precision else optimizer, step, precision).row()
+        held = measure_footprint(model, precision, step).row()
         return {"s_per_iter": statistics.median(times), "held_bytes": held["total"], "device_peak": held["device_peak"]}
     finally:
         grid.close()

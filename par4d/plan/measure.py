@@ -17,6 +17,7 @@ from par4d.grid import Grid
 from par4d.launch import init
 from par4d.layout import shard_batch
 from par4d.models import GPT, GPTConfig
+from par4d.optim.precision import FullPrecision
 from par4d.overlap import Overlap
 from par4d.plan.model import factorizations
 from par4d.plan.workload import MEASURED
@@ -80,13 +81,13 @@ class TrainingStep:
             overlap = (overlap or Overlap()).in_pipeline()
         self.model = GPT(CONFIG, grid=grid, overlap=overlap, recompute=1 if recompute else 0)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.precision = FullPrecision(self.model, grid, self.optimizer)
         self.grid, self.microbatches = grid, microbatches
         inputs, targets = batch(batch_size, seq_len)
         self.x, self.y = shard_batch(grid, inputs), shard_batch(grid, targets)
 
     def __call__(self) -> torch.Tensor:
-        return train_step(self.model, self.optimizer, self.grid, self.model, self.x, self.y,
-                          microbatches=self.microbatches)
+        return train_step(self.model, self.precision, self.grid, (self.x, self.y), microbatches=self.microbatches)
 
 
 def training_step(grid: Grid, batch_size: int = BATCH, seq_len: int = CONFIG.block_size,
@@ -100,7 +101,7 @@ def held_most(grid: Grid, step: TrainingStep) -> dict:
     (collective: every rank of ``grid`` calls it)."""
     from par4d.train.footprint import measure_footprint
 
-    row = measure_footprint(step.model, step.optimizer, step).row()
+    row = measure_footprint(step.model, step.precision, step).row()
     keys = [k for k, v in row.items() if isinstance(v, int)]
     most = torch.tensor([float(row[k]) for k in keys], dtype=torch.float64)
     dist.all_reduce(most, op=dist.ReduceOp.MAX)

@@ -164,4 +164,4 @@ def _held(grid, step) -> dict:
     from par4d.train.footprint import measure_footprint
 
     step()
-    return measure_footprint(step.model, step.optimizer, step).row()
+    return measure_footprint(step.model, step.precision, step).row()

@@ -8,19 +8,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from par4d.hierarchy import check_mode
-from par4d.models.config import GPTConfig, parse_recompute
 from par4d.overlap import Overlap
+from par4d.train.recipes import recipe
 
 if TYPE_CHECKING:
+    from par4d.models.config import GPTConfig
     from par4d.models.unet import UNetConfig
 
 VOCAB_BYTES = 256   # byte-level tokens
-# --model: par4d's GPT, Hugging Face's through par4d.parallelize, or par4d's U-Net on generated images
-MODELS = ("gpt", "hf-gpt2", "hf-llama", "unet")
-IMAGE_CHANNELS = 4   # --model unet: channels of the generated images (the U-Net's input and output)
-# Model settings a model has no use for: refused by name when given (par4d.train.configure).
-UNUSED = {"unet": ("seq_len", "n_head", "mlp", "phantom_k"),
-          **{model: ("image_size",) for model in MODELS if model != "unet"}}
 STATE_BYTES = 16      # per parameter at the least: its fp32 value and gradient, AdamW's two moments
 CORPUS_COPIES = 2     # of the text in a rank while it loads: the bytes read and the token tensor
 ABSURD_BYTES = 1 << 50   # a model's state beyond any machine's memory (1 PiB)
@@ -77,22 +72,7 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.model not in MODELS:
-            raise ValueError(f"--model {self.model!r}: give one of {', '.join(MODELS)}")
-        if self.model != "gpt":
-            given = [flag for flag, on in ((f"--grid pipe={self.grid.get('pipe', 1)}",
-                                             self.grid.get("pipe", 1) > 1 and self.model == "unet"),
-                                            (f"--mlp {self.mlp}", self.mlp != "dense"),
-                                            (f"--recompute {self.recompute}",
-                                             self.recompute != "none" and self.model == "unet"),
-                                            (f"--init-from hf {self.init_from}",
-                                             self.init_from is not None and self.model == "unet")) if on]
-            if given:
-                which = ("the U-Net trains without a pipeline, phantom MLPs, recomputation or --init-from"
-                         if self.model == "unet" else "a Hugging Face model trains without phantom MLPs")
-                raise ValueError(f"--model {self.model}: {given[0]} is for par4d's GPT (--model gpt); {which}")
-        if self.model == "unet":
-            self._check_unet()
+        recipe(self.model).check(self)      # an unknown --model, and what the model cannot train with
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"--precision {self.precision!r}: give fp32, bf16 or fp16")
         if self.offload_bsize is not None and (self.precision == "fp32" or self.offload_bsize < 1):
@@ -134,21 +114,9 @@ class TrainConfig:
             return                           # the batch itself is refused (par4d.train.configure names it)
         rows = self.batch_size // shards
         if not 1 <= self.microbatches <= rows:
-            what = "images" if self.model == "unet" else "sequences"
+            what = recipe(self.model).samples
             raise ValueError(f"--microbatches {self.microbatches}: a data x z shard has {rows} {what} "
                              f"(batch {self.batch_size} over z*data={shards}); give 1 to {rows}")
-
-    def _check_unet(self) -> None:
-        if self.data is not None:
-            raise ValueError(f"--model unet: --data {self.data} is text for the language models; the U-Net trains "
-                             f"on images generated from --seed")
-        for flag, value in (("--n-layer", self.n_layer), ("--n-embd", self.n_embd), ("--image-size", self.image_size)):
-            if value < 1:
-                raise ValueError(f"--model unet: {flag} must be >= 1, got {value}")
-        if self.image_size % 2 ** (self.n_layer - 1):
-            raise ValueError(f"--model unet: --image-size {self.image_size} is not divisible by 2 ** (--n-layer - 1) "
-                             f"= {2 ** (self.n_layer - 1)} (the U-Net's {self.n_layer} levels halve it "
-                             f"{self.n_layer - 1} times)")
 
     @classmethod
     def check_record(cls, record: object, where: str) -> None:
@@ -168,24 +136,21 @@ class TrainConfig:
         if not (isinstance(grid, dict) and all(is_count(v, 1) for v in grid.values())):
             raise ValueError(f"{where}: grid is {str(grid)[:60]}, not axis sizes >= 1")
 
-    def check_memory(self, world: int, ranks_here: int, memory: int | None, params: int | None = None) -> None:
+    def check_memory(self, world: int, ranks_here: int, memory: int | None) -> None:
         """Refuse, with the numbers, a run whose model state (at the least ``STATE_BYTES`` per
         parameter, over all ranks) or corpus (read whole by every rank) cannot fit in ``memory``
-        bytes per machine (None: unknown, then only an absurd size is refused). Cheap: from the
-        sizes alone, before any model is built. ``params``: the model's parameters where its config
-        does not give them (a Hugging Face model's: its vocabulary, MLP width and key/value heads
-        are its own), else par4d's formula."""
-        params = self.model_config().num_params() if params is None else params
+        bytes per machine (None: unknown, then only an absurd size is refused), before any model is
+        built: the parameters are the recipe's count (a formula, or a model on the meta device)."""
+        params = recipe(self.model).num_params(self)
         state = params * STATE_BYTES
         machines = max(1, world // max(1, ranks_here))
-        sizes = (f"n_layer={self.n_layer}, n_embd={self.n_embd}" if self.model == "unet"
-                 else f"n_layer={self.n_layer}, n_embd={self.n_embd}, n_head={self.n_head}, seq_len={self.seq_len}")
+        sizes = recipe(self.model).sizes(self)
         if state > ABSURD_BYTES or (memory is not None and state > memory * machines):
             where = (f"this machine's {_gb(memory)} of memory" if machines == 1 else
                      f"{machines} machines of {_gb(memory)}") if memory is not None else "any machine"
             raise ValueError(f"the model ({self.model}, {sizes}) has {params:,} parameters; their values, gradients "
                              f"and AdamW state need at least {_gb(state)} over all ranks, more than {where}")
-        if self.data is None or memory is None or self.model == "unet" or Path(self.data).is_dir():
+        if self.data is None or memory is None or Path(self.data).is_dir():
             return                           # (a prepared dataset is memory-mapped, never read whole)
         size = Path(self.data).stat().st_size if Path(self.data).is_file() else 0
         need = size * CORPUS_COPIES * ranks_here + size + state // machines
@@ -209,28 +174,12 @@ class TrainConfig:
         return settings if self.grid.get("pipe", 1) == 1 else settings.in_pipeline()
 
     def recompute_every(self) -> int:
-        if self.model in ("hf-gpt2", "hf-llama"):    # transformers checkpoints each decoder layer on its own
-            every = parse_recompute(self.recompute, self.n_layer)
-            if every > 1 and self.recompute.strip().lower() != "auto":
-                raise ValueError(f"--recompute {self.recompute}: a Hugging Face model recomputes each decoder layer "
-                                 f"on its own (transformers' gradient checkpointing); give none, auto or 1")
-            return min(every, 1)
-        pipe = self.grid.get("pipe", 1)
-        if pipe == 1:
-            return parse_recompute(self.recompute, self.n_layer)
-        # A segment never spans two stages: N must divide every stage's block count.
-        per_stage = math.gcd(*(len(blocks) for blocks in self.model_config().stage_blocks(pipe)))
-        return parse_recompute(self.recompute, per_stage, self.n_layer)
+        """``--recompute`` as blocks per recomputed segment (0: none), as the model's recipe counts them."""
+        return recipe(self.model).recompute_every(self)
 
     def model_config(self) -> GPTConfig | UNetConfig:
-        """The model's own config: ``--n-embd`` is the U-Net's width, ``--n-layer`` its levels."""
-        if self.model == "unet":
-            from par4d.models.unet import UNetConfig  # imports torch: only a U-Net run needs it
-
-            return UNetConfig(channels=IMAGE_CHANNELS, width=self.n_embd, levels=self.n_layer, seed=self.seed)
-        return GPTConfig(vocab_size=self.vocab_size, block_size=self.seq_len, n_layer=self.n_layer,
-                         n_embd=self.n_embd, n_head=self.n_head, seed=self.seed, mlp=self.mlp,
-                         phantom_k=self.phantom_k, phantom_p=self.grid.get("x", 1))
+        """The model's own config (the U-Net's: ``--n-embd`` its width, ``--n-layer`` its levels)."""
+        return recipe(self.model).model_config(self)
 
     def learning_rate(self, step: int) -> float:
         """Linear warm-up, then inverse-square-root decay. It does not depend on the

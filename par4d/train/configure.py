@@ -10,8 +10,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from par4d.train.config import UNUSED
 from par4d.train.lock import check_new_out
+from par4d.train.recipes import recipe
 from par4d.train.report import say
 
 DEFAULT_NPROC = 4   # local ranks when no launcher gives a world size (also calibrate's and bench grid's default)
@@ -100,7 +100,7 @@ def configure(args: argparse.Namespace, world: int, inside: bool, resumed: tuple
     from par4d.launch import distributed_env
     from par4d.launch.machine import host_memory
     from par4d.train.data import BUNDLED, read_corpus
-    from par4d.train.model import build_model
+    from par4d.train.recipes import build_model
 
     restarts = args.max_restarts or 0
     if restarts < 0:
@@ -122,15 +122,7 @@ def configure(args: argparse.Namespace, world: int, inside: bool, resumed: tuple
         raise ValueError("--hierarchical on stages collectives over groups that span nodes; par4d's own local ranks "
                          "share one node (run under par4d cluster, torchrun or srun across nodes, or use auto)")
     env = distributed_env()
-    params = None
-    if config.model in ("hf-gpt2", "hf-llama"):          # its own count, from the model on the meta device
-        import torch
-
-        from par4d.train.model import hf_lm
-
-        with torch.device("meta"):
-            params = sum(p.numel() for p in hf_lm(config).parameters())
-    config.check_memory(world, env.local_world_size if env else world, host_memory(), params)   # before it is built
+    config.check_memory(world, env.local_world_size if env else world, host_memory())   # before it is built
     last_stage = world - world // sizes["pipe"]        # the first rank of the last pipeline stage (head, loss)
     for rank in sorted({0, last_stage}):               # every rank's shape errors
         build_model(config, Grid.virtual(sizes, rank))
@@ -142,24 +134,14 @@ def configure(args: argparse.Namespace, world: int, inside: bool, resumed: tuple
     if sizes["pipe"] > 1 and not (config.microbatches or sizes["pipe"]) <= per_rank:
         raise ValueError(f"{_named(args, 'microbatches', config.microbatches or sizes['pipe'])} exceeds the "
                          f"{per_rank} sequences per rank ({batch} / (data * z))")
-    if config.init_from and not config.resume and config.model == "gpt":
-        from par4d.train.hf import check_hf
-
-        check_hf(Path(config.init_from), config.model_config())    # names the file and every number that differs
-    elif config.init_from and not config.resume:
-        import torch
-
-        from par4d.auto.load import check_weights
-        from par4d.train.model import hf_lm
-
-        with torch.device("meta"):
-            check_weights(hf_lm(config), config.init_from)   # every weight there, at its shape
+    if config.init_from and not config.resume:
+        recipe(config.model).check_pretrained(config)     # names the file and every number that differs
     dropped = [n for n in config.overlap_settings().names if n not in config.overlap_run().names]
     if dropped and args.overlap is not None:
         say(f"--grid pipe={sizes['pipe']}: --overlap {','.join(dropped)} do not act with a pipeline yet (its "
             f"stages run outside the model's forward and the step's armed backward); this run overlaps "
             f"{config.overlap_run().describe()}")
-    if config.model == "unet" or (config.data is not None and Path(config.data).is_dir()):
+    if recipe(config.model).data == "images" or (config.data is not None and Path(config.data).is_dir()):
         return config            # images are generated; a dataset folder was checked by _tokens
     label = None if args.data is not None or config.data is None else f"the run's data {config.data}"
     corpus = read_corpus(config.data, config.seq_len, config.data_sha256, label)   # a resume checks it is the same text
@@ -175,7 +157,7 @@ def _grid(args: argparse.Namespace, world: int, inside: bool, dims: dict, planne
 
     if args.grid != "auto":
         return (parse_grid(args.grid) if args.grid else default_grid(world)), None, {}
-    if dims["mlp"] != "dense" or dims.get("model", "gpt") != "gpt":
+    if dims["mlp"] != "dense" or not recipe(dims.get("model", "gpt")).plannable:
         raise ValueError(f"--grid auto plans par4d's dense GPT only; give --grid for --mlp phantom or "
                          f"--model {dims.get('model', 'gpt')}")
     if planner is None:
@@ -192,19 +174,15 @@ def _new_config(args: argparse.Namespace, world: int, inside: bool, planner: Pla
     from par4d.train.loop import new_run_dir
 
     chosen = {name: getattr(args, name) for name in FIXED + HONOURED if getattr(args, name) is not None}
-    model = chosen.get("model", default("model"))
-    unused = [name for name in UNUSED[model] if name in chosen]
+    model = recipe(chosen.get("model", default("model")))
+    unused = [name for name in model.unused if name in chosen]
     if unused:
-        why = "the U-Net's sizes are --n-embd, --n-layer and --image-size" if model == "unet" else "it is for unet"
-        raise ValueError(f"--model {model}: {flag(unused[0])} {chosen[unused[0]]} does not apply ({why})")
+        raise ValueError(f"--model {model.name}: {flag(unused[0])} {chosen[unused[0]]} does not apply "
+                         f"({model.unused_why})")
     init_from = _init_from(args.init_from)
     hf_config = None
-    if init_from is not None and model == "gpt":   # the shape is the saved model's unless a flag says otherwise
-        from par4d.train.hf import gpt_dims
-
-        chosen = dict(gpt_dims(init_from), **chosen)
-    elif init_from is not None and model != "unet":   # a Hugging Face model's shape is its folder's
-        chosen, hf_config = _pretrained(model, init_from, chosen)
+    if init_from is not None:      # the pretrained model's shape (a flag that differs is refused)
+        chosen, hf_config = model.pretrained_settings(init_from, chosen)
     dims = {name: chosen.get(name, default(name)) for name in FIXED}
     grid, peak, planned = _grid(args, world, inside, dims, planner)
     chosen.update(planned)
@@ -218,11 +196,11 @@ def _new_config(args: argparse.Namespace, world: int, inside: bool, planner: Pla
                        **chosen)
 
 
-def _pretrained(model: str, folder: str, chosen: dict) -> tuple[dict, dict]:
+def pretrained(model: str, folder: str, chosen: dict) -> tuple[dict, dict]:
     """(the settings with the pretrained model's sizes, its config.json): a size flag that differs is
     refused, and so is a --seq-len beyond its positions or a vocabulary smaller than the bytes."""
     from par4d.train.config import VOCAB_BYTES
-    from par4d.train.model import pretrained_shape
+    from par4d.train.recipes.hf import pretrained_shape
 
     dims, hf_config = pretrained_shape(model, folder)
     where = Path(folder) / "config.json"
@@ -249,9 +227,10 @@ def _tokens(args: argparse.Namespace, config):
     """The run's data identity and vocabulary: a dataset folder (checked: finished, its tokenizer the
     run's; its vocabulary), a text file with ``--tokenizer`` (that tokenizer's), or bytes (256). A resume
     refuses another tokenizer, and a dataset folder whose index changed."""
-    if config.model == "unet":
+    if recipe(config.model).data == "images":
         if args.tokenizer is not None:
-            raise ValueError(f"--model unet trains on generated images; --tokenizer {args.tokenizer} does not apply")
+            raise ValueError(f"--model {config.model} trains on generated images; --tokenizer {args.tokenizer} "
+                             f"does not apply")
         return config
     from par4d.data.tokenizer import load_tokenizer
 

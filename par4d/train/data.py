@@ -15,7 +15,9 @@ import torch
 
 from par4d.layout import batch_slice, shard_batch
 from par4d.models.unet import shard_images
-from par4d.train.config import IMAGE_CHANNELS, VOCAB_BYTES, TrainConfig  # noqa: F401  (VOCAB_BYTES re-exported)
+from par4d.train.config import VOCAB_BYTES, TrainConfig  # noqa: F401  (VOCAB_BYTES re-exported)
+from par4d.train.recipes import recipe
+from par4d.train.recipes.unet import IMAGE_CHANNELS
 
 BUNDLED = "pydoc_data.topics (Python's bundled documentation)"
 IMAGES = "generated images (discs and squares on colour gradients, plus noise; par4d.train.data.Images)"
@@ -80,7 +82,7 @@ def as_tokens(corpus: Corpus) -> torch.Tensor:
 def training_data(config: TrainConfig) -> tuple[Batches | Images, str]:
     """The run's batches and where they come from: a prepared dataset folder (memory-mapped,
     :mod:`par4d.data.dataset`), a text file's bytes or, with a tokenizer, its tokens, or IMAGES."""
-    if config.model == "unet":
+    if recipe(config.model).data == "images":
         return Images(config.image_size, config.batch_size, config.seed), IMAGES
     if config.data is not None and Path(config.data).is_dir():
         from par4d.data.dataset import open_dataset

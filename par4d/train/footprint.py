@@ -19,6 +19,9 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn as nn
 
+from par4d.optim.precision import Precision, storage_bytes
+from par4d.parallel import state
+
 
 @dataclass(frozen=True)
 class Footprint:
@@ -117,45 +120,31 @@ class _Saved:
         self.owner._release(self.pointer)
 
 
-def _bytes(tensors) -> int:
-    seen, total = set(), 0
-    for tensor in tensors:
-        if isinstance(tensor, torch.Tensor) and tensor.numel():
-            pointer, nbytes = _storage(tensor)
-            if pointer not in seen:
-                seen.add(pointer)
-                total += nbytes
-    return total
-
-
-def measure_footprint(model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                      step: Callable[[], object], precision=None) -> Footprint:
+def measure_footprint(model: nn.Module, precision: Precision, step: Callable[[], object]) -> Footprint:
     """Run ``step()`` (one training step of ``model``) once and return what it held on this rank: the states
-    after it, the peaks during it. With ``precision`` (par4d.optim.precision.MixedPrecision) the optimizer's
-    part is what it holds on the device (the fp32 masters and their state, or offloaded, its buffers)."""
+    after it, the peaks during it. The optimizer's part is what ``precision`` holds on the device (fp32: the
+    optimizer's state; mixed: the fp32 masters and their state, or offloaded, its buffers)."""
     params = [p for p in model.parameters()]
     exclude = {_storage(p)[0] for p in params}
     cuda = any(p.is_cuda for p in params)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    sync = getattr(model, "par4d_gradient_sync", None)
-    if sync is not None:
-        sync.peak_buffer_bytes = 0
-    runtime = getattr(model, "par4d_runtime", None)
+    parallel = state(model)
+    if parallel.sync is not None:
+        parallel.sync.peak_buffer_bytes = 0
+    runtime = parallel.runtime
     if runtime is not None:
         runtime.gathers.peak_cache_bytes = 0
     with SavedTensors(exclude) as saved:
-        model.par4d_observe_recompute = saved.recomputing     # par4d's GPT: its recomputed segments too
+        parallel.observe_recompute = saved.recomputing     # par4d's GPT: its recomputed segments too
         try:
             step()
         finally:
-            del model.par4d_observe_recompute
-    sync = getattr(model, "par4d_gradient_sync", None)     # built by the first step where there was none
-    state = [t for s in (optimizer.state.values() if optimizer is not None else ()) for t in s.values()]
-    held = _bytes(state) if precision is None else precision.optimizer_device_bytes()
+            parallel.observe_recompute = None
+    sync = parallel.sync                                    # built by the first step where there was none
     # A step ends with its gradients dropped (set to None): while it runs each trained parameter has one.
-    return Footprint(parameters=_bytes(params), gradients=_bytes(p for p in params if p.requires_grad),
-                     optimizer=held, activations=saved.peak,
+    return Footprint(parameters=storage_bytes(params), gradients=storage_bytes(p for p in params if p.requires_grad),
+                     optimizer=precision.optimizer_device_bytes(), activations=saved.peak,
                      buffers=sync.peak_buffer_bytes if sync is not None else 0,
                      cached=runtime.gathers.peak_cache_bytes if runtime is not None else 0,
                      device_peak=torch.cuda.max_memory_allocated() if cuda else None)

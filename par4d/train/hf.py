@@ -343,32 +343,35 @@ def hf_state(source: Path, report: Callable[[str], None] | None = None
     """(the checkpoint chosen, its model's state dict under ``transformers``' names, the ``config.json``
     text) of the run or checkpoint ``source``, as :func:`export_hf` writes them (and ``par4d generate``
     builds them): whole tensors, in one process."""
+    from par4d.train.recipes import RECIPES
+
     source = Path(source)
     chosen = find_checkpoint(source, report)
-    folder, meta = chosen.path, chosen.meta
-    trained = meta.get("train_config", {}).get("model", "gpt")
-    if trained == "unet":
-        raise ValueError(f"run {source} trained --model unet, par4d's U-Net, not a language model: export is for "
-                         f"par4d's GPT and the Hugging Face models (--model gpt, hf-gpt2, hf-llama)")
-    if trained == "gpt":
-        config = _model_config(folder, meta)
-        _check_dense(config, f"run {source} (checkpoint {folder.name})")
-        full = _full_tensors(chosen, param_shapes(config))
-        tensors = {}
-        for name, tensor in full.items():
-            key, transposed = hf_key(name)
-            tensors[key] = (tensor.T if transposed else tensor).contiguous()
-        text = json.dumps(hf_config(config, full["wte.weight"].dtype), indent=2) + "\n"
-    else:
-        tensors, text = _lm_tensors(chosen)
+    trained = chosen.meta.get("train_config", {}).get("model", "gpt")
+    if trained not in RECIPES:
+        raise ValueError(f"{chosen.path / 'meta.json'}: train_config's model is {str(trained)[:40]!r}, not one par4d "
+                         f"trains ({', '.join(RECIPES)})")
+    tensors, text = RECIPES[trained].export_hf(chosen, source)     # the model's own recipe says how
     return chosen, tensors, text
 
 
-def _lm_tensors(chosen: checkpoint.Checkpoint) -> tuple[dict[str, torch.Tensor], str]:
+def gpt2_state(chosen: checkpoint.Checkpoint, source: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """(state dict under GPT-2's names, config.json) of a checkpoint of par4d's dense GPT."""
+    config = _model_config(chosen.path, chosen.meta)
+    _check_dense(config, f"run {source} (checkpoint {chosen.path.name})")
+    full = _full_tensors(chosen, param_shapes(config))
+    tensors = {}
+    for name, tensor in full.items():
+        key, transposed = hf_key(name)
+        tensors[key] = (tensor.T if transposed else tensor).contiguous()
+    return tensors, hf_config(config, full["wte.weight"].dtype)
+
+
+def lm_state(chosen: checkpoint.Checkpoint) -> tuple[dict[str, torch.Tensor], str]:
     """(state dict, config.json) of a run's Hugging Face model: the checkpoint's ``lm.*`` parameters under
     the model's own names, the config it was built from."""
     from par4d.train.config import TrainConfig
-    from par4d.train.model import hf_lm
+    from par4d.train.recipes.hf import hf_lm
 
     where = chosen.path / "meta.json"
     record = chosen.meta.get("train_config")

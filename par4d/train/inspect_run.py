@@ -60,8 +60,11 @@ def _data(config: dict) -> list[str]:
     lines = []
     data, recorded = config.get("data"), config.get("data_sha256")
     if data is None:
-        lines.append("data       Python's bundled documentation" if config.get("model") != "unet"
-                     else "data       generated images")
+        from par4d.train.recipes import RECIPES
+
+        kind = RECIPES.get(config.get("model", "gpt"))
+        lines.append("data       generated images" if kind is not None and kind.data == "images"
+                     else "data       Python's bundled documentation")
     else:
         target = Path(data) / "index.json" if Path(data).is_dir() else Path(data)
         lines.append(f"data       {data}: " + _check(target, recorded))

@@ -20,7 +20,7 @@ from par4d.launch import distributed_env, init
 from par4d.launch.machine import job_peak, threads_per_rank
 from par4d.ledger import in_flight_seconds
 from par4d.optim.data_parallel import global_mean
-from par4d.optim.precision import MixedPrecision, fused_adamw, parse_precision
+from par4d.optim.precision import FullPrecision, MixedPrecision, Precision, fused_adamw, parse_precision
 from par4d.pipeline import evaluate_pipeline
 from par4d.train import checkpoint
 from par4d.train.board import Board, resident
@@ -28,10 +28,9 @@ from par4d.train.config import TrainConfig
 from par4d.train.data import Batches, Images, training_data
 from par4d.train.faults import Faults
 from par4d.train.footprint import measure_footprint
-from par4d.train.hf import load_hf
 from par4d.train.lock import RunLock, held_by_launcher
-from par4d.train.model import build_model
 from par4d.train.rank0 import on_rank0
+from par4d.train.recipes import build_model, recipe
 from par4d.train.report import say
 from par4d.train.settings_file import resolved
 from par4d.train.step import train_step
@@ -69,9 +68,7 @@ class _Job:
 
     config: TrainConfig
     model: torch.nn.Module
-    precision: MixedPrecision | None
-    state: object                    # what is saved and stepped: the model, or mixed precision's fp32 masters
-    optimizer: torch.optim.Optimizer
+    precision: Precision             # steps the model; its masters (the model in fp32) are what is saved
     batches: Batches | Images
     source: str                      # where the batches come from (the corpus's path, or generated images)
     start_step: int
@@ -86,7 +83,7 @@ def _run(config: TrainConfig, stop: StopRequest, grid, out: Path) -> dict:
     # under torchrun/srun rank 0 measures on every core while the others wait.
     peak, peak_what = job.config.peak_flops, "fp32, every core"
     if peak is None:     # on a GPU: one device's, in the compute dtype, times the ranks (one device each)
-        dtype = job.precision.dtype if job.precision is not None else torch.float32
+        dtype = job.precision.dtype
         peak, peak_what = on_rank0(lambda: job_peak(grid.device, dtype, grid.world_size)) or (0.0, "")
     metrics = on_rank0(lambda: _open_metrics(run, job.start_step))
     on_rank0(lambda: run.write_text(SETTINGS, text=resolved(job.config)))   # --config SETTINGS trains it again
@@ -127,8 +124,8 @@ def _setup(config: TrainConfig, grid, out: Path) -> _Job:
         on_rank0(lambda: checkpoint.set_aside_newer(out, Path(config.checkpoint), say))
 
     model = build_model(config, grid)
-    if config.init_from and not config.resume and config.model == "gpt":   # GPT-2's weights; each rank reads its
-        load_hf(Path(config.init_from), grid, model)                      # shards (a Hugging Face model loaded its own)
+    if config.init_from and not config.resume:       # each rank reads its shards (where the build did not)
+        recipe(config.model).load_pretrained(config, grid, model)
 
     fused = fused_adamw(grid.device, offloaded=config.offload_bsize is not None)
 
@@ -136,24 +133,23 @@ def _setup(config: TrainConfig, grid, out: Path) -> _Job:
         return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95),
                                  fused=fused)
 
-    # Mixed precision: the model computes in bf16/fp16, fp32 masters (what checkpoints hold) and
-    # their AdamW beside it; `state` is what is saved and stepped either way.
+    # fp32 steps the model itself; mixed precision computes in bf16/fp16 with fp32 masters (what
+    # checkpoints hold) and their AdamW beside it. The policy's masters are what is saved either way.
     precision = (MixedPrecision(model, grid, parse_precision(config.precision), adamw, config.grad_reduce == "fp32",
-                                config.offload_bsize) if config.precision != "fp32" else None)
-    state = precision.masters if precision is not None else model
-    optimizer = precision.optimizer if precision is not None else adamw(model.parameters())
+                                config.offload_bsize) if config.precision != "fp32"
+                 else FullPrecision(model, grid, adamw(model.parameters())))
     batches, source = training_data(config)
     # config.checkpoint was verified whole before the ranks started (or by rank 0 on a restart)
-    resumed = (checkpoint.load(out, grid, state, optimizer, config.checkpoint, verified=config.checkpoint is not None)
-               if config.resume else None)
-    if resumed and precision is not None:
+    resumed = (checkpoint.load(out, grid, precision.masters, precision.optimizer, config.checkpoint,
+                               verified=config.checkpoint is not None) if config.resume else None)
+    if resumed:
         precision.load_masters()
     start_step = resumed["step"] if resumed else 0
     if restart:
         where = f"from step {start_step}, its newest intact checkpoint" if resumed else "from the start (no checkpoint)"
         on_rank0(lambda: say(f"restart {restart}: resuming {out} {where}"))
     resumed_from = None if resumed is None else {"step": resumed["step"], "grid": resumed["grid"]}
-    return _Job(config, model, precision, state, optimizer, batches, source, start_step, resumed_from, restart)
+    return _Job(config, model, precision, batches, source, start_step, resumed_from, restart)
 
 
 @dataclass
@@ -172,7 +168,7 @@ def _train(job: _Job, grid, stop: StopRequest, metrics, out: Path, board: Board 
            peak: float) -> _Measured | dict:
     """The steps from ``job.start_step`` on, saving as the run says, the validation loss every
     ``--eval-every`` steps; what was measured, or (a signal stopped the run, its step saved) ``{"stopped": ...}``."""
-    config, optimizer, precision, batches = job.config, job.optimizer, job.precision, job.batches
+    config, precision, batches = job.config, job.precision, job.batches
     flops_per_token = _flops_per_token(job)
     progress = _progress_bar(config, grid, job.start_step) if grid.rank == 0 else None
     tokens_per_step = batches.tokens_per_step
@@ -184,21 +180,21 @@ def _train(job: _Job, grid, stop: StopRequest, metrics, out: Path, board: Board 
             began = time.perf_counter()
             bytes_before = ledger.total_bytes()
             lr = config.learning_rate(step)
-            for group in optimizer.param_groups:
+            for group in precision.param_groups:
                 group["lr"] = lr
             x, y = _local(grid, batches.local_batch(grid, "train", step), precision)
             report: dict = {}
 
             def run_step(x=x, y=y, report=report) -> torch.Tensor:
-                return train_step(job.model, optimizer, grid, job.model, x, y, grad_clip=config.grad_clip,
+                return train_step(job.model, precision, grid, (x, y), grad_clip=config.grad_clip,
                                   microbatches=config.microbatches, pipeline_limit=config.pipeline_limit,
-                                  precision=precision, report=report)
+                                  report=report)
 
             with ledger.capture() as entries:
                 if step == job.start_step:       # what the step holds, measured on the run's first step
                     losses: list[torch.Tensor] = []
-                    measured.footprint = measure_footprint(job.model, None if precision else optimizer,
-                                                           lambda out=losses: out.append(run_step()), precision).row()
+                    measured.footprint = measure_footprint(job.model, precision,
+                                                           lambda out=losses: out.append(run_step())).row()
                     loss = losses[0]
                 else:
                     loss = run_step()
@@ -224,8 +220,7 @@ def _train(job: _Job, grid, stop: StopRequest, metrics, out: Path, board: Board 
                     record["val_loss"] = val_loss
                 if grid.size("pipe") > 1:    # rank 0's point-to-point bytes sent to its pipeline neighbours
                     record["p2p_sent_bytes"] = sum(e.bytes for e in entries if e.kind == "send")
-                if precision is not None:    # fp16's loss scale, and the steps it skipped for inf/NaN gradients
-                    record.update(loss_scale=precision.scale, skipped_steps=precision.skipped)
+                record.update(precision.metrics())   # mixed precision's loss scale and skipped steps
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
                 if board is not None:
@@ -238,19 +233,21 @@ def _train(job: _Job, grid, stop: StopRequest, metrics, out: Path, board: Board 
                     progress.update(1)
             signum = stop.agreed(grid.device) if step + 1 < config.steps else None   # the last step ends it anyway
             if signum or (config.save_every and (step + 1) % config.save_every == 0 and step + 1 < config.steps):
-                checkpoint.save(out, step + 1, grid, job.state, optimizer, _meta(config), config.keep)
+                checkpoint.save(out, step + 1, grid, precision.masters, precision.optimizer, _meta(config),
+                                config.keep)
             if signum:   # a scheduler's preemption or Ctrl-C: this step is saved, the next run resumes here
                 return {"stopped": {"signal": signal.Signals(signum).name, "step": step + 1, "run": str(out)}}
     finally:
         if progress is not None:
             progress.close()
-    checkpoint.save(out, config.steps, grid, job.state, optimizer, _meta(config), config.keep)   # kept if saved
+    checkpoint.save(out, config.steps, grid, precision.masters, precision.optimizer, _meta(config),
+                    config.keep)   # kept if saved
     return measured
 
 
 def _flops_per_token(job: _Job) -> float:
-    """Training FLOPs per token: par4d's GPT's config counts them; a Hugging Face model was counted when built."""
-    return getattr(job.model, "flops_per_token", None) or job.config.model_config().flops_per_token()
+    """Training FLOPs per token (per pixel for images), as the model's recipe counts them."""
+    return recipe(job.config.model).flops_per_token(job.config, job.model)
 
 
 def _gathered(mine: dict) -> list[dict]:
@@ -267,8 +264,8 @@ def _summarize(job: _Job, grid, run: Folder, measured: _Measured, peak: float, p
     """Rank 0: the run's summary (steady-state rates: the first step, with its one-time warm-up, left out),
     written to summary.json with the loss plot."""
     config, model = job.config, job.model
-    model_config = config.model_config()
-    unet = config.model == "unet"
+    model_config, kind = config.model_config(), recipe(config.model)
+    text = kind.data == "text"      # the async-pipeline paper's Eq 2 and 3 count language models' tokens
     history = read_metrics(run)
     steady = measured.rates[1:] if len(measured.rates) > 1 else measured.rates
     tokens_per_s = sum(steady) / len(steady) if steady else 0.0
@@ -280,27 +277,26 @@ def _summarize(job: _Job, grid, run: Folder, measured: _Measured, peak: float, p
     summary = {
         "grid": grid.sizes, "world_size": grid.world_size, "device": grid.device.type,
         "backend": dist.get_backend(), "model": config.model,
-        "params": getattr(model, "num_params", None) or model_config.num_params(),
+        "params": getattr(model, "num_params", None) or kind.num_params(config),
         "steps": config.steps, "start_step": job.start_step, "resumed_from": resumed_from,
         "grid_changed": resumed_from is not None and resumed_from["grid"] != grid.sizes,
         "tokens_per_s": tokens_per_s,
         "model_flops_per_s": flops, "matmul_peak_flops_per_s": peak, "matmul_peak_of": peak_what,
         # The async-pipeline paper's Eq 3 (Narayanan's count) and Eq 2 (time to train on 300 B tokens):
         # the language models' (None for the U-Net).
-        "eq3_flops_per_s": None if unet else model_config.narayanan_flops(config.batch_size) / step_s if step_s
+        "eq3_flops_per_s": None if not text else model_config.narayanan_flops(config.batch_size) / step_s if step_s
         else 0.0,
-        "eq2_days_to_300b_tokens": None if unet else 3e11 / job.batches.tokens_per_step * step_s / 86400,
+        "eq2_days_to_300b_tokens": None if not text else 3e11 / job.batches.tokens_per_step * step_s / 86400,
         "percent_of_peak": 100 * flops / peak if peak else 0.0,
         "overlap": config.overlap_run().describe(), "recompute_every": config.recompute_every(),
-        "optimizer": (job.precision.describe(config.grad_clip, config.overlap_settings().data_parallel)
-                      if job.precision is not None else "AdamW (fp32)"),
+        "optimizer": job.precision.describe(config.grad_clip, config.overlap_settings().data_parallel),
         "s_per_step": step_s, "comm_issued_s_per_step": issued, "comm_exposed_s_per_step": exposed,
         "initial_loss": history[0]["loss"], "final_loss": history[-1]["loss"],
         "val_loss": val_loss, "data": job.source, "rss_per_rank": measured.rss,
         "footprint_per_rank": measured.footprints, "config": asdict(config),
     }
     run.write_text(SUMMARY, text=json.dumps(summary, indent=2))
-    _plot(run, history, "mean squared error" if unet else "nats/byte")
+    _plot(run, history, kind.loss_unit)
     return summary
 
 
@@ -334,16 +330,14 @@ def _progress_bar(config: TrainConfig, grid, start_step: int):
                 dynamic_ncols=True, mininterval=1.0)
 
 
-def _local(grid, batch: tuple[torch.Tensor, torch.Tensor],
-           precision: MixedPrecision | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _local(grid, batch: tuple[torch.Tensor, torch.Tensor], precision: Precision) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's (inputs, targets) on its device; images in the compute dtype."""
-    dtype = precision.dtype if precision is not None else None
-    return tuple(t.to(grid.device, dtype if t.is_floating_point() else None) for t in batch)
+    return tuple(t.to(grid.device, precision.dtype if t.is_floating_point() else None) for t in batch)
 
 
 @torch.no_grad()
 def _evaluate(model: torch.nn.Module, grid, batches: Batches | Images, count: int,
-              precision: MixedPrecision | None) -> float:
+              precision: Precision) -> float:
     total = 0.0
     for index in range(count):
         x, y = _local(grid, batches.local_batch(grid, "val", index), precision)

@@ -37,10 +37,10 @@ def _rate(flops: float) -> str:
 
 
 def _model_line(summary: dict) -> str:
+    from par4d.train.recipes import RECIPES
+
     model = summary.get("model", "gpt")
-    if model == "unet":
-        return "unet: par4d's U-Net (par4d.nn.Conv2d), denoising generated images"
-    return "par4d's GPT" if model == "gpt" else f"{model}: Hugging Face's, made parallel by par4d.parallelize"
+    return RECIPES[model].describe if model in RECIPES else str(model)
 
 
 def _memory(rss: list[dict]) -> str:

@@ -120,7 +120,7 @@ def resolved(config) -> str:
     """A run's settings (``TrainConfig``) as a settings file: what ``--config`` reads to train the same run
     again. Its folder, resume state and what par4d derives (hashes, the vocabulary, a pretrained config)
     are left out, and so are sizes the model does not use; the grid is the one the run chose."""
-    from par4d.train.config import UNUSED
+    from par4d.train.recipes import recipe
 
     def value(dest: str):
         if dest.startswith("axis_"):
@@ -131,7 +131,7 @@ def resolved(config) -> str:
              "# flags override them; --out picks the new run's folder)"]
     for section, keys in SECTIONS.items():
         body = [f"{key} = {_toml(value(dest))}" for key, (dest, _) in keys.items()
-                if value(dest) is not None and key not in UNUSED[config.model]]
+                if value(dest) is not None and key not in recipe(config.model).unused]
         if body:
             lines += ["", f"[{section}]", *body]
     return "\n".join(lines) + "\n"

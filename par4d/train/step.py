@@ -13,66 +13,65 @@ import torch
 import torch.nn as nn
 
 from par4d.grid import Grid
-from par4d.optim.data_parallel import clip_grad_norm_, gradient_sync
-from par4d.optim.precision import MixedPrecision
+from par4d.optim.data_parallel import gradient_sync
+from par4d.optim.precision import FullPrecision, Precision
 from par4d.pipeline import PipelineStats, run_pipeline, split_microbatches, weighted_backward
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, grid: Grid,
-               loss: Callable[..., torch.Tensor], *inputs: torch.Tensor, grad_clip: float = 0.0,
-               microbatches: int | None = None, pipeline_limit: int | None = None,
-               precision: MixedPrecision | None = None,
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | Precision, grid: Grid,
+               batch: torch.Tensor | tuple[torch.Tensor, ...], *, loss: Callable[..., torch.Tensor] | None = None,
+               grad_clip: float = 0.0, microbatches: int | None = None, pipeline_limit: int | None = None,
                after_backward: Callable[[PipelineStats | None], None] | None = None,
                report: dict | None = None) -> torch.Tensor:
-    """One optimizer step of ``model`` on ``grid``; returns this rank's loss (detached).
+    """One optimizer step of ``model`` on ``grid`` over this rank's ``batch``; returns this rank's loss
+    (detached).
 
-    ``loss(*inputs)`` runs the forward pass and returns the mean loss of this rank's
-    samples (for par4d's GPT, ``loss`` is the model itself: ``model(idx, targets)``).
-    ``microbatches`` M > 1 without a pipeline is gradient accumulation: ``inputs`` (each cut
-    along dim 0) run in M forward and backward passes, one microbatch's activations at a time,
+    ``batch``: this rank's shard of the inputs (:func:`par4d.shard_batch`), a tensor or a tuple of
+    them; ``loss(*batch)`` runs the forward pass and returns the mean loss of this rank's samples
+    (default: ``model`` itself, as par4d's GPT, ``model(idx, targets)``).
+    ``optimizer``: a torch optimizer over the model's parameters (fp32), or a precision policy
+    (:class:`~par4d.optim.precision.MixedPrecision`: its fp32 masters and their optimizer step, its loss
+    scale multiplies the loss before backward; a step it skips changes nothing). Either way the
+    policy's one ``step`` finishes the data-parallel sync, clips to ``grad_clip`` (0: no clipping),
+    steps and zeroes the gradients.
+    ``microbatches`` M > 1 without a pipeline is gradient accumulation: ``batch`` (each tensor cut
+    along dim 0) runs in M forward and backward passes, one microbatch's activations at a time,
     each loss weighted by its share of the rows, so the gradient and the loss returned are the
     whole batch's; the data-parallel sync and the optimizer run once.
     On a grid with ``pipe > 1`` the model is one pipeline stage (par4d's GPT) and
-    ``inputs`` are ``(idx, targets)``: the message-driven pipeline runs forward and
+    ``batch`` is ``(idx, targets)``: the message-driven pipeline runs forward and
     backward over ``microbatches`` microbatches (default: ``pipe``), at most ``pipeline_limit``
     in flight (default: ``pipe``).
-    ``precision``: mixed precision (its fp32 masters and their optimizer replace ``optimizer``,
-    its loss scale multiplies the loss before backward; a step it skips changes nothing).
     ``after_backward(stats)``: called once forward and backward are done, before the data-parallel
     sync finishes and the optimizer steps, with the pipeline's :class:`PipelineStats` (None without
     a pipeline): where a benchmark looks inside a step (a stage's order, device memory).
     ``report``: gets ``grad_norm``, the global gradient norm before clipping, where clipping computed it
     (``grad_clip > 0``; not for a step mixed precision skipped).
     """
+    inputs = (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
+    forward = model if loss is None else loss
+    precision = optimizer if isinstance(optimizer, Precision) else FullPrecision(model, grid, optimizer)
     sync = gradient_sync(model, grid)
-    scale = precision.scale if precision is not None else 1.0
     if grid.size("pipe") > 1:           # forward and backward, microbatch by microbatch, stage by stage
         value, stats = run_pipeline(model, grid, *inputs, microbatches or grid.size("pipe"), pipeline_limit,
-                                    loss_scale=scale)
+                                    loss_scale=precision.scale)
     else:
         stats = None
         count = microbatches or 1
         pieces, weights = split_microbatches(inputs, count) if count > 1 else ([inputs], [1.0])
         value = 0.0
         for micro, (piece, weight) in enumerate(zip(pieces, weights)):
-            part = loss(*piece)         # forward: Algorithm 1's all-gathers over z, all-reduces over the in-axes
+            part = forward(*piece)      # forward: Algorithm 1's all-gathers over z, all-reduces over the in-axes
             # Each backward defers its reduce-scatters (ORS); only the last lets buckets start as they fill:
             # the data-parallel sum runs once per step, over the gradients accumulated in .grad.
-            sync.arm(last=micro == count - 1)
-            weighted_backward(part, weight, scale)   # input-gradient all-reduces, weight reduce-scatters
+            with sync.backward(last=micro == count - 1):
+                weighted_backward(part, weight, precision.scale)  # input-gradient all-reduces, weight reduce-scatters
             value = part.detach() if count == 1 else value + part.detach().float() * weight   # as the pipeline's
     if after_backward is not None:
         after_backward(stats)
-    if precision is not None:           # finish the sync; unscale into the fp32 masters, clip and step them,
-        precision.step(sync, grad_clip)  # round back (offloaded: bucket by bucket as the all-reduce returns them)
-        if report is not None and precision.grad_norm is not None:
-            report["grad_norm"] = float(precision.grad_norm)
-        return value.detach()
-    sync.finish()                       # after backward: sums what is still partial over data (and z)
-    if grad_clip > 0:                   # after the sync: the norm is that of the global batch's gradient
-        norm = clip_grad_norm_(model, grad_clip, grid)
-        if report is not None:
-            report["grad_norm"] = norm.item()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    # Finish the sync, clip, step (mixed precision: unscaled into the fp32 masters and rounded back;
+    # offloaded: bucket by bucket as the all-reduce returns them), zero the gradients.
+    precision.step(sync, grad_clip)
+    if report is not None and precision.grad_norm is not None:
+        report["grad_norm"] = float(precision.grad_norm)
     return value.detach()

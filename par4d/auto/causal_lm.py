@@ -1,0 +1,48 @@
+"""A Hugging Face causal language model as par4d's training loop and pipeline call a model."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from par4d.auto.stages import Stage
+from par4d.parallel import state
+
+
+class CausalLM(nn.Module):
+    """A Hugging Face causal language model as the training loop calls a model:
+    ``forward(idx, targets)`` is the mean cross-entropy over this rank's tokens (``targets``
+    are already the next tokens), without targets the logits. ``flops_per_token`` and
+    ``num_params`` are the whole model's (counted before it was parallelized).
+
+    On a grid with pipe > 1, ``lm`` is this rank's stage (:mod:`par4d.auto.stages`) and the pipeline
+    runs it (``stage_forward``, ``stream_shape``, ``first``, ``last``: as par4d's GPT)."""
+
+    def __init__(self, lm: nn.Module, flops_per_token: float, num_params: int, stage: Stage | None = None):
+        super().__init__()
+        self.lm, self.flops_per_token, self.num_params = lm, flops_per_token, num_params
+        self.stage = stage or Stage(0, 1, range(lm.config.num_hidden_layers))
+        self.first, self.last = self.stage.first, self.stage.last
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if not (self.first and self.last):
+            raise ValueError(f"this model is pipeline stage {self.stage.index} of {self.stage.stages}: train it "
+                             f"with par4d.train_step (the pipeline runs its stages)")
+        return self.stage_forward(idx, targets)
+
+    def stage_forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """This stage's part of the forward: token ids in on the first stage, else the residual stream from
+        the stage before (:meth:`stream_shape`); the stream out, or on the last stage the logits or, with
+        ``targets``, the mean cross-entropy over its tokens."""
+        given = {"input_ids": inputs} if self.first else {"inputs_embeds": inputs}
+        if not self.last:                   # its final norm is the identity (par4d.auto.stages)
+            return self.lm.base_model(**given, use_cache=False).last_hidden_state
+        logits = self.lm(**given, use_cache=False).logits     # training: no key/value cache
+        return logits if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def stream_shape(self, rows: int, seq: int) -> tuple[tuple[int, ...], torch.dtype]:
+        """The residual stream between stages for ``rows`` sequences of ``seq`` tokens: features over y where
+        ``parallelize`` sharded it (:mod:`par4d.auto.stream`), else whole, in the parameters' dtype."""
+        hidden = self.lm.config.hidden_size // state(self.lm).stream
+        return (rows, seq, hidden), next(self.parameters()).dtype

@@ -1,0 +1,64 @@
+"""What par4d set up for one parallel model, in one object (docs/architecture.md, One state per model).
+
+A model made parallel carries one :class:`ParallelState`, registered on the module as
+``fully_shard`` registers its own, and read with :func:`state`: its overlap settings and their
+runtime (``par4d.set_overlap``), the data-parallel sync (built by the first step), the dtype its
+gradients are summed in (mixed precision), and ``parallelize``'s plan. Every room that needs one
+of these asks the state; nothing else is stuck on the module.
+
+No torch here and nothing above the root imported: the state only holds what other rooms made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    import torch.nn as nn
+
+    from par4d.auto.parallelize import Treatment
+    from par4d.optim.data_parallel import GradientSync
+    from par4d.overlap.policy import Overlap
+    from par4d.overlap.runtime import LayerRuntime
+
+_KEY = "_parallel_state"     # the module's own __dict__: copied with it, gone with it
+
+
+@dataclass(eq=False)
+class ParallelState:
+    """One parallel model's set-up.
+
+    ``overlap``: the settings ``set_overlap`` gave (``Overlap.none()`` is synchronous); None only
+    while nobody set them, when the sync takes ``Overlap()``'s defaults, as DDP does.
+    ``runtime``: the :class:`~par4d.overlap.runtime.LayerRuntime` every Algorithm 1 layer shares
+    (None: synchronous). ``sync``: the data-parallel :class:`~par4d.optim.data_parallel.GradientSync`.
+    ``reduce_dtype``: the dtype gradients are summed in over data x z where it is not theirs (mixed
+    precision's fp32). ``plan``, ``stream``, ``sync_messages``: ``par4d.parallelize``'s treatment of
+    every layer, the residual stream's cut over y (1: whole) and the data-parallel sums it counted.
+    ``observe_recompute``: a context the footprint enters around each recomputed segment."""
+
+    overlap: Overlap | None = None
+    runtime: LayerRuntime | None = None
+    sync: GradientSync | None = None
+    reduce_dtype: torch.dtype | None = None
+    plan: list[Treatment] = field(default_factory=list)
+    stream: int = 1
+    sync_messages: tuple = ()
+    observe_recompute: Callable[[], Any] | None = None
+
+
+def state(model: nn.Module) -> ParallelState:
+    """``model``'s :class:`ParallelState`, registered (empty) on first use."""
+    found = model.__dict__.get(_KEY)
+    if found is None:
+        found = ParallelState()
+        model.__dict__[_KEY] = found
+    return found
+
+
+def has_state(model: nn.Module) -> bool:
+    """Whether par4d set anything up for ``model``."""
+    return _KEY in model.__dict__

@@ -1,0 +1,92 @@
+"""What a recipe says of its model: the questions ``par4d train``'s rooms ask about ``--model``.
+
+The defaults are those of a language model on text with par4d's GPT's shape settings; a recipe
+overrides what its model does otherwise. No torch here: the command line reads recipes before
+any rank starts, and a recipe imports what builds its model only when it builds one.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from par4d.models.config import GPTConfig, parse_recompute
+
+if TYPE_CHECKING:
+    import torch
+    import torch.nn as nn
+
+    from par4d.grid import Grid
+    from par4d.train.checkpoint import Checkpoint
+    from par4d.train.config import TrainConfig
+
+
+class Recipe:
+    """One ``--model``: how it is checked, built on a grid and parallelized, counted, fed, saved and exported.
+
+    ``name``: the ``--model`` value. ``describe``: the summary's model line. ``data``: ``"text"`` (token
+    windows: the corpus, a dataset, a tokenizer) or ``"images"`` (generated from the seed). ``samples``: what
+    a batch's rows are, in messages. ``loss_unit``: the training loss's unit, for the plot. ``unused``: the
+    settings it has no use for (refused by name when given), ``unused_why`` says why. ``plannable``:
+    ``--grid auto`` plans it."""
+
+    name: str
+    describe: str
+    data = "text"
+    samples = "sequences"
+    loss_unit = "nats/byte"
+    unused: tuple[str, ...] = ("image_size",)
+    unused_why = "it is for unet"
+    plannable = False
+
+    def check(self, config: TrainConfig) -> None:
+        """Refuse the settings this model cannot train with (run when the config is built; no torch)."""
+
+    def model_config(self, config: TrainConfig) -> GPTConfig:
+        """The model's own config at the run's sizes."""
+        return GPTConfig(vocab_size=config.vocab_size, block_size=config.seq_len, n_layer=config.n_layer,
+                         n_embd=config.n_embd, n_head=config.n_head, seed=config.seed, mlp=config.mlp,
+                         phantom_k=config.phantom_k, phantom_p=config.grid.get("x", 1))
+
+    def sizes(self, config: TrainConfig) -> str:
+        """The run's size settings, as an error message names them."""
+        return f"n_layer={config.n_layer}, n_embd={config.n_embd}, n_head={config.n_head}, seq_len={config.seq_len}"
+
+    def recompute_every(self, config: TrainConfig) -> int:
+        """``--recompute`` as a count of blocks per recomputed segment (0: none)."""
+        pipe = config.grid.get("pipe", 1)
+        if pipe == 1:
+            return parse_recompute(config.recompute, config.n_layer)
+        # A segment never spans two stages: N must divide every stage's block count.
+        per_stage = math.gcd(*(len(blocks) for blocks in self.model_config(config).stage_blocks(pipe)))
+        return parse_recompute(config.recompute, per_stage, config.n_layer)
+
+    def num_params(self, config: TrainConfig) -> int:
+        """The whole model's parameters, before anything is built on a grid."""
+        return self.model_config(config).num_params()
+
+    def flops_per_token(self, config: TrainConfig, model: nn.Module) -> float:
+        """Training FLOPs per token (per pixel for images) of the model built for ``config``."""
+        return self.model_config(config).flops_per_token()
+
+    def pretrained_settings(self, folder: str, chosen: dict) -> tuple[dict, dict | None]:
+        """(the settings with the sizes of the model in ``folder`` that ``--init-from hf`` starts from, the
+        folder's config.json where the model is built from it, else None); a size flag that differs is refused.
+        A model that starts from no folder keeps the settings (its :meth:`check` refuses ``--init-from``)."""
+        return chosen, None
+
+    def check_pretrained(self, config: TrainConfig) -> None:
+        """Before any rank starts: ``config.init_from`` holds every weight the model needs, at its shape."""
+
+    def build(self, config: TrainConfig, grid: Grid) -> nn.Module:
+        """The model on ``grid`` with the overlaps ``--overlap`` asks for (on a virtual grid: shapes only)."""
+        raise NotImplementedError
+
+    def load_pretrained(self, config: TrainConfig, grid: Grid, model: nn.Module) -> None:
+        """Fill a new run's model from ``config.init_from`` (each rank its shards), where :meth:`build` did not."""
+
+    def export_hf(self, chosen: Checkpoint, source: Path) -> tuple[dict[str, torch.Tensor], str]:
+        """(state dict under ``transformers``' names, the ``config.json`` text) of the checkpoint ``chosen``."""
+        raise ValueError(f"run {source} trained --model {self.name}: export is for par4d's GPT and the Hugging "
+                         f"Face models (--model gpt, hf-gpt2, hf-llama)")

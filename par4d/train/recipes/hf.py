@@ -1,0 +1,199 @@
+"""``--model hf-gpt2 | hf-llama``: a Hugging Face causal language model made parallel by
+``par4d.parallelize``, at the run's sizes or a pretrained folder's, and exported as its own model again."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from par4d.train.recipes.base import Recipe
+
+if TYPE_CHECKING:
+    import torch
+    import torch.nn as nn
+
+    from par4d.auto.causal_lm import CausalLM
+    from par4d.grid import Grid
+    from par4d.train.checkpoint import Checkpoint
+    from par4d.train.config import TrainConfig
+
+
+def hf_model_config(config: TrainConfig):
+    """The ``transformers`` config of the run's Hugging Face model: the pretrained folder's
+    (``config.hf_config``, kept in the run), else its recipe's at the run's sizes over the run's vocabulary."""
+    from transformers import AutoConfig
+
+    from par4d.train.recipes import recipe
+
+    if config.hf_config is not None:
+        settings = dict(config.hf_config)
+        return AutoConfig.for_model(settings.pop("model_type"), **settings)
+    return recipe(config.model).fresh_config(config)
+
+
+def pretrained_shape(model: str, folder: str) -> tuple[dict[str, int], dict]:
+    """(``n_layer``, ``n_embd``, ``n_head``, ``positions``, ``vocab``; its ``config.json``) of the model in
+    ``folder`` that ``--model`` ``model`` starts from, the folder checked first
+    (:func:`par4d.auto.pretrained.read_pretrained`)."""
+    from transformers import AutoConfig
+
+    from par4d.auto.pretrained import read_pretrained
+
+    config = read_pretrained(folder, model)
+    settings = dict(config)
+    try:
+        hf = AutoConfig.for_model(settings.pop("model_type"), **settings)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{Path(folder) / 'config.json'} is not a {config['model_type']} config ({error})") from None
+    dims = {"n_layer": hf.num_hidden_layers, "n_embd": hf.hidden_size, "n_head": hf.num_attention_heads,
+            "positions": hf.max_position_embeddings, "vocab": hf.vocab_size}
+    return dims, config
+
+
+def hf_lm(config: TrainConfig) -> nn.Module:
+    """The Hugging Face model ``config.model`` names, at the run's sizes (or its pretrained folder's), in
+    fp32. Built on the meta device: its values come from a folder or from :mod:`par4d.auto.init`."""
+    from transformers import AutoModelForCausalLM
+
+    from par4d.train.recipes import recipe
+
+    hf = hf_model_config(config)
+    if config.hf_config is not None:
+        return AutoModelForCausalLM.from_config(hf).float()
+    return recipe(config.model).lm_class()(hf).float()
+
+
+def _hf_model(config: TrainConfig, grid: Grid) -> CausalLM:
+    """Built on the meta device and made parallel, then filled shard by shard: from the pretrained folder
+    (each rank reads its slices), or by the model's own initialisation a block at a time from the run's
+    seed (:mod:`par4d.auto.init`); no rank holds the model whole. On a virtual grid only the shapes."""
+    import torch
+
+    from par4d.auto import load_safetensors, parallelize
+    from par4d.auto.causal_lm import CausalLM
+    from par4d.auto.init import initialize
+    from par4d.auto.stages import cut_stage, matmul_weights, tie_across_stages
+
+    with torch.device("meta"):
+        twin = hf_lm(config)
+    # Training FLOPs per token: 6 per matmul weight (forward and backward), plus attention's
+    # scores (the GPT's count, the same for both: causal attention over seq_len tokens).
+    attention = config.model_config().attention_flops_per_token(recompute=False)
+    flops = 6 * matmul_weights(twin) + attention
+    params = sum(p.numel() for p in twin.parameters())
+    lm = copy.deepcopy(twin)
+    stage = cut_stage(lm, grid, config.seq_len)   # pipe > 1: this rank's decoder layers, names kept
+    lm = parallelize(lm, grid)
+    tie_across_stages(lm, stage)            # a head tied to the embeddings, on the first and last stage
+    if grid.device.type != "meta" and config.init_from is not None and not config.resume:
+        load_safetensors(lm, config.init_from, grid)
+    elif grid.device.type != "meta":        # (a resume's checkpoint overwrites these values next)
+        initialize(lm, twin, grid, config.seed)
+    return CausalLM(lm, flops, params, stage)
+
+
+class HFRecipe(Recipe):
+    """One Hugging Face architecture par4d builds at the run's sizes (:meth:`fresh_config`) or a pretrained
+    folder's (``--init-from hf``)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.describe = f"{name}: Hugging Face's, made parallel by par4d.parallelize"
+
+    def fresh_config(self, config: TrainConfig):
+        """The ``transformers`` config at the run's sizes and vocabulary, without dropout."""
+        raise NotImplementedError
+
+    def lm_class(self) -> type:
+        """The ``transformers`` causal LM class a fresh config builds."""
+        raise NotImplementedError
+
+    def check(self, config: TrainConfig) -> None:
+        if config.mlp != "dense":
+            raise ValueError(f"--model {self.name}: --mlp {config.mlp} is for par4d's GPT (--model gpt); a Hugging "
+                             f"Face model trains without phantom MLPs")
+
+    def recompute_every(self, config: TrainConfig) -> int:
+        """transformers checkpoints each decoder layer on its own: 0 or 1."""
+        from par4d.models.config import parse_recompute
+
+        every = parse_recompute(config.recompute, config.n_layer)
+        if every > 1 and config.recompute.strip().lower() != "auto":
+            raise ValueError(f"--recompute {config.recompute}: a Hugging Face model recomputes each decoder layer "
+                             f"on its own (transformers' gradient checkpointing); give none, auto or 1")
+        return min(every, 1)
+
+    def num_params(self, config: TrainConfig) -> int:
+        """Its own count, from the model on the meta device (its vocabulary, MLP width and key/value heads
+        are its own, not par4d's formula's)."""
+        import torch
+
+        with torch.device("meta"):
+            return sum(p.numel() for p in hf_lm(config).parameters())
+
+    def flops_per_token(self, config: TrainConfig, model: nn.Module) -> float:
+        return model.flops_per_token          # counted when it was built, before it was parallelized
+
+    def pretrained_settings(self, folder: str, chosen: dict) -> tuple[dict, dict | None]:
+        from par4d.train.configure import pretrained
+
+        return pretrained(self.name, folder, chosen)
+
+    def check_pretrained(self, config: TrainConfig) -> None:
+        import torch
+
+        from par4d.auto.load import check_weights
+
+        with torch.device("meta"):
+            check_weights(hf_lm(config), config.init_from)   # every weight there, at its shape
+
+    def build(self, config: TrainConfig, grid: Grid) -> nn.Module:
+        """Made parallel, then its overlaps; recomputed, every decoder layer with its gathered weights cached
+        by the runtime (the cache)."""
+        from par4d.overlap import set_overlap
+        from par4d.parallel import state
+
+        model = set_overlap(_hf_model(config, grid), config.overlap_run())
+        if config.recompute_every():
+            runtime = state(model).runtime
+            context = {"context_fn": runtime.gathers.checkpoint_contexts} if runtime is not None else {}
+            model.lm.activation_checkpointing_enable(
+                activation_checkpointing_kwargs={"use_reentrant": False, **context})
+        return model
+
+    def export_hf(self, chosen: Checkpoint, source: Path) -> tuple[dict[str, torch.Tensor], str]:
+        from par4d.train.hf import lm_state
+
+        return lm_state(chosen)
+
+
+class GPT2Recipe(HFRecipe):
+    def lm_class(self) -> type:
+        from transformers import GPT2LMHeadModel
+
+        return GPT2LMHeadModel
+
+    def fresh_config(self, config: TrainConfig):
+        from transformers import GPT2Config
+
+        return GPT2Config(vocab_size=config.vocab_size, n_positions=config.seq_len, n_embd=config.n_embd,
+                          n_layer=config.n_layer, n_head=config.n_head, resid_pdrop=0.0, embd_pdrop=0.0,
+                          attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+
+
+class LlamaRecipe(HFRecipe):
+    def lm_class(self) -> type:
+        from transformers import LlamaForCausalLM
+
+        return LlamaForCausalLM
+
+    def fresh_config(self, config: TrainConfig):
+        """Grouped-query attention: half as many key/value heads where the heads are even."""
+        from transformers import LlamaConfig
+
+        return LlamaConfig(vocab_size=config.vocab_size, hidden_size=config.n_embd,
+                           intermediate_size=4 * config.n_embd, num_hidden_layers=config.n_layer,
+                           num_attention_heads=config.n_head,
+                           num_key_value_heads=config.n_head // 2 if config.n_head % 2 == 0 else config.n_head,
+                           max_position_embeddings=config.seq_len, bos_token_id=0, eos_token_id=0)
