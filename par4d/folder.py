@@ -32,6 +32,12 @@ _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 JSON_LIMIT = 1 << 30       # bytes: the largest JSON file read (an index of 1,000 ranks x 1,000 tensors is ~100 MB)
 PROC_FD = Path("/proc/self/fd")
+ABSURD_BYTES = 1 << 50     # a size read from a file, beyond any machine's memory (1 PiB): refused whatever the machine
+
+
+def is_count(value: object, low: int = 0) -> bool:
+    """Whether ``value`` (read from JSON) is an integer >= ``low``, not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
 class FolderError(ValueError):

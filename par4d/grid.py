@@ -254,7 +254,7 @@ def build_grid(sizes: dict[str, int], device: torch.device, nodes: tuple[int, ..
     too (gloo only: on NCCL ``auto`` leaves the topology to NCCL and ``on`` is refused)."""
     check_mode(hierarchical)
     if hierarchical == "on" and device.type != "cpu":
-        raise ValueError(f"--hierarchical on: staged collectives run on gloo (CPU) only; on {device.type} "
+        raise ValueError(f"hierarchical='on': staged collectives run on gloo (CPU) only; on {device.type} "
                          f"NCCL chooses its own topology-aware algorithms (use auto or off)")
     names = tuple(reversed(AXES))  # outermost first: pipe, data, z, y, x
     mesh = init_device_mesh(device.type, tuple(sizes[a] for a in names), mesh_dim_names=names)

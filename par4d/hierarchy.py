@@ -29,7 +29,7 @@ loss's and the norms' scalars stay flat under ``auto``)."""
 
 def check_mode(mode: str) -> str:
     if mode not in MODES:
-        raise ValueError(f"--hierarchical {mode!r}: choose one of {', '.join(MODES)}")
+        raise ValueError(f"hierarchical={mode!r}: choose one of {', '.join(MODES)}")
     return mode
 
 

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from par4d import checkpoint
 from par4d.layout import shard_batch
 from par4d.models import GPT, GPTConfig, ReferenceGPT
-from par4d.train import checkpoint
 from par4d.train.step import train_step
 from tests import cases
 from tests.helpers import grid_id, sizes_id

@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from par4d import checkpoint
 from par4d.cli import main
 from par4d.layout import placement_of, shard, shard_batch
 from par4d.models import GPTConfig, ReferenceGPT
-from par4d.train import checkpoint
 from par4d.train.hf import check_hf, expected_tensors, export_hf, load_hf
 from par4d.train.recipes.gpt import build_gpt
 from par4d.train.step import train_step

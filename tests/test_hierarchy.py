@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from par4d import comm
+from par4d.cli import as_flags
 from par4d.grid import groups_of, validate_sizes
 from par4d.hierarchy import check_mode, node_indices, split
 from tests import cases
@@ -44,8 +45,11 @@ def test_no_split_where_staging_saves_nothing_or_groups_differ():
 
 def test_nodes_and_modes():
     assert node_indices(["b/1", "a/1", "b/1", "a/2"]) == (0, 1, 0, 2)
-    with pytest.raises(ValueError, match="--hierarchical 'yes': choose one of auto, on, off"):
+    with pytest.raises(ValueError, match="hierarchical='yes': choose one of auto, on, off"):
         check_mode("yes")
+    # par4d train reads its flag, not the call's parameter
+    assert as_flags("hierarchical='yes': choose one") == "--hierarchical 'yes': choose one"
+    assert as_flags("keep=0: keep at least 1 checkpoint") == "--keep 0: keep at least 1 checkpoint"
 
 
 def _integers(shape, seed) -> torch.Tensor:

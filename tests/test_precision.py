@@ -5,10 +5,10 @@ checkpoints of the masters."""
 import pytest
 import torch
 
+from par4d import checkpoint
 from par4d.layout import shard_batch
 from par4d.models import GPTConfig
 from par4d.optim.precision import INITIAL_SCALE, MixedPrecision
-from par4d.train import checkpoint
 from par4d.train.recipes.gpt import build_gpt
 from par4d.train.step import train_step
 from tests import cases

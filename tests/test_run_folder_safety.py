@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from par4d import checkpoint
 from par4d.cli import main
-from par4d.train import checkpoint
 from par4d.train.lock import LOCK, RunLock
 from tests import cases
 from tests.helpers import SMALL, train_pooled, train_subprocess

@@ -4,9 +4,9 @@ One job of N ranks (default 4), in turns for ``--repeats`` rounds:
 
 * par4d: the GPT (:func:`par4d.train.recipes.gpt.build_gpt`) on grid A (default ``x=2,z=2``)
   takes one AdamW step (so its optimizer state exists) and is saved
-  (:func:`par4d.train.checkpoint.save`); grid A is closed, the model built again on grid B
+  (:func:`par4d.checkpoint.save`); grid A is closed, the model built again on grid B
   (default ``z=2,data=2``, other initial weights) with a fresh AdamW, and
-  :func:`par4d.train.checkpoint.load` is timed: it must reshard A's pieces onto B.
+  :func:`par4d.checkpoint.load` is timed: it must reshard A's pieces onto B.
 * torch: the same model's plain-PyTorch twin (:func:`par4d.train.recipes.gpt.build_reference`)
   sharded with FSDP2 (``fully_shard`` per block and root) over all N ranks takes one
   AdamW step and is saved with ``dcp.save`` of ``get_state_dict(model, optimizer)``; then
@@ -71,14 +71,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from par4d import checkpoint
 from par4d.bench.common import emit, launch, where
+from par4d.checkpoint import loader
 from par4d.grid import Grid, parse_grid, validate_sizes
 from par4d.launch import distributed_env, init, join
 from par4d.launch.machine import threads_per_rank
 from par4d.layout import placement_of, shard_batch, shard_name, unshard
 from par4d.models import GPTConfig
 from par4d.overlap import Overlap
-from par4d.train import checkpoint
 from par4d.train.config import TrainConfig
 from par4d.train.recipes.gpt import build_gpt, build_reference
 from par4d.train.step import train_step
@@ -212,7 +213,7 @@ class _CountedHandle:
 
 
 class _CountedOpen:
-    """``safe_open(...)`` as :func:`par4d.train.checkpoint.load` uses it (a context manager), counting."""
+    """``safe_open(...)`` as :func:`par4d.checkpoint.load` uses it (a context manager), counting."""
 
     def __init__(self, opened, reads: _Reads):
         self._opened, self._reads = opened, reads
@@ -227,17 +228,17 @@ class _CountedOpen:
 @contextlib.contextmanager
 def _counting_reads(reads: _Reads):
     """par4d's loader, its safetensors handles counting the bytes of every slice it reads."""
-    original = checkpoint.safe_open
+    original = loader.safe_open
 
     def counted(path, *args, **kwargs):
         reads.files.append(str(path))
         return _CountedOpen(original(path, *args, **kwargs), reads)
 
-    checkpoint.safe_open = counted
+    loader.safe_open = counted
     try:
         yield
     finally:
-        checkpoint.safe_open = original
+        loader.safe_open = original
 
 
 def _par4d_state(grid: Grid, model, optimizer) -> tuple[dict[str, str] | None, dict[str, str]]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
 
@@ -28,6 +29,14 @@ from par4d.launch.cluster import ClusterUnavailable
 
 # In the order `par4d --help` lists them; each module's name is its command's.
 COMMANDS = (train, data, generate, inspect, export, plan, calibrate, cluster, phantom, bench)
+# Library errors name a call's parameter (``hierarchical='on'``); where the command line has it as a flag, the
+# user reads the flag (``--hierarchical 'on'``).
+_AS_FLAG = re.compile(r"\b(hierarchical|keep)=")
+
+
+def as_flags(message: str) -> str:
+    """``message`` with the library's parameter names that are also flags written as those flags."""
+    return _AS_FLAG.sub(lambda m: f"--{m.group(1)} ", message)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -44,10 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return command.run(args)
     except (ValueError, ClusterUnavailable) as error:   # bad input: nothing started, or nothing was lost
-        print(f"par4d {args.command}: error: {error}", file=sys.stderr)
+        print(f"par4d {args.command}: error: {as_flags(str(error))}", file=sys.stderr)
         return 2
     except RankFailed as error:
-        print(f"par4d {args.command}: error: {error}", file=sys.stderr)
+        print(f"par4d {args.command}: error: {as_flags(str(error))}", file=sys.stderr)
         return 1
     except Interrupted as error:
         print(f"par4d {args.command}: {error}", file=sys.stderr)

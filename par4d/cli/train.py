@@ -157,7 +157,7 @@ def _finish(summary: dict, quiet: bool = False) -> int:
 
 
 def _stopped(signum: int, out: Path) -> int:
-    from par4d.train.checkpoint import latest, read_meta
+    from par4d.checkpoint import latest, read_meta
 
     name = signal.Signals(signum).name
     try:   # the pointer moves only once a checkpoint is complete (a resume verifies it)

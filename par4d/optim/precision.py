@@ -17,7 +17,7 @@ model. After ``growth_interval`` good steps in a row the scale doubles. bf16 has
 range: its scale stays 1 and a non-finite gradient is an error, as in fp32.
 
 Checkpoints hold a policy's ``masters`` (the model itself in fp32; mixed precision's fp32 copy,
-which looks like a model to :mod:`par4d.train.checkpoint`: the same names and placements), so a
+which looks like a model to :mod:`par4d.checkpoint`: the same names and placements), so a
 run saved in one precision resumes in any other.
 """
 

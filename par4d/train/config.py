@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from par4d.folder import ABSURD_BYTES, is_count
 from par4d.hierarchy import check_mode
 from par4d.overlap import Overlap
 from par4d.train.recipes import recipe
@@ -18,7 +19,6 @@ if TYPE_CHECKING:
 VOCAB_BYTES = 256   # byte-level tokens
 STATE_BYTES = 16      # per parameter at the least: its fp32 value and gradient, AdamW's two moments
 CORPUS_COPIES = 2     # of the text in a rank while it loads: the bytes read and the token tensor
-ABSURD_BYTES = 1 << 50   # a model's state beyond any machine's memory (1 PiB)
 
 
 @dataclass(frozen=True)
@@ -188,11 +188,6 @@ class TrainConfig:
         if step < self.warmup:
             return self.lr * (step + 1) / self.warmup
         return self.lr * math.sqrt(self.warmup / (step + 1))
-
-
-def is_count(value: object, low: int = 0) -> bool:
-    """Whether ``value`` (read from JSON) is an integer >= ``low``, not a bool."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
 def _gb(count: int | None) -> str:

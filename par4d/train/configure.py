@@ -32,7 +32,7 @@ def default(name: str):
 
 def resumable(args: argparse.Namespace) -> tuple[Path, dict]:
     """(the checkpoint a --resume goes on from, its meta): the newest intact one, each one skipped said why."""
-    from par4d.train.checkpoint import FOLDER, choose_checkpoint
+    from par4d.checkpoint import FOLDER, choose_checkpoint
 
     run_dir = Path(args.resume)
     if not run_dir.is_dir():
@@ -279,7 +279,7 @@ def _named(args: argparse.Namespace, name: str, value) -> str:
 def _restarted_in(out: Path, inside: bool) -> bool:
     """Whether torchrun (or srun's requeue) restarted this job in its own run folder: the ranks
     go on there from the newest intact checkpoint (par4d.train.loop)."""
-    from par4d.train.checkpoint import FOLDER
+    from par4d.checkpoint import FOLDER
     from par4d.train.loop import METRICS, restart_count
 
     return inside and restart_count() > 0 and ((out / FOLDER).is_dir() or (out / METRICS).is_file())

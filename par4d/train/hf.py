@@ -14,7 +14,7 @@ refused both ways.
 Export (:func:`export_hf`) runs in one process: it assembles every full tensor from the checkpoint's
 pieces, since it writes one file. Loading (:func:`load_hf`) runs on every rank, each reading only the
 slices of the file that overlap its own shards, through the same box machinery as
-:func:`par4d.train.checkpoint.load`; :func:`check_hf` validates a folder against a model's config
+:func:`par4d.checkpoint.load`; :func:`check_hf` validates a folder against a model's config
 before any rank starts.
 """
 
@@ -32,13 +32,12 @@ import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from par4d import checkpoint
 from par4d.auto.pretrained import read_config
-from par4d.folder import Folder
+from par4d.folder import Folder, is_count
 from par4d.grid import AXES, Grid
 from par4d.layout import Box, Placement, Reader, boxes, fill, slice_reader
 from par4d.models.config import GPTConfig
-from par4d.train import checkpoint
-from par4d.train.config import is_count
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -288,8 +287,8 @@ def _model_config(folder: Path, meta: dict) -> GPTConfig:
 
 def _check_memory(where: Path, params: int) -> None:
     """Refuse a model whose parameters, whole in fp32 (as export holds them), exceed this machine's memory."""
+    from par4d.folder import ABSURD_BYTES
     from par4d.launch.machine import host_memory
-    from par4d.train.config import ABSURD_BYTES
 
     need, memory = 4 * params, host_memory()
     if need > (memory or ABSURD_BYTES):

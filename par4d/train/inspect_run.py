@@ -13,7 +13,7 @@ from par4d.folder import Folder
 
 def inspect(path: Path) -> list[str]:
     """The lines ``par4d inspect`` prints for ``path`` (a run, a checkpoint, or a dataset folder)."""
-    from par4d.train import checkpoint
+    from par4d import checkpoint
 
     path = Path(path)
     if not path.is_dir():

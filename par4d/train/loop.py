@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from par4d import checkpoint
 from par4d.folder import Folder
 from par4d.launch import distributed_env, init
 from par4d.launch.machine import job_peak, threads_per_rank
@@ -22,14 +23,13 @@ from par4d.ledger import in_flight_seconds
 from par4d.optim.data_parallel import global_mean
 from par4d.optim.precision import FullPrecision, MixedPrecision, Precision, fused_adamw, parse_precision
 from par4d.pipeline import evaluate_pipeline
-from par4d.train import checkpoint
+from par4d.rank0 import on_rank0
 from par4d.train.board import Board, resident
 from par4d.train.config import TrainConfig
 from par4d.train.data import Batches, Images, training_data
 from par4d.train.faults import Faults
 from par4d.train.footprint import measure_footprint
 from par4d.train.lock import RunLock, held_by_launcher
-from par4d.train.rank0 import on_rank0
 from par4d.train.recipes import build_model, recipe
 from par4d.train.report import say
 from par4d.train.settings_file import resolved

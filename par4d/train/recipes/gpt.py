@@ -15,9 +15,9 @@ if TYPE_CHECKING:
     import torch
     import torch.nn as nn
 
+    from par4d.checkpoint import Checkpoint
     from par4d.grid import Grid
     from par4d.models import GPT, ReferenceGPT
-    from par4d.train.checkpoint import Checkpoint
     from par4d.train.config import TrainConfig
 
 

@@ -14,8 +14,8 @@ if TYPE_CHECKING:
     import torch.nn as nn
 
     from par4d.auto.causal_lm import CausalLM
+    from par4d.checkpoint import Checkpoint
     from par4d.grid import Grid
-    from par4d.train.checkpoint import Checkpoint
     from par4d.train.config import TrainConfig
 
 

@@ -11,9 +11,9 @@ if TYPE_CHECKING:
     import torch
     import torch.nn as nn
 
+    from par4d.checkpoint import Checkpoint
     from par4d.grid import Grid
     from par4d.models.unet import UNetConfig
-    from par4d.train.checkpoint import Checkpoint
     from par4d.train.config import TrainConfig
 
 IMAGE_CHANNELS = 4   # channels of the generated images (the U-Net's input and output)
