@@ -73,6 +73,11 @@ def parse_grid(text: str) -> dict[str, int]:
     return sizes
 
 
+class Indivisible(ValueError):
+    """A size that the grid's axes do not divide (a layer's features or channels, a vocabulary): the
+    layer cannot be cut there. ``par4d.parallelize`` keeps such a layer whole instead."""
+
+
 def validate_sizes(sizes: dict[str, int], world_size: int) -> dict[str, int]:
     """Check a grid shape against a world size; return it completed with 1s.
 

@@ -33,6 +33,21 @@ class _Plain(nn.Module):
         return nn.functional.cross_entropy(self.head(self.norm(x + self.ff(x))).flatten(0, 1), y.flatten())
 
 
+class _Classifier(nn.Module):
+    """Three blocks of a Linear and a GELU, and a 10-class head: on x=2, z=2 its 5 classes per x-block do
+    not divide over z."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.Sequential(nn.Linear(12, 24), nn.GELU(), nn.Linear(24, 24), nn.GELU(), nn.Linear(24, 12),
+                                    nn.GELU())
+        self.head = nn.Linear(12, 10)
+
+    def forward(self, x, y):
+        return nn.functional.cross_entropy(self.head(self.blocks(x)).flatten(0, 1), y.flatten())
+
+
 class _ConvNet(nn.Module):
     """Convolutions: a pair in a Sequential (the second with stride 2), a lone 1x1, a Linear head."""
 
@@ -80,7 +95,7 @@ def _llama_batch(gen):
 
 
 def _run(model, x, y):
-    if isinstance(model, (_Plain, _ConvNet)):
+    if isinstance(model, (_Plain, _Classifier, _ConvNet)):
         return model(x, y)
     return model(input_ids=x, labels=y).loss
 
@@ -93,7 +108,7 @@ def _matches(sizes: dict, which: str, force: dict | None = None, weights: str | 
 
 
 def _compare(grid, which: str, force: dict | None, weights: str | None) -> dict:
-    build = {"plain": _Plain, "conv": _ConvNet, "llama": _llama, "gpt2": _gpt2}[which]
+    build = {"plain": _Plain, "classifier": _Classifier, "conv": _ConvNet, "llama": _llama, "gpt2": _gpt2}[which]
     twin = build()
     if weights is None:
         model = par4d.parallelize(copy.deepcopy(twin), grid, force=force)
@@ -101,7 +116,7 @@ def _compare(grid, which: str, force: dict | None, weights: str | None) -> dict:
         with torch.device("meta"):
             model = par4d.parallelize(build(), grid, force=force)
         par4d.load_safetensors(model, weights, grid)
-    batches = {"plain": _plain_batch, "conv": _conv_batch}.get(which, _llama_batch)
+    batches = {"plain": _plain_batch, "classifier": _plain_batch, "conv": _conv_batch}.get(which, _llama_batch)
     # eps 1e-4: AdamW would turn fp32 round-off in near-zero gradients into a whole step's difference
     opt_twin = torch.optim.AdamW(twin.parameters(), lr=1e-2, eps=1e-4)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
@@ -140,6 +155,20 @@ def _check(results: list[dict]) -> dict:
 def test_plain_model_4_ranks(pool4, sizes):
     plan = _check(pool4.run(_matches, sizes, "plain"))["plan"]
     assert plan == [("ff.0", "normal"), ("ff.2", "transposed"), ("head", "normal"), ("norm", "replicated")]
+
+
+def test_a_layer_the_grid_does_not_divide_is_kept_whole(pool4):
+    """A classifier of one's own on x=2, z=2: its 10-class head is kept whole (the plan says why), the rest
+    is cut, and it trains as the one-process model does."""
+    result = _check(pool4.run(_matches, dict(x=2, z=2), "classifier"))
+    assert result["plan"] == [("blocks.0", "normal"), ("blocks.2", "transposed"), ("blocks.4", "normal"),
+                              ("head", "replicated")]
+    why = {t.name: t.why for t in par4d.state(par4d.parallelize(_Classifier(), _X2Z2)).plan}["head"]
+    assert why == ("kept whole: the grid does not divide its sizes: head(in_features=12, out_features=10, "
+                   "transposed=False): the 5 out-features per x-block (out_features / x=2) are not divisible by z=2")
+
+
+_X2Z2 = par4d.Grid.virtual({"x": 2, "y": 1, "z": 2})
 
 
 def test_forcing_one_layer_of_a_block_makes_the_others_lone(pool4):
@@ -280,8 +309,9 @@ def test_the_stream_stays_whole_where_par4d_does_not_know_every_use_of_it():
 
 def test_bad_input_is_named():
     grid = par4d.Grid.virtual({"x": 2, "y": 1, "z": 2})
-    with pytest.raises(ValueError, match=r"head\(in_features=12, out_features=6.*not divisible"):
-        par4d.parallelize(_Head(), grid)
+    with pytest.raises(ValueError, match=r"head is forced normal, but head\(in_features=12, out_features=6.*not "
+                                         r"divisible by z=2 \(force=\{'head': 'replicated'\} keeps it whole\)"):
+        par4d.parallelize(_Head(), grid, force={"head": "normal"})
     with pytest.raises(ValueError, match="unknown treatment 'sharded'"):
         par4d.parallelize(_Plain(), grid, force={"head": "sharded"})
 

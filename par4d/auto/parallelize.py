@@ -29,7 +29,9 @@ alternation, with no collective between its layers:
   each rank of x runs attention on whole heads of its own (grouped-query attention's key
   and value heads with them), and the output projection is transposed.
 
-A block with a layer forced or tied to another treatment is made of lone layers.
+A block with a layer forced or tied to another treatment is made of lone layers. A layer whose
+sizes the grid does not divide (a 10-class head on x=2, z=2) is kept whole, and the plan says
+why; a block with such a layer is made of lone layers too.
 
 The overlaps (``par4d.overlap.set_overlap``) reach these layers as they reach par4d's own:
 they are par4d's own.
@@ -45,7 +47,7 @@ import torch.nn as nn
 
 from par4d.auto.messages import Message, bytes_sent, hook_messages, layer_messages, norm_messages, record, sync_messages
 from par4d.auto.stream import gather_input, is_norm, split_output, stream_norm, stream_problem
-from par4d.grid import Grid
+from par4d.grid import Grid, Indivisible
 from par4d.layout import Placement, place, placement_of
 from par4d.nn.batchnorm import BATCH_AXES, BatchNorm
 from par4d.nn.conv import Conv2d
@@ -54,6 +56,7 @@ from par4d.nn.linear import Linear
 from par4d.parallel import state
 
 TREATMENTS = ("normal", "transposed", "replicated")
+KEPT_WHOLE = "kept whole: the grid does not divide its sizes"   # the plan's why, before the numbers
 ELEMENTWISE = (nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Identity, nn.Dropout, nn.LeakyReLU)
 # Feed-forward blocks by class name: (the layers whose outputs meet elementwise, the layer after).
 PAIRED = {name: (("gate_proj", "up_proj"), "down_proj") for name in ("LlamaMLP", "MistralMLP", "Qwen2MLP")}
@@ -226,6 +229,16 @@ def _replacement(module: nn.Module, name: str, kind: str, role: Role | None, gri
                   weight_layout="out_in" if isinstance(module, nn.Linear) else "in_out")
 
 
+def _indivisible(module: nn.Module, name: str, kind: str, role: Role | None, virtual: Grid) -> str | None:
+    """Why ``module`` cannot be cut as ``kind`` on the (virtual) grid's sizes, or None: built there once,
+    shapes only (the meta device)."""
+    try:
+        _replacement(module, name, kind, role, virtual, stream=False)
+    except Indivisible as error:
+        return str(error)
+    return None
+
+
 def _streamed(role: Role) -> Role:
     """A block's role when the residual stream is sharded over y: its first layers (normal) take the
     stream's features over y as they are, its last (transposed) leave theirs over y."""
@@ -284,8 +297,8 @@ def parallelize(model: nn.Module, grid: Grid, *, force: dict[str, str] | None = 
     per step (:mod:`par4d.auto.messages`), and the state's ``sync_messages`` the data-parallel sums.
     ``report``: print the plan. ``shard_stream``: shard the residual stream over y where par4d knows
     every use of it (:mod:`par4d.auto.stream`; False: keep it whole, the state's ``stream`` is 1).
-    A layer whose sizes the grid does not divide raises, naming the layer and the numbers (force it
-    ``replicated`` to keep it whole)."""
+    A layer whose sizes the grid does not divide is kept whole (replicated), its plan row naming the
+    numbers; one forced normal or transposed raises, naming them and the ``force`` that keeps it whole."""
     force = dict(force or {})
     bad = [k for k in force.values() if k not in TREATMENTS]
     if bad:
@@ -298,14 +311,26 @@ def parallelize(model: nn.Module, grid: Grid, *, force: dict[str, str] | None = 
         names.setdefault(id(param), []).append(name)
     layers = [(n, m) for n, m in model.named_modules() if _is_linear(m) or isinstance(m, (nn.Conv2d, nn.Embedding))]
     decided = {name: _decide(name, module, roles, force, names) for name, module in layers}
-    for name, role in list(roles.items()):     # a block is sharded only if all its layers keep their roles
-        broken = [m for m in role.block if decided[m][1] != role_of[m].why]
-        if broken:
-            del roles[name]
-            if decided[name][1] == role.why:
-                decided[name] = ("normal", f"a lone layer: {broken[0]} of its block is {decided[broken[0]][0]}")
+    virtual = Grid.virtual(grid.sizes, grid.rank)
+    changed = True
+    while changed:     # until every layer that is cut divides the grid, and blocks hold only such layers
+        for name, role in list(roles.items()):     # a block is sharded only if all its layers keep their roles
+            broken = [m for m in role.block if decided[m][1] != role_of[m].why]
+            if broken:
+                del roles[name]
+                if decided[name][1] == role.why:
+                    decided[name] = ("normal", f"a lone layer: {broken[0]} of its block is {decided[broken[0]][0]}")
+        changed = False
+        for name, module in layers:
+            kind, why = decided[name]
+            problem = None if kind == "replicated" else _indivisible(module, name, kind, roles.get(name), virtual)
+            if problem is not None and why == "forced":
+                raise ValueError(f"parallelize: {name} is forced {kind}, but {problem} (force={{{name!r}: "
+                                 f"'replicated'}} keeps it whole)")
+            if problem is not None:
+                decided[name], changed = ("replicated", f"{KEPT_WHOLE}: {problem}"), True
     in_blocks = {name for name, role in roles.items() if role.block}
-    forced = any(why == "forced" for _, why in decided.values())
+    forced = any(why == "forced" or why.startswith(KEPT_WHOLE) for _, why in decided.values())
     stream = shard_stream and stream_problem(model, grid, layers, in_blocks, forced) is None   # over y between blocks
     if stream:
         roles = {name: _streamed(role) for name, role in roles.items()}

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.grad import conv2d_input, conv2d_weight
 
-from par4d.grid import Grid
+from par4d.grid import Grid, Indivisible
 from par4d.nn.algorithm1 import Algorithm1, Algorithm1Layer, algorithm1_parameters
 
 
@@ -56,10 +56,10 @@ class Conv2d(Algorithm1Layer):
             raise ValueError(f"{where}: channels, kernel and stride must be >= 1 and padding >= 0 "
                              f"(stride={stride}, padding={padding})")
         if in_channels % g_in:
-            raise ValueError(f"{where}: in_channels={in_channels} is not divisible by {self.in_axis}={g_in}")
+            raise Indivisible(f"{where}: in_channels={in_channels} is not divisible by {self.in_axis}={g_in}")
         if out_channels % (g_out * g_z):
-            raise ValueError(f"{where}: out_channels={out_channels} is not divisible by {self.out_axis} * z = "
-                             f"{g_out} * {g_z} = {g_out * g_z}")
+            raise Indivisible(f"{where}: out_channels={out_channels} is not divisible by {self.out_axis} * z = "
+                              f"{g_out} * {g_z} = {g_out * g_z}")
         self.grid, self.transposed = grid, transposed
         self.in_channels, self.out_channels, self.kernel_size = in_channels, out_channels, (kh, kw)
         self.stride, self.padding = stride, padding

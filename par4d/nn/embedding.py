@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from par4d.grid import Grid
+from par4d.grid import Grid, Indivisible
 from par4d.layout import Placement, Split, place
 from par4d.nn.algorithm1 import check_layout
 from par4d.nn.base import ShardedModule
@@ -32,9 +32,9 @@ class Embedding(ShardedModule):
         check_layout(where, "output_layout", output_layout)
         self.output_layout, self.padding_idx = output_layout, padding_idx
         if dim % g_axis:
-            raise ValueError(f"{where}: dim={dim} is not divisible by {axis}={g_axis}")
+            raise Indivisible(f"{where}: dim={dim} is not divisible by {axis}={g_axis}")
         if num_embeddings % g_z:
-            raise ValueError(f"{where}: num_embeddings={num_embeddings} is not divisible by z={g_z}")
+            raise Indivisible(f"{where}: num_embeddings={num_embeddings} is not divisible by z={g_z}")
         self.grid, self.axis, self.num_embeddings, self.dim = grid, axis, num_embeddings, dim
         # Rows over z (gathered in forward like Ŵ, so z sums the gradient), features over axis.
         self.weight = place(nn.Parameter(torch.empty(num_embeddings // g_z, dim // g_axis, device=grid.device)),

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from par4d.grid import Grid
+from par4d.grid import Grid, Indivisible
 from par4d.nn.algorithm1 import Algorithm1, Algorithm1Layer, algorithm1_parameters
 
 if TYPE_CHECKING:
@@ -68,13 +68,13 @@ class Linear(Algorithm1Layer):
         self._set_layouts(where, transposed, input_layout, output_layout, weight_layout)
         g_in, g_out, g_z = grid.size(self.in_axis), grid.size(self.out_axis), grid.size("z")
         if in_features % g_in:
-            raise ValueError(f"{where}: in_features={in_features} is not divisible by {self.in_axis}={g_in}")
+            raise Indivisible(f"{where}: in_features={in_features} is not divisible by {self.in_axis}={g_in}")
         if out_features % (out_chunks * g_out):
-            raise ValueError(f"{where}: out_features={out_features} is not divisible by "
-                             f"out_chunks * {self.out_axis} = {out_chunks} * {g_out} = {out_chunks * g_out}")
+            raise Indivisible(f"{where}: out_features={out_features} is not divisible by "
+                              f"out_chunks * {self.out_axis} = {out_chunks} * {g_out} = {out_chunks * g_out}")
         if (out_features // g_out) % g_z:
-            raise ValueError(f"{where}: the {out_features // g_out} out-features per {self.out_axis}-block "
-                             f"(out_features / {self.out_axis}={g_out}) are not divisible by z={g_z}")
+            raise Indivisible(f"{where}: the {out_features // g_out} out-features per {self.out_axis}-block "
+                              f"(out_features / {self.out_axis}={g_out}) are not divisible by z={g_z}")
         self.grid, self.transposed, self.out_chunks = grid, transposed, out_chunks
         self.in_features, self.out_features = in_features, out_features
         algorithm1_parameters(self, out_features, in_features, (), bias, out_chunks, seed, initialize)
