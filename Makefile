@@ -25,7 +25,7 @@ demo: $(STAMP)
 	$(VENV)/bin/par4d train --grid auto
 
 test: $(STAMP)
-	$(PY) -m ruff check par4d tests
+	$(PY) -m ruff check par4d tests examples
 	$(PYTEST)
 
 # The suite under older CPUs' kernels: ATen's, oneDNN's and MKL's choice forced down to AVX2
@@ -36,7 +36,7 @@ test-isa: $(STAMP)
 	ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 MKL_ENABLE_INSTRUCTIONS=SSE4_2 $(PYTEST)
 
 lint: $(STAMP)
-	$(PY) -m ruff check par4d tests
+	$(PY) -m ruff check par4d tests examples
 	$(PY) -m ruff format --check par4d tests
 
 bench: $(STAMP)

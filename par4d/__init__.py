@@ -1,23 +1,32 @@
 """par4d: 4D hybrid parallel training (data x 3D tensor) for PyTorch.
 
-The names below are imported on first use, so commands that need no torch (such as
-``par4d plan``) start fast.
+The public API (docs/api.md; examples/quickstart.py uses it end to end):
+
+* a grid: ``init`` (join the job, build the grid), ``Grid``, ``Axis``/``AXES``;
+* a model on it: ``parallelize`` (any ``nn.Module``), ``nn`` (par4d's layers), ``load_safetensors``;
+* training: ``train_step``, ``shard_batch``, ``set_overlap`` with ``Overlap``, the precision policies
+  ``FullPrecision``/``MixedPrecision``; ``sync_gradients`` and ``clip_grad_norm_`` for a loop of one's own;
+* what par4d set up for a model: ``state`` (a ``ParallelState``);
+* checkpoints that load on any grid: ``save_checkpoint``, ``load_checkpoint``, ``has_checkpoint``.
+
+The names are imported on first use, so commands that need no torch (such as ``par4d plan``) start fast.
 """
 
 from importlib import import_module
 
-__all__ = ["AXES", "Axis", "FullPrecision", "Grid", "MixedPrecision", "Overlap", "ParallelState", "clip_grad_norm_",
-           "init", "load_checkpoint", "load_safetensors", "nn", "parallelize", "save_checkpoint", "set_overlap",
-           "shard_batch", "state", "sync_gradients", "train_step"]
+_LAZY = {
+    "AXES": "par4d.grid", "Axis": "par4d.grid", "Grid": "par4d.grid", "init": "par4d.launch",
+    "nn": "par4d.nn", "parallelize": "par4d.auto", "load_safetensors": "par4d.auto",
+    "train_step": "par4d.train.step", "shard_batch": "par4d.layout",
+    "Overlap": "par4d.overlap", "set_overlap": "par4d.overlap",
+    "FullPrecision": "par4d.optim.precision", "MixedPrecision": "par4d.optim.precision",
+    "sync_gradients": "par4d.optim.data_parallel", "clip_grad_norm_": "par4d.optim.data_parallel",
+    "state": "par4d.parallel", "ParallelState": "par4d.parallel",
+    "save_checkpoint": "par4d.checkpoint", "load_checkpoint": "par4d.checkpoint",
+    "has_checkpoint": "par4d.checkpoint",
+}
+__all__ = sorted(_LAZY)
 __version__ = "0.1.0"
-
-_LAZY = {"AXES": "par4d.grid", "Axis": "par4d.grid", "Grid": "par4d.grid", "init": "par4d.launch", "nn": "par4d.nn",
-         "Overlap": "par4d.overlap", "parallelize": "par4d.auto", "load_safetensors": "par4d.auto",
-         "sync_gradients": "par4d.optim.data_parallel", "clip_grad_norm_": "par4d.optim.data_parallel",
-         "set_overlap": "par4d.overlap", "shard_batch": "par4d.layout", "state": "par4d.parallel",
-         "ParallelState": "par4d.parallel", "FullPrecision": "par4d.optim.precision",
-         "MixedPrecision": "par4d.optim.precision", "train_step": "par4d.train.step",
-         "save_checkpoint": "par4d.checkpoint", "load_checkpoint": "par4d.checkpoint"}
 
 
 def __getattr__(name: str):
