@@ -35,9 +35,11 @@ test-isa: $(STAMP)
 	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 $(PYTEST)
 	ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 MKL_ENABLE_INSTRUCTIONS=SSE4_2 $(PYTEST)
 
+# No `ruff format --check`: the code aligns its trailing comments in columns and wraps signatures to the
+# line, which the formatter would collapse and explode across 169 files (the checks below still hold the
+# line length, imports, pyflakes, bugbear and pyupgrade).
 lint: $(STAMP)
 	$(PY) -m ruff check par4d tests examples
-	$(PY) -m ruff format --check par4d tests
 
 bench: $(STAMP)
 	$(VENV)/bin/par4d bench grid --nproc 4
