@@ -11,7 +11,7 @@ import torch.distributed as dist
 import par4d
 from par4d.grid import Grid, build_grid, validate_sizes
 from par4d.models import GPTConfig
-from par4d.plan.model import factorizations
+from par4d.plan.cost import factorizations
 
 _current: dict[tuple, Grid] = {}
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from par4d.overlap import NAMES, Overlap
 from par4d.plan import Machine, predict
-from par4d.plan.model import factorizations
+from par4d.plan.cost import factorizations
 from par4d.plan.search import Space, _Grid, search, search_top
 
 

@@ -6,7 +6,7 @@ import pytest
 from par4d.bench import hf_peers
 from par4d.bench.peers import PeersSettings
 from par4d.cli import main
-from par4d.plan.model import factorizations
+from par4d.plan.cost import factorizations
 
 
 @pytest.mark.parametrize(("model", "nproc", "nodes", "numbers"), [

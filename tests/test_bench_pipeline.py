@@ -6,7 +6,8 @@ import argparse
 
 import pytest
 
-from par4d.bench.pipeline import ROWS, markdown, pipeline_worker, plot, settings
+from par4d.bench.pipeline import ROWS, markdown, pipeline_worker, settings
+from par4d.bench.pipeline_timeline import plot
 from par4d.cli import main
 
 FIELDS = ("framework", "name", "s_per_iter", "bubble_fraction", "bubble_by_stage", "peak_activation_bytes",

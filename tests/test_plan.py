@@ -11,8 +11,9 @@ from par4d.cli import main
 from par4d.grid import Grid
 from par4d.models import GPT, GPTConfig
 from par4d.plan import GPTSpec, Layer, Machine, bandwidths, factorizations, predict, rank_configurations, ring_time
+from par4d.plan.cost import divisors
 from par4d.plan.machines import load_machine
-from par4d.plan.model import divisors, layer_comm
+from par4d.plan.terms import layer_comm
 from par4d.plan.workload import gpt_spec
 
 NODE4 = Machine("test", devices_per_node=4, peak_flops=100e12, memory_bytes=40e9, beta_intra=200.0,
@@ -254,7 +255,7 @@ def test_overlap_hides_communication_only_behind_compute():
     from itertools import combinations
 
     from par4d.overlap import NAMES, Overlap
-    from par4d.plan.model import ROLES, exposed_comm, layer_terms
+    from par4d.plan.terms import ROLES, exposed_comm, layer_terms
 
     spec = GPTSpec("t", n_layer=2, hidden=64, heads=4, seq_len=32, global_batch=8, vocab=256)
     for sizes in (dict(x=2, y=1, z=2, data=1), dict(x=1, y=1, z=2, data=2), dict(x=2, y=2, z=2, data=2)):
@@ -440,7 +441,7 @@ def _two_by_two(staged: bool) -> Machine:
 
 
 def test_group_placement_and_staged_time_are_the_stages_ring_times():
-    from par4d.plan.model import collective_time, group_placement, staged_time
+    from par4d.plan.collectives import collective_time, group_placement, staged_time
 
     sizes = {"x": 1, "y": 1, "z": 1, "data": 4}
     assert group_placement(sizes, ("data",), 2) == (1, 2, 2)              # 2 per node, 2 nodes
@@ -466,7 +467,8 @@ def test_all_gather_and_reduce_scatter_take_their_own_scale_across_nodes():
     """A profile measures each kind's bandwidth inside a node and across: a group that spans nodes prices its
     all-gathers and reduce-scatters at the scale across (relative to beta_inter), one inside at the scale inside;
     without a scale across, the one inside serves both."""
-    from par4d.plan.model import across_nodes, kind_scale, layer_terms, staged_time
+    from par4d.plan.collectives import across_nodes, kind_scale, staged_time
+    from par4d.plan.terms import layer_terms
 
     assert across_nodes({"x": 2, "y": 1, "z": 2, "data": 2}, _two_by_two(staged=False)) == {
         "x": False, "y": False, "z": True, "data": True}
@@ -496,7 +498,7 @@ def test_all_gather_and_reduce_scatter_take_their_own_scale_across_nodes():
 
 def test_the_planner_prices_staged_sync_and_hidden_xy_sums():
     from par4d.overlap import Overlap
-    from par4d.plan.model import ROLES, exposed_comm
+    from par4d.plan.terms import ROLES, exposed_comm
 
     spec = GPTSpec("t", n_layer=2, hidden=256, heads=4, seq_len=32, global_batch=4, vocab=256)
     sizes = {"x": 1, "y": 1, "z": 1, "data": 4}
@@ -509,7 +511,7 @@ def test_the_planner_prices_staged_sync_and_hidden_xy_sums():
 
 def test_ties_go_to_the_grid_that_communicates_least():
     from par4d.plan.choose import settle_ties, why
-    from par4d.plan.model import Prediction
+    from par4d.plan.cost import Prediction
 
     fast = Prediction({"x": 1, "y": 1, "z": 2, "data": 2}, t_iter=1.000, t_comm=0.30, t_compute=0.9, t_exposed=0.1)
     quiet = Prediction({"x": 1, "y": 1, "z": 1, "data": 4}, t_iter=1.015, t_comm=0.10, t_compute=0.9, t_exposed=0.1)

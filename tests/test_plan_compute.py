@@ -8,8 +8,8 @@ import pytest
 
 from par4d.plan import GPTSpec, Machine
 from par4d.plan.compute import OFFLOAD_LINK_BYTES, OPTIMIZER_BYTES, gemm_seconds, optimizer_seconds, stage_seconds
+from par4d.plan.cost import factorizations
 from par4d.plan.machines import BUILTIN
-from par4d.plan.model import factorizations
 from par4d.plan.search import search
 from par4d.plan.workload import LOGIT_PASSES, OUTPUT_PASSES, STREAM_PASSES
 from tests.helpers import TIGHT, brute_force, check_the_top_and_its_floors
@@ -108,7 +108,7 @@ def test_ranks_sharing_cores_absorb_the_bubble_and_hide_nothing():
     communication that is CPU work takes the cores the compute needs (it never hides), and every hand-off
     counts."""
     from par4d.overlap import Overlap
-    from par4d.plan.model import predict
+    from par4d.plan.cost import predict
 
     sizes = dict(x=1, y=1, z=2, data=2, pipe=2)
     device = predict(SPEC, sizes, SHAPED, microbatches=2, overlap=Overlap())
@@ -158,7 +158,7 @@ def test_adamws_pass_is_the_ranks_state_through_memory_once_a_step():
     """AdamW reads and writes 28 bytes per parameter of the rank's stage once a step, at the memory bandwidth; it
     is in every prediction's compute but a profiled one's (the measured step has it). Offloaded, each parameter's
     master and moments also cross the host link, 24 bytes, where the machine gives its bandwidth."""
-    from par4d.plan.model import predict
+    from par4d.plan.cost import predict
 
     sizes = dict(x=2, y=1, z=2, data=1, pipe=2)
     shard = SPEC.params_per_rank(sizes)

@@ -7,7 +7,8 @@ import pytest
 
 from par4d.overlap import Overlap
 from par4d.plan import GPTSpec, Layer, Machine, bandwidths, predict, rank_configurations
-from par4d.plan.model import AXES4, VARIANTS
+from par4d.plan.collectives import AXES4
+from par4d.plan.cost import VARIANTS
 
 # Powers of two: the hand-computed times below are exact.
 NODE8 = Machine("pipe-test", devices_per_node=8, peak_flops=2.0**40, memory_bytes=1e12, beta_intra=2.0**30,

@@ -11,8 +11,8 @@ import pytest
 from par4d.cli import main
 from par4d.overlap import Overlap
 from par4d.plan import GPTSpec, Machine, bandwidths, predict
+from par4d.plan.collectives import latencies, ring_time
 from par4d.plan.machines import PERLMUTTER
-from par4d.plan.model import latencies, ring_time
 from par4d.plan.search import Space, search, search_top
 from par4d.plan.workload import gathered_bytes, state_bytes
 from tests.helpers import TIGHT, brute_force, check_the_top_and_its_floors
@@ -139,7 +139,7 @@ def test_where_collectives_cost_sync_the_search_still_finds_what_brute_force_fin
 def test_communication_at_any_count_from_two_computed():
     """CommunicationByCount gives every microbatch count from two computed ones: each field equals a direct
     computation, the collectives counted and a recomputed forward's included."""
-    from par4d.plan.model import CommunicationByCount, communication
+    from par4d.plan.cost import CommunicationByCount, communication
 
     for sizes in (dict(x=2, y=2, z=1, data=1, pipe=2), dict(x=1, y=2, z=2, data=1, pipe=2),
                   dict(x=2, y=1, z=2, data=2, pipe=1)):

@@ -25,7 +25,7 @@ def test_ranks_count_from_one():
 
 
 def test_score_against_measurements_in_and_out_of_order():
-    from par4d.plan.model import predict
+    from par4d.plan.cost import predict
 
     machine = Machine("m", devices_per_node=4, peak_flops=1e10, memory_bytes=1e10, beta_intra=1e9,
                       beta_inter=1e9, latency=1e-4, bytes_per_element=4)
@@ -47,8 +47,8 @@ def test_score_against_measurements_in_and_out_of_order():
 def test_choices_beyond_the_grids_are_scored_by_the_full_models_only():
     """plan validate measures pipelines, microbatches and recomputation too: the full model ranks them all, the
     paper's models only the plain grids; predicted memory is set beside the measured."""
+    from par4d.plan.cost import predict
     from par4d.plan.measure import choices, grids
-    from par4d.plan.model import predict
     from par4d.plan.validate import choice_prediction, memory_check, plain, report
 
     four = choices(4)
@@ -108,11 +108,11 @@ def test_calibration_fits_nodes_jointly_as_the_planner_prices_them():
     """On an emulated cluster one fit of every group size recovers the latency and bandwidth inside a node and
     across, with the share of a ring's steps that cross nodes the planner uses; latencies never come out
     negative (the inverted 489 us across / 904 us inside of one group size's fit)."""
-    from par4d.plan.model import ring_time
+    from par4d.plan.collectives import ring_time
 
     machine = Machine("c", devices_per_node=2, peak_flops=1e10, memory_bytes=1e10, beta_intra=2e9, beta_inter=5e8,
                       latency=1e-4, latency_inter=6e-4, bytes_per_element=4)
-    from par4d.plan.model import latencies
+    from par4d.plan.collectives import latencies
 
     rows = []
     for p in (2, 4, 8):
@@ -207,7 +207,7 @@ def test_ranks_sharing_cores():
 
 
 def test_full_model_takes_profiled_compute():
-    from par4d.plan.model import predict
+    from par4d.plan.cost import predict
 
     machine = Machine("m", devices_per_node=4, peak_flops=1e10, memory_bytes=1e10, beta_intra=1e9,
                       beta_inter=1e9, latency=1e-4, bytes_per_element=4)

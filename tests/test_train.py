@@ -48,7 +48,7 @@ def test_resume_continues_the_exact_trajectory_and_overlap_changes_no_bit(tmp_pa
         assert field in printed, field
     # What each rank's step held (measured on the first step) is what the planner predicts, within 10%.
     from par4d.models.config import GPTConfig
-    from par4d.plan.model import memory_bytes
+    from par4d.plan.cost import memory_bytes
     from par4d.plan.workload import GPTSpec
 
     cfg = summary["config"]

@@ -55,16 +55,11 @@ fails the job on every rank, so no row times a broken load.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
-import gc
 import hashlib
 import shutil
 import statistics
 import sys
 import tempfile
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,8 +67,12 @@ import torch
 import torch.distributed as dist
 
 from par4d import checkpoint
+from par4d.bench.checkpoint_measure import (
+    Reads,
+    counting_reads,
+    measured,
+)
 from par4d.bench.common import emit, launch, where
-from par4d.checkpoint import loader
 from par4d.grid import Grid, parse_grid, validate_sizes
 from par4d.launch import distributed_env, init, join
 from par4d.launch.machine import threads_per_rank
@@ -86,7 +85,6 @@ from par4d.train.step import train_step
 
 STEP_TOKENS = 16          # tokens per sequence of the one training step before the save (values only: not timed)
 SLOTS = ("exp_avg", "exp_avg_sq", "step")
-SAMPLE_S = 0.01          # RssAnon/RssFile sampling interval during a timed call
 NAMES = {("par4d", "save"): "par4d save", ("par4d", "load"): "par4d load (A->B)",
          ("torch", "save"): "torch DCP save", ("torch", "load"): "torch DCP load (FSDP2 -> HSDP)"}
 
@@ -107,138 +105,12 @@ class CheckpointBench:
 
 # -- what one rank measures ------------------------------------------------------------------------------
 
-def _status_kb(*fields: str) -> list[int]:
-    values = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        values[key] = value
-    return [int(values[f].split()[0]) for f in fields]
-
-
-def _io() -> dict[str, int]:
-    out = {}
-    for line in Path("/proc/self/io").read_text().splitlines():
-        key, _, value = line.partition(":")
-        out[key] = int(value)
-    return out
-
-
-def _trim() -> None:
-    """Hand the memory freed so far back to the system, so the next phase's peak is its own."""
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-class _Sampler(threading.Thread):
-    """The largest RssAnon and RssFile seen every ``SAMPLE_S`` while the block runs: VmHWM has one
-    peak for both, and a load through mmap (par4d's safetensors slices) maps page-cache pages,
-    which count in RSS without being memory of its own. Sampled, so a shorter spike can be missed."""
-
-    def __init__(self):
-        super().__init__(daemon=True)
-        self.anon, self.file = _status_kb("RssAnon", "RssFile")
-        self.done = threading.Event()
-
-    def run(self):
-        while not self.done.wait(SAMPLE_S):
-            anon, file = _status_kb("RssAnon", "RssFile")
-            self.anon, self.file = max(self.anon, anon), max(self.file, file)
-
-
-@contextlib.contextmanager
-def _measured(record: dict):
-    """Time the block from a barrier to this rank's return; its added peak and resident
-    memory and its /proc/self/io deltas go into ``record``."""
-    _trim()
-    dist.barrier()
-    Path("/proc/self/clear_refs").write_text("5")      # VmHWM := VmRSS
-    (rss, anon, file), io = _status_kb("VmRSS", "RssAnon", "RssFile"), _io()
-    sampler = _Sampler()
-    sampler.start()
-    began = time.perf_counter()
-    yield
-    record["seconds"] = time.perf_counter() - began
-    sampler.done.set()
-    sampler.join()
-    after, (hwm, rss_after) = _io(), _status_kb("VmHWM", "VmRSS")
-    record.update(peak_added_bytes=(hwm - rss) * 1024, resident_added_bytes=(rss_after - rss) * 1024,
-                  rss_before_bytes=rss * 1024, anon_peak_added_bytes=(sampler.anon - anon) * 1024,
-                  file_peak_added_bytes=(sampler.file - file) * 1024,
-                  rchar_bytes=after["rchar"] - io["rchar"], disk_read_bytes=after["read_bytes"] - io["read_bytes"],
-                  wchar_bytes=after["wchar"] - io["wchar"], disk_write_bytes=after["write_bytes"] - io["write_bytes"])
-
 
 def _sha256(tensor: torch.Tensor) -> str:
     return hashlib.sha256(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
 
 
 # -- par4d ---------------------------------------------------------------------------------------------------
-
-class _Reads:
-    """What a par4d load read: tensor bytes returned by safetensors' slices, and the files it opened."""
-
-    def __init__(self):
-        self.bytes = 0
-        self.files: list[str] = []
-
-
-class _CountedSlice:
-    def __init__(self, part, reads: _Reads):
-        self._part, self._reads = part, reads
-
-    def __getitem__(self, index):
-        tensor = self._part[index]
-        self._reads.bytes += tensor.numel() * tensor.element_size()
-        return tensor
-
-    def __getattr__(self, name):
-        return getattr(self._part, name)
-
-
-class _CountedHandle:
-    def __init__(self, handle, reads: _Reads):
-        self._handle, self._reads = handle, reads
-
-    def get_slice(self, key):
-        return _CountedSlice(self._handle.get_slice(key), self._reads)
-
-    def get_tensor(self, key):
-        tensor = self._handle.get_tensor(key)
-        self._reads.bytes += tensor.numel() * tensor.element_size()
-        return tensor
-
-    def __getattr__(self, name):
-        return getattr(self._handle, name)
-
-
-class _CountedOpen:
-    """``safe_open(...)`` as :func:`par4d.checkpoint.load` uses it (a context manager), counting."""
-
-    def __init__(self, opened, reads: _Reads):
-        self._opened, self._reads = opened, reads
-
-    def __enter__(self):
-        return _CountedHandle(self._opened.__enter__(), self._reads)
-
-    def __exit__(self, *exc):
-        return self._opened.__exit__(*exc)
-
-
-@contextlib.contextmanager
-def _counting_reads(reads: _Reads):
-    """par4d's loader, its safetensors handles counting the bytes of every slice it reads."""
-    original = loader.safe_open
-
-    def counted(path, *args, **kwargs):
-        reads.files.append(str(path))
-        return _CountedOpen(original(path, *args, **kwargs), reads)
-
-    loader.safe_open = counted
-    try:
-        yield
-    finally:
-        loader.safe_open = original
 
 
 def _par4d_state(grid: Grid, model, optimizer) -> tuple[dict[str, str] | None, dict[str, str]]:
@@ -276,7 +148,7 @@ def _par4d_round(bench: CheckpointBench, folder: Path) -> tuple[dict, dict]:
     train_step(model, optimizer, grid, (shard_batch(grid, inputs), shard_batch(grid, targets)))
     expected = _par4d_state(grid, model, optimizer)
     save: dict = {}
-    with _measured(save):
+    with measured(save):
         target = checkpoint.save(folder, 1, grid, model, optimizer, {"bench": "checkpoint"}, keep=1)
     save["written_bytes"] = sum(f.stat().st_size for f in target.iterdir()) if grid.rank == 0 else 0
     own = target / f"rank-{grid.rank:05d}.safetensors"
@@ -287,8 +159,8 @@ def _par4d_round(bench: CheckpointBench, folder: Path) -> tuple[dict, dict]:
     grid = init(**bench.grid_to)
     model = build_gpt(_other_weights(bench.config), grid, overlap=overlap)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    reads, load = _Reads(), {}
-    with _counting_reads(reads), _measured(load):
+    reads, load = Reads(), {}
+    with counting_reads(reads), measured(load):
         # As par4d train --resume: the whole folder is verified once (sizes, SHA-256), then every
         # rank reads its slices, checking sizes only.
         if grid.rank == 0:
@@ -394,7 +266,7 @@ def _torch_round(bench: CheckpointBench, folder: Path, meshes) -> tuple[dict, di
     optimizer.zero_grad(set_to_none=True)
     expected = _torch_state(model, optimizer)
     save: dict = {}
-    with _measured(save):
+    with measured(save):
         model_sd, optim_sd = get_state_dict(model, optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)
     dist.barrier()
@@ -405,7 +277,7 @@ def _torch_round(bench: CheckpointBench, folder: Path, meshes) -> tuple[dict, di
     model = _shard(build_reference(_other_weights(bench.config)), hsdp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     counter, load = {"bytes": 0}, {}
-    with _measured(load):
+    with measured(load):
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, storage_reader=_counting_reader(folder, counter))

@@ -53,8 +53,8 @@ from par4d.launch import distributed_env, init, join
 from par4d.launch.cluster import link_bits_per_second
 from par4d.launch.machine import cpu_cores, measure_matmul_peak, threads_per_rank
 from par4d.layout import block, shard_batch
+from par4d.plan.cost import factorizations
 from par4d.plan.measure import WARMUP, time_iterations
-from par4d.plan.model import factorizations
 
 MODELS = ("hf-llama", "hf-gpt2")
 BATCH, SEQ_LEN = 32, 128        # the demo workload: par4d's demo batch

@@ -90,10 +90,8 @@ import itertools
 import random
 import statistics
 import sys
-import textwrap
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -102,6 +100,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from par4d.bench.common import check_cluster, emit, launch, where
+from par4d.bench.pipeline_timeline import (
+    Clock,
+    best_torch,
+    bubble,
+    handoff_ms,
+    held_at_once,
+    merged,
+    one_clock,
+    plot,
+    saved_bytes,
+)
 from par4d.grid import Grid
 from par4d.launch import init
 from par4d.launch.machine import threads_per_rank
@@ -144,86 +153,6 @@ class PipelineBench:
         return seconds
 
 
-class _Clock:
-    """(kind, microbatch, start, end) of this rank's timed forward and backward calls.
-
-    ``timed(fn)`` wraps a forward callable (sleeping ``delay()`` seconds first: the slow stage,
-    jitter); every
-    ``torch.autograd.backward`` is timed while :meth:`installed`. ``micro`` is the microbatch
-    being worked on where the caller knows it (torch's stage methods set it); with
-    ``count_forwards`` each forward call gets the next number instead (par4d's forwards, the
-    numbers replaced after the step from the pipeline's own record of its order)."""
-
-    def __init__(self):
-        self.events: list[list] = []
-        self.on = False
-        self.micro: int | None = None
-        self.count_forwards = False
-        self.forwards = 0
-        self._depth = 0
-
-    def begin(self, count_forwards: bool) -> None:
-        self.events, self.on, self.micro, self.count_forwards, self.forwards = [], True, None, count_forwards, 0
-
-    def end(self) -> list[list]:
-        self.on = False
-        return self.events
-
-    def timed(self, fn: Callable, delay: Callable[[], float] | None = None) -> Callable:
-        def call(*args, **kwargs):
-            if self.count_forwards:
-                self.micro, self.forwards = self.forwards, self.forwards + 1
-            began = time.perf_counter()
-            if delay is not None:
-                time.sleep(delay())
-            out = fn(*args, **kwargs)
-            if self.on:
-                self.events.append(["F", self.micro, began, time.perf_counter()])
-            return out
-        return call
-
-    @contextmanager
-    def installed(self):
-        original = torch.autograd.backward
-
-        def backward(*args, **kwargs):
-            self._depth += 1
-            began = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self._depth -= 1
-                if self.on and self._depth == 0:
-                    self.events.append(["B", self.micro, began, time.perf_counter()])
-
-        torch.autograd.backward = backward
-        try:
-            yield self
-        finally:
-            torch.autograd.backward = original
-
-
-@contextmanager
-def _saved_bytes(clock: _Clock, params: nn.Module):
-    """Bytes saved for backward per microbatch (``clock.micro``) while inside: each storage
-    counted once per microbatch, parameters' storages left out."""
-    skip = {p.untyped_storage().data_ptr() for p in params.parameters()}
-    per_micro: dict = {}
-    seen: dict = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        mine = seen.setdefault(clock.micro, set())
-        if ptr not in skip and ptr not in mine:
-            mine.add(ptr)
-            per_micro[clock.micro] = per_micro.get(clock.micro, 0) + storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield per_micro
-
-
 class TwinStage(nn.Module):
     """One pipeline stage of par4d's plain-PyTorch twin: ``wte``/``wpe`` on the first, the
     twin's ``blocks[i]`` of ``blocks``, ``ln_f`` and ``head`` on the last (logits out: the loss is
@@ -261,12 +190,12 @@ class _Row:
     stage: int
     module: nn.Module
 
-    def step(self, clock: _Clock, x: torch.Tensor, y: torch.Tensor, began: float):
+    def step(self, clock: Clock, x: torch.Tensor, y: torch.Tensor, began: float):
         raise NotImplementedError
 
 
 class _Par4dRow(_Row):
-    def __init__(self, bench: PipelineBench, grid: Grid, clock: _Clock):
+    def __init__(self, bench: PipelineBench, grid: Grid, clock: Clock):
         self.name, self.framework, self.grid, self.bench = "par4d", "par4d", grid, bench
         self.module = model = build_gpt(bench.config, grid)
         self.stage = grid.coord("pipe")
@@ -274,7 +203,7 @@ class _Par4dRow(_Row):
         model.stage_forward = clock.timed(model.stage_forward, bench.delay(self.stage))
         self.opt = torch.optim.AdamW(model.parameters(), lr=LR)
 
-    def step(self, clock: _Clock, x: torch.Tensor, y: torch.Tensor, began: float):
+    def step(self, clock: Clock, x: torch.Tensor, y: torch.Tensor, began: float):
         clock.begin(count_forwards=True)
         seen = {}
 
@@ -294,7 +223,7 @@ class _Par4dRow(_Row):
 
 
 class _TorchRow(_Row):
-    def __init__(self, name: str, schedule: str, bench: PipelineBench, clock: _Clock):
+    def __init__(self, name: str, schedule: str, bench: PipelineBench, clock: Clock):
         from torch.distributed import pipelining
 
         self.name, self.framework, self.bench = name, "torch", bench
@@ -312,13 +241,13 @@ class _TorchRow(_Row):
         self.first = first
 
     @staticmethod
-    def _telling(clock: _Clock, method: Callable) -> Callable:
+    def _telling(clock: Clock, method: Callable) -> Callable:
         def call(chunk_id, *args, **kwargs):
             clock.micro = chunk_id
             return method(chunk_id, *args, **kwargs)
         return call
 
-    def step(self, clock: _Clock, x: torch.Tensor, y: torch.Tensor, began: float):
+    def step(self, clock: Clock, x: torch.Tensor, y: torch.Tensor, began: float):
         clock.begin(count_forwards=False)
         losses: list[torch.Tensor] = []
         if self.first:
@@ -343,7 +272,7 @@ def _broadcast_loss(row: _Row, loss: float | None) -> float:
     return t.item()
 
 
-def _guard(rows: list[_Row], clock: _Clock, x: torch.Tensor, y: torch.Tensor) -> tuple[dict, dict]:
+def _guard(rows: list[_Row], clock: Clock, x: torch.Tensor, y: torch.Tensor) -> tuple[dict, dict]:
     """Two steps of every row from the same initial weights; raises unless every torch row's losses
     agree with par4d's to LOSS_RTOL. Returns {row: [loss, loss]} and {row: saved bytes per microbatch}
     (this stage's, the most of any microbatch, measured in the first step)."""
@@ -353,7 +282,7 @@ def _guard(rows: list[_Row], clock: _Clock, x: torch.Tensor, y: torch.Tensor) ->
         for step in range(2):
             dist.barrier()
             if step == 0:
-                with _saved_bytes(clock, row.module) as per_micro:
+                with saved_bytes(clock, row.module) as per_micro:
                     loss, _, _ = row.step(clock, x, y, time.perf_counter())
                 saved[row.name] = max(per_micro.values(), default=0)
             else:
@@ -368,46 +297,12 @@ def _guard(rows: list[_Row], clock: _Clock, x: torch.Tensor, y: torch.Tensor) ->
     return losses, saved
 
 
-def _held_at_once(events: list[list]) -> int:
-    """The most microbatches held at once: each from the start of its first forward call to the
-    end of its backward."""
-    start: dict[int, float] = {}
-    end: dict[int, float] = {}
-    for kind, micro, s, e in events:
-        if kind == "F":
-            start[micro] = min(start.get(micro, s), s)
-        else:
-            end[micro] = max(end.get(micro, e), e)
-    points = sorted([(t, 1) for t in start.values()] + [(t, -1) for t in end.values()], key=lambda p: (p[0], p[1]))
-    held = most = 0
-    for _, change in points:
-        held += change
-        most = max(most, held)
-    return most
-
-
-def _bubble(events: list[list], piped: float) -> float:
-    compute = sum(e - s for _, _, s, e in events)
-    return min(1.0, max(0.0, 1.0 - compute / piped))
-
-
-def _merged(events: list[list]) -> list[tuple]:
-    """Consecutive calls of one (kind, microbatch) as one bar (the last stage's forward and loss)."""
-    out: list[list] = []
-    for kind, micro, s, e in events:
-        if out and out[-1][0] == kind and out[-1][1] == micro:
-            out[-1][3] = e
-        else:
-            out.append([kind, micro, s, e])
-    return [tuple(e) for e in out]
-
-
 def pipeline_worker(bench: PipelineBench) -> dict | None:
     """Every row on this job's ranks; rank 0 returns {"rows": [...], "timelines": {row: [(stage, kind,
     microbatch, start, end), ...]}} (others None). Leaves the job joined."""
     torch.set_num_threads(threads_per_rank(bench.ranks_here))
     grid = init(pipe=bench.world)
-    clock = _Clock()
+    clock = Clock()
     gen = torch.Generator().manual_seed(bench.seed)
     tokens = torch.randint(0, bench.config.vocab_size, (bench.batch, bench.config.block_size + 1), generator=gen)
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
@@ -432,37 +327,6 @@ def pipeline_worker(bench: PipelineBench) -> dict | None:
     return result
 
 
-def _one_clock(per_stage: list[dict], i: int) -> list[tuple]:
-    """Timed iteration ``i`` of every stage as (stage, kind, microbatch, start, end), on one clock
-    (see the module docstring) from the first rank's return from the barrier."""
-    origin = min(r["iterations"][i][0] for r in per_stage)
-    events = []
-    for r in per_stage:
-        began, calls = r["iterations"][i]
-        events += [(r["stage"], kind, micro, start + began - origin, end + began - origin)
-                   for kind, micro, start, end in calls]
-    return sorted(events, key=lambda e: (e[0], e[3]))
-
-
-def _handoff_ms(iterations: list[list[tuple]], stages: int) -> float | None:
-    """Median milliseconds from the end of a stage's call that produced a message (forward m on
-    stage s, backward m on stage s+1) to the start of the call on the receiving stage that used it,
-    over the messages the receiver was idle for (nothing of its own ran in between): what handing a
-    microbatch on costs on the critical path (send, receive, the receiver's wake-up)."""
-    gaps = []
-    for events in iterations:
-        calls = {(stage, kind, micro): (start, end) for stage, kind, micro, start, end in events}
-        ends = {stage: sorted(end for s, _, _, _, end in events if s == stage) for stage in range(stages)}
-        for (stage, kind, micro), (start, _) in calls.items():
-            source = (stage - 1, "F", micro) if kind == "F" else (stage + 1, "B", micro)
-            if source not in calls:          # the first stage's forwards, the last stage's backwards
-                continue
-            sent = calls[source][1]
-            if not any(sent < end < start for end in ends[stage]):
-                gaps.append(start - sent)
-    return 1e3 * statistics.median(gaps) if gaps else None
-
-
 def _results(bench: PipelineBench, grid: Grid, rows: list[_Row], runs: dict, losses: dict, saved: dict) -> dict | None:
     mine, picked = {}, {}
     for row in rows:
@@ -471,10 +335,10 @@ def _results(bench: PipelineBench, grid: Grid, rows: list[_Row], runs: dict, los
         median = statistics.median(walls.tolist())
         index = min(range(len(walls)), key=lambda i: abs(walls[i].item() - median))
         mine[row.name] = {"stage": row.stage, "s_per_iter": median,
-                          "bubble": statistics.median(_bubble(r[2], r[1]) for r in runs[row.name]),
-                          "held": max(_held_at_once(r[2]) for r in runs[row.name]),
+                          "bubble": statistics.median(bubble(r[2], r[1]) for r in runs[row.name]),
+                          "held": max(held_at_once(r[2]) for r in runs[row.name]),
                           "saved": saved[row.name],
-                          "iterations": [(r[3], _merged(r[2])) for r in runs[row.name]]}
+                          "iterations": [(r[3], merged(r[2])) for r in runs[row.name]]}
         picked[row.name] = index
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
@@ -498,9 +362,9 @@ def _results(bench: PipelineBench, grid: Grid, rows: list[_Row], runs: dict, los
                                                                                       losses[row.name])),
                     "slow_stage": bench.slow_stage, "slow_ms": bench.slow_ms if bench.slow_stage is not None else 0.0,
                     "jitter_ms": bench.jitter_ms})
-        iterations = [_one_clock(per_stage, i) for i in range(len(runs[row.name]))]
+        iterations = [one_clock(per_stage, i) for i in range(len(runs[row.name]))]
         timelines[row.name] = iterations[picked[row.name]]
-        out[-1]["handoff_ms"] = _handoff_ms(iterations, bench.world)
+        out[-1]["handoff_ms"] = handoff_ms(iterations, bench.world)
     best = min(r["s_per_iter"] for r in out if r["framework"] == "torch")
     for r in out:
         r["ratio_to_best_torch"] = r["s_per_iter"] / best
@@ -557,47 +421,6 @@ def markdown(rows: list[dict]) -> str:
                      f"{r['bubble_fraction']:.2f} | {bubbles} | {held} | {r['peak_activation_bytes'] / 1e6:.1f} | "
                      f"{'' if r['handoff_ms'] is None else format(r['handoff_ms'], '.2f')} |")
     return "\n".join(lines)
-
-
-def best_torch(rows: list[dict]) -> dict:
-    return min((r for r in rows if r["framework"] == "torch"), key=lambda r: r["s_per_iter"])
-
-
-def plot(timelines: dict[str, list[tuple]], rows: list[dict], path: str, title: str = "") -> None:
-    """One iteration's timeline per stage: par4d's and the fastest torch schedule's, one panel each,
-    forwards light and backwards dark, each bar labelled with its microbatch."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = ["par4d", best_torch(rows)["name"]]
-    stages = rows[0]["stages"]
-    fig, axes = plt.subplots(len(names), 1, figsize=(11, 1.0 + 0.55 * stages * len(names)), sharex=True,
-                             squeeze=False)
-    colors = {"F": "#9ecae1", "B": "#dd8452"}
-    for ax, name in zip(axes[:, 0], names):
-        events = timelines[name]
-        span = max((e[4] for e in events), default=1.0)
-        for stage, kind, micro, start, end in events:
-            ax.broken_barh([(start * 1e3, (end - start) * 1e3)], (stage - 0.4, 0.8), facecolors=colors[kind],
-                           edgecolors="black", linewidth=0.3)
-            if end - start > 0.012 * span:
-                ax.text((start + end) / 2 * 1e3, stage, str(micro), ha="center", va="center", fontsize=7)
-        row = next(r for r in rows if r["name"] == name)
-        ax.set_title(f"{name}: {row['s_per_iter']:.3f} s/iter (median), bubble {row['bubble_fraction']:.2f} "
-                     f"(worst stage)", fontsize=9)
-        ax.set_yticks(range(stages), [f"stage {s}" for s in range(stages)], fontsize=8)
-        ax.set_ylim(stages - 0.5, -0.5)
-    axes[-1, 0].set_xlabel("ms from the step's start (the first rank's return from a barrier; one clock for all)")
-    handles = [matplotlib.patches.Patch(color=c, label="forward" if k == "F" else "backward")
-               for k, c in colors.items()]
-    fig.legend(handles=handles, fontsize=8, loc="lower right", ncol=2)     # below the panels: no bar hidden
-    if title:
-        fig.suptitle("\n".join(textwrap.wrap(title, 140)), fontsize=8)
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def run_bench_pipeline(args: argparse.Namespace) -> int:

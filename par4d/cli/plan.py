@@ -11,8 +11,8 @@ from collections import Counter
 from dataclasses import replace
 
 from par4d.cli.files import check_new_file
+from par4d.plan.cost import VARIANTS, rank_configurations
 from par4d.plan.machines import BUILTIN, load_machine
-from par4d.plan.model import VARIANTS, rank_configurations
 from par4d.plan.search import Space, search, search_top
 from par4d.plan.workload import GPT_MODELS, gpt_spec
 

@@ -303,7 +303,7 @@ def fit(rows: list[dict], per_node: int | None = None) -> dict:
     and relative (:func:`_nonnegative_fit`). The latency per ring step is the link's, the same for every kind
     (a profile has one); each kind has its own bandwidth. With ``per_node`` (an emulated cluster), groups
     inside a node give ``alpha`` and ``beta``; groups across K nodes pay per step ``α + (α_inter - α) (K - 1) /
-    (p - 1)`` (as ``par4d.plan.model.latencies`` prices them) at ``beta_inter``, with ``α_inter >= α``: a step
+    (p - 1)`` (as ``par4d.plan.collectives.latencies`` prices them) at ``beta_inter``, with ``α_inter >= α``: a step
     across nodes never costs less than one inside (a fit of the two apart gave 489 µs across, 904 inside).
 
     Per kind: ``alpha`` (and ``alpha_inter``, the same for all), ``beta`` (``beta_inter``), the fit's
@@ -315,7 +315,7 @@ def fit(rows: list[dict], per_node: int | None = None) -> dict:
     for i, r in enumerate(rows):
         steps, factor = ring_terms(r["kind"], r["p"])
         # As the planner places an innermost group of p ranks: inside a node if it fits and groups tile the
-        # nodes (model.bandwidths), on ceil(p / per_node) nodes (model.latencies)
+        # nodes (collectives.bandwidths), on ceil(p / per_node) nodes (collectives.latencies)
         across = per_node is not None and not (r["p"] <= per_node and per_node % r["p"] == 0)
         share = (-(-r["p"] // per_node) - 1) / (r["p"] - 1) if across else 0.0
         a[i, 0], a[i, 1] = steps, steps * share       # α on every step, α_inter - α (never < 0) on those across

@@ -185,7 +185,7 @@ def step_rows(case: StepCase, machine: Machine, device: torch.device, dtype: tor
     """par4d's measured step of ``case`` (its optimizer on the device, then offloaded) and PyTorch's, beside the
     full model's prediction (compute and memory on one device), each with its model FLOPs as a share of the
     machine's peak; rows as ``par4d bench`` writes them."""
-    from par4d.plan.model import predict
+    from par4d.plan.cost import predict
 
     spec = GPTSpec.from_config(case.name, case.config, case.batch)
     flops = spec.flops_per_iteration(checkpointing=False)

@@ -19,7 +19,7 @@ from par4d.layout import shard_batch
 from par4d.models import GPT, GPTConfig
 from par4d.optim.precision import FullPrecision
 from par4d.overlap import Overlap
-from par4d.plan.model import factorizations
+from par4d.plan.cost import factorizations
 from par4d.plan.workload import MEASURED
 from par4d.train.step import train_step
 

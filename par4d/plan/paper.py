@@ -15,8 +15,8 @@ import math
 from dataclasses import dataclass, replace
 
 from par4d.overlap import Overlap
+from par4d.plan.cost import Prediction
 from par4d.plan.machines import PERLMUTTER, Machine
-from par4d.plan.model import Prediction
 from par4d.plan.search import Space, search, search_top
 from par4d.plan.workload import gpt_spec
 

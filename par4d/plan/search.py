@@ -7,7 +7,7 @@ that fits in memory, found without timing every combination where the model says
 faster (each step below is tested against the brute-force search in tests/test_plan_search.py):
 
 * **Overlap switches**: each switch hides more communication, never less
-  (:func:`~par4d.plan.model.exposed_comm`), and only two cost memory: OAG's prefetched
+  (:func:`~par4d.plan.terms.exposed_comm`), and only two cost memory: OAG's prefetched
   weights and the cache's gathered ones under recomputation. So the best set is every
   switch, then without the cache, then without OAG: the first that fits. One switch issues
   more collectives: xy's row chunks, each paying the ring's latency and ``sync_cost``; where
@@ -28,22 +28,21 @@ import heapq
 from dataclasses import dataclass, replace
 
 from par4d.overlap import Overlap
+from par4d.plan.collectives import bandwidths, latencies
 from par4d.plan.compute import optimizer_seconds, stage_seconds, with_bubble
-from par4d.plan.machines import Machine
-from par4d.plan.model import (
+from par4d.plan.cost import (
     CommunicationByCount,
     Prediction,
-    bandwidths,
     bucket_count,
     divisors,
     factorizations,
-    latencies,
     memory_bytes,
     p2p_seconds,
     predict,
     problem,
     timed_choice,
 )
+from par4d.plan.machines import Machine
 from par4d.plan.workload import GPTSpec, ModuleWorkload
 
 # The overlap sets the search tries, fastest first (the cache needs recomputation).

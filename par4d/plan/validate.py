@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from par4d.overlap import Overlap
+from par4d.plan.cost import VARIANTS, predict
 from par4d.plan.machines import Machine
-from par4d.plan.model import VARIANTS, predict
 from par4d.plan.workload import MEASURED as SPEC  # the measured workload (plan/measure.py)
 
 
