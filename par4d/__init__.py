@@ -16,7 +16,7 @@ from importlib import import_module
 
 _LAZY = {
     "AXES": "par4d.grid", "Axis": "par4d.grid", "Grid": "par4d.grid", "init": "par4d.launch",
-    "nn": "par4d.nn", "parallelize": "par4d.auto", "load_safetensors": "par4d.auto",
+    "nn": "par4d.nn", "parallelize": "par4d.adopt", "load_safetensors": "par4d.adopt",
     "train_step": "par4d.train.step", "shard_batch": "par4d.layout",
     "Overlap": "par4d.overlap", "set_overlap": "par4d.overlap",
     "FullPrecision": "par4d.optim.precision", "MixedPrecision": "par4d.optim.precision",

@@ -12,9 +12,11 @@ Joining the job is :mod:`par4d.launch`'s work; a Grid is built over a job alread
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -181,6 +183,24 @@ class Grid:
         if found is None or (self.hierarchical == "auto" and (nbytes < STAGE_MIN_BYTES or not found.pays)):
             return None
         return found
+
+    def stage_candidates(self) -> list[tuple[tuple[str, ...], Stages]]:
+        """Every set of axes whose group spans nodes, with its stages, whether or not staging pays yet."""
+        return sorted(self._stages.items())
+
+    def set_staging(self, axes: tuple[str, ...], pays: bool) -> None:
+        """Whether staging ``axes``' collectives pays on this job (``par4d.init``'s probe decides under auto)."""
+        key = check_axes(axes)
+        self._stages[key] = dataclasses.replace(self._stages[key], pays=pays)
+
+    @contextlib.contextmanager
+    def unrecorded(self) -> Iterator[None]:
+        """Collectives issued inside go to a ledger of their own, not the grid's (a probe nobody asked for)."""
+        ledger, self.ledger = self.ledger, Ledger()
+        try:
+            yield
+        finally:
+            self.ledger = ledger
 
     def staged_axes(self) -> list[tuple[str, ...]]:
         """The sets of axes whose collectives may go in stages (their groups span nodes, and under auto

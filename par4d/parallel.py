@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     import torch
     import torch.nn as nn
 
-    from par4d.auto.parallelize import Treatment
+    from par4d.adopt.parallelize import Treatment
     from par4d.optim.data_parallel import GradientSync
     from par4d.overlap.policy import Overlap
     from par4d.overlap.runtime import LayerRuntime

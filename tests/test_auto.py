@@ -184,7 +184,7 @@ LLAMA_GRIDS = [dict(x=2, z=2), dict(x=2, y=2), dict(y=2, data=2)]
 def test_llama_4_ranks(pool4, sizes):
     """Attention's heads split over x (4 query and 2 key/value heads: grouped-query attention),
     the gated MLP a pair, the embeddings sharded; the norms whole, or where y > 1 split over y with the
-    residual stream (par4d.auto.stream)."""
+    residual stream (par4d.adopt.stream)."""
     plan = dict(_check(pool4.run(_matches, sizes, "llama"))["plan"])
     layer = "model.layers.0"
     assert {plan[f"{layer}.self_attn.{n}"] for n in ("q_proj", "k_proj", "v_proj")} == {"normal"}
@@ -283,7 +283,7 @@ def test_the_residual_stream_is_sharded_over_y(pool4):
 
 
 def test_the_stream_stays_whole_where_par4d_does_not_know_every_use_of_it():
-    from par4d.auto.stream import stream_problem
+    from par4d.adopt.stream import stream_problem
 
     grid = par4d.Grid.virtual({"x": 2, "y": 2, "z": 1})
 

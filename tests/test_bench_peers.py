@@ -8,8 +8,8 @@ import torch
 from par4d.bench import peers, torch_peers
 from par4d.bench.peers import TPAttention, add_ratios, markdown, summary, validate
 from par4d.cli import main
+from par4d.measure.grids import CONFIG
 from par4d.models import ReferenceGPT
-from par4d.plan.measure import CONFIG
 
 
 @pytest.mark.parametrize(("nproc", "nodes", "iters", "numbers"), [

@@ -122,12 +122,12 @@ def test_a_rank_that_exits_on_its_own_is_named_with_its_status():
     exit status, not by torch's "To enable traceback" placeholder."""
     from types import SimpleNamespace
 
-    from par4d.launch import _cause
+    from par4d.launch.local import failure_cause
 
     def failure(code, data=None):
         return SimpleNamespace(exitcode=code, error_file_data=data or {}, signal_name=lambda: "SIGKILL")
 
-    assert _cause(failure(143)) == "exit status 143 (SIGTERM)"
-    assert _cause(failure(3)) == "exit status 3"
-    assert _cause(failure(-9)) == "killed by SIGKILL (out of memory?)"
-    assert _cause(failure(1, {"message": {"message": "ValueError: bad", "extraInfo": {}}})) == "ValueError: bad"
+    assert failure_cause(failure(143)) == "exit status 143 (SIGTERM)"
+    assert failure_cause(failure(3)) == "exit status 3"
+    assert failure_cause(failure(-9)) == "killed by SIGKILL (out of memory?)"
+    assert failure_cause(failure(1, {"message": {"message": "ValueError: bad", "extraInfo": {}}})) == "ValueError: bad"

@@ -1,4 +1,4 @@
-"""Hugging Face models on the pipe axis (``par4d.auto.stages``) against the unparallelized model: loss,
+"""Hugging Face models on the pipe axis (``par4d.adopt.stages``) against the unparallelized model: loss,
 every gradient and parameters after 3 AdamW steps (float64), on pipe=2,x=2,z=2 and other real grids;
 a head tied to the embeddings on the first and last stage; stages balanced by FLOPs."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import par4d
-from par4d.auto.causal_lm import CausalLM
-from par4d.auto.stages import Absent, Elsewhere, cut_stage, stage_layers, tie_across_stages
+from par4d.adopt.causal_lm import CausalLM
+from par4d.adopt.stages import Absent, Elsewhere, cut_stage, stage_layers, tie_across_stages
 from par4d.grid import Grid
 from par4d.layout import placement_of, shard_batch
 from par4d.nn import full_state_dict

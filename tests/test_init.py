@@ -1,4 +1,4 @@
-"""``par4d.auto.init``: a Hugging Face model made parallel on the meta device gets, shard by shard and a block
+"""``par4d.adopt.init``: a Hugging Face model made parallel on the meta device gets, shard by shard and a block
 at a time, the values its own initialisation gives the whole model (``initial_state``), on every grid."""
 
 import copy
@@ -6,8 +6,8 @@ import copy
 import pytest
 import torch
 
-from par4d.auto import parallelize
-from par4d.auto.init import initial_state, initialize
+from par4d.adopt import parallelize
+from par4d.adopt.init import initial_state, initialize
 from par4d.nn.base import full_state_dict
 from tests import cases
 

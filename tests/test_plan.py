@@ -182,8 +182,8 @@ def test_train_grid_auto_takes_the_planners_first_choice(tmp_path, capsys):
     choice, or among those within TIE of it the one that communicates least; flags the user gave stay fixed;
     it names the choice and the runner-up."""
     from par4d.cli import _parser
+    from par4d.measure.choose import TIE, planned_run
     from par4d.overlap import Overlap
-    from par4d.plan.choose import TIE, planned_run
     from par4d.plan.search import Space, search
     from par4d.train.configure import configure
 
@@ -360,7 +360,7 @@ def test_machine_profiles_that_load(tmp_path):
 
 
 def test_what_calibrate_writes_loads(tmp_path):
-    from par4d.plan.calibrate import _toml_fit
+    from par4d.measure.calibrate import _toml_fit
 
     machine = Machine('emulated-2x2-"1gbit"', devices_per_node=2, peak_flops=52270423031.342705,
                       memory_bytes=6331317248.0, beta_intra=611201825.4235398, beta_inter=126612047.76046872,
@@ -378,7 +378,7 @@ def test_what_calibrate_writes_loads(tmp_path):
 def test_the_gemm_fit_recovers_a_roofline():
     """GEMM times made from a known roofline (with 5% noise either way, alternating) give back its efficiency
     and kernel latency."""
-    from par4d.plan.calibrate import GEMM_ROWS, GEMM_SIDES, fit_gemms
+    from par4d.measure.calibrate import GEMM_ROWS, GEMM_SIDES, fit_gemms
     from par4d.plan.compute import gemm_seconds
 
     truth = Machine("cpu", devices_per_node=1, peak_flops=5e10, memory_bytes=1e10, beta_intra=1e9, beta_inter=1e9,
@@ -395,7 +395,7 @@ def test_the_gemm_fit_recovers_a_roofline():
 
 
 def test_calibrate_never_overwrites_a_profile(tmp_path, capsys, monkeypatch):
-    import par4d.plan.calibrate
+    import par4d.measure.calibrate
 
     calls = []
 
@@ -410,7 +410,7 @@ def test_calibrate_never_overwrites_a_profile(tmp_path, capsys, monkeypatch):
                 "host": {"microbatch_seconds": 1.5e-3, "layer_overhead": 4e-5, "step_seconds": 4e-3, "batch": 4,
                          "seq_len": 2, "layer_passes": 51}}
 
-    monkeypatch.setattr(par4d.plan.calibrate, "calibrate", measured)
+    monkeypatch.setattr(par4d.measure.calibrate, "calibrate", measured)
     profile = tmp_path / "local.toml"
     profile.write_text("mine\n")
     assert main(["calibrate", "--out", str(profile)]) == 2
@@ -510,7 +510,7 @@ def test_the_planner_prices_staged_sync_and_hidden_xy_sums():
 
 
 def test_ties_go_to_the_grid_that_communicates_least():
-    from par4d.plan.choose import settle_ties, why
+    from par4d.measure.choose import settle_ties, why
     from par4d.plan.cost import Prediction
 
     fast = Prediction({"x": 1, "y": 1, "z": 2, "data": 2}, t_iter=1.000, t_comm=0.30, t_compute=0.9, t_exposed=0.1)

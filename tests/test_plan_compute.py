@@ -201,8 +201,8 @@ def test_the_hosts_cost_per_layer_pass_is_what_a_microbatch_adds_beyond_the_gemm
     """calibrate's measurement runs the bench GPT's step on one rank (a fresh process) with 1 and 4 microbatches;
     the profile's ``layer_overhead`` then makes its model add what a microbatch added there (stretched by the ranks
     sharing the cores), its GEMMs' own cost per microbatch (kernel latency, weights read again) taken out."""
-    from par4d.plan.calibrate import layer_overhead
-    from par4d.plan.profile import profile_layer_overhead
+    from par4d.measure.calibrate import layer_overhead
+    from par4d.measure.profile import profile_layer_overhead
     from par4d.plan.workload import MEASURED
 
     row = profile_layer_overhead(threads=1, repeats=3)

@@ -9,11 +9,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from par4d.launch.machine import job_peak
+from par4d.launch.peak import job_peak
+from par4d.measure.calibrate import ComputeShapes
+from par4d.measure.device import (
+    OFFLOAD_BSIZE,
+    ONE,
+    StepCase,
+    attention_rows,
+    builtin_for,
+    check_device,
+    gemm_rows,
+    report,
+)
 from par4d.models import GPTConfig
-from par4d.plan.calibrate import ComputeShapes
 from par4d.plan.compute import gemm_seconds, optimizer_seconds, stage_seconds
-from par4d.plan.device import OFFLOAD_BSIZE, ONE, StepCase, attention_rows, builtin_for, check_device, gemm_rows, report
 from par4d.plan.machines import BUILTIN, Machine
 from par4d.plan.workload import GPTSpec
 from tests.conftest import pool

@@ -5,9 +5,9 @@ tensors while alive, a recomputed segment's included, the sync's buckets), and t
 import pytest
 import torch
 
+from par4d.measure.profile import profile_memory
 from par4d.overlap import Overlap
 from par4d.plan.cost import memory_bytes
-from par4d.plan.profile import profile_memory
 from par4d.plan.workload import MEASURED
 from par4d.train.footprint import SavedTensors
 

@@ -5,10 +5,10 @@ from dataclasses import replace
 
 import pytest
 
-from par4d.plan.calibrate import fit
+from par4d.measure.calibrate import fit
+from par4d.measure.grids import BATCH, CONFIG
+from par4d.measure.validate import SPEC, _ranks, kendall_tau, score
 from par4d.plan.machines import Machine
-from par4d.plan.measure import BATCH, CONFIG
-from par4d.plan.validate import SPEC, _ranks, kendall_tau, score
 
 
 def test_kendall_tau_b():
@@ -47,9 +47,9 @@ def test_score_against_measurements_in_and_out_of_order():
 def test_choices_beyond_the_grids_are_scored_by_the_full_models_only():
     """plan validate measures pipelines, microbatches and recomputation too: the full model ranks them all, the
     paper's models only the plain grids; predicted memory is set beside the measured."""
+    from par4d.measure.grids import choices, grids
+    from par4d.measure.validate import choice_prediction, memory_check, plain, report
     from par4d.plan.cost import predict
-    from par4d.plan.measure import choices, grids
-    from par4d.plan.validate import choice_prediction, memory_check, plain, report
 
     four = choices(4)
     assert [c["sizes"] for c in four if plain(c)] == grids(4)
@@ -147,7 +147,7 @@ def test_calibration_fits_nodes_jointly_as_the_planner_prices_them():
 
 
 def test_repeatability_and_report_of_several_passes():
-    from par4d.plan.validate import repeatability, report
+    from par4d.measure.validate import repeatability, report
 
     grids = [dict(x=1, y=1, z=1, data=4), dict(x=1, y=4, z=1, data=1), dict(x=4, y=1, z=1, data=1)]
     # Pass 1 and 2 agree, pass 3 swaps the last two: τ 1, 1/3, 1/3 between the three pairs.
@@ -171,7 +171,7 @@ def _real_step_collectives(sizes):
     """Every collective a rank issues in one training step of the bench GPT on a real grid."""
     import torch.distributed as dist
 
-    from par4d.plan.measure import WARMUP, step_collectives, training_step
+    from par4d.measure.grids import WARMUP, step_collectives, training_step
     from tests import cases
 
     grid = cases.grid(**sizes)
@@ -184,7 +184,7 @@ def _real_step_collectives(sizes):
 def test_profiled_compute_runs_rank_0s_real_step(pool4):
     """The fake-backend profile runs the same step as a real job: rank 0 issues the same
     collectives, entry for entry, on grids that communicate over every axis."""
-    from par4d.plan.profile import profile_compute
+    from par4d.measure.profile import profile_compute
 
     shapes = [dict(x=2, y=1, z=2, data=1), dict(x=1, y=2, z=1, data=2)]
     profiled = profile_compute(shapes, threads=1, iters=1)
@@ -197,7 +197,7 @@ def test_profiled_compute_runs_rank_0s_real_step(pool4):
 
 
 def test_ranks_sharing_cores():
-    from par4d.plan.profile import cores_shared
+    from par4d.measure.profile import cores_shared
 
     assert cores_shared(world=8, threads=1, cores=2, cuda=False) == 4      # 8 ranks time-share 2 cores
     assert cores_shared(world=4, threads=1, cores=2, cuda=False) == 2
@@ -246,9 +246,9 @@ def test_the_model_counts_every_collective_a_step_issues():
     recomputed gathers, and a pipeline's hand-offs and loss sum (a pipeline's stage is the model's average
     one: exact for rank 0 where the layers the stages hold differently, the head's and the loss's, do not
     communicate). Each costs the machine's ``sync_cost``."""
+    from par4d.measure.profile import profile_compute
+    from par4d.measure.validate import choice_prediction
     from par4d.overlap import Overlap
-    from par4d.plan.profile import profile_compute
-    from par4d.plan.validate import choice_prediction
 
     shared = Machine("shared", devices_per_node=4, peak_flops=1e10, memory_bytes=1e10, beta_intra=1e9,
                      beta_inter=1e9, latency=1e-4, bytes_per_element=4, cores_shared=2.0)   # every hand-off counts
@@ -266,7 +266,7 @@ def test_the_model_counts_every_collective_a_step_issues():
 
 def _sync_on_every_rank():
     import par4d
-    from par4d.plan.calibrate import _sync_row
+    from par4d.measure.calibrate import _sync_row
 
     grid = par4d.init(x=4, hierarchical="off")
     try:
@@ -279,7 +279,7 @@ def test_calibration_measures_what_a_collective_between_compute_costs(pool4):
     """A round of compute and a collective, timed on all 4 ranks (the mean over them), takes at least as long as
     either alone; the sync cost is the median excess over the two apart (an odd count of repeats: the middle
     one), never below 0."""
-    from par4d.plan.calibrate import sync_excess
+    from par4d.measure.calibrate import sync_excess
 
     row = pool4.run(_sync_on_every_rank)[0]
     assert (row["kind"], row["p"]) == ("sync", 4)

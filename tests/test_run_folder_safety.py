@@ -444,7 +444,7 @@ def test_sizes_from_a_hugging_face_config_are_checked_before_anything_is_built(b
 
 
 def test_a_corpus_larger_than_memory_is_refused_with_its_size(tmp_path, capsys):
-    from par4d.launch.machine import host_memory
+    from par4d.launch.host import host_memory
 
     memory = host_memory()
     if memory is None:

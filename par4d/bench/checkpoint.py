@@ -75,7 +75,7 @@ from par4d.bench.checkpoint_measure import (
 from par4d.bench.common import emit, launch, where
 from par4d.grid import Grid, parse_grid, validate_sizes
 from par4d.launch import distributed_env, init, join
-from par4d.launch.machine import threads_per_rank
+from par4d.launch.host import threads_per_rank
 from par4d.layout import placement_of, shard_batch, shard_name, unshard
 from par4d.models import GPTConfig
 from par4d.overlap import Overlap

@@ -84,7 +84,7 @@ def grid_row(name: str, sizes: dict[str, int], times: list[float], bytes_per_ite
              bytes_source: str) -> dict:
     """A row of the demo workload (par4d's GPT on its batch): median seconds per iteration, tokens/s, % of
     ``peak``, the bytes one iteration's collectives move (``bytes_source``: how they were counted)."""
-    from par4d.plan.measure import BATCH, CONFIG  # only the rows of the demo workload need the planner's
+    from par4d.measure.grids import BATCH, CONFIG  # only the rows of the demo workload need the planner's
 
     s = statistics.median(times)
     tokens = BATCH * CONFIG.block_size / s

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from par4d.launch.machine import cpu_cores
+from par4d.launch.host import cpu_cores
 from par4d.nn.gemm import FORMS, apply, distinct_forms
 
 
@@ -45,7 +45,7 @@ def gemm_rows(shapes: list[tuple[str, int, int, int]], repeats: int = 21) -> lis
 
 
 def run_bench_gemm(args: argparse.Namespace) -> int:
-    from par4d.plan.validate import SPEC  # the bench GPT as the planner sees it
+    from par4d.measure.validate import SPEC  # the bench GPT as the planner sees it
 
     torch.set_num_threads(cpu_cores())
     rows = gemm_rows([(layer.name, layer.m, layer.k, layer.n) for layer in SPEC.layers()])

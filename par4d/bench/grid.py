@@ -23,10 +23,11 @@ import torch.distributed as dist
 from par4d.bench.common import emit, grid_row, sum_over_ranks
 from par4d.bench.torch_peers import C10dBytes
 from par4d.launch import launch_local
-from par4d.launch.machine import cpu_cores, measure_matmul_peak, threads_per_rank
+from par4d.launch.host import cpu_cores, threads_per_rank
+from par4d.launch.peak import measure_matmul_peak
 from par4d.layout import block
+from par4d.measure.grids import BATCH, CONFIG, batch, grids, held_most, measure_grid, time_iterations
 from par4d.models import ReferenceGPT
-from par4d.plan.measure import BATCH, CONFIG, batch, grids, held_most, measure_grid, time_iterations
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ to fp32 rounding. Rows:
 * par4d on every grid that divides the model and the batch, every overlap on (``--hierarchical`` off
   and, where a group spans nodes, auto, as for par4d's GPT); on grids with y > 1 also with the residual
   stream kept whole (``par4d (stream whole)``: ``parallelize(shard_stream=False)``, what sharding it over
-  y saves, :mod:`par4d.auto.stream`);
+  y saves, :mod:`par4d.adopt.stream`);
 * torch DDP (and with 1 MB buckets), FSDP2 (``fully_shard`` per decoder layer and the root; and with
   ``reshard_after_forward=False``), HSDP (the node as its shard group), and for Llama FSDP2 + tensor
   parallelism with ``parallelize_module`` and the standard Llama plan: q, k, v, gate and up column-wise,
@@ -51,10 +51,11 @@ from par4d.bench.torch_peers import destroy_groups, peer_mesh, tp_shape
 from par4d.grid import staged_splits, validate_sizes
 from par4d.launch import distributed_env, init, join
 from par4d.launch.cluster import link_bits_per_second
-from par4d.launch.machine import cpu_cores, measure_matmul_peak, threads_per_rank
+from par4d.launch.host import cpu_cores, threads_per_rank
+from par4d.launch.peak import measure_matmul_peak
 from par4d.layout import block, shard_batch
+from par4d.measure.grids import WARMUP, time_iterations
 from par4d.plan.cost import factorizations
-from par4d.plan.measure import WARMUP, time_iterations
 
 MODELS = ("hf-llama", "hf-gpt2")
 BATCH, SEQ_LEN = 32, 128        # the demo workload: par4d's demo batch
@@ -123,7 +124,7 @@ def validate(model: str, nproc: int, nodes: int | None, iters: int, rounds: int)
 def _grids(model: str, world: int, sequences: int) -> list[dict[str, int]]:
     """Every (x, y, z, data) of ``world`` ranks whose batch shards divide ``sequences`` and on which
     ``parallelize`` can cut every layer of the model (x that does not divide the heads leaves attention lone)."""
-    from par4d.auto import parallelize
+    from par4d.adopt import parallelize
     from par4d.grid import Grid
 
     out = []
@@ -204,8 +205,8 @@ def _row(name: str, sizes: dict, timed: _Timed, per_rank_bytes: float, source: s
 
 def _bench_par4d(model: str, sizes: dict, workload: Workload, settings: PeersSettings, hierarchical: str,
                  shard_stream: bool = True) -> dict:
-    from par4d.auto import parallelize
-    from par4d.auto.causal_lm import CausalLM
+    from par4d.adopt import parallelize
+    from par4d.adopt.causal_lm import CausalLM
     from par4d.overlap import Overlap, set_overlap
     from par4d.train.step import train_step
 

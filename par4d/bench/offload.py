@@ -42,7 +42,7 @@ import torch.distributed as dist
 from par4d.bench.common import check_cluster, emit, launch, where
 from par4d.grid import Grid
 from par4d.launch import distributed_env, init, join
-from par4d.launch.machine import threads_per_rank
+from par4d.launch.host import threads_per_rank
 from par4d.layout import block, shard_batch
 from par4d.models import GPT, GPTConfig, ReferenceGPT
 from par4d.optim.data_parallel import global_mean

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from par4d.bench.common import emit, launch, sum_over_ranks, where
 from par4d.grid import Grid, parse_grid, validate_sizes
 from par4d.launch import init
-from par4d.launch.machine import threads_per_rank
+from par4d.launch.host import threads_per_rank
 from par4d.layout import shard_batch
 from par4d.ledger import in_flight_seconds
 from par4d.models import GPT, GPTConfig

@@ -44,10 +44,11 @@ from par4d.bench.torch_peers import KINDS, C10dBytes, destroy_groups, peer_mesh,
 from par4d.grid import staged_splits, validate_sizes
 from par4d.launch import distributed_env, join
 from par4d.launch.cluster import link_bits_per_second
-from par4d.launch.machine import cpu_cores, measure_matmul_peak, threads_per_rank
+from par4d.launch.host import cpu_cores, threads_per_rank
+from par4d.launch.peak import measure_matmul_peak
 from par4d.layout import block
+from par4d.measure.grids import BATCH, CONFIG, WARMUP, batch, grids, measure_grid, time_iterations
 from par4d.models import ReferenceGPT
-from par4d.plan.measure import BATCH, CONFIG, WARMUP, batch, grids, measure_grid, time_iterations
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -132,7 +132,7 @@ def _run_scheme(settings: CompareSettings, grid, scheme: str, k: int | None) -> 
 
 def compare_worker(settings: CompareSettings) -> dict:
     from par4d.launch import init
-    from par4d.launch.machine import threads_per_rank
+    from par4d.launch.host import threads_per_rank
 
     torch.set_num_threads(threads_per_rank(settings.p))
     grid = init(x=settings.p)
@@ -146,7 +146,7 @@ def compare_worker(settings: CompareSettings) -> dict:
 
 
 def fit_collectives(entries: list[tuple]) -> dict:
-    from par4d.plan.calibrate import fit
+    from par4d.measure.calibrate import fit
 
     rows = [{"kind": kind, "p": p, "bytes": b, "seconds": s} for kind, p, b, s in entries if p > 1]
     out = {}

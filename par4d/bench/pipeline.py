@@ -113,7 +113,7 @@ from par4d.bench.pipeline_timeline import (
 )
 from par4d.grid import Grid
 from par4d.launch import init
-from par4d.launch.machine import threads_per_rank
+from par4d.launch.host import threads_per_rank
 from par4d.models import GPT, GPTConfig
 from par4d.train.recipes.gpt import build_gpt, build_reference
 from par4d.train.step import train_step

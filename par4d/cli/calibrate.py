@@ -26,7 +26,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_new_file(args.out, "--out", args.force)     # before the matmul peak and the ranks
-    from par4d.plan.calibrate import calibrate
+    from par4d.measure.calibrate import calibrate
 
     cluster = None
     if args.nodes is not None:

@@ -237,8 +237,8 @@ def _days(pred, spec, args) -> dict:
 def _device(args: argparse.Namespace) -> int:
     import torch
 
-    from par4d.launch.machine import cpu_cores
-    from par4d.plan.device import builtin_for, check_device, report
+    from par4d.launch.host import cpu_cores
+    from par4d.measure.device import builtin_for, check_device, report
 
     if args.iters < 1:
         raise ValueError(f"--iters must be >= 1, got {args.iters}")
@@ -263,7 +263,7 @@ def _device(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from par4d.plan.validate import memory_check, report, validate
+    from par4d.measure.validate import memory_check, report, validate
 
     cluster = None
     if args.nodes is not None:
@@ -281,7 +281,7 @@ def _validate(args: argparse.Namespace) -> int:
     if args.machine is None:
         import tempfile
 
-        from par4d.plan.calibrate import calibrate
+        from par4d.measure.calibrate import calibrate
 
         profile = Path(tempfile.mkdtemp()) / "local.toml"
         machine = calibrate(args.nproc, profile, cluster=cluster)["machine"]

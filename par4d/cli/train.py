@@ -119,7 +119,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from par4d.launch import Interrupted
-    from par4d.plan.choose import planned_run
+    from par4d.measure.choose import planned_run
     from par4d.train.configure import configure, resumable, world_size
     from par4d.train.faults import Faults
     from par4d.train.job import as_rank, local_ranks

@@ -23,7 +23,7 @@ from par4d.grid import Grid
 from par4d.layout import Placement, place
 
 BATCH_AXES = ("z", "data")
-WHOLE = Placement((), grad_sum=BATCH_AXES)   # par4d.auto's REPLICATED (not imported: auto imports par4d.nn)
+WHOLE = Placement((), grad_sum=BATCH_AXES)   # par4d.adopt's REPLICATED (not imported: auto imports par4d.nn)
 
 
 def _channel_view(stat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

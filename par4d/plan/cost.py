@@ -122,7 +122,7 @@ def predict(spec: GPTSpec | ModuleWorkload, sizes: dict[str, int], machine: Mach
             offload_bsize: int | None = None, terms: Communication | None = None) -> Prediction:
     """Time and memory of one iteration of ``spec`` on grid ``sizes``. The full model
     takes its compute time from ``compute_seconds`` when given (profiled on this
-    machine, plan/profile.py; with a pipeline, one stage's compute per step), else from
+    machine, measure/profile.py; with a pipeline, one stage's compute per step), else from
     :func:`~par4d.plan.compute.stage_seconds` (GEMMs by shape); with ``overlap`` it counts only the communication left
     exposed (:func:`exposed_comm`), and its memory holds what the overlaps keep (prefetched
     and cached weights).

@@ -287,7 +287,7 @@ GPT_MODELS = {spec.name: spec for spec in (
 )}
 
 
-# What plan validate, its profiler and par4d bench grid measure (plan/measure.py): a
+# What plan validate, its profiler and par4d bench grid measure (measure/grids.py): a
 # small GPT and batch that divide every grid of 4 or 8 ranks.
 MEASURED = GPTSpec.from_config("bench-gpt", GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4,
                                                       n_embd=128), global_batch=32)

@@ -20,7 +20,7 @@ FIXED = ("model", "batch_size", "seq_len", "n_layer", "n_embd", "n_head", "mlp",
 HONOURED = ("lr", "grad_clip", "save_every", "keep", "overlap", "hierarchical", "recompute", "microbatches",
             "pipeline_limit", "precision", "grad_reduce", "offload_bsize", "eval_every", "tensorboard")
 HF_NAMES = {"n_layer": "num_hidden_layers", "n_embd": "hidden_size", "n_head": "num_attention_heads"}
-Planner = Callable[..., object]   # par4d.plan.choose.planned_run (returns its Plan)
+Planner = Callable[..., object]   # par4d.measure.choose.planned_run (returns its Plan)
 PLANNED = ("microbatches", "recompute", "overlap")   # what --grid auto chooses besides the grid, unless a flag does
 
 
@@ -95,10 +95,11 @@ def _default_nproc(args: argparse.Namespace, resumed: tuple[Path, dict] | None) 
 def configure(args: argparse.Namespace, world: int, inside: bool, resumed: tuple[Path, dict] | None = None,
               planner: Planner | None = None):
     """The run's ``TrainConfig``; every error a rank would raise on its grid is raised here, before any starts.
-    ``planner``: what ``--grid auto`` asks (:func:`par4d.plan.choose.planned_run`; the planner stands above train/)."""
+    ``planner``: what ``--grid auto`` asks (:func:`par4d.measure.choose.planned_run`: the harness stands above
+    train/)."""
     from par4d.grid import Grid, validate_sizes
     from par4d.launch import distributed_env
-    from par4d.launch.machine import host_memory
+    from par4d.launch.host import host_memory
     from par4d.train.data import BUNDLED, read_corpus
     from par4d.train.recipes import build_model
 
@@ -161,7 +162,7 @@ def _grid(args: argparse.Namespace, world: int, inside: bool, dims: dict, planne
         raise ValueError(f"--grid auto plans par4d's dense GPT only; give --grid for --mlp phantom or "
                          f"--model {dims.get('model', 'gpt')}")
     if planner is None:
-        raise ValueError("--grid auto needs the planner (par4d train passes par4d.plan.choose.planned_run)")
+        raise ValueError("--grid auto needs the planner (par4d train passes par4d.measure.choose.planned_run)")
     plan = planner(world, machine=args.machine, inside=inside, report=say, microbatches=args.microbatches,
                    recompute=args.recompute, overlap=args.overlap, offload_bsize=args.offload_bsize,
                    **{k: dims[k] for k in ("n_layer", "n_embd", "n_head", "seq_len", "batch_size")})

@@ -42,7 +42,7 @@ def load_model(source: Path, report: Callable[[str], None] | None = None):
     settings as saved; the step)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from par4d.auto.load import compute_buffers
+    from par4d.adopt.load import compute_buffers
     from par4d.train.hf import hf_state
 
     chosen, tensors, text = hf_state(Path(source), report)

@@ -33,7 +33,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from par4d import checkpoint
-from par4d.auto.pretrained import read_config
+from par4d.adopt.pretrained import read_config
 from par4d.folder import Folder, is_count
 from par4d.grid import AXES, Grid
 from par4d.layout import Box, Placement, Reader, boxes, fill, slice_reader
@@ -288,7 +288,7 @@ def _model_config(folder: Path, meta: dict) -> GPTConfig:
 def _check_memory(where: Path, params: int) -> None:
     """Refuse a model whose parameters, whole in fp32 (as export holds them), exceed this machine's memory."""
     from par4d.folder import ABSURD_BYTES
-    from par4d.launch.machine import host_memory
+    from par4d.launch.host import host_memory
 
     need, memory = 4 * params, host_memory()
     if need > (memory or ABSURD_BYTES):

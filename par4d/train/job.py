@@ -28,7 +28,8 @@ def local_ranks(config: TrainConfig, world: int, max_restarts: int) -> dict:
     process got a signal (the ranks saved their step before exiting)."""
     import torch
 
-    from par4d.launch.machine import cpu_cores, measure_matmul_peak
+    from par4d.launch.host import cpu_cores
+    from par4d.launch.peak import measure_matmul_peak
 
     with RunLock(config.out, new=not config.resume):    # one run per folder, until the ranks are gone
         # The CPU's peak is measured here, before the ranks exist, so nothing competes for the cores; a GPU's by

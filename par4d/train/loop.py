@@ -18,7 +18,8 @@ import torch.distributed as dist
 from par4d import checkpoint
 from par4d.folder import Folder
 from par4d.launch import distributed_env, init
-from par4d.launch.machine import job_peak, threads_per_rank
+from par4d.launch.host import threads_per_rank
+from par4d.launch.peak import job_peak
 from par4d.ledger import in_flight_seconds
 from par4d.optim.data_parallel import global_mean
 from par4d.optim.precision import FullPrecision, MixedPrecision, Precision, fused_adamw, parse_precision

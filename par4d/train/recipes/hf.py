@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     import torch
     import torch.nn as nn
 
-    from par4d.auto.causal_lm import CausalLM
+    from par4d.adopt.causal_lm import CausalLM
     from par4d.checkpoint import Checkpoint
     from par4d.grid import Grid
     from par4d.train.config import TrainConfig
@@ -35,10 +35,10 @@ def hf_model_config(config: TrainConfig):
 def pretrained_shape(model: str, folder: str) -> tuple[dict[str, int], dict]:
     """(``n_layer``, ``n_embd``, ``n_head``, ``positions``, ``vocab``; its ``config.json``) of the model in
     ``folder`` that ``--model`` ``model`` starts from, the folder checked first
-    (:func:`par4d.auto.pretrained.read_pretrained`)."""
+    (:func:`par4d.adopt.pretrained.read_pretrained`)."""
     from transformers import AutoConfig
 
-    from par4d.auto.pretrained import read_pretrained
+    from par4d.adopt.pretrained import read_pretrained
 
     config = read_pretrained(folder, model)
     settings = dict(config)
@@ -53,7 +53,7 @@ def pretrained_shape(model: str, folder: str) -> tuple[dict[str, int], dict]:
 
 def hf_lm(config: TrainConfig) -> nn.Module:
     """The Hugging Face model ``config.model`` names, at the run's sizes (or its pretrained folder's), in
-    fp32. Built on the meta device: its values come from a folder or from :mod:`par4d.auto.init`."""
+    fp32. Built on the meta device: its values come from a folder or from :mod:`par4d.adopt.init`."""
     from transformers import AutoModelForCausalLM
 
     from par4d.train.recipes import recipe
@@ -67,13 +67,13 @@ def hf_lm(config: TrainConfig) -> nn.Module:
 def _hf_model(config: TrainConfig, grid: Grid) -> CausalLM:
     """Built on the meta device and made parallel, then filled shard by shard: from the pretrained folder
     (each rank reads its slices), or by the model's own initialisation a block at a time from the run's
-    seed (:mod:`par4d.auto.init`); no rank holds the model whole. On a virtual grid only the shapes."""
+    seed (:mod:`par4d.adopt.init`); no rank holds the model whole. On a virtual grid only the shapes."""
     import torch
 
-    from par4d.auto import load_safetensors, parallelize
-    from par4d.auto.causal_lm import CausalLM
-    from par4d.auto.init import initialize
-    from par4d.auto.stages import cut_stage, matmul_weights, tie_across_stages
+    from par4d.adopt import load_safetensors, parallelize
+    from par4d.adopt.causal_lm import CausalLM
+    from par4d.adopt.init import initialize
+    from par4d.adopt.stages import cut_stage, matmul_weights, tie_across_stages
 
     with torch.device("meta"):
         twin = hf_lm(config)
@@ -143,7 +143,7 @@ class HFRecipe(Recipe):
     def check_pretrained(self, config: TrainConfig) -> None:
         import torch
 
-        from par4d.auto.load import check_weights
+        from par4d.adopt.load import check_weights
 
         with torch.device("meta"):
             check_weights(hf_lm(config), config.init_from)   # every weight there, at its shape

@@ -4,7 +4,7 @@ in safetensors, one ``model.safetensors`` or shards named by ``model.safetensors
 Read without running or unpickling anything: a folder whose config names its own code
 (``auto_map``) is refused, and so is one whose weights are only in a pickle
 (``pytorch_model.bin`` and the like: unpickling runs code). Only headers are read here;
-:func:`par4d.auto.load.load_safetensors` then reads each rank's slices.
+:func:`par4d.adopt.load.load_safetensors` then reads each rank's slices.
 
 Links are followed (a Hugging Face cache's snapshot folder is links into its blobs), but the
 index may only name files by their bare names: every file read is one the folder lists.

@@ -41,7 +41,7 @@ def planned_run(world: int, *, machine: str | None, inside: bool, n_layer: int, 
     recomputation, as ``par4d train`` reads it).
 
     ``machine`` names a profile (built-in or TOML); ``None`` takes the built-in machine of this machine's GPUs
-    where there are GPUs (:func:`par4d.plan.device.builtin_for`, as many per node as are visible), else calibrates
+    where there are GPUs (:func:`par4d.measure.device.builtin_for`, as many per node as are visible), else calibrates
     this CPU machine first, which needs ranks of its own and so cannot happen ``inside`` a launched job.
     ``report`` gets one line before a calibration or a GPU's built-in, and one
     naming the choice and the runner-up with their predicted step times.
@@ -61,7 +61,7 @@ def planned_run(world: int, *, machine: str | None, inside: bool, n_layer: int, 
         import tempfile
         from pathlib import Path
 
-        from par4d.plan.calibrate import calibrate
+        from par4d.measure.calibrate import calibrate
 
         report(f"calibrating this machine on {world} ranks for --grid auto ...")
         calibration = calibrate(world, Path(tempfile.mkdtemp()) / "local.toml")
@@ -96,7 +96,7 @@ def _this_gpu():
         return None
     from dataclasses import replace
 
-    from par4d.plan.device import builtin_for
+    from par4d.measure.device import builtin_for
 
     device = torch.device("cuda", 0)
     machine = builtin_for(device)

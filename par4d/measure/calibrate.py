@@ -114,7 +114,7 @@ def _warm_up(device: torch.device, dtype: torch.dtype, seconds: float = 1.0) -> 
     """A GPU's clocks rise from idle only under load: products of 8192 x 8192 for ``seconds`` first, so every
     shape is timed at the clocks training runs at (the first shapes ran 1.5-3x slow on an idle H200)."""
     if device.type == "cuda":
-        from par4d.launch.machine import measure_matmul_peak
+        from par4d.launch.peak import measure_matmul_peak
 
         measure_matmul_peak(seconds, size=8192, dtype=dtype, device=device)
 
@@ -194,7 +194,7 @@ class CalibrationSettings:
 def _measure_worker(settings: CalibrationSettings) -> list[dict]:
     import par4d
     from par4d import comm
-    from par4d.launch.machine import threads_per_rank
+    from par4d.launch.host import threads_per_rank
 
     torch.set_num_threads(threads_per_rank(settings.nproc))
     rows = []
@@ -349,9 +349,10 @@ def calibrate(nproc: int, out: Path, repeats: int = 5, cluster=None) -> dict:
     """Measure on ``nproc`` local ranks, or on an emulated ``cluster`` (a ClusterSpec):
     then groups inside a node give β_intra and the one ring over all ranks β_inter."""
     from par4d.launch import launch_local
-    from par4d.launch.machine import cpu_cores, measure_matmul_peak, threads_per_rank
+    from par4d.launch.host import cpu_cores, threads_per_rank
+    from par4d.launch.peak import measure_matmul_peak
+    from par4d.measure.profile import profile_layer_overhead
     from par4d.plan.machines import Machine
-    from par4d.plan.profile import profile_layer_overhead
 
     if cluster is not None:
         nproc = cluster.world_size
@@ -413,7 +414,7 @@ def calibrate(nproc: int, out: Path, repeats: int = 5, cluster=None) -> dict:
 
 def layer_overhead(host: dict, machine: Machine) -> float:
     """The host's seconds per layer pass (``machine.layer_overhead``) from one rank's measurement alone
-    (:func:`~par4d.plan.profile.profile_layer_overhead`): what a microbatch added to the step, stretched by the
+    (:func:`~par4d.measure.profile.profile_layer_overhead`): what a microbatch added to the step, stretched by the
     ranks sharing each core, less what ``machine``'s GEMMs already charge a microbatch more (their kernel latency,
     their weights read again), over a microbatch's layer passes."""
     from par4d.plan.compute import stage_seconds

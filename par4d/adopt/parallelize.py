@@ -15,7 +15,7 @@ for any model: a lone layer cuts its input's features for its in-axis (free) and
 output's over its out-axis (``input_layout`` / ``output_layout="whole"``); norms over features
 therefore stay whole. The exception is the residual stream of a causal language model whose every use
 par4d knows (Llama, Mistral, Qwen2, GPT-2) on a grid with y > 1: there the stream is sharded over y
-between blocks, as in par4d's GPT, and its norms are par4d's (:mod:`par4d.auto.stream`). Batch
+between blocks, as in par4d's GPT, and its norms are par4d's (:mod:`par4d.adopt.stream`). Batch
 norms become :class:`par4d.nn.BatchNorm` where samples are split (z*data > 1), whose statistics
 are all-reduced over z and data (the whole batch's, running ones included). Inside
 a recognised block activations stay sharded, as in the 4D paper's transposed
@@ -45,8 +45,16 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 
-from par4d.auto.messages import Message, bytes_sent, hook_messages, layer_messages, norm_messages, record, sync_messages
-from par4d.auto.stream import gather_input, is_norm, split_output, stream_norm, stream_problem
+from par4d.adopt.messages import (
+    Message,
+    bytes_sent,
+    hook_messages,
+    layer_messages,
+    norm_messages,
+    record,
+    sync_messages,
+)
+from par4d.adopt.stream import gather_input, is_norm, split_output, stream_norm, stream_problem
 from par4d.grid import Grid, Indivisible
 from par4d.layout import Placement, place, placement_of
 from par4d.nn.batchnorm import BATCH_AXES, BatchNorm
@@ -294,9 +302,9 @@ def parallelize(model: nn.Module, grid: Grid, *, force: dict[str, str] | None = 
     wins; a forced normal or transposed layer is a lone one (whole features around it).
     ``example``: the inputs of one step's whole batch, ``model(*example)`` or
     ``model(**example)`` (meta tensors will do): the plan then has each layer's collectives
-    per step (:mod:`par4d.auto.messages`), and the state's ``sync_messages`` the data-parallel sums.
+    per step (:mod:`par4d.adopt.messages`), and the state's ``sync_messages`` the data-parallel sums.
     ``report``: print the plan. ``shard_stream``: shard the residual stream over y where par4d knows
-    every use of it (:mod:`par4d.auto.stream`; False: keep it whole, the state's ``stream`` is 1).
+    every use of it (:mod:`par4d.adopt.stream`; False: keep it whole, the state's ``stream`` is 1).
     A layer whose sizes the grid does not divide is kept whole (replicated), its plan row naming the
     numbers; one forced normal or transposed raises, naming them and the ``force`` that keeps it whole."""
     force = dict(force or {})

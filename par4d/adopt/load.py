@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from par4d.auto.pretrained import opened, weight_files
+from par4d.adopt.pretrained import opened, weight_files
 from par4d.grid import AXES, Grid
 from par4d.layout import Placement, boxes, fill, place, placement_of, slice_reader
 from par4d.nn.base import ShardedModule
@@ -25,7 +25,7 @@ def load_safetensors(model: nn.Module, path: str | Path, grid: Grid) -> None:
     """Fill every parameter of ``model`` (made by ``par4d.parallelize`` on ``grid``) and every
     buffer the file holds from ``path``, keyed as the unparallelized model's ``state_dict``:
     one safetensors file, or a Hugging Face model folder's weights (one file, or shards named by
-    ``model.safetensors.index.json``: :mod:`par4d.auto.pretrained`). Parameters still on the meta
+    ``model.safetensors.index.json``: :mod:`par4d.adopt.pretrained`). Parameters still on the meta
     device are made on ``grid.device`` first (tied ones stay tied, read under whichever of their
     names the file holds, as ``save_pretrained`` keeps only one). Values are cast to the
     parameter's dtype (bf16 weights into an fp32 model). Not collective: each rank reads its own
@@ -67,7 +67,7 @@ def fill_parameters(model: nn.Module, grid: Grid, tensors: dict[str, torch.Tenso
     """Fill the parameters of ``model`` (made by ``par4d.parallelize`` on ``grid``) that ``tensors`` names
     (whole tensors, keyed as the unparallelized model's ``state_dict``; a tied parameter under any of its
     names), each rank keeping its shards; parameters on the meta device are made first. The others are
-    left as they are: a model is filled a block at a time (:mod:`par4d.auto.init`)."""
+    left as they are: a model is filled a block at a time (:mod:`par4d.adopt.init`)."""
     wanted = _wanted(model, grid)
     owner = {name: param_id for param_id, (names, _) in wanted.items() for name in names}
     unknown = sorted(set(tensors) - set(owner))

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from par4d.auto.stages import PARTS
+from par4d.adopt.stages import PARTS
 from par4d.grid import Grid
 from par4d.nn.collectives import GatherFeatures, SplitFeatures
 from par4d.nn.norm import LayerNorm, RMSNorm

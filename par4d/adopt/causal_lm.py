@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from par4d.auto.stages import Stage
+from par4d.adopt.stages import Stage
 from par4d.parallel import state
 
 
@@ -16,7 +16,7 @@ class CausalLM(nn.Module):
     are already the next tokens), without targets the logits. ``flops_per_token`` and
     ``num_params`` are the whole model's (counted before it was parallelized).
 
-    On a grid with pipe > 1, ``lm`` is this rank's stage (:mod:`par4d.auto.stages`) and the pipeline
+    On a grid with pipe > 1, ``lm`` is this rank's stage (:mod:`par4d.adopt.stages`) and the pipeline
     runs it (``stage_forward``, ``stream_shape``, ``first``, ``last``: as par4d's GPT)."""
 
     def __init__(self, lm: nn.Module, flops_per_token: float, num_params: int, stage: Stage | None = None):
@@ -36,13 +36,13 @@ class CausalLM(nn.Module):
         the stage before (:meth:`stream_shape`); the stream out, or on the last stage the logits or, with
         ``targets``, the mean cross-entropy over its tokens."""
         given = {"input_ids": inputs} if self.first else {"inputs_embeds": inputs}
-        if not self.last:                   # its final norm is the identity (par4d.auto.stages)
+        if not self.last:                   # its final norm is the identity (par4d.adopt.stages)
             return self.lm.base_model(**given, use_cache=False).last_hidden_state
         logits = self.lm(**given, use_cache=False).logits     # training: no key/value cache
         return logits if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     def stream_shape(self, rows: int, seq: int) -> tuple[tuple[int, ...], torch.dtype]:
         """The residual stream between stages for ``rows`` sequences of ``seq`` tokens: features over y where
-        ``parallelize`` sharded it (:mod:`par4d.auto.stream`), else whole, in the parameters' dtype."""
+        ``parallelize`` sharded it (:mod:`par4d.adopt.stream`), else whole, in the parameters' dtype."""
         hidden = self.lm.config.hidden_size // state(self.lm).stream
         return (rows, seq, hidden), next(self.parameters()).dtype

@@ -5,7 +5,7 @@ every GEMM of a grid of shapes, causal attention forward and backward, the memor
 one-rank training steps of a GPT, where the full model's step time and memory are set beside par4d's
 measured step (mixed precision, as ``par4d train --precision bf16`` runs it) and beside plain PyTorch's on
 the same model, batch and precision (autocast, fused AdamW), which is what a one-device user runs instead.
-The GEMMs are also fitted (:func:`par4d.plan.calibrate.fit_gemms`) at the profile's peak: what a profile
+The GEMMs are also fitted (:func:`par4d.measure.calibrate.fit_gemms`) at the profile's peak: what a profile
 calibrated on this device would carry. On a GPU it runs in bf16 at GPU sizes; on a CPU in fp32 at the sizes
 ``par4d calibrate`` times, with every core.
 
@@ -24,8 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from par4d.models import GPTConfig
-from par4d.plan.calibrate import (
+from par4d.measure.calibrate import (
     GPU_SHAPES,
     ComputeShapes,
     finish,
@@ -34,6 +33,7 @@ from par4d.plan.calibrate import (
     measure_compute,
     measure_host_link,
 )
+from par4d.models import GPTConfig
 from par4d.plan.compute import gemm_seconds
 from par4d.plan.machines import BUILTIN, Machine
 from par4d.plan.workload import GPTSpec

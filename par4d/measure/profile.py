@@ -45,7 +45,7 @@ def profile_layer_overhead(threads: int, repeats: int = 21) -> dict:
     the CPU: the bench GPT on one rank, on a batch of ``batch`` sequences of ``seq_len`` = 2 tokens, stepped with 1
     and with 4 microbatches in turn ``repeats`` times; ``microbatch_seconds``: what the median step gains per
     microbatch; ``layer_passes``: a microbatch's (3 per layer: its forward GEMM and two backward ones).
-    calibrate takes the modelled GEMMs out of it (:func:`par4d.plan.calibrate.layer_overhead`)."""
+    calibrate takes the modelled GEMMs out of it (:func:`par4d.measure.calibrate.layer_overhead`)."""
     return _spawned(_overhead, threads, repeats)
 
 
@@ -76,11 +76,11 @@ def cores_shared(world: int, threads: int, cores: int, cuda: bool) -> float:
 
 
 def _as_rank0(choices: list[dict], threads: int, measure, *args) -> list[dict]:
-    """``measure(grid, step, *args)`` for each choice's :class:`~par4d.plan.measure.TrainingStep`, this process
+    """``measure(grid, step, *args)`` for each choice's :class:`~par4d.measure.grids.TrainingStep`, this process
     standing in for rank 0 of the job with torch's fake process group."""
     from par4d.grid import build_grid, validate_sizes
     from par4d.launch import device
-    from par4d.plan.measure import TrainingStep
+    from par4d.measure.grids import TrainingStep
 
     world = math.prod(choices[0]["sizes"].values())
     rows = []
@@ -118,7 +118,7 @@ def _timed(grid, step, iters: int) -> dict:
     """The median seconds of ``iters`` steps after the warm-up ones, and the collectives of one."""
     import torch
 
-    from par4d.plan.measure import WARMUP, step_collectives
+    from par4d.measure.grids import WARMUP, step_collectives
 
     for _ in range(WARMUP):
         step()
@@ -137,7 +137,7 @@ def _overhead(threads: int, repeats: int) -> dict:
     import torch
 
     from par4d.grid import build_grid, validate_sizes
-    from par4d.plan.measure import WARMUP, TrainingStep
+    from par4d.measure.grids import WARMUP, TrainingStep
     from par4d.plan.workload import MEASURED
 
     batch, seq_len = 4, 2

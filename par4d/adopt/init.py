@@ -8,7 +8,7 @@ then the model's ``_init_weights`` (Hugging Face's: normal weights of the model'
 GPT-2's scaled residual projections, norms at one, biases at zero). Each block (a member of an
 ``nn.ModuleList``: a decoder layer), or each module outside such lists, is made whole on the CPU just
 before its first call, and after its own call its values go into the parallel model, each rank keeping
-its shards (:func:`par4d.auto.load.fill_parameters`), and it goes back to the meta device: a rank holds
+its shards (:func:`par4d.adopt.load.fill_parameters`), and it goes back to the meta device: a rank holds
 at most one block whole besides its shards.
 
 Every module draws from torch's generator seeded by the run's seed and the module's name, so the values
@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn as nn
 
-from par4d.auto.load import compute_buffers, fill_parameters
+from par4d.adopt.load import compute_buffers, fill_parameters
 from par4d.grid import Grid
 
 
@@ -36,7 +36,7 @@ from par4d.grid import Grid
 def initialize(model: nn.Module, twin: nn.Module, grid: Grid, seed: int) -> int:
     """Fill ``model`` (``twin`` made parallel on ``grid`` by ``par4d.parallelize``, on the meta device) with
     :func:`initial_state`'s values, a block at a time; ``twin``, the unparallelized model on the meta device,
-    is not changed; a pipeline stage of it (``par4d.auto.stages``) gets the values of the parameters it
+    is not changed; a pipeline stage of it (``par4d.adopt.stages``) gets the values of the parameters it
     holds, and the blocks of other stages are not made. Returns the most bytes held whole at once (a
     block's)."""
     most = 0

@@ -16,7 +16,7 @@ from pathlib import Path
 from par4d.overlap import Overlap
 from par4d.plan.cost import VARIANTS, predict
 from par4d.plan.machines import Machine
-from par4d.plan.workload import MEASURED as SPEC  # the measured workload (plan/measure.py)
+from par4d.plan.workload import MEASURED as SPEC  # the measured workload (measure/grids.py)
 
 
 @dataclass(frozen=True)
@@ -124,8 +124,8 @@ def _measure_worker(settings, shapes: list[dict], passes: int) -> list[dict]:
     import torch
     import torch.distributed as dist
 
-    from par4d.launch.machine import threads_per_rank
-    from par4d.plan.measure import held_most, measure_grid
+    from par4d.launch.host import threads_per_rank
+    from par4d.measure.grids import held_most, measure_grid
 
     torch.set_num_threads(threads_per_rank(settings.nproc))
 
@@ -158,14 +158,14 @@ def repeatability(measured: list[dict]) -> float | None:
 def validate(nproc: int, machine: Machine, iters: int, plot: Path | None,
              cluster=None, passes: int = 1, overlap: Overlap | None = None) -> tuple[list[dict], list[Score]]:
     """Measure on ``nproc`` local ranks, or on an emulated ``cluster`` (ClusterSpec),
-    every choice of :func:`par4d.plan.measure.choices` ``passes`` times (round robin; each one's time is its
+    every choice of :func:`par4d.measure.grids.choices` ``passes`` times (round robin; each one's time is its
     median) and what it holds in memory once, with ``overlap`` (default ``Overlap()``: every overlap on, a
     pipeline's those that act there; ``Overlap.none()``: synchronous)."""
     overlap = Overlap() if overlap is None else overlap
     if passes < 1:
         raise ValueError(f"passes must be >= 1, got {passes}")
     from par4d.launch import launch_local
-    from par4d.plan.measure import choices
+    from par4d.measure.grids import choices
 
     world = cluster.world_size if cluster is not None else nproc
     shapes = choices(world)
@@ -188,12 +188,12 @@ def validate(nproc: int, machine: Machine, iters: int, plot: Path | None,
 
 
 def _profiled_compute(shapes: list[dict], world: int) -> list[float]:
-    """Per grid: rank 0's step without communication (plan/profile.py) with the
+    """Per grid: rank 0's step without communication (measure/profile.py) with the
     measurement's threads per rank, scaled by :func:`cores_shared`."""
     import torch
 
-    from par4d.launch.machine import cpu_cores, threads_per_rank
-    from par4d.plan.profile import cores_shared, profile_compute
+    from par4d.launch.host import cpu_cores, threads_per_rank
+    from par4d.measure.profile import cores_shared, profile_compute
 
     threads = threads_per_rank(world)
     shared = cores_shared(world, threads, cpu_cores(), torch.cuda.is_available())

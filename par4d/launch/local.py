@@ -1,0 +1,169 @@
+"""par4d's local launcher: ``--nproc N`` ranks on this machine under torchrun's elastic agent (restarts, a
+failed rank's one line), the ranks meeting at 127.0.0.1 with gloo bound to loopback."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+from collections.abc import Callable, Sequence
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RankFailed(RuntimeError):
+    """A launched rank raised an error or was killed (after the restarts allowed)."""
+
+    def __init__(self, rank: int, cause: str):
+        super().__init__(f"rank {rank} failed: {cause}")
+        self.rank, self.cause = rank, cause
+
+
+class Interrupted(RuntimeError):
+    """The launcher itself was sent a signal (a scheduler's SIGTERM, Ctrl-C); its ranks were told."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def launch_local(nproc: int, entrypoint: Callable, args: Sequence, run_id: str = "par4d",
+                 max_restarts: int = 0) -> dict[int, object]:
+    """Run ``entrypoint(*args)`` on ``nproc`` local ranks with torchrun's elastic agent.
+
+    Returns each rank's return value. When a rank fails (an error, a kill, out of memory)
+    the agent stops the others and, up to ``max_restarts`` times, starts all ranks again
+    (``TORCHELASTIC_RESTART_COUNT`` tells them which attempt this is); after that
+    :class:`RankFailed` names the first rank that failed and why, in one line (the agent's
+    own multi-line report is silenced). A signal to this process (SIGTERM, SIGINT) is
+    passed on to the ranks, which get up to 30 s to finish, and raises :class:`Interrupted`.
+    """
+    if nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    if max_restarts < 0:
+        raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=run_id,
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        # Else the agent hands the ranks this machine's hostname as MASTER_ADDR: where it does not resolve
+        # (a container, a cloud GPU box), they retry it until their 300 s store timeout and fail.
+        local_addr="127.0.0.1",
+        max_restarts=max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    try:
+        with _agent_quiet(), environment(_loopback_gloo()):
+            return elastic_launch(config, entrypoint)(*args)
+    except ChildFailedError as error:
+        rank, failure = error.get_first_failure()
+        raise RankFailed(rank, failure_cause(failure)) from None
+    except SignalException as error:
+        # A second Ctrl-C makes the agent stop waiting for its ranks, which may still be saving
+        # their step: wait for them here, so that what the caller reports is what they saved.
+        wait_for_children()
+        raise Interrupted(error.sigval) from None
+
+
+def children() -> list[int]:
+    """Live child processes of this one, from /proc (empty where there is none); exited ones not yet
+    reaped (zombies) and multiprocessing's resource tracker are left out."""
+    parent = os.getpid()
+    found = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read()
+        except OSError:
+            continue
+        if int(fields[1]) == parent and fields[0] != "Z" and b"resource_tracker" not in command:
+            found.append(int(entry))
+    return found
+
+
+def wait_for_children(limit: float = 30.0, pids: list[int] | None = None) -> None:
+    """Wait up to ``limit`` seconds (torch's agent's own grace period) for this process's children
+    (``pids`` of them; default: all, the ranks) to exit; a further signal ends the wait."""
+    import time
+
+    deadline = time.monotonic() + limit
+    waited = set(children() if pids is None else pids)
+    try:
+        while waited & set(children()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except Exception:   # the agent's handler raises on a third signal: the user wants out now
+        pass
+
+
+def failure_cause(failure) -> str:
+    """One line for a failed rank: its exception, the signal that killed it, or its exit status."""
+    code = failure.exitcode
+    if code < 0:
+        return f"killed by {failure.signal_name()}" + (" (out of memory?)" if -code == signal.SIGKILL else "")
+    message = failure.error_file_data.get("message") if failure.error_file_data else None
+    if isinstance(message, dict) and message.get("message"):
+        return message["message"].strip()
+    if isinstance(message, str) and message.strip():
+        return message.strip()
+    # No error file: the rank exited on its own (os._exit), e.g. after a signal it was sent directly.
+    if code > 128 and code - 128 in signal.Signals._value2member_map_:
+        return f"exit status {code} ({signal.Signals(code - 128).name})"
+    return f"exit status {code}"
+
+
+def _loopback_gloo() -> dict[str, str]:
+    """``GLOO_SOCKET_IFNAME`` for ranks on this machine alone: its loopback interface (``lo``, ``lo0``), unless
+    the user set one. Without it gloo looks the hostname up for every process group, and where the resolver
+    does not answer each lookup waits out its timeout (measured: 10 s each, 90 s to build a 2 x 2 grid)."""
+    names = {name for _, name in socket.if_nameindex()}
+    loopback = next((name for name in ("lo", "lo0") if name in names), None)
+    return {} if "GLOO_SOCKET_IFNAME" in os.environ or loopback is None else {"GLOO_SOCKET_IFNAME": loopback}
+
+
+@contextlib.contextmanager
+def environment(variables: dict[str, str]):
+    """``variables`` set in this process's environment (which the ranks it spawns inherit) while it runs."""
+    before = {key: os.environ.get(key) for key in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
+def _agent_quiet():
+    """Silence the elastic agent's loggers (each has its own level) while it runs: its report
+    of a failure is a traceback of 70+ lines, which RankFailed says in one."""
+    loggers = [logging.getLogger(name) for name in list(logging.Logger.manager.loggerDict)
+               if name.startswith(("torch.distributed.elastic", "torch.multiprocessing"))]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)
