@@ -55,7 +55,7 @@ def checked_config(*args: str, world: int):
     from dataclasses import replace
 
     from par4d.cli import _parser
-    from par4d.train.configure import configure
+    from par4d.cli.configure import configure
 
     return replace(configure(_parser().parse_args(["train", *args]), world, inside=False), peak_flops=1.0)
 

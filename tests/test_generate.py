@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from par4d.cli import main
-from par4d.train.generate import Codec, Sampling, generate, load_model
+from par4d.cli.generate_run import Codec, Sampling, generate, load_model
 from tests.helpers import bpe_tokenizer, checked_config, train_alone
 
 SMALL = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--batch-size", "8", "--seq-len", "32",

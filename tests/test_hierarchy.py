@@ -151,7 +151,7 @@ def test_gpt_trains_through_staged_collectives_3d(pool8):
 def test_train_refuses_hierarchical_on_for_its_own_local_ranks():
     """Before any rank starts: par4d's local ranks share one node, so `on` could stage nothing."""
     from par4d.cli import _parser
-    from par4d.train.configure import configure
+    from par4d.cli.configure import configure
 
     args = _parser().parse_args(["train", "--grid", "data=4", "--hierarchical", "on", "--out", "unused"])
     with pytest.raises(ValueError, match="--hierarchical on stages collectives over groups that span nodes"):

@@ -182,10 +182,10 @@ def test_train_grid_auto_takes_the_planners_first_choice(tmp_path, capsys):
     choice, or among those within TIE of it the one that communicates least; flags the user gave stay fixed;
     it names the choice and the runner-up."""
     from par4d.cli import _parser
+    from par4d.cli.configure import configure
     from par4d.measure.choose import TIE, planned_run
     from par4d.overlap import Overlap
     from par4d.plan.search import Space, search
-    from par4d.train.configure import configure
 
     profile = tmp_path / "local.toml"
     # Memory for a few microbatches' activations: the search must choose them.

@@ -414,7 +414,7 @@ def test_fields_read_from_meta_json_are_checked(base, tmp_path, capsys, edit, wo
 
 def test_a_missing_or_garbled_pointer_is_said_and_the_newest_intact_checkpoint_used(base, tmp_path, capsys):
     from par4d.cli import _parser
-    from par4d.train.configure import resumable, world_size
+    from par4d.cli.configure import resumable, world_size
 
     run = _copy(base, tmp_path)
     for pointer in (None, b"\x80garbage"):

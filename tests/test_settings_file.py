@@ -78,7 +78,7 @@ def test_a_settings_file_is_not_read_through_a_link(tmp_path):
 
 @pytest.mark.parametrize("name", ["demo.toml", "gpt2-small.toml", "llama-3d.toml"])
 def test_the_shipped_examples_are_valid(name, tmp_path, monkeypatch):
-    from par4d.train.configure import configure
+    from par4d.cli.configure import configure
 
     monkeypatch.chdir(tmp_path)
     args = _args()
@@ -97,7 +97,7 @@ def _configured(*flags: str, world: int):
     """The config `par4d train FLAGS` launches: the file applied first, as the CLI does."""
     from dataclasses import replace
 
-    from par4d.train.configure import configure
+    from par4d.cli.configure import configure
 
     args = _args(*flags)
     apply(args, read(args.config), args.config)

@@ -39,7 +39,7 @@ from pathlib import Path
 from par4d import checkpoint
 from par4d.bench.common import emit
 from par4d.folder import Folder
-from par4d.train.configure import default
+from par4d.train.config import default
 from par4d.train.faults import FAULT_ENV
 from par4d.train.loop import METRICS, SUMMARY, read_metrics
 

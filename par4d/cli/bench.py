@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from par4d.cli.files import check_new_file
-from par4d.train.configure import DEFAULT_NPROC
+from par4d.train.config import DEFAULT_NPROC
 
 
 def _ranks(p: argparse.ArgumentParser) -> None:

@@ -8,7 +8,7 @@ import argparse
 from pathlib import Path
 
 from par4d.cli.files import check_new_file
-from par4d.train.configure import DEFAULT_NPROC
+from par4d.train.config import DEFAULT_NPROC
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

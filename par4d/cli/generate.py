@@ -1,5 +1,5 @@
 """``par4d generate``: sample text from a run's newest intact checkpoint (one process, a key/value cache;
-:mod:`par4d.train.generate`)."""
+:mod:`par4d.cli.generate_run`)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from par4d.train.generate import Sampling, generate
+    from par4d.cli.generate_run import Sampling, generate
 
     sampling = Sampling(args.max_tokens, args.temperature, args.top_k, args.seed)
     text, _ = generate(Path(args.run), args.prompt, sampling, report=lambda line: print(line, file=sys.stderr))

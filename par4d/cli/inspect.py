@@ -1,5 +1,5 @@
 """``par4d inspect DIR``: what a run, a checkpoint or a dataset folder holds, verified, on one screen
-(:mod:`par4d.train.inspect_run`). Reads only."""
+(:mod:`par4d.cli.inspect_run`). Reads only."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from par4d.train.inspect_run import inspect
+    from par4d.cli.inspect_run import inspect
 
     print("\n".join(inspect(Path(args.folder))))
     return 0

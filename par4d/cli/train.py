@@ -1,5 +1,5 @@
-"""``par4d train``: its arguments; then the run's ``TrainConfig`` (:mod:`par4d.train.configure`), local ranks
-launched or a torchrun/srun job joined, and the summary printed (:mod:`par4d.train.report`)."""
+"""``par4d train``: its arguments; then the run's ``TrainConfig`` (:mod:`par4d.cli.configure`), local ranks
+launched or a torchrun/srun job joined, and the summary printed (:mod:`par4d.cli.report`)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import argparse
 import signal
 from pathlib import Path
 
-from par4d.train.configure import DEFAULT_NPROC, default
+from par4d.train.config import DEFAULT_NPROC, default
 from par4d.train.recipes import MODELS
 from par4d.train.recipes.unet import IMAGE_CHANNELS
-from par4d.train.report import say
+from par4d.train.say import say
 
 
 def _help(name: str, text: str = "") -> str:
@@ -118,9 +118,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from par4d.cli.configure import configure, resumable, world_size
     from par4d.launch import Interrupted
     from par4d.measure.choose import planned_run
-    from par4d.train.configure import configure, resumable, world_size
     from par4d.train.faults import Faults
     from par4d.train.job import as_rank, local_ranks
 
@@ -150,7 +150,7 @@ def _finish(summary: dict, quiet: bool = False) -> int:
         signum = signal.Signals[summary["stopped"]["signal"]]
         return 128 + signum if quiet else _stopped(signum, Path(summary["stopped"]["run"]))
     if summary and not quiet:
-        from par4d.train.report import print_summary
+        from par4d.cli.report import print_summary
 
         print_summary(summary)
     return 0

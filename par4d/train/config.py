@@ -111,7 +111,7 @@ class TrainConfig:
         if self.batch_size % shards:
             if self.microbatches < 1:
                 raise ValueError(f"--microbatches {self.microbatches}: give a count >= 1")
-            return                           # the batch itself is refused (par4d.train.configure names it)
+            return                           # the batch itself is refused (par4d.cli.configure names it)
         rows = self.batch_size // shards
         if not 1 <= self.microbatches <= rows:
             what = recipe(self.model).samples
@@ -168,7 +168,7 @@ class TrainConfig:
 
     def overlap_run(self) -> Overlap:
         """The overlaps that act in this run: ``--overlap``'s, but with a pipeline (pipe > 1) only those
-        :meth:`Overlap.in_pipeline` keeps. The run says so before it starts (``par4d.train.configure``) and its
+        :meth:`Overlap.in_pipeline` keeps. The run says so before it starts (``par4d.cli.configure``) and its
         summary reports these."""
         settings = self.overlap_settings()
         return settings if self.grid.get("pipe", 1) == 1 else settings.in_pipeline()
@@ -209,3 +209,15 @@ def _of_type(value: object, annotation: str) -> bool:
         if (kind, type(value)) in (("str", str), ("dict", dict)):
             return True
     return False
+
+
+DEFAULT_NPROC = 4   # local ranks when no launcher gives a world size (also calibrate's and bench grid's default)
+
+
+def default(name: str):
+    """The default of ``TrainConfig``'s setting ``name``."""
+    return TrainConfig.__dataclass_fields__[name].default
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")

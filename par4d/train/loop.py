@@ -32,7 +32,7 @@ from par4d.train.faults import Faults
 from par4d.train.footprint import measure_footprint
 from par4d.train.lock import RunLock, held_by_launcher
 from par4d.train.recipes import build_model, recipe
-from par4d.train.report import say
+from par4d.train.say import say
 from par4d.train.settings_file import resolved
 from par4d.train.step import train_step
 from par4d.train.stop import StopRequest

@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from par4d.grid import Grid
     from par4d.train.config import TrainConfig
 
+# par4d's size settings -> a transformers config's names for them
+HF_NAMES = {"n_layer": "num_hidden_layers", "n_embd": "hidden_size", "n_head": "num_attention_heads"}
+
 
 def hf_model_config(config: TrainConfig):
     """The ``transformers`` config of the run's Hugging Face model: the pretrained folder's
@@ -49,6 +52,33 @@ def pretrained_shape(model: str, folder: str) -> tuple[dict[str, int], dict]:
     dims = {"n_layer": hf.num_hidden_layers, "n_embd": hf.hidden_size, "n_head": hf.num_attention_heads,
             "positions": hf.max_position_embeddings, "vocab": hf.vocab_size}
     return dims, config
+
+
+def pretrained_sizes(model: str, folder: str, chosen: dict) -> tuple[dict, dict]:
+    """(the settings with the pretrained model's sizes, its config.json): a size flag that differs is
+    refused, and so is a --seq-len beyond its positions or a vocabulary smaller than the bytes."""
+    from par4d.train.config import VOCAB_BYTES, default, flag
+    from par4d.train.say import say
+
+    dims, hf_config = pretrained_shape(model, folder)
+    where = Path(folder) / "config.json"
+    for name in ("n_layer", "n_embd", "n_head"):
+        if name in chosen and chosen[name] != dims[name]:
+            raise ValueError(f"{flag(name)} {chosen[name]}, but {where} gives the model {HF_NAMES[name]} "
+                             f"{dims[name]}: a pretrained model keeps its shape (leave {flag(name)} out)")
+    seq_len = chosen.get("seq_len", default("seq_len"))
+    if seq_len > dims["positions"]:
+        raise ValueError(f"--seq-len {seq_len} exceeds the {dims['positions']} positions of the model in {where}")
+    if dims["vocab"] < VOCAB_BYTES:
+        raise ValueError(f"{where}: vocab_size {dims['vocab']} is below the {VOCAB_BYTES} byte tokens par4d trains "
+                         f"on")
+    dropped = {k: v for k, v in hf_config.items() if k.endswith(("dropout", "pdrop")) and isinstance(v, (int, float))
+               and not isinstance(v, bool) and v > 0}
+    if dropped:    # each rank would draw its own masks on activations its axis holds whole
+        say(f"{where}: {', '.join(f'{k}={v}' for k, v in sorted(dropped.items()))} set to 0: par4d trains without "
+            f"dropout (ranks holding the same activations would draw different masks)")
+    hf_config = dict(hf_config, **{k: 0.0 for k in dropped})
+    return dict(chosen, **{k: dims[k] for k in ("n_layer", "n_embd", "n_head")}), hf_config
 
 
 def hf_lm(config: TrainConfig) -> nn.Module:
@@ -136,9 +166,7 @@ class HFRecipe(Recipe):
         return model.flops_per_token          # counted when it was built, before it was parallelized
 
     def pretrained_settings(self, folder: str, chosen: dict) -> tuple[dict, dict | None]:
-        from par4d.train.configure import pretrained
-
-        return pretrained(self.name, folder, chosen)
+        return pretrained_sizes(self.name, folder, chosen)
 
     def check_pretrained(self, config: TrainConfig) -> None:
         import torch

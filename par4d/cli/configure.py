@@ -10,24 +10,17 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from par4d.train.config import DEFAULT_NPROC, default, flag
 from par4d.train.lock import check_new_out
 from par4d.train.recipes import recipe
-from par4d.train.report import say
+from par4d.train.say import say
 
-DEFAULT_NPROC = 4   # local ranks when no launcher gives a world size (also calibrate's and bench grid's default)
 # A resumed run keeps these (they decide the model and its batches); it takes HONOURED ones when given.
 FIXED = ("model", "batch_size", "seq_len", "n_layer", "n_embd", "n_head", "mlp", "phantom_k", "image_size", "seed")
 HONOURED = ("lr", "grad_clip", "save_every", "keep", "overlap", "hierarchical", "recompute", "microbatches",
             "pipeline_limit", "precision", "grad_reduce", "offload_bsize", "eval_every", "tensorboard")
-HF_NAMES = {"n_layer": "num_hidden_layers", "n_embd": "hidden_size", "n_head": "num_attention_heads"}
 Planner = Callable[..., object]   # par4d.measure.choose.planned_run (returns its Plan)
 PLANNED = ("microbatches", "recompute", "overlap")   # what --grid auto chooses besides the grid, unless a flag does
-
-
-def default(name: str):
-    from par4d.train.config import TrainConfig
-
-    return TrainConfig.__dataclass_fields__[name].default
 
 
 def resumable(args: argparse.Namespace) -> tuple[Path, dict]:
@@ -197,33 +190,6 @@ def _new_config(args: argparse.Namespace, world: int, inside: bool, planner: Pla
                        **chosen)
 
 
-def pretrained(model: str, folder: str, chosen: dict) -> tuple[dict, dict]:
-    """(the settings with the pretrained model's sizes, its config.json): a size flag that differs is
-    refused, and so is a --seq-len beyond its positions or a vocabulary smaller than the bytes."""
-    from par4d.train.config import VOCAB_BYTES
-    from par4d.train.recipes.hf import pretrained_shape
-
-    dims, hf_config = pretrained_shape(model, folder)
-    where = Path(folder) / "config.json"
-    for name in ("n_layer", "n_embd", "n_head"):
-        if name in chosen and chosen[name] != dims[name]:
-            raise ValueError(f"{flag(name)} {chosen[name]}, but {where} gives the model {HF_NAMES[name]} "
-                             f"{dims[name]}: a pretrained model keeps its shape (leave {flag(name)} out)")
-    seq_len = chosen.get("seq_len", default("seq_len"))
-    if seq_len > dims["positions"]:
-        raise ValueError(f"--seq-len {seq_len} exceeds the {dims['positions']} positions of the model in {where}")
-    if dims["vocab"] < VOCAB_BYTES:
-        raise ValueError(f"{where}: vocab_size {dims['vocab']} is below the {VOCAB_BYTES} byte tokens par4d trains "
-                         f"on")
-    dropped = {k: v for k, v in hf_config.items() if k.endswith(("dropout", "pdrop")) and isinstance(v, (int, float))
-               and not isinstance(v, bool) and v > 0}
-    if dropped:    # each rank would draw its own masks on activations its axis holds whole
-        say(f"{where}: {', '.join(f'{k}={v}' for k, v in sorted(dropped.items()))} set to 0: par4d trains without "
-            f"dropout (ranks holding the same activations would draw different masks)")
-    hf_config = dict(hf_config, **{k: 0.0 for k in dropped})
-    return dict(chosen, **{k: dims[k] for k in ("n_layer", "n_embd", "n_head")}), hf_config
-
-
 def _tokens(args: argparse.Namespace, config):
     """The run's data identity and vocabulary: a dataset folder (checked: finished, its tokenizer the
     run's; its vocabulary), a text file with ``--tokenizer`` (that tokenizer's), or bytes (256). A resume
@@ -350,5 +316,3 @@ def _resumed_config(args: argparse.Namespace, world: int, inside: bool, resumed:
         raise ValueError(f"{folder / 'meta.json'}: the run's saved settings are refused: {error}") from None
 
 
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")

@@ -1,11 +1,6 @@
-"""What ``par4d train`` prints: a line of its own (:func:`say`), and the summary at the end of a run
-(rank 0's ``summary.json``, as a table)."""
+"""What ``par4d train`` prints at the end of a run: rank 0's ``summary.json``, as a table."""
 
 from __future__ import annotations
-
-
-def say(line: str) -> None:
-    print(f"par4d train: {line}", flush=True)   # flushed: the ranks started next write to the same stdout
 
 
 def _resumed(summary: dict) -> str:
