@@ -34,7 +34,8 @@ class ParallelState:
     ``overlap``: the settings ``set_overlap`` gave (``Overlap.none()`` is synchronous); None only
     while nobody set them, when the sync takes ``Overlap()``'s defaults, as DDP does.
     ``runtime``: the :class:`~par4d.overlap.runtime.LayerRuntime` every Algorithm 1 layer shares
-    (None: synchronous). ``sync``: the data-parallel :class:`~par4d.optim.data_parallel.GradientSync`.
+    (None until ``set_overlap`` gave the model's layers one; under ``Overlap.none()`` it waits where
+    issued). ``sync``: the data-parallel :class:`~par4d.optim.data_parallel.GradientSync`.
     ``reduce_dtype``: the dtype gradients are summed in over data x z where it is not theirs (mixed
     precision's fp32). ``plan``, ``stream``, ``sync_messages``: ``par4d.parallelize``'s treatment of
     every layer, the residual stream's cut over y (1: whole) and the data-parallel sums it counted.

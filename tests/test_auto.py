@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 import par4d
+from par4d.adopt.parallelize import kept_whole
 from par4d.layout import shard_batch
 from par4d.nn import full_state_dict
 from par4d.optim.data_parallel import global_mean, sync_gradients
@@ -163,9 +164,11 @@ def test_a_layer_the_grid_does_not_divide_is_kept_whole(pool4):
     result = _check(pool4.run(_matches, dict(x=2, z=2), "classifier"))
     assert result["plan"] == [("blocks.0", "normal"), ("blocks.2", "transposed"), ("blocks.4", "normal"),
                               ("head", "replicated")]
-    why = {t.name: t.why for t in par4d.state(par4d.parallelize(_Classifier(), _X2Z2)).plan}["head"]
+    model = par4d.parallelize(_Classifier(), _X2Z2)
+    why = {t.name: t.why for t in par4d.state(model).plan}["head"]
     assert why == ("kept whole: the grid does not divide its sizes: head(in_features=12, out_features=10, "
                    "transposed=False): the 5 out-features per x-block (out_features / x=2) are not divisible by z=2")
+    assert kept_whole(model) == {"head": why}                  # what par4d train says before any rank starts
 
 
 _X2Z2 = par4d.Grid.virtual({"x": 2, "y": 1, "z": 2})

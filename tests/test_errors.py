@@ -131,3 +131,19 @@ def test_a_rank_that_exits_on_its_own_is_named_with_its_status():
     assert failure_cause(failure(3)) == "exit status 3"
     assert failure_cause(failure(-9)) == "killed by SIGKILL (out of memory?)"
     assert failure_cause(failure(1, {"message": {"message": "ValueError: bad", "extraInfo": {}}})) == "ValueError: bad"
+
+
+def test_the_public_api_names_what_it_was_given(tmp_path):
+    """Refused before any collective: a batch that is not tensors, a precision policy made for another model,
+    a step count that is not one."""
+    grid = par4d.Grid.virtual({"x": 1})
+    model, other = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(TypeError, match="train_step: batch is dict; give this rank's tensor or a tuple of them"):
+        par4d.train_step(model, optimizer, grid, {"x": torch.zeros(1, 2)})
+    policy = par4d.FullPrecision(model, grid, optimizer)
+    with pytest.raises(ValueError, match="the precision policy steps another model than the Linear given"):
+        par4d.save_checkpoint(tmp_path, other, policy, grid, step=1)
+    with pytest.raises(ValueError, match=r"save_checkpoint\(step=-1\): give the step count"):
+        par4d.save_checkpoint(tmp_path, model, optimizer, grid, step=-1)
+    assert not par4d.has_checkpoint(tmp_path) and list(tmp_path.iterdir()) == []

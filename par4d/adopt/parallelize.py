@@ -61,7 +61,7 @@ from par4d.nn.batchnorm import BATCH_AXES, BatchNorm
 from par4d.nn.conv import Conv2d
 from par4d.nn.embedding import Embedding
 from par4d.nn.linear import Linear
-from par4d.parallel import state
+from par4d.parallel import has_state, state
 
 TREATMENTS = ("normal", "transposed", "replicated")
 KEPT_WHOLE = "kept whole: the grid does not divide its sizes"   # the plan's why, before the numbers
@@ -390,6 +390,13 @@ def parallelize(model: nn.Module, grid: Grid, *, force: dict[str, str] | None = 
     if report:
         print(plan_table(plan, parallel.sync_messages, grid.sizes, counted=bool(seen)))
     return model
+
+
+def kept_whole(model: nn.Module) -> dict[str, str]:
+    """Layer name -> why, for every layer ``parallelize`` kept whole because the grid does not divide its sizes,
+    in ``model`` or any module inside it that ``parallelize`` made parallel."""
+    return {row.name: row.why for module in model.modules() if has_state(module)
+            for row in state(module).plan if row.why.startswith(KEPT_WHOLE)}
 
 
 def plan_table(plan: list[Treatment], sync: tuple[Message, ...], sizes: dict[str, int], counted: bool) -> str:

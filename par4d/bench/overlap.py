@@ -4,7 +4,7 @@ One GPT on one communication-heavy grid, one job: rows ``none``, ``+oar``, ``+or
 ``+oag``, ``+cache`` and ``all`` (``+dp``), each adding its switch to the row above.
 Every row recomputes activations at the paper's spacing (as the paper's runs do; the
 cache has nothing to reuse otherwise), so rows differ in their waits only. The rows
-share one model and switch settings with :func:`par4d.nn.set_overlap`; they are timed
+share one model and switch settings with :func:`par4d.set_overlap`; they are timed
 in interleaved rounds (each round runs every row), so drift of the machine spreads
 over all rows alike. Per row: median s/iter, and per iteration the seconds rank by
 rank spent waiting for collectives (``exposed_comm_s``, mean over ranks) and the wall

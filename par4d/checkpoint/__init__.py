@@ -43,15 +43,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-from par4d.checkpoint.format import CORRUPT, FOLDER, WHOLE, checkpoint_folder, placements, step_name, step_of
+from par4d.checkpoint.format import CORRUPT, FOLDER, WHOLE, checkpoint_folder, latest, placements, step_name, step_of
 from par4d.checkpoint.loader import full_shape_problem, load, pieces
-from par4d.checkpoint.saver import has_checkpoint, latest, save
+from par4d.checkpoint.saver import has_checkpoint, save
 from par4d.checkpoint.verifier import Checkpoint, choose, choose_checkpoint, read_meta, set_aside_newer, verify
 from par4d.folder import is_count
 from par4d.grid import Grid
 from par4d.optim.precision import Precision
+from par4d.rank0 import on_rank0
 
 __all__ = ["CORRUPT", "FOLDER", "WHOLE", "Checkpoint", "checkpoint_folder", "choose",
            "choose_checkpoint", "full_shape_problem", "has_checkpoint", "latest", "load",
@@ -64,6 +66,9 @@ def _stepped(model: nn.Module, optimizer: torch.optim.Optimizer | Precision
     """(what is saved, the optimizer whose state is saved): a precision policy's fp32 masters and their
     optimizer, else the model and the optimizer themselves."""
     if isinstance(optimizer, Precision):
+        if optimizer.model is not model:
+            raise ValueError(f"the precision policy steps another model than the {type(model).__name__} given: "
+                             f"pass the model it was made for")
         return optimizer.masters, optimizer.optimizer
     return model, optimizer
 
@@ -87,8 +92,12 @@ def load_checkpoint(folder: str | Path, model: nn.Module, optimizer: torch.optim
     it holds; every file it reads is checked against the manifest's SHA-256). Returns the checkpoint's meta:
     ``step``, ``grid`` (the grid that saved it) and what :func:`save_checkpoint` was given."""
     saved, state = _stepped(model, optimizer)
-    chosen = None if step is None else Path(folder) / FOLDER / step_name(step)
-    meta = load(Path(folder), grid, saved, state, chosen)
+    chosen = Path(folder) / FOLDER / step_name(step) if step is not None else None
+    if chosen is None:      # rank 0 verifies every file of the newest intact one; the others check sizes only
+        box = [on_rank0(lambda: str(choose(Path(folder))))]
+        dist.broadcast_object_list(box, src=0)
+        chosen = Path(box[0])
+    meta = load(Path(folder), grid, saved, state, chosen, verified=step is None)
     if isinstance(optimizer, Precision):
         optimizer.load_masters()       # the model's (rounded) parameters from the fp32 masters
     return meta

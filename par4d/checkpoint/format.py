@@ -120,3 +120,28 @@ def checkpoint_folder(path: str | Path) -> Folder:
     if path.parent.name != FOLDER or step_of(path.name) is None:
         raise ValueError(f"{path} is not a checkpoint folder of a par4d run (RUN/{FOLDER}/step-<N>)")
     return Folder(path.parent.parent).sub(FOLDER, path.name)
+
+
+def free_name(folder: Folder, base: str) -> str:
+    """``base``, or ``base.1``, ``base.2``, ... : the first name not taken in ``folder``."""
+    name, n = base, 0
+    while folder.exists(name):
+        n += 1
+        name = f"{base}.{n}"
+    return name
+
+
+
+def latest(run_dir: Path) -> Path:
+    """The folder the ``latest`` pointer names (not verified: see :func:`choose`)."""
+    folder = Folder(run_dir).sub(FOLDER)
+    pointer = folder.path(LATEST)
+    if folder.kind(LATEST) != "file":
+        raise ValueError(f"{pointer} is missing (or not a regular file)")
+    try:
+        name = folder.read_text(LATEST, limit=256).strip()
+    except ValueError as error:
+        raise ValueError(f"{pointer} is unreadable ({error})") from None
+    if step_of(name) is None:
+        raise ValueError(f"{pointer} holds {name[:40]!r}, not the name of a checkpoint (step-<N>)")
+    return folder.path(name)

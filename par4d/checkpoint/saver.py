@@ -20,12 +20,13 @@ from par4d.checkpoint.format import (
     LATEST,
     check_optimizer,
     coords,
+    free_name,
     gather_all,
+    latest,
     owns,
     placements,
     step_name,
     step_names,
-    step_of,
     tensors_of,
 )
 from par4d.folder import Folder, fd_sha256
@@ -114,15 +115,6 @@ def save(run_dir: Path, step: int, grid: Grid, model: nn.Module, optimizer: torc
     return target.path()
 
 
-def free_name(folder: Folder, base: str) -> str:
-    """``base``, or ``base.1``, ``base.2``, ... : the first name not taken in ``folder``."""
-    name, n = base, 0
-    while folder.exists(name):
-        n += 1
-        name = f"{base}.{n}"
-    return name
-
-
 def _steps(folder: Folder) -> dict[int, str]:
     """Step -> name of the real checkpoint folders (``step-<N>``) in ``folder`` (links left out)."""
     return {step: name for step, name in step_names(folder).items() if folder.kind(name) == "folder"}
@@ -134,21 +126,6 @@ def _is_latest(run_dir: Path, name: str) -> bool:
         return latest(run_dir).name == name and Folder(run_dir).kind(FOLDER, name, "manifest.json") == "file"
     except ValueError:
         return False
-
-
-def latest(run_dir: Path) -> Path:
-    """The folder the ``latest`` pointer names (not verified: see :func:`choose`)."""
-    folder = Folder(run_dir).sub(FOLDER)
-    pointer = folder.path(LATEST)
-    if folder.kind(LATEST) != "file":
-        raise ValueError(f"{pointer} is missing (or not a regular file)")
-    try:
-        name = folder.read_text(LATEST, limit=256).strip()
-    except ValueError as error:
-        raise ValueError(f"{pointer} is unreadable ({error})") from None
-    if step_of(name) is None:
-        raise ValueError(f"{pointer} holds {name[:40]!r}, not the name of a checkpoint (step-<N>)")
-    return folder.path(name)
 
 
 def has_checkpoint(run_dir: Path) -> bool:

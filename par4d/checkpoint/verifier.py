@@ -19,10 +19,11 @@ from par4d.checkpoint.format import (
     FORMAT,
     LATEST,
     checkpoint_folder,
+    free_name,
+    latest,
     step_names,
     step_of,
 )
-from par4d.checkpoint.saver import free_name, latest
 from par4d.folder import ABSURD_BYTES, Folder, FolderError, fd_sha256, is_count
 from par4d.grid import AXES
 from par4d.layout import Box

@@ -90,6 +90,7 @@ def configure(args: argparse.Namespace, world: int, inside: bool, resumed: tuple
     """The run's ``TrainConfig``; every error a rank would raise on its grid is raised here, before any starts.
     ``planner``: what ``--grid auto`` asks (:func:`par4d.measure.choose.planned_run`: the harness stands above
     train/)."""
+    from par4d.adopt.parallelize import kept_whole
     from par4d.grid import Grid, validate_sizes
     from par4d.launch import distributed_env
     from par4d.launch.host import host_memory
@@ -118,8 +119,11 @@ def configure(args: argparse.Namespace, world: int, inside: bool, resumed: tuple
     env = distributed_env()
     config.check_memory(world, env.local_world_size if env else world, host_memory())   # before it is built
     last_stage = world - world // sizes["pipe"]        # the first rank of the last pipeline stage (head, loss)
+    kept: dict[str, str] = {}
     for rank in sorted({0, last_stage}):               # every rank's shape errors
-        build_model(config, Grid.virtual(sizes, rank))
+        kept.update(kept_whole(build_model(config, Grid.virtual(sizes, rank))))
+    for name, why in kept.items():                     # parallelize kept these whole: said, never silent
+        say(f"{name} is {why}")
     batch = _named(args, "batch_size", config.batch_size)
     if config.batch_size % (sizes["data"] * sizes["z"]):
         raise ValueError(f"{batch} is not divisible by data * z = "
@@ -133,7 +137,7 @@ def configure(args: argparse.Namespace, world: int, inside: bool, resumed: tuple
     dropped = [n for n in config.overlap_settings().names if n not in config.overlap_run().names]
     if dropped and args.overlap is not None:
         say(f"--grid pipe={sizes['pipe']}: --overlap {','.join(dropped)} do not act with a pipeline yet (its "
-            f"stages run outside the model's forward and the step's armed backward); this run overlaps "
+            f"stages run outside the model's forward and the step's own backward); this run overlaps "
             f"{config.overlap_run().describe()}")
     if recipe(config.model).data == "images" or (config.data is not None and Path(config.data).is_dir()):
         return config            # images are generated; a dataset folder was checked by _tokens

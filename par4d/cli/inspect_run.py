@@ -62,7 +62,8 @@ def _data(config: dict) -> list[str]:
     if data is None:
         from par4d.train.recipes import RECIPES
 
-        kind = RECIPES.get(config.get("model", "gpt"))
+        model = config.get("model", "gpt")
+        kind = RECIPES.get(model) if isinstance(model, str) else None
         lines.append("data       generated images" if kind is not None and kind.data == "images"
                      else "data       Python's bundled documentation")
     else:

@@ -35,7 +35,7 @@ def _model_line(summary: dict) -> str:
     from par4d.train.recipes import RECIPES
 
     model = summary.get("model", "gpt")
-    return RECIPES[model].describe if model in RECIPES else str(model)
+    return RECIPES[model].describe if isinstance(model, str) and model in RECIPES else str(model)
 
 
 def _memory(rss: list[dict]) -> str:

@@ -8,7 +8,8 @@
 * :mod:`par4d.overlap.apply`: :func:`set_overlap`, the one call that gives a model's Algorithm 1
   layers (par4d's GPT and U-Net, and every layer ``par4d.parallelize`` makes) one runtime. OAR
   acts inside :class:`par4d.nn.algorithm1.Algorithm1`; the data-parallel overlap in
-  :mod:`par4d.optim.data_parallel`, which reads the settings ``set_overlap`` left on the model.
+  :mod:`par4d.optim.data_parallel`, which reads the settings ``set_overlap`` put in the model's
+  :class:`~par4d.parallel.ParallelState`.
 
 ``set_overlap`` and ``LayerRuntime`` are imported on first use, so importing the policy needs no torch.
 """

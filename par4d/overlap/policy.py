@@ -96,7 +96,7 @@ class Overlap:
     def in_pipeline(self) -> Overlap:
         """The switches that act on a grid with pipe > 1: OAR, xy and the cache (inside each layer's own forward
         and backward). Pipeline stages run outside the model's forward (no recorded gather order: no OAG) and
-        outside the training step's armed backward (no ORS, no buckets launched during backward)."""
+        outside the training step's own backward (no ORS, no buckets launched during backward)."""
         return replace(self, reduce_scatter=False, all_gather=False, data_parallel=False)
 
     def describe(self) -> str:

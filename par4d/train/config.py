@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from par4d.folder import ABSURD_BYTES, is_count
-from par4d.hierarchy import check_mode
+from par4d.hierarchy import MODES
 from par4d.overlap import Overlap
 from par4d.train.recipes import recipe
 
@@ -68,7 +68,8 @@ class TrainConfig:
     hf_config: dict | None = None    # --model hf-*: with --init-from, the folder's config.json (the model's shape)
 
     def __post_init__(self) -> None:
-        check_mode(self.hierarchical)
+        if self.hierarchical not in MODES:     # the run's settings are the command line's: worded as its flag
+            raise ValueError(f"--hierarchical {self.hierarchical!r}: choose one of {', '.join(MODES)}")
         for name in ("steps", "batch_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")

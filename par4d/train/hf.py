@@ -347,7 +347,7 @@ def hf_state(source: Path, report: Callable[[str], None] | None = None
     source = Path(source)
     chosen = find_checkpoint(source, report)
     trained = chosen.meta.get("train_config", {}).get("model", "gpt")
-    if trained not in RECIPES:
+    if not isinstance(trained, str) or trained not in RECIPES:
         raise ValueError(f"{chosen.path / 'meta.json'}: train_config's model is {str(trained)[:40]!r}, not one par4d "
                          f"trains ({', '.join(RECIPES)})")
     tensors, text = RECIPES[trained].export_hf(chosen, source)     # the model's own recipe says how

@@ -48,6 +48,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | Precision, g
     ``report``: gets ``grad_norm``, the global gradient norm before clipping, where clipping computed it
     (``grad_clip > 0``; not for a step mixed precision skipped).
     """
+    if not isinstance(batch, (torch.Tensor, tuple, list)):
+        raise TypeError(f"train_step: batch is {type(batch).__name__}; give this rank's tensor or a tuple of them "
+                        f"(the positional inputs of loss(*batch))")
     inputs = (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
     forward = model if loss is None else loss
     precision = optimizer if isinstance(optimizer, Precision) else FullPrecision(model, grid, optimizer)
