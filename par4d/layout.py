@@ -218,7 +218,7 @@ def fill(local: torch.Tensor, wanted: Box, source: Box, read: Reader) -> None:
     """Copy into ``local`` the part of its box ``wanted`` that the source piece's box ``source``
     covers, if the two meet; ``read`` gives that part of the piece. ``local`` is a rank's shard (its
     boxes from :func:`par4d.layout.boxes`) or a whole tensor; the source is a saved piece or a whole
-    tensor of another file (``par4d.train.hf``): the one place that moves values between boxes."""
+    tensor of another file (``par4d.adopt.gpt2``): the one place that moves values between boxes."""
     where = overlap(source, wanted)
     if where is not None:
         src, dst = where

@@ -21,7 +21,8 @@ def gpt_run(tmp_path_factory):
 
 
 def test_greedy_text_is_what_par4ds_own_model_predicts_token_by_token(gpt_run):
-    from par4d.train.hf import _full_tensors, _model_config, find_checkpoint, param_shapes
+    from par4d.adopt.gpt2 import param_shapes
+    from par4d.train.export import _full_tensors, _model_config, find_checkpoint
     from par4d.train.recipes.gpt import build_reference
 
     prompt = "def main("

@@ -46,12 +46,12 @@ class GPTRecipe(Recipe):
     plannable = True
 
     def pretrained_settings(self, folder: str, chosen: dict) -> tuple[dict, dict | None]:
-        from par4d.train.hf import gpt_dims
+        from par4d.adopt.gpt2 import gpt_dims
 
         return dict(gpt_dims(folder), **chosen), None     # the saved model's shape unless a flag says otherwise
 
     def check_pretrained(self, config: TrainConfig) -> None:
-        from par4d.train.hf import check_hf
+        from par4d.adopt.gpt2 import check_hf
 
         check_hf(Path(config.init_from), config.model_config())    # names the file and every number that differs
 
@@ -59,12 +59,12 @@ class GPTRecipe(Recipe):
         return build_gpt(config.model_config(), grid, config.recompute_every(), config.overlap_settings())
 
     def load_pretrained(self, config: TrainConfig, grid: Grid, model: nn.Module) -> None:
-        from par4d.train.hf import load_hf
+        from par4d.adopt.gpt2 import load_hf
 
         load_hf(Path(config.init_from), grid, model)      # GPT-2's weights; each rank reads its shards
 
     def export_hf(self, chosen: Checkpoint, source: Path) -> tuple[dict[str, torch.Tensor], str]:
-        from par4d.train.hf import gpt2_state
+        from par4d.train.export import gpt2_state
 
         tensors, config = gpt2_state(chosen, source)
         return tensors, json.dumps(config, indent=2) + "\n"

@@ -191,7 +191,7 @@ class HFRecipe(Recipe):
         return model
 
     def export_hf(self, chosen: Checkpoint, source: Path) -> tuple[dict[str, torch.Tensor], str]:
-        from par4d.train.hf import lm_state
+        from par4d.train.export import lm_state
 
         return lm_state(chosen)
 
