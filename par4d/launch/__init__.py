@@ -63,7 +63,7 @@ def init(x: int = 1, y: int = 1, z: int = 1, data: int = 1, pipe: int = 1, hiera
 PROBE_ELEMENTS = 1 << 18      # 1 MB of fp32: enough for the link's rate to show (~10 ms a try at 1 Gbit/s)
 PROBE_TRIES = 5
 PROBE_MARGIN = 1.1    # staged is kept unless measured 10% slower than flat: a probe on busy cores is noisy, and
-                      # where staging loses (fast links) it lost by 1.5x and more here
+                      # where staging loses (fast links) it loses by far more than the margin
 
 
 def _measure_stages(grid: Grid) -> None:

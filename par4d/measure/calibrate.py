@@ -387,8 +387,8 @@ def calibrate(nproc: int, out: Path, repeats: int = 5, cluster=None) -> dict:
         beta, beta_inter = fits["all_reduce"]["beta"], fits["all_reduce"]["beta_inter"]
         latency_inter = fits["all_reduce"]["alpha_inter"]
         # Each kind's ratio to the all-reduce across nodes, from the fits across: the ratio inside rides on the
-        # all-reduce's β inside, the noisiest fit (0.9 to 7.2 GB/s over nine runs on emulated nodes), and put on
-        # the link it priced all-gathers there at 0.13-0.63 of what they measured.
+        # all-reduce's β inside, the noisiest fit on emulated nodes, and carried onto the link it misprices the
+        # all-gathers there (docs/planner.md, the scales across nodes).
         inter_scales = {f"{kind}_scale_inter": fits[kind]["beta_inter"] / beta_inter
                         for kind in ("all_gather", "reduce_scatter")}
     memory = _total_memory()
