@@ -298,7 +298,7 @@ def build_grid(sizes: dict[str, int], device: torch.device, nodes: tuple[int, ..
             grid._stages[key] = Stages(found, *made[cut[:2]])
     if hierarchical == "on" and not grid._stages:
         grid.close()
-        raise ValueError(f"--hierarchical on: no group of grid {describe(sizes)} spans nodes with 2 or more "
+        raise ValueError(f"hierarchical='on': no group of grid {describe(sizes)} spans nodes with 2 or more "
                          f"of its ranks on each (ranks' nodes: {list(nodes or [])}); use auto or off")
     return grid
 

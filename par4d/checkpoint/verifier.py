@@ -252,8 +252,8 @@ def choose_checkpoint(run_dir: Path, report: Callable[[str], None] | None = None
             _report_pointer(run_dir, name, report)
         return chosen
     if not problems:
-        raise ValueError(f"--resume {run_dir}: no checkpoint there (expected {folder.path()}/step-*)")
-    raise ValueError(f"--resume {run_dir}: no intact checkpoint ({'; '.join(problems)})")
+        raise ValueError(f"{run_dir}: no checkpoint there (expected {folder.path()}/step-*)")
+    raise ValueError(f"{run_dir}: no intact checkpoint ({'; '.join(problems)})")
 
 
 def _report_pointer(run_dir: Path, chosen: str, report: Callable[[str], None]) -> None:

@@ -31,7 +31,7 @@ from par4d.launch.cluster import ClusterUnavailable
 COMMANDS = (train, data, generate, inspect, export, plan, calibrate, cluster, phantom, bench)
 # Library errors name a call's parameter (``hierarchical='on'``); where the command line has it as a flag, the
 # user reads the flag (``--hierarchical 'on'``).
-_AS_FLAG = re.compile(r"\b(hierarchical|keep)=")
+_AS_FLAG = re.compile(r"\b(hierarchical|keep|microbatches)=")
 
 
 def as_flags(message: str) -> str:

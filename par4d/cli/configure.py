@@ -49,7 +49,10 @@ def resumable(args: argparse.Namespace) -> tuple[Path, dict]:
         if files.kind(name) not in (None, "file", "link"):
             raise ValueError(f"--resume {run_dir}: {run_dir / name} is not a file; the run writes its {name} "
                              f"there (move it away)")
-    chosen = choose_checkpoint(run_dir, report=say)     # any grid may resume it: the model is built there next
+    try:
+        chosen = choose_checkpoint(run_dir, report=say)     # any grid may resume it: the model is built there next
+    except ValueError as error:
+        raise ValueError(f"--resume {error}") from None
     folder, meta = chosen.path, chosen.meta
     from par4d.train.config import TrainConfig
 

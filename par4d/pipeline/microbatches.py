@@ -19,7 +19,7 @@ def split_microbatches(inputs: tuple[torch.Tensor, ...], microbatches: int
         raise ValueError(f"microbatches cut every input along dim 0, but their rows differ: "
                          f"{[t.shape[0] for t in inputs]}")
     if not 1 <= microbatches <= rows:
-        raise ValueError(f"--microbatches {microbatches}: give 1 to this rank's {rows} sequences "
+        raise ValueError(f"microbatches={microbatches}: give 1 to this rank's {rows} sequences "
                          f"(the batch over data x z)")
     pieces = list(zip(*(torch.tensor_split(t, microbatches) for t in inputs)))
     return pieces, [len(piece[0]) / rows for piece in pieces]
