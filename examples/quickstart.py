@@ -1,7 +1,7 @@
 """par4d in ten lines: a model of one's own trained on a 3D grid, saved, and reloaded on another grid.
 
-    torchrun --nproc-per-node 4 examples/quickstart.py --grid x=2,z=2 --out runs/quickstart
-    torchrun --nproc-per-node 2 examples/quickstart.py --grid z=2 --out runs/quickstart    # goes on from step 10
+    torchrun --standalone --nproc-per-node 4 examples/quickstart.py --grid x=2,z=2 --out runs/quickstart
+    torchrun --standalone --nproc-per-node 2 examples/quickstart.py --grid z=2 --out runs/quickstart  # from step 10
 
 Each run trains 10 steps from the newest checkpoint in --out (or from the start) and saves one.
 """
