@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import par4d
+import par4d.cli
 from par4d.grid import parse_grid, validate_sizes
 from par4d.layout import shard_batch
 from par4d.models import GPT, GPTConfig
@@ -147,3 +148,20 @@ def test_the_public_api_names_what_it_was_given(tmp_path):
     with pytest.raises(ValueError, match=r"save_checkpoint\(step=-1\): give the step count"):
         par4d.save_checkpoint(tmp_path, model, optimizer, grid, step=-1)
     assert not par4d.has_checkpoint(tmp_path) and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["calibrate", "--repeats", "0"], "argument --repeats: 0: give 1 or more"),
+    (["calibrate", "--nproc", "two"], "argument --nproc: 'two' is not a whole number"),
+    (["plan", "--gpus", "8", "--train-tokens", "nan"], "argument --train-tokens: nan: give a finite number above 0"),
+    (["plan", "--gpus", "8", "--train-tokens", "-5"], "argument --train-tokens: -5: give a finite number above 0"),
+    (["plan", "--gpus", "8", "--train-tokens", "inf"], "argument --train-tokens: inf: give a finite number above 0"),
+    (["generate", "--run", "r", "--prompt", "a", "--temperature", "inf"],
+     "argument --temperature: inf: give a finite number of at least 0"),
+])
+def test_numbers_that_make_no_sense_are_usage_errors(capsys, argv, message):
+    """Refused where argparse reads them (exit 2, one error line after the usage), before anything is measured."""
+    with pytest.raises(SystemExit) as exit_:
+        par4d.cli.main(argv)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(message)

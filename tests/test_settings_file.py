@@ -41,6 +41,7 @@ def test_a_file_fills_what_no_flag_gave(tmp_path):
     ("[optimizer]\nlr = true\n", r"run.toml:2: lr = True must be a number"),
     ("[grid]\nx = 2\nauto = true\n", r"gives both axis sizes and auto = true"),
     ("[model\n", r"not TOML"),
+    ("[model]\nn_layer = 2\n\n[model.sizes]\nx = 1\n", r"run.toml:4: unknown key 'sizes' in \[model\]"),
 ])
 def test_bad_files_are_named_with_their_line(tmp_path, text, message):
     path = tmp_path / "run.toml"
@@ -55,6 +56,28 @@ def test_bad_files_stop_par4d_train_before_anything_starts(tmp_path, capsys):
     assert main(["train", "--config", str(path), "--out", str(tmp_path / "run")]) == 2
     assert f"{path}:3: unknown key 'warmup' in [schedule]" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("text, message", [
+    ('[model]\nmodel = "bogus"\n', ":2: model = 'bogus': give one of gpt, hf-gpt2, hf-llama, unet (as its flag takes)"),
+    ('[optimizer]\nprecision = "fp8"\n', ":2: precision = 'fp8': give one of fp32, bf16, fp16"),
+    ('[grid]\nhierarchical = "yes"\n', ":2: hierarchical = 'yes': give one of auto, on, off"),
+    ('[checkpoint]\nout = ""\n', ":2: out = '' names no file or folder (remove the key for the default)"),
+    ('[data]\ndata = " "\n', ":2: data = ' ' names no file or folder"),
+])
+def test_a_file_takes_the_values_its_flags_take(tmp_path, capsys, text, message):
+    """A --config value goes through its flag's choices (argparse never sees it), and an empty path is not
+    the default: each is one line naming the file and line, before anything is written."""
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    runs = sorted(Path("runs").iterdir()) if Path("runs").is_dir() else []
+    assert main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"par4d train: error: {path}{message}") and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.toml"]
+    assert (sorted(Path("runs").iterdir()) if Path("runs").is_dir() else []) == runs     # no new run folder
+    assert main(["train", "--out", ""]) == 2
+    assert "--out '' names no file or folder (omit --out for the default)" in capsys.readouterr().err
 
 
 def test_every_key_is_a_flag_of_par4d_train():

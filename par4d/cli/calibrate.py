@@ -8,17 +8,18 @@ import argparse
 from pathlib import Path
 
 from par4d.cli.files import check_new_file
+from par4d.cli.values import count
 from par4d.train.config import DEFAULT_NPROC
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("calibrate", help="measure this machine; write a machine profile for plan")
-    p.add_argument("--nproc", type=int, default=DEFAULT_NPROC, help="local ranks to measure with")
+    p.add_argument("--nproc", type=count(1), default=DEFAULT_NPROC, help="local ranks to measure with")
     p.add_argument("--out", default="profiles/local.toml",
                    help="where to write the TOML profile (default profiles/local.toml; an existing file is "
                         "refused unless --force)")
     p.add_argument("--force", action="store_true", help="overwrite an existing --out file")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=count(1), default=5)
     p.add_argument("--nodes", type=int, default=None,
                    help="measure an emulated cluster of this many nodes (--nproc ranks per node; needs root)")
     p.add_argument("--link", default="1gbit", help="emulated inter-node link rate (with --nodes)")

@@ -7,6 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from par4d.cli.values import number
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="sample text from a run's newest checkpoint")
@@ -14,7 +16,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="a par4d run folder (its newest intact checkpoint) or one of its checkpoints/step-N folders")
     p.add_argument("--prompt", required=True, help="the text to continue")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to sample (default 64)")
-    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default 0.8)")
+    p.add_argument("--temperature", type=number(0, above=False), default=0.8, help="0: greedy (default 0.8)")
     p.add_argument("--top-k", type=int, default=40, help="draw from the k most likely tokens (0: all; default 40)")
     p.add_argument("--seed", type=int, default=0, help="the sampler's seed (default 0)")
 

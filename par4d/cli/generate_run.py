@@ -14,6 +14,7 @@ by it and the ``top_k`` most likely tokens (0: all) are drawn from, by torch's g
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ class Sampling:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"--max-tokens {self.max_tokens}: give at least 1")
-        if not self.temperature >= 0:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"--temperature {self.temperature}: give 0 (greedy) or more")
         if self.top_k < 0:
             raise ValueError(f"--top-k {self.top_k}: give 0 (every token) or more")

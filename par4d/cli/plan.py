@@ -11,6 +11,7 @@ from collections import Counter
 from dataclasses import replace
 
 from par4d.cli.files import check_new_file
+from par4d.cli.values import number
 from par4d.plan.cost import VARIANTS, rank_configurations
 from par4d.plan.machines import BUILTIN, load_machine
 from par4d.plan.search import Space, search, search_top
@@ -48,7 +49,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--variant", choices=VARIANTS, default="full",
                    help="model used for the ranking: full searches every choice below and ranks by step time; "
                         "agnostic and aware rank the grids (x, y, z, data) by communication time, as the paper")
-    p.add_argument("--train-tokens", type=float, default=None, help="also estimate days to train on N tokens")
+    p.add_argument("--train-tokens", type=number(0), default=None, help="also estimate days to train on N tokens")
     choices = p.add_argument_group("choices the full model searches (auto) or is given")
     choices.add_argument("--pipe", default="auto", metavar="auto|N", help="pipeline stages (default auto)")
     choices.add_argument("--microbatches", default="auto", metavar="auto|M",

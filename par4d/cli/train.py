@@ -7,11 +7,15 @@ import argparse
 import signal
 from pathlib import Path
 
+from par4d.hierarchy import MODES
 from par4d.train.config import DEFAULT_NPROC, default
 from par4d.train.recipes import MODELS
 from par4d.train.recipes.unet import IMAGE_CHANNELS
 from par4d.train.say import say
 
+# The flags with a fixed set of values; a --config file's values are held to the same sets.
+CHOICES = {"model": MODELS, "mlp": ("dense", "phantom"), "hierarchical": MODES, "precision": ("fp32", "bf16", "fp16"),
+           "grad_reduce": ("fp32", "compute")}
 
 def _help(name: str, text: str = "") -> str:
     return f"{text} (default {default(name)})" if text else f"default {default(name)}"
@@ -50,7 +54,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="a Hugging Face tokenizer.json, or a folder holding one: its vocabulary is the model's "
                         "(default: one token per byte; a dataset folder's own); a resumed run refuses another")
     model = p.add_argument_group("model and batch (a resumed run keeps its own: a different value is refused)")
-    model.add_argument("--model", choices=MODELS, default=None,
+    model.add_argument("--model", choices=CHOICES["model"], default=None,
                        help=_help("model", "par4d's GPT, or Hugging Face's GPT-2 or Llama built from the sizes "
                                            "below and made parallel by par4d.parallelize, all on text; or unet: "
                                            "par4d's U-Net denoising images generated from --seed (mean squared "
@@ -65,7 +69,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     model.add_argument("--image-size", type=int, default=None,
                        help=_help("image_size", f"unet: images are {IMAGE_CHANNELS} x N x N, N divisible by "
                                                 f"2 ** (levels - 1)"))
-    model.add_argument("--mlp", choices=["dense", "phantom"], default=None,
+    model.add_argument("--mlp", choices=CHOICES["mlp"], default=None,
                        help=_help("mlp", "phantom: phantom layers over x in every MLP (needs y = z = 1)"))
     model.add_argument("--phantom-k", type=int, default=None,
                        help=_help("phantom_k", "ghost neurons per phantom layer"))
@@ -77,17 +81,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     steps.add_argument("--overlap", default=None, metavar="all|none|LIST",
                        help=_help("overlap", "overlap communication with compute: all, none, or a comma list of "
                                              "oar,ors,oag,cache,dp,xy (cache needs --recompute)"))
-    steps.add_argument("--hierarchical", choices=["auto", "on", "off"], default=None,
+    steps.add_argument("--hierarchical", choices=CHOICES["hierarchical"], default=None,
                        help=_help("hierarchical", "collectives over groups that span nodes in stages (inside the node, "
                                                   "across the link once, inside again; gloo): auto where a probe at "
                                                   "start measures them faster, on everywhere, off never"))
     steps.add_argument("--recompute", default=None, metavar="none|auto|N",
                        help=_help("recompute", "recompute activations in backward every N blocks; auto: the divisor "
                                                "of the block count closest to its square root"))
-    steps.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
+    steps.add_argument("--precision", choices=CHOICES["precision"], default=None,
                        help=_help("precision", "compute dtype; bf16 and fp16 keep fp32 master weights (what "
                                                "checkpoints hold), fp16 with a dynamic loss scale"))
-    steps.add_argument("--grad-reduce", choices=["fp32", "compute"], default=None,
+    steps.add_argument("--grad-reduce", choices=CHOICES["grad_reduce"], default=None,
                        help=_help("grad_reduce", "sum gradients over data x z in fp32 or in the compute dtype"))
     steps.add_argument("--offload-optimizer", dest="offload_bsize", nargs="?", type=int, const=1 << 22,
                        default=None, metavar="BSIZE",
@@ -127,7 +131,11 @@ def run(args: argparse.Namespace) -> int:
     if args.config is not None:        # the file's settings where no flag gave one
         from par4d.train.settings_file import apply, read
 
-        apply(args, read(args.config), args.config)
+        apply(args, read(args.config, CHOICES), args.config)
+    for name in ("out", "data", "tokenizer", "resume"):      # "" would silently mean the default folder or data
+        if getattr(args, name) is not None and not str(getattr(args, name)).strip():
+            raise ValueError(f"--{name} {getattr(args, name)!r} names no file or folder (omit --{name} for the "
+                             f"default)")
     args.max_restarts = args.max_restarts or 0
     resumed = resumable(args) if args.resume else None
     world, inside = world_size(args, resumed)

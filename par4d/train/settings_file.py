@@ -48,6 +48,8 @@ def _line(text: str, section: str | None, key: str | None = None) -> int:
         stripped = line.strip()
         header = re.match(r"^\[\s*([^\]]+?)\s*\]", stripped)
         if header:
+            if key is not None and header.group(1) == f"{section}.{key}":
+                return number            # a table inside a section: [model.sizes] where a value belongs
             inside = header.group(1) == section
             if inside and key is None:
                 return number
@@ -57,9 +59,14 @@ def _line(text: str, section: str | None, key: str | None = None) -> int:
     return 0
 
 
-def read(path: str | Path) -> dict[str, object]:
+# Keys whose value names a file or folder: an empty string names none (it would not mean "the default").
+PATHS = ("data", "tokenizer", "init_from", "out")
+
+
+def read(path: str | Path, choices: dict[str, tuple] | None = None) -> dict[str, object]:
     """{argparse destination: value} of the settings file at ``path``; raises ``ValueError`` naming the
-    file and line of the first unknown section or key or wrongly typed value."""
+    file and line of the first unknown section or key, wrongly typed value, value outside its flag's
+    ``choices`` (destination -> the values its flag takes), or empty path."""
     try:
         import tomllib  # the standard library's TOML reader (Python 3.11 on)
     except ImportError:
@@ -91,6 +98,12 @@ def read(path: str | Path) -> dict[str, object]:
                 names = " or ".join({int: "an integer", float: "a number", str: "a string", bool: "true or false"}[k]
                                     for k in kinds if not (k is int and float in kinds))
                 raise ValueError(f"{where}: {key} = {value!r} must be {names}")
+            if dest in (choices or {}) and value not in choices[dest]:
+                raise ValueError(f"{where}: {key} = {value!r}: give one of {', '.join(choices[dest])} (as its flag "
+                                 f"takes)")
+            if key in PATHS and not value.strip():
+                raise ValueError(f"{where}: {key} = {value!r} names no file or folder (remove the key for the "
+                                 f"default)")
             out[dest] = value
     return out
 
