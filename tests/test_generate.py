@@ -51,8 +51,10 @@ def test_the_cli_prints_the_prompt_and_its_continuation_and_names_bad_input(gpt_
     assert out.startswith("class ") and out.endswith("\n")
     assert main(["generate", "--run", str(gpt_run), "--prompt", "x" * 30, "--max-tokens", "5"]) == 2
     assert "the prompt's 30 tokens and --max-tokens 5 exceed the model's 32 positions" in capsys.readouterr().err
-    assert main(["generate", "--run", str(gpt_run), "--prompt", "x", "--temperature", "-1"]) == 2
-    assert "--temperature -1.0: give 0 (greedy) or more" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:        # a usage error, where argparse reads the number
+        main(["generate", "--run", str(gpt_run), "--prompt", "x", "--temperature", "-1"])
+    assert exit_.value.code == 2
+    assert "argument --temperature: -1: give a finite number of at least 0" in capsys.readouterr().err
     assert main(["generate", "--run", str(gpt_run.parent / "nothing"), "--prompt", "x"]) == 2
 
 

@@ -59,7 +59,7 @@ def _line(text: str, section: str | None, key: str | None = None) -> int:
     return 0
 
 
-# Keys whose value names a file or folder: an empty string names none (it would not mean "the default").
+# Destinations whose value names a file or folder: an empty string names none (it would not mean "the default").
 PATHS = ("data", "tokenizer", "init_from", "out")
 
 
@@ -101,7 +101,7 @@ def read(path: str | Path, choices: dict[str, tuple] | None = None) -> dict[str,
             if dest in (choices or {}) and value not in choices[dest]:
                 raise ValueError(f"{where}: {key} = {value!r}: give one of {', '.join(choices[dest])} (as its flag "
                                  f"takes)")
-            if key in PATHS and not value.strip():
+            if dest in PATHS and not value.strip():
                 raise ValueError(f"{where}: {key} = {value!r} names no file or folder (remove the key for the "
                                  f"default)")
             out[dest] = value
