@@ -19,11 +19,6 @@ if TYPE_CHECKING:
     import torch
     import torch.nn as nn
 
-    from par4d.adopt.parallelize import Treatment
-    from par4d.optim.data_parallel import GradientSync
-    from par4d.overlap.policy import Overlap
-    from par4d.overlap.runtime import LayerRuntime
-
 _KEY = "_parallel_state"     # the module's own __dict__: copied with it, gone with it
 
 
@@ -41,11 +36,13 @@ class ParallelState:
     every layer, the residual stream's cut over y (1: whole) and the data-parallel sums it counted.
     ``observe_recompute``: a context the footprint enters around each recomputed segment."""
 
-    overlap: Overlap | None = None
-    runtime: LayerRuntime | None = None
-    sync: GradientSync | None = None
+    # The rooms above make what the fields hold; naming their types here would import them back (the root
+    # stands below them), so they are described above instead.
+    overlap: Any = None          # par4d.overlap.Overlap
+    runtime: Any = None          # par4d.overlap.runtime.LayerRuntime
+    sync: Any = None             # par4d.optim.data_parallel.GradientSync
     reduce_dtype: torch.dtype | None = None
-    plan: list[Treatment] = field(default_factory=list)
+    plan: list = field(default_factory=list)     # par4d.adopt.parallelize.Treatment per layer
     stream: int = 1
     sync_messages: tuple = ()
     observe_recompute: Callable[[], Any] | None = None

@@ -22,15 +22,15 @@ def gpt_run(tmp_path_factory):
 
 def test_greedy_text_is_what_par4ds_own_model_predicts_token_by_token(gpt_run):
     from par4d.adopt.gpt2 import param_shapes
-    from par4d.train.export import _full_tensors, _model_config, find_checkpoint
+    from par4d.train.export import find_checkpoint, full_tensors, saved_gpt_config
     from par4d.train.recipes.gpt import build_reference
 
     prompt = "def main("
     text, ids = generate(gpt_run, prompt, Sampling(max_tokens=12, temperature=0))
     chosen = find_checkpoint(gpt_run)
-    config = _model_config(chosen.path, chosen.meta)
+    config = saved_gpt_config(chosen.path, chosen.meta)
     reference = build_reference(config, init=False)
-    reference.load_state_dict(_full_tensors(chosen, param_shapes(config)))
+    reference.load_state_dict(full_tensors(chosen, param_shapes(config)))
     tokens = list(prompt.encode())
     with torch.no_grad():
         for _ in range(12):           # the whole sequence each time: no cache

@@ -18,7 +18,7 @@ from par4d.adopt.gpt2 import check_hf, expected_tensors, load_hf
 from par4d.cli import main
 from par4d.layout import placement_of, shard, shard_batch
 from par4d.models import GPTConfig, ReferenceGPT
-from par4d.train.export import export_hf
+from par4d.train.recipes import export_hf
 from par4d.train.recipes.gpt import build_gpt
 from par4d.train.step import train_step
 from tests import cases

@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     kind, out = args.to
     if kind not in FORMATS:
         raise ValueError(f"--to {kind}: unknown format; valid: {', '.join(FORMATS)}")
-    from par4d.train.export import MAX_SHARD_BYTES, export_hf
+    from par4d.train.recipes import MAX_SHARD_BYTES, export_hf
 
     if args.max_shard_mb is not None and not args.max_shard_mb > 0:
         raise ValueError(f"--max-shard-mb must be > 0, got {args.max_shard_mb}")

@@ -1,7 +1,7 @@
 """``par4d generate``: text sampled from a run's newest intact checkpoint, in one process.
 
 The checkpoint's model is assembled whole as ``transformers`` would load its export (par4d's GPT as the
-GPT-2 it maps to, a ``--model hf-*`` run as its own model: :func:`par4d.train.export.hf_state`), and
+GPT-2 it maps to, a ``--model hf-*`` run as its own model: :func:`par4d.train.recipes.hf_state`), and
 ``transformers``' ``generate`` samples from it with its key/value cache: each new token costs one
 position's forward, not the whole sequence's. The prompt and the output go through the run's tokenizer
 (the one it recorded, checked by SHA-256), or are UTF-8 bytes for a byte-level run.
@@ -44,7 +44,7 @@ def load_model(source: Path, report: Callable[[str], None] | None = None):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from par4d.adopt.load import compute_buffers
-    from par4d.train.export import hf_state
+    from par4d.train.recipes import hf_state
 
     chosen, tensors, text = hf_state(Path(source), report)
     settings = json.loads(text)

@@ -1,11 +1,10 @@
-"""A run's checkpoint out as a ``transformers`` model folder (:func:`export_hf`): par4d's GPT as GPT-2
-(:mod:`par4d.adopt.gpt2` maps the names), a ``--model hf-*`` run as its own model again. It runs in one
-process and assembles every full tensor from the checkpoint's pieces, since it writes whole files."""
+"""What writing a run's checkpoint as a ``transformers`` model folder is made of (the recipes'
+:func:`par4d.train.recipes.export_hf` puts it together): the checkpoint chosen and its full tensors, par4d's
+GPT as GPT-2 (:mod:`par4d.adopt.gpt2` maps the names), and the files written, each whole or not at all."""
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from collections.abc import Callable
@@ -20,13 +19,12 @@ from par4d.adopt.gpt2 import (
     INDEX_FILE,
     WEIGHTS_FILE,
     check_dense,
-    dtype_name,
     hf_config,
     hf_key,
     param_shapes,
     whole,
 )
-from par4d.folder import Folder, is_count
+from par4d.folder import Folder
 from par4d.models.config import GPTConfig
 
 # -- checking a folder ---------------------------------------------------------------
@@ -37,7 +35,7 @@ from par4d.models.config import GPTConfig
 
 # -- export ---------------------------------------------------------------------------
 
-def _check_out(out: Path, force: bool) -> None:
+def check_out(out: Path, force: bool) -> None:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--to hf {out} is a file; give a folder")
     above = next((p for p in out.parents if p.exists()), None)
@@ -68,7 +66,7 @@ def find_checkpoint(source: Path, report: Callable[[str], None] | None = None) -
         raise ValueError(f"--run {source}: {str(error).removeprefix(f'--resume {source}: ')}") from None
 
 
-def _model_config(folder: Path, meta: dict) -> GPTConfig:
+def saved_gpt_config(folder: Path, meta: dict) -> GPTConfig:
     record = meta.get("model_config")
     if not isinstance(record, dict):
         raise ValueError(f"{folder / 'meta.json'} has no model_config: not a checkpoint of par4d train")
@@ -76,11 +74,11 @@ def _model_config(folder: Path, meta: dict) -> GPTConfig:
         config = GPTConfig(**record)
     except (TypeError, ValueError) as error:
         raise ValueError(f"{folder / 'meta.json'}: model_config is not a GPTConfig ({error})") from None
-    _check_memory(folder / "meta.json", config.num_params())
+    check_memory(folder / "meta.json", config.num_params())
     return config
 
 
-def _check_memory(where: Path, params: int) -> None:
+def check_memory(where: Path, params: int) -> None:
     """Refuse a model whose parameters, whole in fp32 (as export holds them), exceed this machine's memory."""
     from par4d.folder import ABSURD_BYTES
     from par4d.launch.host import host_memory
@@ -91,7 +89,7 @@ def _check_memory(where: Path, params: int) -> None:
                          f"this machine's memory ({(memory or 0) / 1e9:,.1f} GB)")
 
 
-def _full_tensors(chosen: checkpoint.Checkpoint, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+def full_tensors(chosen: checkpoint.Checkpoint, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
     """Every model parameter of the checkpoint as a full tensor, from its pieces (verified already)."""
     out = {}
     with checkpoint.pieces(chosen, hashed=False) as saved:
@@ -105,55 +103,15 @@ def _full_tensors(chosen: checkpoint.Checkpoint, shapes: dict[str, tuple[int, ..
     return out
 
 
-MAX_SHARD_BYTES = 5 * 10**9   # per weights file, as transformers' save_pretrained once defaulted to ("5GB")
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 @torch.no_grad()
-def export_hf(source: Path, out: Path, force: bool = False, report: Callable[[str], None] | None = None,
-              shard_bytes: int = MAX_SHARD_BYTES) -> tuple[Path, dict]:
-    """Write the model of a par4d checkpoint as a ``transformers`` model folder ``out``: ``config.json``
-    and the weights as ``save_pretrained`` writes them (``model.safetensors``, or files of at most
-    ``shard_bytes`` named by ``model.safetensors.index.json``); returns (the checkpoint exported, its meta).
-    par4d's GPT becomes a GPT2LMHeadModel; a run of ``--model hf-llama`` / ``hf-gpt2`` its own model
-    again, under its own names (a tied head is written once, as ``save_pretrained`` does).
-
-    ``source``: a run folder (its newest intact checkpoint; each one skipped is ``report``-ed) or one of its
-    ``checkpoints/step-N`` folders. One process, no ``torch.distributed``. Refused, before anything is
-    written: ``out`` not empty without ``force`` (which replaces config.json and the weights files, those
-    of an earlier export included, and leaves the others), a folder that is not a par4d run, a damaged
-    checkpoint, a U-Net or phantom-MLP run."""
-    source, out = Path(source), Path(out)
-    if not is_count(shard_bytes, 1):
-        raise ValueError(f"the largest weights file must be >= 1 byte, got {shard_bytes}")
-    _check_out(out, force)
-    chosen, tensors, text = hf_state(source, report)
-    _write_weights(out, tensors, text, {"format": "pt", "par4d_step": str(chosen.meta.get("step"))}, shard_bytes)
-    return chosen.path, chosen.meta
-
-
-def hf_state(source: Path, report: Callable[[str], None] | None = None
-             ) -> tuple[checkpoint.Checkpoint, dict[str, torch.Tensor], str]:
-    """(the checkpoint chosen, its model's state dict under ``transformers``' names, the ``config.json``
-    text) of the run or checkpoint ``source``, as :func:`export_hf` writes them (and ``par4d generate``
-    builds them): whole tensors, in one process."""
-    from par4d.train.recipes import RECIPES
-
-    source = Path(source)
-    chosen = find_checkpoint(source, report)
-    trained = chosen.meta.get("train_config", {}).get("model", "gpt")
-    if not isinstance(trained, str) or trained not in RECIPES:
-        raise ValueError(f"{chosen.path / 'meta.json'}: train_config's model is {str(trained)[:40]!r}, not one par4d "
-                         f"trains ({', '.join(RECIPES)})")
-    tensors, text = RECIPES[trained].export_hf(chosen, source)     # the model's own recipe says how
-    return chosen, tensors, text
-
-
 def gpt2_state(chosen: checkpoint.Checkpoint, source: Path) -> tuple[dict[str, torch.Tensor], dict]:
     """(state dict under GPT-2's names, config.json) of a checkpoint of par4d's dense GPT."""
-    config = _model_config(chosen.path, chosen.meta)
+    config = saved_gpt_config(chosen.path, chosen.meta)
     check_dense(config, f"run {source} (checkpoint {chosen.path.name})")
-    full = _full_tensors(chosen, param_shapes(config))
+    full = full_tensors(chosen, param_shapes(config))
     tensors = {}
     for name, tensor in full.items():
         key, transposed = hf_key(name)
@@ -161,33 +119,7 @@ def gpt2_state(chosen: checkpoint.Checkpoint, source: Path) -> tuple[dict[str, t
     return tensors, hf_config(config, full["wte.weight"].dtype)
 
 
-def lm_state(chosen: checkpoint.Checkpoint) -> tuple[dict[str, torch.Tensor], str]:
-    """(state dict, config.json) of a run's Hugging Face model: the checkpoint's ``lm.*`` parameters under
-    the model's own names, the config it was built from."""
-    from par4d.train.config import TrainConfig
-    from par4d.train.recipes.hf import hf_lm
-
-    where = chosen.path / "meta.json"
-    record = chosen.meta.get("train_config")
-    TrainConfig.check_record(record, f"{where}: train_config")
-    try:
-        config = TrainConfig(**record)
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"{where}: train_config is not a run's settings ({error})") from None
-    with torch.device("meta"):
-        lm = hf_lm(config)
-    shapes = {f"lm.{name}": tuple(p.shape) for name, p in lm.named_parameters()}   # a tied head once
-    _check_memory(where, sum(math.prod(s) for s in shapes.values()))
-    full = _full_tensors(chosen, shapes)
-    tensors = {name.removeprefix("lm."): t.contiguous() for name, t in full.items()}
-    settings = lm.config.to_diff_dict()
-    dtype = dtype_name(next(iter(full.values())).dtype)
-    settings.update(architectures=[type(lm).__name__], dtype=dtype)
-    settings.pop("torch_dtype", None)
-    return tensors, json.dumps(settings, indent=2, sort_keys=True) + "\n"
-
-
-def _write_weights(out: Path, tensors: dict[str, torch.Tensor], text: str, metadata: dict[str, str],
+def write_weights(out: Path, tensors: dict[str, torch.Tensor], text: str, metadata: dict[str, str],
                    shard_bytes: int) -> None:
     """``config.json`` and the weights into ``out`` as ``save_pretrained`` lays them out, each file whole
     or not at all and never through a link planted there; weights files of an earlier export that this

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from par4d.models.config import GPTConfig, parse_recompute
 
@@ -19,7 +19,11 @@ if TYPE_CHECKING:
 
     from par4d.checkpoint import Checkpoint
     from par4d.grid import Grid
-    from par4d.train.config import TrainConfig
+
+
+# The run's settings (par4d.train.config.TrainConfig): that module imports the recipes, so they do not import
+# it back.
+Settings = Any
 
 
 class Recipe:
@@ -40,20 +44,20 @@ class Recipe:
     unused_why = "it is for unet"
     plannable = False
 
-    def check(self, config: TrainConfig) -> None:
+    def check(self, config: Settings) -> None:
         """Refuse the settings this model cannot train with (run when the config is built; no torch)."""
 
-    def model_config(self, config: TrainConfig) -> GPTConfig:
+    def model_config(self, config: Settings) -> GPTConfig:
         """The model's own config at the run's sizes."""
         return GPTConfig(vocab_size=config.vocab_size, block_size=config.seq_len, n_layer=config.n_layer,
                          n_embd=config.n_embd, n_head=config.n_head, seed=config.seed, mlp=config.mlp,
                          phantom_k=config.phantom_k, phantom_p=config.grid.get("x", 1))
 
-    def sizes(self, config: TrainConfig) -> str:
+    def sizes(self, config: Settings) -> str:
         """The run's size settings, as an error message names them."""
         return f"n_layer={config.n_layer}, n_embd={config.n_embd}, n_head={config.n_head}, seq_len={config.seq_len}"
 
-    def recompute_every(self, config: TrainConfig) -> int:
+    def recompute_every(self, config: Settings) -> int:
         """``--recompute`` as a count of blocks per recomputed segment (0: none)."""
         pipe = config.grid.get("pipe", 1)
         if pipe == 1:
@@ -62,11 +66,11 @@ class Recipe:
         per_stage = math.gcd(*(len(blocks) for blocks in self.model_config(config).stage_blocks(pipe)))
         return parse_recompute(config.recompute, per_stage, config.n_layer)
 
-    def num_params(self, config: TrainConfig) -> int:
+    def num_params(self, config: Settings) -> int:
         """The whole model's parameters, before anything is built on a grid."""
         return self.model_config(config).num_params()
 
-    def flops_per_token(self, config: TrainConfig, model: nn.Module) -> float:
+    def flops_per_token(self, config: Settings, model: nn.Module) -> float:
         """Training FLOPs per token (per pixel for images) of the model built for ``config``."""
         return self.model_config(config).flops_per_token()
 
@@ -76,14 +80,14 @@ class Recipe:
         A model that starts from no folder keeps the settings (its :meth:`check` refuses ``--init-from``)."""
         return chosen, None
 
-    def check_pretrained(self, config: TrainConfig) -> None:
+    def check_pretrained(self, config: Settings) -> None:
         """Before any rank starts: ``config.init_from`` holds every weight the model needs, at its shape."""
 
-    def build(self, config: TrainConfig, grid: Grid) -> nn.Module:
+    def build(self, config: Settings, grid: Grid) -> nn.Module:
         """The model on ``grid`` with the overlaps ``--overlap`` asks for (on a virtual grid: shapes only)."""
         raise NotImplementedError
 
-    def load_pretrained(self, config: TrainConfig, grid: Grid, model: nn.Module) -> None:
+    def load_pretrained(self, config: Settings, grid: Grid, model: nn.Module) -> None:
         """Fill a new run's model from ``config.init_from`` (each rank its shards), where :meth:`build` did not."""
 
     def export_hf(self, chosen: Checkpoint, source: Path) -> tuple[dict[str, torch.Tensor], str]:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from par4d.models.config import GPTConfig
 from par4d.overlap.policy import Overlap
-from par4d.train.recipes.base import Recipe
+from par4d.train.recipes.base import Recipe, Settings
 
 if TYPE_CHECKING:
     import torch
@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     from par4d.checkpoint import Checkpoint
     from par4d.grid import Grid
     from par4d.models import GPT, ReferenceGPT
-    from par4d.train.config import TrainConfig
 
 
 def build_gpt(config: GPTConfig, grid: Grid, recompute: int = 0, overlap: Overlap | None = None) -> GPT:
@@ -50,15 +49,15 @@ class GPTRecipe(Recipe):
 
         return dict(gpt_dims(folder), **chosen), None     # the saved model's shape unless a flag says otherwise
 
-    def check_pretrained(self, config: TrainConfig) -> None:
+    def check_pretrained(self, config: Settings) -> None:
         from par4d.adopt.gpt2 import check_hf
 
         check_hf(Path(config.init_from), config.model_config())    # names the file and every number that differs
 
-    def build(self, config: TrainConfig, grid: Grid) -> nn.Module:
+    def build(self, config: Settings, grid: Grid) -> nn.Module:
         return build_gpt(config.model_config(), grid, config.recompute_every(), config.overlap_settings())
 
-    def load_pretrained(self, config: TrainConfig, grid: Grid, model: nn.Module) -> None:
+    def load_pretrained(self, config: Settings, grid: Grid, model: nn.Module) -> None:
         from par4d.adopt.gpt2 import load_hf
 
         load_hf(Path(config.init_from), grid, model)      # GPT-2's weights; each rank reads its shards

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
-from par4d.train.recipes.base import Recipe
+from par4d.train.recipes.base import Recipe, Settings
 
 if TYPE_CHECKING:
     import torch
@@ -16,13 +17,12 @@ if TYPE_CHECKING:
     from par4d.adopt.causal_lm import CausalLM
     from par4d.checkpoint import Checkpoint
     from par4d.grid import Grid
-    from par4d.train.config import TrainConfig
 
 # par4d's size settings -> a transformers config's names for them
 HF_NAMES = {"n_layer": "num_hidden_layers", "n_embd": "hidden_size", "n_head": "num_attention_heads"}
 
 
-def hf_model_config(config: TrainConfig):
+def hf_model_config(config: Settings):
     """The ``transformers`` config of the run's Hugging Face model: the pretrained folder's
     (``config.hf_config``, kept in the run), else its recipe's at the run's sizes over the run's vocabulary."""
     from transformers import AutoConfig
@@ -81,7 +81,7 @@ def pretrained_sizes(model: str, folder: str, chosen: dict) -> tuple[dict, dict]
     return dict(chosen, **{k: dims[k] for k in ("n_layer", "n_embd", "n_head")}), hf_config
 
 
-def hf_lm(config: TrainConfig) -> nn.Module:
+def hf_lm(config: Settings) -> nn.Module:
     """The Hugging Face model ``config.model`` names, at the run's sizes (or its pretrained folder's), in
     fp32. Built on the meta device: its values come from a folder or from :mod:`par4d.adopt.init`."""
     from transformers import AutoModelForCausalLM
@@ -94,7 +94,7 @@ def hf_lm(config: TrainConfig) -> nn.Module:
     return recipe(config.model).lm_class()(hf).float()
 
 
-def _hf_model(config: TrainConfig, grid: Grid) -> CausalLM:
+def _hf_model(config: Settings, grid: Grid) -> CausalLM:
     """Built on the meta device and made parallel, then filled shard by shard: from the pretrained folder
     (each rank reads its slices), or by the model's own initialisation a block at a time from the run's
     seed (:mod:`par4d.adopt.init`); no rank holds the model whole. On a virtual grid only the shapes."""
@@ -123,6 +123,39 @@ def _hf_model(config: TrainConfig, grid: Grid) -> CausalLM:
     return CausalLM(lm, flops, params, stage)
 
 
+def lm_state(chosen: Checkpoint) -> tuple[dict[str, torch.Tensor], str]:
+    """(state dict, config.json) of a run's Hugging Face model: the checkpoint's ``lm.*`` parameters under
+    the model's own names, the config it was built from."""
+    import json
+    import math
+
+    import torch
+
+    from par4d.adopt.gpt2 import dtype_name
+    from par4d.train.export import check_memory, full_tensors
+
+    where = chosen.path / "meta.json"
+    record = chosen.meta.get("train_config")
+    if not isinstance(record, dict) or not all(isinstance(k, str) for k in record):
+        raise ValueError(f"{where}: train_config is not a run's settings")
+    # The saved settings as hf_lm reads them (TrainConfig's fields; its module imports the recipes, so it is
+    # not imported back here): whatever in them does not make the model is the file's fault, named.
+    try:
+        with torch.device("meta"):
+            lm = hf_lm(SimpleNamespace(**{"hf_config": None, **record}))
+    except (AttributeError, KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"{where}: train_config does not make a {record.get('model')} model ({error})") from None
+    shapes = {f"lm.{name}": tuple(p.shape) for name, p in lm.named_parameters()}   # a tied head once
+    check_memory(where, sum(math.prod(s) for s in shapes.values()))
+    full = full_tensors(chosen, shapes)
+    tensors = {name.removeprefix("lm."): t.contiguous() for name, t in full.items()}
+    settings = lm.config.to_diff_dict()
+    dtype = dtype_name(next(iter(full.values())).dtype)
+    settings.update(architectures=[type(lm).__name__], dtype=dtype)
+    settings.pop("torch_dtype", None)
+    return tensors, json.dumps(settings, indent=2, sort_keys=True) + "\n"
+
+
 class HFRecipe(Recipe):
     """One Hugging Face architecture par4d builds at the run's sizes (:meth:`fresh_config`) or a pretrained
     folder's (``--init-from hf``)."""
@@ -131,7 +164,7 @@ class HFRecipe(Recipe):
         self.name = name
         self.describe = f"{name}: Hugging Face's, made parallel by par4d.parallelize"
 
-    def fresh_config(self, config: TrainConfig):
+    def fresh_config(self, config: Settings):
         """The ``transformers`` config at the run's sizes and vocabulary, without dropout."""
         raise NotImplementedError
 
@@ -139,12 +172,12 @@ class HFRecipe(Recipe):
         """The ``transformers`` causal LM class a fresh config builds."""
         raise NotImplementedError
 
-    def check(self, config: TrainConfig) -> None:
+    def check(self, config: Settings) -> None:
         if config.mlp != "dense":
             raise ValueError(f"--model {self.name}: --mlp {config.mlp} is for par4d's GPT (--model gpt); a Hugging "
                              f"Face model trains without phantom MLPs")
 
-    def recompute_every(self, config: TrainConfig) -> int:
+    def recompute_every(self, config: Settings) -> int:
         """transformers checkpoints each decoder layer on its own: 0 or 1."""
         from par4d.models.config import parse_recompute
 
@@ -154,7 +187,7 @@ class HFRecipe(Recipe):
                              f"on its own (transformers' gradient checkpointing); give none, auto or 1")
         return min(every, 1)
 
-    def num_params(self, config: TrainConfig) -> int:
+    def num_params(self, config: Settings) -> int:
         """Its own count, from the model on the meta device (its vocabulary, MLP width and key/value heads
         are its own, not par4d's formula's)."""
         import torch
@@ -162,13 +195,13 @@ class HFRecipe(Recipe):
         with torch.device("meta"):
             return sum(p.numel() for p in hf_lm(config).parameters())
 
-    def flops_per_token(self, config: TrainConfig, model: nn.Module) -> float:
+    def flops_per_token(self, config: Settings, model: nn.Module) -> float:
         return model.flops_per_token          # counted when it was built, before it was parallelized
 
     def pretrained_settings(self, folder: str, chosen: dict) -> tuple[dict, dict | None]:
         return pretrained_sizes(self.name, folder, chosen)
 
-    def check_pretrained(self, config: TrainConfig) -> None:
+    def check_pretrained(self, config: Settings) -> None:
         import torch
 
         from par4d.adopt.load import check_weights
@@ -176,7 +209,7 @@ class HFRecipe(Recipe):
         with torch.device("meta"):
             check_weights(hf_lm(config), config.init_from)   # every weight there, at its shape
 
-    def build(self, config: TrainConfig, grid: Grid) -> nn.Module:
+    def build(self, config: Settings, grid: Grid) -> nn.Module:
         """Made parallel, then its overlaps; recomputed, every decoder layer with its gathered weights cached
         by the runtime (the cache)."""
         from par4d.overlap import set_overlap
@@ -191,8 +224,6 @@ class HFRecipe(Recipe):
         return model
 
     def export_hf(self, chosen: Checkpoint, source: Path) -> tuple[dict[str, torch.Tensor], str]:
-        from par4d.train.export import lm_state
-
         return lm_state(chosen)
 
 
@@ -202,7 +233,7 @@ class GPT2Recipe(HFRecipe):
 
         return GPT2LMHeadModel
 
-    def fresh_config(self, config: TrainConfig):
+    def fresh_config(self, config: Settings):
         from transformers import GPT2Config
 
         return GPT2Config(vocab_size=config.vocab_size, n_positions=config.seq_len, n_embd=config.n_embd,
@@ -216,7 +247,7 @@ class LlamaRecipe(HFRecipe):
 
         return LlamaForCausalLM
 
-    def fresh_config(self, config: TrainConfig):
+    def fresh_config(self, config: Settings):
         """Grouped-query attention: half as many key/value heads where the heads are even."""
         from transformers import LlamaConfig
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from par4d.train.recipes.base import Recipe
+from par4d.train.recipes.base import Recipe, Settings
 
 if TYPE_CHECKING:
     import torch
@@ -14,7 +14,6 @@ if TYPE_CHECKING:
     from par4d.checkpoint import Checkpoint
     from par4d.grid import Grid
     from par4d.models.unet import UNetConfig
-    from par4d.train.config import TrainConfig
 
 IMAGE_CHANNELS = 4   # channels of the generated images (the U-Net's input and output)
 
@@ -28,7 +27,7 @@ class UNetRecipe(Recipe):
     unused = ("seq_len", "n_head", "mlp", "phantom_k")
     unused_why = "the U-Net's sizes are --n-embd, --n-layer and --image-size"
 
-    def check(self, config: TrainConfig) -> None:
+    def check(self, config: Settings) -> None:
         given = [flag for flag, on in ((f"--grid pipe={config.grid.get('pipe', 1)}", config.grid.get("pipe", 1) > 1),
                                        (f"--mlp {config.mlp}", config.mlp != "dense"),
                                        (f"--recompute {config.recompute}", config.recompute != "none"),
@@ -48,16 +47,16 @@ class UNetRecipe(Recipe):
                              f"= {2 ** (config.n_layer - 1)} (the U-Net's {config.n_layer} levels halve it "
                              f"{config.n_layer - 1} times)")
 
-    def model_config(self, config: TrainConfig) -> UNetConfig:
+    def model_config(self, config: Settings) -> UNetConfig:
         """``--n-embd`` is the U-Net's width, ``--n-layer`` its levels."""
         from par4d.models.unet import UNetConfig  # imports torch: only a U-Net run needs it
 
         return UNetConfig(channels=IMAGE_CHANNELS, width=config.n_embd, levels=config.n_layer, seed=config.seed)
 
-    def sizes(self, config: TrainConfig) -> str:
+    def sizes(self, config: Settings) -> str:
         return f"n_layer={config.n_layer}, n_embd={config.n_embd}"
 
-    def build(self, config: TrainConfig, grid: Grid) -> nn.Module:
+    def build(self, config: Settings, grid: Grid) -> nn.Module:
         from par4d.models import UNet
 
         return UNet(config.model_config(), grid=grid, overlap=config.overlap_settings())
