@@ -69,14 +69,25 @@ def _rows(rank: int, sizes: dict) -> slice:
 
 @pytest.mark.parametrize("family,tied,dtype,shard", [("llama", True, torch.bfloat16, "20KB"),
                                                      ("llama", False, torch.float32, "50MB"),
-                                                     ("gpt2", True, torch.float32, "30KB")])
-def test_every_rank_of_a_3d_grid_computes_the_logits_transformers_does(pool8, tmp_path, family, tied, dtype, shard):
-    folder = _save(tmp_path / "pretrained", family, tied, dtype, shard)
+                                                     ("gpt2", True, torch.float32, "30KB"),
+                                                     ("gpt2", "in config only", torch.float32, "50MB")])
+def test_every_rank_of_a_3d_grid_computes_the_logits_transformers_does(pool8, tmp_path, capsys, family, tied, dtype,
+                                                                       shard):
+    """"in config only": config.json says tie_word_embeddings, but the weights hold a head of their own. par4d
+    follows the weights (tying would drop the head), as transformers does, and says so."""
+    folder = _save(tmp_path / "pretrained", family, tied is True, dtype, shard)
     assert (folder / "model.safetensors.index.json").is_file() == (shard != "50MB")
     expected = _transformers_logits(folder)
+    if tied == "in config only":
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+        # transformers too keeps the head (and warns): par4d matches it, whatever the config says
+        torch.testing.assert_close(_transformers_logits(folder), expected, rtol=0, atol=0)
     sizes = dict(x=2, y=2, z=2)
     for rank, logits in enumerate(_grid_logits(pool8, folder, f"hf-{family}", sizes)):
         torch.testing.assert_close(logits, expected[_rows(rank, sizes)], rtol=0, atol=1e-5)
+    said = "tie_word_embeddings is true, but the folder's weights hold an lm_head.weight of its own"
+    assert (said in capsys.readouterr().out) == (tied == "in config only")
 
 
 def test_a_fine_tuned_run_exports_a_folder_transformers_loads(pool4, tmp_path, capsys):
@@ -113,12 +124,88 @@ def test_a_fine_tuned_run_exports_a_folder_transformers_loads(pool4, tmp_path, c
     torch.testing.assert_close(_transformers_logits(out), expected, rtol=0, atol=0)
 
 
-def _refused(capsys, folder: Path, *flags: str) -> str:
+def _refused(capsys, folder: Path, *flags: str, model: str = "hf-llama") -> str:
     out = folder.parent / "run"
-    assert main(["train", "--model", "hf-llama", "--init-from", "hf", str(folder), "--nproc", "1", "--steps", "1",
+    assert main(["train", "--model", model, "--init-from", "hf", str(folder), "--nproc", "1", "--steps", "1",
                  "--seq-len", "16", "--batch-size", "4", "--out", str(out), *flags]) == 2
     assert not out.exists()
     return capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    """A good folder per family (Mistral's and Qwen2's configs on Llama's weights: their fields are checked
+    before any weight is)."""
+    base = tmp_path_factory.mktemp("families")
+    found = {family: _save(base / family, family, True, torch.float32, "50MB") for family in ("llama", "gpt2")}
+    for family in ("mistral", "qwen2"):
+        found[family] = base / family
+        found[family].mkdir()
+        (found[family] / "model.safetensors").symlink_to(found["llama"] / "model.safetensors")
+        config = json.loads((found["llama"] / "config.json").read_text())
+        (found[family] / "config.json").write_text(json.dumps({**config, "model_type": family}))
+    return found
+
+
+ROPE_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
+               "original_max_position_embeddings": 16}
+# (family, config.json's changed fields, what the one line says): each rule of par4d.adopt.hf_config's tables
+BAD_FIELDS = [
+    ("llama", {"num_hidden_layers": "2"}, 'num_hidden_layers is "2" (a string, not an integer >= 1)'),
+    ("llama", {"hidden_size": -32}, "hidden_size is -32 (not an integer >= 1)"),
+    ("llama", {"intermediate_size": 64.0}, "intermediate_size is 64.0 (float, not an integer >= 1)"),
+    ("llama", {"vocab_size": None}, "vocab_size is null (null, not an integer >= 1)"),
+    ("llama", {"max_position_embeddings": 0}, "max_position_embeddings is 0 (not an integer >= 1)"),
+    ("llama", {"num_attention_heads": 3, "head_dim": None}, "3 attention heads do not divide the hidden size 32"),
+    ("llama", {"num_key_value_heads": 0}, "num_key_value_heads is 0 (not an integer >= 1)"),
+    ("llama", {"num_key_value_heads": 3}, "num_key_value_heads 3 does not divide num_attention_heads 4"),
+    ("llama", {"head_dim": 7}, "each head is 7 wide, odd: rotary embeddings turn pairs"),
+    ("llama", {"hidden_act": "nonexistent_act"}, 'hidden_act is "nonexistent_act" (not one of gelu, '),
+    ("llama", {"rms_norm_eps": -1e-06}, "rms_norm_eps is -1e-06 (not a finite number > 0)"),
+    ("llama", {"rope_theta": -1}, "rope_theta is -1 (not a finite number > 0)"),
+    ("llama", {"attention_bias": "no"}, 'attention_bias is "no" (a string, not true or false)'),
+    ("llama", {"tie_word_embeddings": 1}, "tie_word_embeddings is 1 (int, not true or false)"),
+    ("llama", {"rope_scaling": "yes"}, 'rope_scaling is "yes" (a string, not an object of rope_type'),
+    ("llama", {"rope_scaling": {"rope_type": "nonsense"}}, 'of rope_type "nonsense", not one of default, linear'),
+    ("llama", {"rope_scaling": {"type": "linear", "factor": -2.0}}, 'with factor -2.0 (not a finite number >= 1)'),
+    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "without low_freq_factor (it needs factor, "),
+    ("llama", {"rope_scaling": ROPE_LLAMA3}, "high_freq_factor not above low_freq_factor"),
+    ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 0}},
+     "with original_max_position_embeddings 0 (not an integer >= 1)"),
+    ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": "big"}},
+     'with rope_theta "big" (not a finite number > 0)'),
+    ("llama", {"bos_token_id": -1}, "bos_token_id is -1 (not a token id"),
+    ("llama", {"attention_dropout": 1.5}, "attention_dropout is 1.5 (not a number from 0 up to 1)"),
+    ("mistral", {"sliding_window": 0}, "sliding_window is 0 (not an integer >= 1)"),
+    ("qwen2", {"use_sliding_window": "on"}, 'use_sliding_window is "on" (a string, not true or false)'),
+    ("qwen2", {"max_window_layers": -1}, "max_window_layers is -1 (not an integer >= 0)"),
+    ("gpt2", {"n_head": 3}, "3 attention heads do not divide the hidden size 32"),
+    ("gpt2", {"n_layer": True}, "n_layer is true (a boolean, not an integer >= 1)"),
+    ("gpt2", {"activation_function": "nope"}, 'activation_function is "nope" (not one of gelu'),
+    ("gpt2", {"layer_norm_epsilon": 0}, "layer_norm_epsilon is 0 (not a finite number > 0)"),
+    ("gpt2", {"n_inner": 0}, "n_inner is 0 (not an integer >= 1)"),
+    ("gpt2", {"add_cross_attention": True}, "add_cross_attention is true (not false: par4d trains decoder-only"),
+    # Sizes that pass every rule but make a model no machine holds: refused by the count, nothing built
+    ("llama", {"num_hidden_layers": 1000000}, "has 9,280,009,632 parameters; their values, gradients and AdamW"),
+    ("gpt2", {"n_embd": 1 << 24}, "has 6,755,405,346,635,776 parameters"),
+]
+
+
+@pytest.mark.parametrize("family,changes,said", BAD_FIELDS, ids=[f"{f}-{next(iter(c))}" for f, c, _ in BAD_FIELDS])
+def test_every_field_of_a_config_is_checked_before_any_rank_starts(folders, tmp_path, capsys, family, changes, said):
+    """One line naming config.json, the field and its value; no transformers or torch traceback, no run folder.
+    A million decoder layers are counted, not built: refused at once."""
+    folder = tmp_path / family
+    folder.mkdir()
+    for path in folders[family].iterdir():
+        if path.name != "config.json":
+            (folder / path.name).symlink_to(path.resolve())
+    config = json.loads((folders[family] / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+    err = _refused(capsys, folder, model="hf-gpt2" if family == "gpt2" else "hf-llama")
+    assert said in err and "Traceback" not in err
+    assert str(folder / "config.json") in err or "parameters" in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_a_folder_par4d_must_not_read_is_refused_before_any_rank_starts(tmp_path, capsys):
@@ -163,3 +250,26 @@ def test_a_folder_par4d_must_not_read_is_refused_before_any_rank_starts(tmp_path
     weight_map = {k: v for k, v in index["weight_map"].items() if k != "model.norm.weight"}
     (lacking / "model.safetensors.index.json").write_text(json.dumps({**index, "weight_map": weight_map}))
     assert "model.norm.weight is not in the file" in _refused(capsys, lacking)
+
+
+@pytest.mark.parametrize("family,sizes", [
+    ("llama", dict(LLAMA)),
+    ("llama", dict(LLAMA, num_key_value_heads=1, head_dim=12, attention_bias=True, mlp_bias=True,
+                   tie_word_embeddings=True)),
+    ("mistral", dict(LLAMA, head_dim=6)),
+    ("qwen2", dict(LLAMA, tie_word_embeddings=True)),
+    ("qwen2", dict(LLAMA, num_key_value_heads=4)),
+    ("gpt2", dict(GPT2)),
+    ("gpt2", dict(GPT2, n_inner=40, tie_word_embeddings=False)),
+])
+def test_a_configs_parameter_count_is_the_models(family, sizes):
+    """The count the memory check uses (from the config's numbers, nothing built) is exactly the model's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from par4d.adopt.hf_config import check_hf_config, parameter_count
+
+    check_hf_config({"model_type": family, **sizes}, "config.json")
+    hf = AutoConfig.for_model(family, **sizes)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf)
+    assert parameter_count(hf) == sum(p.numel() for p in model.parameters())

@@ -116,6 +116,19 @@ def read_pretrained(folder: str | Path, model: str) -> dict:
     return config
 
 
+def held_apart(folder: str | Path, head: str, embedding: str) -> bool:
+    """Whether ``folder``'s weights hold ``head`` with values of its own: present, and not ``embedding``'s
+    (``save_pretrained`` writes a tied head once; a folder may still hold both copies, equal)."""
+    files = weight_files(folder)
+    if head not in files:
+        return False
+    if embedding not in files:
+        return True
+    with opened({k: files[k] for k in (head, embedding)}) as handles:
+        one, other = (handles[k].get_tensor(k) for k in (head, embedding))
+    return one.shape != other.shape or not bool((one == other).all())
+
+
 def _buffer(key: str) -> bool:
     """Buffers older transformers saved with GPT-2 (its causal mask): not weights, never read."""
     return key.endswith((".attn.bias", ".attn.masked_bias"))

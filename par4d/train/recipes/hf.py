@@ -41,16 +41,25 @@ def pretrained_shape(model: str, folder: str) -> tuple[dict[str, int], dict]:
     (:func:`par4d.adopt.pretrained.read_pretrained`)."""
     from transformers import AutoConfig
 
-    from par4d.adopt.pretrained import read_pretrained
+    from par4d.adopt.hf_config import check_hf_config
+    from par4d.adopt.pretrained import held_apart, read_pretrained
+    from par4d.train.say import say
 
     config = read_pretrained(folder, model)
+    check_hf_config(config, Path(folder) / "config.json")    # field by field: nothing left to fail in transformers
     settings = dict(config)
     try:
         hf = AutoConfig.for_model(settings.pop("model_type"), **settings)
-    except (TypeError, ValueError) as error:
+    except (KeyError, TypeError, ValueError) as error:
         raise ValueError(f"{Path(folder) / 'config.json'} is not a {config['model_type']} config ({error})") from None
     dims = {"n_layer": hf.num_hidden_layers, "n_embd": hf.hidden_size, "n_head": hf.num_attention_heads,
             "positions": hf.max_position_embeddings, "vocab": hf.vocab_size}
+    embedding = "transformer.wte.weight" if hf.model_type == "gpt2" else "model.embed_tokens.weight"
+    if hf.tie_word_embeddings and held_apart(folder, "lm_head.weight", embedding):
+        # Tying would drop the folder's own head: its weights are followed, and the change is said
+        say(f"{Path(folder) / 'config.json'}: tie_word_embeddings is true, but the folder's weights hold an "
+            f"lm_head.weight of its own (not {embedding}'s values): par4d trains that head, untied")
+        config = dict(config, tie_word_embeddings=False)
     return dims, config
 
 
@@ -173,6 +182,10 @@ class HFRecipe(Recipe):
         raise NotImplementedError
 
     def check(self, config: Settings) -> None:
+        from par4d.adopt.hf_config import check_hf_config
+
+        if config.hf_config is not None:   # a resumed run's, as its meta.json kept it
+            check_hf_config(config.hf_config, "the run's hf_config (the pretrained folder's config.json)")
         if config.mlp != "dense":
             raise ValueError(f"--model {self.name}: --mlp {config.mlp} is for par4d's GPT (--model gpt); a Hugging "
                              f"Face model trains without phantom MLPs")
@@ -188,12 +201,11 @@ class HFRecipe(Recipe):
         return min(every, 1)
 
     def num_params(self, config: Settings) -> int:
-        """Its own count, from the model on the meta device (its vocabulary, MLP width and key/value heads
-        are its own, not par4d's formula's)."""
-        import torch
+        """Its own count, from its transformers config's sizes (its vocabulary, MLP width and key/value heads
+        are its own, not par4d's GPT's): a model too large for memory is refused before it is built."""
+        from par4d.adopt.hf_config import parameter_count
 
-        with torch.device("meta"):
-            return sum(p.numel() for p in hf_lm(config).parameters())
+        return parameter_count(hf_model_config(config))
 
     def flops_per_token(self, config: Settings, model: nn.Module) -> float:
         return model.flops_per_token          # counted when it was built, before it was parallelized
