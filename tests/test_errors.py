@@ -123,15 +123,21 @@ def test_a_rank_that_exits_on_its_own_is_named_with_its_status():
     exit status, not by torch's "To enable traceback" placeholder."""
     from types import SimpleNamespace
 
-    from par4d.launch.local import failure_cause
+    from par4d.launch.local import failure_cause, failure_signal
 
     def failure(code, data=None):
         return SimpleNamespace(exitcode=code, error_file_data=data or {}, signal_name=lambda: "SIGKILL")
 
-    assert failure_cause(failure(143)) == "exit status 143 (SIGTERM)"
+    assert failure_cause(failure(143)) == "exit status 143 (on SIGTERM)"
+    assert failure_cause(failure(143, {"message": "<NONE>"})) == "exit status 143 (on SIGTERM)"   # torch's blank
     assert failure_cause(failure(3)) == "exit status 3"
     assert failure_cause(failure(-9)) == "killed by SIGKILL (out of memory?)"
-    assert failure_cause(failure(1, {"message": {"message": "ValueError: bad", "extraInfo": {}}})) == "ValueError: bad"
+    bad = failure(1, {"message": {"message": "ValueError: bad", "extraInfo": {}}})
+    assert failure_cause(bad) == "ValueError: bad"
+    # The command's exit status is 128 + the signal (par4d.cli.main), as a shell reports a killed process
+    assert failure_signal(failure(-9)) == (9, False) and failure_signal(failure(143)) == (15, True)
+    assert failure_signal(failure(3)) == failure_signal(bad) == (None, False)
+    assert failure_signal(failure(143, {"message": "RuntimeError: x"})) == (None, False)
 
 
 def test_the_public_api_names_what_it_was_given(tmp_path):

@@ -243,6 +243,13 @@ def test_a_killed_rank_and_a_preempted_run_end_as_an_uninterrupted_one(tmp_path,
     assert len(run_losses(stopped)) == 7 and not (stopped / "summary.json").exists()
     train_subprocess("--resume", str(stopped), "--nproc", "2")
     assert run_losses(stopped) == run_losses(straight)
+
+    # SIGTERM to rank 1 alone: every rank saves step 3 and stops; read as a stop, the rank and signal named
+    one = tmp_path / "one"
+    result = train_subprocess(*common, "--out", str(one), env_extra={"PAR4D_FAULTS": "1:3:TERM_RANK"}, status=143)
+    assert (f"stopped by SIGTERM (sent to rank 1): step 3 is saved; continue with: par4d train --resume {one}"
+            in result.stdout)
+    assert len(run_losses(one)) == 3 and "failed" not in result.stderr
     got = _final_tensors(stopped)
     assert set(got) == set(want) and all(torch_equal(got[k], want[k]) for k in want)
 

@@ -55,9 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, ClusterUnavailable) as error:   # bad input: nothing started, or nothing was lost
         print(f"par4d {args.command}: error: {as_flags(str(error))}", file=sys.stderr)
         return 2
-    except RankFailed as error:
+    except RankFailed as error:   # killed by a signal: 128 + N, as a shell says it
         print(f"par4d {args.command}: error: {as_flags(str(error))}", file=sys.stderr)
-        return 1
+        return 128 + error.signum if error.signum else 1
     except Interrupted as error:
         print(f"par4d {args.command}: {error}", file=sys.stderr)
         return 128 + error.signum

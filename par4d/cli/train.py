@@ -123,7 +123,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from par4d.cli.configure import configure, resumable, world_size
-    from par4d.launch import Interrupted
+    from par4d.launch import Interrupted, RankFailed
     from par4d.measure.choose import planned_run
     from par4d.train.faults import Faults
     from par4d.train.job import as_rank, local_ranks
@@ -149,6 +149,11 @@ def run(args: argparse.Namespace) -> int:
         return _finish(local_ranks(config, world, args.max_restarts))
     except Interrupted as error:   # this process got the signal; the ranks saved their step before exiting
         return _stopped(error.signum, Path(config.out))
+    except RankFailed as error:
+        if not error.stopped:
+            raise
+        # One rank was sent the signal (a scheduler's, a user's kill): every rank saved the step and stopped
+        return _stopped(error.signum, Path(config.out), f" (sent to rank {error.rank})")
 
 
 def _finish(summary: dict, quiet: bool = False) -> int:
@@ -164,10 +169,10 @@ def _finish(summary: dict, quiet: bool = False) -> int:
     return 0
 
 
-def _stopped(signum: int, out: Path) -> int:
+def _stopped(signum: int, out: Path, whose: str = "") -> int:
     from par4d.checkpoint import latest, read_meta
 
-    name = signal.Signals(signum).name
+    name = signal.Signals(signum).name + whose
     try:   # the pointer moves only once a checkpoint is complete (a resume verifies it)
         step = read_meta(latest(out))["step"]
         say(f"stopped by {name}: step {step} is saved; continue with: par4d train --resume {out} (it goes on "

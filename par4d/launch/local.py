@@ -18,11 +18,13 @@ def free_port() -> int:
 
 
 class RankFailed(RuntimeError):
-    """A launched rank raised an error or was killed (after the restarts allowed)."""
+    """A launched rank raised an error or was killed (after the restarts allowed). ``signum``: the signal
+    that killed it, or that it exited on (status 128 + N without an error: par4d's worker does so once it
+    has saved its step, ``stopped``); the command then exits 128 + N, as a shell reports a killed process."""
 
-    def __init__(self, rank: int, cause: str):
+    def __init__(self, rank: int, cause: str, signum: int | None = None, stopped: bool = False):
         super().__init__(f"rank {rank} failed: {cause}")
-        self.rank, self.cause = rank, cause
+        self.rank, self.cause, self.signum, self.stopped = rank, cause, signum, stopped
 
 
 class Interrupted(RuntimeError):
@@ -71,7 +73,8 @@ def launch_local(nproc: int, entrypoint: Callable, args: Sequence, run_id: str =
             return elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as error:
         rank, failure = error.get_first_failure()
-        raise RankFailed(rank, failure_cause(failure)) from None
+        signum, stopped = failure_signal(failure)
+        raise RankFailed(rank, failure_cause(failure), signum, stopped) from None
     except SignalException as error:
         # A second Ctrl-C makes the agent stop waiting for its ranks, which may still be saving
         # their step: wait for them here, so that what the caller reports is what they saved.
@@ -113,20 +116,34 @@ def wait_for_children(limit: float = 30.0, pids: list[int] | None = None) -> Non
         pass
 
 
+def _message(failure) -> str | None:
+    """The exception a rank recorded (torch's error file), or None: torch says "<NONE>" where it has none."""
+    message = failure.error_file_data.get("message") if failure.error_file_data else None
+    if isinstance(message, dict):
+        message = message.get("message")
+    return message.strip() if isinstance(message, str) and message.strip() not in ("", "<NONE>") else None
+
+
+def failure_signal(failure) -> tuple[int | None, bool]:
+    """(the signal that ended a failed rank, or None; whether it exited on it by itself, 128 + N)."""
+    code = failure.exitcode
+    if code < 0:
+        return -code, False
+    if code > 128 and code - 128 in signal.Signals._value2member_map_ and _message(failure) is None:
+        return code - 128, True
+    return None, False
+
+
 def failure_cause(failure) -> str:
     """One line for a failed rank: its exception, the signal that killed it, or its exit status."""
     code = failure.exitcode
     if code < 0:
         return f"killed by {failure.signal_name()}" + (" (out of memory?)" if -code == signal.SIGKILL else "")
-    message = failure.error_file_data.get("message") if failure.error_file_data else None
-    if isinstance(message, dict) and message.get("message"):
-        return message["message"].strip()
-    if isinstance(message, str) and message.strip():
-        return message.strip()
-    # No error file: the rank exited on its own (os._exit), e.g. after a signal it was sent directly.
-    if code > 128 and code - 128 in signal.Signals._value2member_map_:
-        return f"exit status {code} ({signal.Signals(code - 128).name})"
-    return f"exit status {code}"
+    message = _message(failure)
+    if message is not None:
+        return message
+    signum, _ = failure_signal(failure)   # no error: it exited on its own (os._exit), after a signal sent to it
+    return f"exit status {code}" + (f" (on {signal.Signals(signum).name})" if signum else "")
 
 
 def _loopback_gloo() -> dict[str, str]:

@@ -13,9 +13,10 @@ FAULT_ENV = "PAR4D_FAULTS"
 first; the elastic agent counts restarts), after that step. KIND ``KILL`` (the default): the
 rank kills itself with SIGKILL. ``RAISE``: it raises an error (its peers are left waiting in a
 collective). ``TERM``: it sends SIGTERM to its launcher (a scheduler's preemption) and waits
-until the launcher passes the signal on, so the run stops after that step."""
+until the launcher passes the signal on, so the run stops after that step. ``TERM_RANK``: it sends
+SIGTERM to itself alone (a user's ``kill`` of one rank)."""
 
-FAULT_KINDS = ("KILL", "RAISE", "TERM")
+FAULT_KINDS = ("KILL", "RAISE", "TERM", "TERM_RANK")
 
 
 def parse_faults(spec: str) -> list[tuple[int, int, str]]:
@@ -48,7 +49,8 @@ class Faults:
             os.kill(os.getpid(), signal.SIGKILL)
         if kind == "RAISE":
             raise RuntimeError(f"fault injected by {FAULT_ENV} after step {step}")
-        os.kill(os.getppid(), signal.SIGTERM)      # the launcher, which signals every rank
+        # TERM: the launcher, which signals every rank; TERM_RANK: this rank only
+        os.kill(os.getppid() if kind == "TERM" else os.getpid(), signal.SIGTERM)
         deadline = time.monotonic() + 30
         while stop.signum is None and time.monotonic() < deadline:
             time.sleep(0.01)

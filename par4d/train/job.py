@@ -41,7 +41,8 @@ def local_ranks(config: TrainConfig, world: int, max_restarts: int) -> dict:
                 return launch_local(world, worker, (config, True), run_id="par4d-train",
                                     max_restarts=max_restarts)[0]
         except RankFailed as error:
-            raise RankFailed(error.rank, _with_log(error.cause, error.rank, config.out)) from None
+            raise RankFailed(error.rank, _with_log(error.cause, error.rank, config.out), error.signum,
+                             error.stopped) from None
 
 
 def _with_log(cause: str, rank: int, out: str | None) -> str:
