@@ -299,9 +299,11 @@ class Folder:
                 finally:
                     os.close(fd)
                 os.replace(temporary, parts[-1], src_dir_fd=parent, dst_dir_fd=parent)
-            except BaseException:
+            except BaseException as error:
                 with contextlib.suppress(OSError):
                     os.unlink(temporary, dir_fd=parent)
+                if isinstance(error, OSError) and error.filename is None:   # a full disk, a quota: name the file
+                    raise OSError(error.errno, error.strerror or str(error), str(self.path(*parts))) from None
                 raise
             if sync:
                 os.fsync(parent)

@@ -10,6 +10,10 @@ import torch.distributed as dist
 T = TypeVar("T")
 
 
+class Rank0Failed(RuntimeError):
+    """Raised on the other ranks when rank 0's work failed: rank 0's own error is the one to report."""
+
+
 def on_rank0(fn: Callable[[], T]) -> T | None:
     """Run ``fn`` on rank 0 and tell every rank whether it failed (collective).
 
@@ -27,5 +31,5 @@ def on_rank0(fn: Callable[[], T]) -> T | None:
     if error is not None:
         raise error
     if status[0] is not None:
-        raise RuntimeError(f"rank 0 failed: {status[0]}")
+        raise Rank0Failed(f"rank 0 failed: {status[0]}")
     return result

@@ -257,6 +257,44 @@ def test_keep_never_deletes_the_new_checkpoint_nor_rewrites_the_latest(pool2, tm
     assert listing == ["abandoned-step-00000020", "latest", "step-00000012"]
 
 
+def _full_disk(folder: str) -> list[str]:
+    """Saves of step 12 on a disk that fills while rank 1 writes its shard, then while rank 0 writes the
+    meta: every rank raises (none left waiting in a collective), naming the file; step 10 stays the newest
+    intact checkpoint."""
+    import errno
+    import os
+    from pathlib import Path
+    from unittest import mock
+
+    grid = cases.grid(x=2)
+    model = GPT(CONFIG, grid=grid)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    run = Path(folder)
+    checkpoint.save(run, 10, grid, model, opt, {}, keep=2)
+    messages, real = [], os.replace
+    for full in ("rank-00001.safetensors", "meta.json"):
+        def replace(src, dst, *, src_dir_fd=None, dst_dir_fd=None, name=full):
+            if dst == name:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
+
+        with mock.patch("par4d.folder.os.replace", replace), pytest.raises(Exception) as raised:
+            checkpoint.save(run, 12, grid, model, opt, {}, keep=2)
+        messages.append(f"{type(raised.value).__name__}: {raised.value}")
+        assert checkpoint.choose(run).name == "step-00000010"
+    return messages
+
+
+def test_a_full_disk_during_a_save_names_the_file_and_loses_nothing(pool2, tmp_path):
+    step = tmp_path / "checkpoints" / "step-00000012"
+    for rank, (shard, meta) in enumerate(pool2.run(_full_disk, str(tmp_path))):
+        assert shard == (f"OSError: cannot write checkpoint file {step / 'rank-00001.safetensors'} (No space left "
+                         f"on device); the checkpoints before step 12 are intact: make room and --resume")
+        said = (f"cannot write {step / 'meta.json'} (No space left on device); the checkpoints before step 12 are "
+                f"intact: make room and --resume")
+        assert meta == (f"OSError: {said}" if rank == 0 else f"Rank0Failed: rank 0 failed: OSError: {said}")
+
+
 def test_a_restart_whose_first_save_was_cut_short_starts_over(tmp_path, capsys):
     from par4d.cli.train import _stopped
     from par4d.train.loop import _newest_intact

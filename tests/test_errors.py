@@ -123,7 +123,7 @@ def test_a_rank_that_exits_on_its_own_is_named_with_its_status():
     exit status, not by torch's "To enable traceback" placeholder."""
     from types import SimpleNamespace
 
-    from par4d.launch.local import failure_cause, failure_signal
+    from par4d.launch.local import failure_cause, failure_signal, first_failure
 
     def failure(code, data=None):
         return SimpleNamespace(exitcode=code, error_file_data=data or {}, signal_name=lambda: "SIGKILL")
@@ -138,6 +138,14 @@ def test_a_rank_that_exits_on_its_own_is_named_with_its_status():
     assert failure_signal(failure(-9)) == (9, False) and failure_signal(failure(143)) == (15, True)
     assert failure_signal(failure(3)) == failure_signal(bad) == (None, False)
     assert failure_signal(failure(143, {"message": "RuntimeError: x"})) == (None, False)
+    # Rank 1 failing first only to echo rank 0's failed save: rank 0's own error is the one reported
+    def at(time, message):
+        return SimpleNamespace(exitcode=1, timestamp=time, error_file_data={"message": message})
+
+    echoed = {0: at(5, "OSError: cannot write meta.json"), 1: at(4, "Rank0Failed: rank 0 failed: OSError: ...")}
+    assert first_failure(echoed) == (0, echoed[0])
+    raised = {0: at(5, "RuntimeError: a"), 1: at(4, "ValueError: b")}
+    assert first_failure(raised) == (1, raised[1])
 
 
 def test_the_public_api_names_what_it_was_given(tmp_path):

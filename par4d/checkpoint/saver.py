@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -61,7 +62,7 @@ def save(run_dir: Path, step: int, grid: Grid, model: nn.Module, optimizer: torc
             folder.rename((name,), free_name(folder, f"abandoned-{name}"))
         folder.mkdir(name, exist_ok=False)
 
-    on_rank0(prepare)
+    on_rank0(lambda: _naming_the_file(prepare, step))
     dist.barrier()
     file = f"rank-{grid.rank:05d}.safetensors"
     owned, records = {}, {}
@@ -72,30 +73,34 @@ def save(run_dir: Path, step: int, grid: Grid, model: nn.Module, optimizer: torc
         pieces = boxes(placement, full, coords(grid), grid.sizes)
         records[key] = {"shape": list(full), "dtype": str(tensor.dtype).removeprefix("torch."),
                         "piece": {"file": file, "boxes": [b.as_list() for b in pieces]}}
-    digest = None
+    digest, failed = None, None
     if owned:
         try:
             target.write_file(file, write=lambda path: save_file(owned, path))   # on disk before the manifest
+            fd = target.open_fd(file)
+            try:
+                digest = {"file": file, "bytes": os.fstat(fd).st_size, "sha256": fd_sha256(fd)}
+            finally:
+                os.close(fd)
         except (SafetensorError, OSError) as error:   # disk full, quota: the earlier checkpoints are intact
-            raise OSError(f"cannot write checkpoint file {target.path(file)} ({error}); the checkpoints before "
-                          f"step {step} are intact: make room and --resume") from None
-        fd = target.open_fd(file)
-        try:
-            digest = {"file": file, "bytes": os.fstat(fd).st_size, "sha256": fd_sha256(fd)}
-        finally:
-            os.close(fd)
-    every = gather_all((records, digest))
+            why = getattr(error, "strerror", None) or error
+            failed = (f"cannot write checkpoint file {target.path(file)} ({why}); the checkpoints before step "
+                      f"{step} are intact: make room and --resume")
+    every = gather_all((records, digest, failed))    # a rank that could not write: every rank says so, none waits
+    failures = [f for _, _, f in every if f is not None]
+    if failures:
+        raise OSError(failures[0])
     layout = {key: record for stage in gather_all(placements(grid, model)) for key, record in stage.items()}
 
     def commit():
         index: dict[str, dict] = {}
-        for rank_records, _ in every:
+        for rank_records, _, _ in every:
             for key, record in rank_records.items():
                 entry = index.setdefault(key, {"shape": record["shape"], "dtype": record["dtype"], "pieces": []})
                 entry["pieces"].append(record["piece"])
         entries = {"index.json": json.dumps({"format": FORMAT, "tensors": index}),
                    "meta.json": json.dumps(dict(meta, step=step, grid=grid.sizes, placements=layout), indent=2)}
-        files = [d for _, d in every if d is not None]
+        files = [d for _, d, _ in every if d is not None]
         for entry, text in entries.items():     # their records from the bytes written, not read back
             data = text.encode()
             target.write_bytes(entry, data=data)
@@ -110,9 +115,18 @@ def save(run_dir: Path, step: int, grid: Grid, model: nn.Module, optimizer: torc
         for old in sorted((s for s in steps if s < step), reverse=True)[keep - 1:]:
             folder.remove_tree(steps[old])
 
-    on_rank0(commit)
+    on_rank0(lambda: _naming_the_file(commit, step))
     dist.barrier()     # no rank returns (and perhaps loads) before the checkpoint is complete
     return target.path()
+
+
+def _naming_the_file(work: Callable[[], None], step: int) -> None:
+    """Rank 0's part of a save; a full disk or a quota says which file, and that nothing saved is lost."""
+    try:
+        work()
+    except OSError as error:
+        raise OSError(f"cannot write {error.filename or 'the checkpoint'} ({error.strerror or error}); the "
+                      f"checkpoints before step {step} are intact: make room and --resume") from None
 
 
 def _steps(folder: Folder) -> dict[int, str]:

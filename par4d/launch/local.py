@@ -72,7 +72,7 @@ def launch_local(nproc: int, entrypoint: Callable, args: Sequence, run_id: str =
         with _agent_quiet(), environment(_loopback_gloo()):
             return elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as error:
-        rank, failure = error.get_first_failure()
+        rank, failure = first_failure(error.failures)
         signum, stopped = failure_signal(failure)
         raise RankFailed(rank, failure_cause(failure), signum, stopped) from None
     except SignalException as error:
@@ -114,6 +114,16 @@ def wait_for_children(limit: float = 30.0, pids: list[int] | None = None) -> Non
             time.sleep(0.05)
     except Exception:   # the agent's handler raises on a third signal: the user wants out now
         pass
+
+
+def first_failure(failures: dict[int, object]) -> tuple[int, object]:
+    """(rank, failure) to report: the first to fail, unless it only echoes rank 0's failure
+    (``par4d.rank0.Rank0Failed``, raised on the others when rank 0's own work fails): then rank 0's."""
+    from par4d.rank0 import Rank0Failed
+
+    rank, failure = min(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    echo = (_message(failure) or "").startswith(Rank0Failed.__name__)
+    return (0, failures[0]) if echo and 0 in failures else (rank, failure)
 
 
 def _message(failure) -> str | None:
