@@ -201,9 +201,7 @@ def _train(job: _Job, grid, stop: StopRequest, metrics, out: Path, board: Board 
                     loss = run_step()
                 mean_loss = global_mean(loss, grid).item()
             if not math.isfinite(mean_loss):   # the same value on every rank: all stop here, none waits
-                raise FloatingPointError(
-                    f"the loss is {mean_loss} at step {step + 1} (learning rate {lr:.3g}): the run stops here "
-                    f"without recording it (try a lower --lr, or --grad-clip; a resume takes both)")
+                raise FloatingPointError(_not_finite(config, mean_loss, step, first=step == job.start_step, lr=lr))
             faults.after_step(grid.rank, step + 1, job.restart, stop)
             seconds = time.perf_counter() - began
             measured.rates.append(tokens_per_step / seconds)
@@ -429,6 +427,22 @@ def worker(config: TrainConfig, exit_on_stop: bool = False) -> dict:
         sys.stdout.flush()
         os._exit(128 + stop.signum)
     return summary
+
+
+def _not_finite(config: TrainConfig, loss: float, step: int, first: bool, lr: float) -> str:
+    """What a non-finite loss says. The loss of a new run's first step comes from weights no update has
+    touched: the learning rate is not at fault, what the weights and tokens came from is."""
+    said = f"the loss is {loss} at step {step + 1}"
+    if not first or config.resume:     # a resumed run's weights came from its earlier updates
+        return (f"{said} (learning rate {lr:.3g}): the run stops here without recording it (try a lower --lr, or "
+                f"--grad-clip; a resume takes both)")
+    if config.init_from is not None:
+        source = (f"the weights or the config.json of {config.init_from} make the model non-finite (a value such "
+                  f"as an epsilon, or weights with inf or NaN)")
+    else:
+        source = "the model's settings or the data make it non-finite"
+    wide = " (or fp16's range: try --precision bf16)" if config.precision == "fp16" else ""
+    return f"{said}, before any update: {source}{wide}, not the learning rate; the run stops without recording it"
 
 
 def failure_log(out: Path, rank: int) -> Path:
