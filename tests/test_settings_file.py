@@ -91,12 +91,24 @@ def test_every_key_is_a_flag_of_par4d_train():
             assert dest in fields or dest.startswith("axis_") or dest in NOT_KEPT, (section, key)   # config.toml's
 
 
-def test_a_settings_file_is_not_read_through_a_link(tmp_path):
+def test_a_settings_file_is_read_through_a_link_to_a_regular_file_only(tmp_path):
+    """A config is the user's: a link to their file is read. One that ends anywhere else (a FIFO, a device,
+    a folder, nothing) is one line naming the link and where it leads, at once (no read that blocks)."""
+    import os
+
     (tmp_path / "real.toml").write_text("[schedule]\nsteps = 3\n")
     (tmp_path / "run.toml").symlink_to(tmp_path / "real.toml")
-    with pytest.raises(ValueError, match="--config .*run.toml"):
-        read(tmp_path / "run.toml")
-    assert read(tmp_path / "real.toml") == {"steps": 3}
+    (tmp_path / "chain.toml").symlink_to(tmp_path / "run.toml")
+    assert read(tmp_path / "run.toml") == read(tmp_path / "chain.toml") == read(tmp_path / "real.toml") == {"steps": 3}
+    os.mkfifo(tmp_path / "fifo")
+    for name, target, said in [("fifo.toml", tmp_path / "fifo", "not a regular file"),
+                               ("zero.toml", Path("/dev/zero"), "/dev/zero"),
+                               ("folder.toml", tmp_path, "not a regular file"),
+                               ("gone.toml", tmp_path / "gone", "gone")]:
+        (tmp_path / name).symlink_to(target)
+        with pytest.raises(ValueError) as refused:
+            read(tmp_path / name)
+        assert str(refused.value).startswith(f"--config {tmp_path / name} (a link to ") and said in str(refused.value)
 
 
 @pytest.mark.parametrize("name", ["demo.toml", "gpt2-small.toml", "llama-3d.toml"])

@@ -10,6 +10,7 @@ for ``--grid auto``); ``init_from = "DIR"`` is ``--init-from hf DIR``; ``offload
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -72,10 +73,15 @@ def read(path: str | Path, choices: dict[str, tuple] | None = None) -> dict[str,
     except ImportError:
         raise ValueError("--config needs Python 3.11 or newer (its tomllib reads TOML)") from None
     path = Path(path).absolute()
-    try:   # a plain file, not through a link (a run's config.toml may be in someone else's folder)
-        text = Folder(path.parent).read_text(path.name, limit=1 << 20)
+    # A config is the user's own file, read only: a link to one is followed (a dotfiles folder, a shared
+    # recipe). What it ends at must be a regular file, read up to a limit: never a FIFO that blocks or a
+    # device that never ends, whoever planted the link.
+    real = Path(os.path.realpath(path))
+    try:
+        text = Folder(real.parent).read_text(real.name, limit=1 << 20)
     except (OSError, UnicodeDecodeError, ValueError) as error:
-        raise ValueError(f"--config {path}: {error}") from None
+        target = f" (a link to {real})" if real != path else ""
+        raise ValueError(f"--config {path}{target}: {error}") from None
     try:
         document = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
