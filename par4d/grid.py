@@ -61,7 +61,7 @@ def check_axes(axes: Iterable[str]) -> tuple[str, ...]:
 
 
 def parse_grid(text: str) -> dict[str, int]:
-    """Parse ``"x=2,z=2"`` into ``{"x": 2, "z": 2}``; unknown axes raise ``ValueError``."""
+    """Parse ``"x=2,z=2"`` into ``{"x": 2, "z": 2}``; unknown axes and sizes below 1 raise ``ValueError``."""
     sizes: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         axis, sep, value = item.partition("=")
@@ -72,6 +72,10 @@ def parse_grid(text: str) -> dict[str, int]:
             raise ValueError(f"grid axis {axis!r} given twice in {text!r}")
         sizes[axis] = int(value)
     check_axes(sizes)
+    small = {axis: n for axis, n in sizes.items() if n < 1}
+    if small:        # else the world it multiplies to (0, or negative) is what the user reads about
+        axis, n = next(iter(small.items()))
+        raise ValueError(f"grid axis {axis}={n} in {text!r}: every axis size must be >= 1 (leave an axis out for 1)")
     return sizes
 
 

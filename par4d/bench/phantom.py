@@ -167,7 +167,9 @@ def run_compare(n: int, depth: int, nprocs: list[int], ks: list[int], *, batch: 
     from par4d.launch import launch_local
 
     for p in nprocs:
-        if p < 1 or n % p:
+        if p < 1:
+            raise ValueError(f"--nproc {p}: every rank count must be >= 1")
+        if n % p:
             raise ValueError(f"--nproc {p}: the width n={n} must be divisible by every rank count")
     rows, entries = [], []
     for p in nprocs:

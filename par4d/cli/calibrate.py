@@ -22,10 +22,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=count(1), default=5)
     p.add_argument("--nodes", type=int, default=None,
                    help="measure an emulated cluster of this many nodes (--nproc ranks per node; needs root)")
-    p.add_argument("--link", default="1gbit", help="emulated inter-node link rate (with --nodes)")
+    p.add_argument("--link", default=None, help="emulated inter-node link rate (with --nodes; default 1gbit)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.link is not None and args.nodes is None:   # else it would be silently unused
+        raise ValueError(f"--link {args.link}: the link between emulated nodes; give --nodes too")
     check_new_file(args.out, "--out", args.force)     # before the matmul peak and the ranks
     from par4d.measure.calibrate import calibrate
 
@@ -33,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     if args.nodes is not None:
         from par4d.launch.cluster import ClusterSpec
 
-        cluster = ClusterSpec(args.nodes, args.nproc, args.link)
+        cluster = ClusterSpec(args.nodes, args.nproc, args.link or "1gbit")
     result = calibrate(args.nproc, Path(args.out), args.repeats, cluster)
     machine = result["machine"]
     print(f"matmul peak {result['peak_total'] / 1e9:.1f} GFLOP/s fp32 (whole machine; "

@@ -24,6 +24,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from par4d.cli.generate_run import Sampling, generate
 
+    try:    # bytes of another encoding reach Python as surrogates, which no tokenizer takes
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as error:
+        code = ord(args.prompt[error.start])
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+        raise ValueError(f"--prompt is not UTF-8 text ({what} at character {error.start}): give the prompt in "
+                         f"UTF-8") from None
     sampling = Sampling(args.max_tokens, args.temperature, args.top_k, args.seed)
     text, _ = generate(Path(args.run), args.prompt, sampling, report=lambda line: print(line, file=sys.stderr))
     print(args.prompt + text)

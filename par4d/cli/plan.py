@@ -30,17 +30,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "against what --machine predicts (default: the built-in machine of this GPU)")
     p.add_argument("--model", default="gpt-20b", help=f"built-in GPT: {', '.join(GPT_MODELS)}")
     p.add_argument("--gpus", type=int, default=None, help="number of devices (ranking)")
-    p.add_argument("--nproc", type=int, default=4, help="local ranks (validate)")
+    p.add_argument("--nproc", type=int, default=None, help="local ranks (validate; default 4)")
     p.add_argument("--iters", type=int, default=8, help="timed iterations per grid (validate) or step (device)")
-    p.add_argument("--passes", type=int, default=1,
+    p.add_argument("--passes", type=int, default=None,
                    help="validate: measure every grid this many times, round robin; also reports how well "
-                        "the passes agree with each other")
+                        "the passes agree with each other (default 1)")
     p.add_argument("--plot", default=None,
                    help="validate: write the ranking plot (PNG) here (an existing file is refused unless --force)")
     p.add_argument("--force", action="store_true", help="validate: overwrite an existing --plot file")
     p.add_argument("--nodes", type=int, default=None,
                    help="validate on an emulated cluster of this many nodes, --nproc ranks each (needs root)")
-    p.add_argument("--link", default="1gbit", help="emulated inter-node link rate (with --nodes)")
+    p.add_argument("--link", default=None, help="emulated inter-node link rate (with --nodes; default 1gbit)")
     p.add_argument("--gpus-per-node", type=int, default=None, help="devices per node (default: the machine's)")
     p.add_argument("--machine", default=None,
                    help=f"{', '.join(BUILTIN)} or a TOML profile (default: perlmutter; validate: calibrate now)")
@@ -139,7 +139,28 @@ def write_between_markers(path: str, marker: str, text: str) -> None:
     file.write_text(head + start + text + end + tail, encoding="utf-8")
 
 
+# flag (its argparse destination) -> the action it belongs to: given to another, it would be silently unused
+ONLY_FOR = {"nproc": "validate", "passes": "validate", "plot": "validate", "nodes": "validate", "link": "validate",
+            "fit": "paper", "write": "paper"}
+
+
+def _applies(args: argparse.Namespace) -> None:
+    """Refuse a flag of another action (``par4d plan --nodes 2`` would rank without any cluster), and fill in
+    the defaults of those that apply."""
+    for name, action in ONLY_FOR.items():
+        given = getattr(args, name)
+        if given is not None and given is not False and args.action != action:   # (0 is given: --nodes 0)
+            command = "par4d plan" + (f" {args.action}" if args.action else "")
+            raise ValueError(f"--{name}: a setting of par4d plan {action}; {command} does not use it")
+    if args.link is not None and args.nodes is None:
+        raise ValueError(f"--link {args.link}: the link between emulated nodes; give --nodes too")
+    for name, default in (("nproc", 4), ("passes", 1), ("link", "1gbit")):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+
+
 def run(args: argparse.Namespace) -> int:
+    _applies(args)
     if args.action == "validate":
         return _validate(args)
     if args.action == "paper":
