@@ -490,6 +490,29 @@ def test_export_to_a_place_it_cannot_write_is_one_line(base, tmp_path, capsys):
         assert main(["export", "--run", str(base), "--to", "hf", str(out)]) == 2
         err = capsys.readouterr().err
         assert words in err and err.count("\n") == 1, err
+    # A full disk: safetensors says so in an error of its own, and the file written last, in an OSError
+    import errno
+    from unittest import mock
+
+    from safetensors import SafetensorError
+
+    real = os.replace
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def no_room_for_config(src, dst, *, src_dir_fd=None, dst_dir_fd=None):
+        if dst == "config.json":
+            raise full
+        return real(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
+
+    failing = mock.patch("par4d.train.export.save_file", side_effect=SafetensorError("No space left on device"))
+    for patch, name in ((failing, "model.safetensors"), (mock.patch("par4d.folder.os.replace", no_room_for_config),
+                                                           "config.json")):
+        out = tmp_path / f"full-{name}"
+        with patch:
+            assert main(["export", "--run", str(base), "--to", "hf", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert (f"cannot write {out / name} (No space left on device); the run is untouched: make room and export "
+                f"again") in err and err.count("\n") == 1, err
 
 
 def test_plan_with_no_grid_that_runs_the_model_exits_1(capsys):

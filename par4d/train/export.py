@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from par4d import checkpoint
@@ -142,11 +143,15 @@ def write_weights(out: Path, tensors: dict[str, torch.Tensor], text: str, metada
         for name in stale:
             written.remove_file(name)
         for name, shard in zip(names, shards):
-            written.write_file(name, write=lambda path, shard=shard: save_file(shard, path, metadata=metadata))
+            try:
+                written.write_file(name, write=lambda path, shard=shard: save_file(shard, path, metadata=metadata))
+            except SafetensorError as error:   # safetensors' own error for a full disk, a quota
+                raise OSError(None, str(error), str(written.path(name))) from None
         if len(shards) > 1:
             index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
                      "weight_map": {key: name for name, shard in zip(names, shards) for key in shard}}
             written.write_text(INDEX_FILE, text=json.dumps(index, indent=2, sort_keys=True) + "\n")
         written.write_text(CONFIG_FILE, text=text)
     except OSError as error:
-        raise ValueError(f"--to hf {out}: cannot write {error.filename or out} ({error.strerror})") from None
+        raise ValueError(f"--to hf {out}: cannot write {error.filename or out} ({error.strerror}); the run "
+                         f"is untouched: make room and export again") from None
