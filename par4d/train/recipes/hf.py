@@ -147,6 +147,10 @@ def lm_state(chosen: Checkpoint) -> tuple[dict[str, torch.Tensor], str]:
     record = chosen.meta.get("train_config")
     if not isinstance(record, dict) or not all(isinstance(k, str) for k in record):
         raise ValueError(f"{where}: train_config is not a run's settings")
+    if isinstance(record.get("hf_config"), dict):     # a pretrained model's config.json, as the run kept it
+        from par4d.adopt.hf_config import check_hf_config
+
+        check_hf_config(record["hf_config"], f"{where}: train_config.hf_config")
     # The saved settings as hf_lm reads them (TrainConfig's fields; its module imports the recipes, so it is
     # not imported back here): whatever in them does not make the model is the file's fault, named.
     try:
