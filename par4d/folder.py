@@ -40,6 +40,21 @@ def is_count(value: object, low: int = 0) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
+def path_kind(path: Path) -> str:
+    """What ``path`` is, for a message refusing it: ``is a file``, ``is a FIFO (named pipe)``, ``does not
+    exist (a.txt is a file, not a folder)``..., so that ``f"{path} {path_kind(path)}"`` reads as a sentence."""
+    try:
+        mode = os.stat(path).st_mode
+    except NotADirectoryError:
+        above = next((p for p in reversed(path.parents) if p.exists() and not p.is_dir()), None)
+        return "does not exist" + (f" ({above} is a file, not a folder)" if above is not None else "")
+    except OSError as error:
+        return "does not exist" if isinstance(error, FileNotFoundError) else f"cannot be read ({error.strerror})"
+    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISREG, "a file"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    return "is " + next((name for test, name in kinds if test(mode)), "neither a file nor a folder")
+
+
 class FolderError(ValueError):
     """A path inside a folder that is not a plain name, crosses a link (``link``), or is not a regular file."""
 

@@ -27,7 +27,18 @@ def where(tmp_path, monkeypatch) -> Path:
     Path("out.toml").write_text('[checkpoint]\nout = ""\n')
     Path("bad.jsonl").write_text(json.dumps({"text": 5}) + "\n")
     Path("bad.parquet").write_text("not parquet\n")
+    Path("unknown.txt").write_text("hello stranger\n")
+    _word_level("words.json")
     return tmp_path
+
+
+def _word_level(path: str) -> None:
+    """A WordLevel tokenizer of two words and no unknown token: a word outside them cannot be encoded."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({"hello": 0, "<|endoftext|>": 1}))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(path)
 
 
 # (argv, what the one line says)
@@ -83,6 +94,14 @@ CASES = [
     (["calibrate", "--out", "fifo"], "--out fifo already exists"),
     (["data", "prepare", "--tokenizer", "/nonexistent", "--out", "d", "file.txt"], "--tokenizer /nonexistent"),
     (["data", "prepare", "--tokenizer", "file.txt", "--out", "d", "file.txt"], "not a Hugging Face tokenizer"),
+    (["data", "prepare", "--tokenizer", "words.json", "--out", "d", "bad.jsonl"],
+     "bad.jsonl:1: field 'text' is a number, not a string"),
+    (["data", "prepare", "--tokenizer", "words.json", "--out", "d", "bad.parquet"], "bad.parquet is not a Parquet"),
+    (["data", "prepare", "--tokenizer", "words.json", "--out", "d", "unknown.txt"], "unknown.txt:1"),
+    (["data", "prepare", "--tokenizer", "words.json", "--out", "d", "fifo"], "fifo is a FIFO (named pipe)"),
+    (["data", "prepare", "--tokenizer", "words.json", "--out", "file.txt", "file.txt"], "is a file: give a folder"),
+    (["data", "prepare", "--tokenizer", "words.json", "--out", "d", "file.txt", "--val-share", "2"],
+     "--val-share 2.0: give a share between 0 and 1"),
     (["bench", "peers", "--nproc", "0"], "--nproc, --iters and --rounds must be >= 1"),
     (["bench", "grid", "--nproc", "0"], "--nproc and --iters must be >= 1"),
     (["cluster", "run", "--nodes", "0", "--", "train"], "--nodes and ranks per node must be >= 1"),

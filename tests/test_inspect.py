@@ -1,5 +1,8 @@
 """``par4d inspect`` (docs/data.md): a run's checkpoints verified, the one a resume takes marked, its data and
-tokenizer checked against what the run recorded; a checkpoint alone; a dataset's shards verified."""
+tokenizer checked against what the run recorded; a checkpoint alone; a dataset's tokenizer and shards verified.
+Exit status 1 when anything is damaged or changed, 2 when the folder is none of these."""
+
+import os
 
 from par4d.cli import main
 from tests.helpers import PARAGRAPHS, bpe_tokenizer, checked_config, train_alone
@@ -21,17 +24,28 @@ def test_inspect_says_what_a_resume_would_take_and_what_changed(tmp_path, capsys
     with open(run / "checkpoints" / "step-00000002" / "rank-00000.safetensors", "r+b") as f:
         f.seek(200)
         f.write(b"\x00\x01\x02")
-    text.write_text(text.read_text() + "more")
-    assert main(["inspect", str(run)]) == 0
+    assert main(["inspect", str(run)]) == 1                   # a damaged checkpoint
     out = capsys.readouterr().out
     assert "step-00000002  UNUSABLE: " in out and "step-00000001  intact  <- --resume goes on from here" in out
+    assert f"data       {text}: the same as recorded" in out
+    text.write_text(text.read_text() + "more")
+    assert main(["inspect", str(run)]) == 1
+    out = capsys.readouterr().out
     assert f"data       {text}: CHANGED" in out and "step       1 of 2" in out
     assert main(["inspect", str(run / "checkpoints" / "step-00000001")]) == 0
     assert "intact (every file's SHA-256 and every tensor checked)" in capsys.readouterr().out
+    assert main(["inspect", str(run / "checkpoints" / "step-00000002")]) == 1
+    assert "checkpoint " in (out := capsys.readouterr().out) and ": UNUSABLE: " in out
     assert main(["inspect", str(tmp_path / "nowhere")]) == 2
+    assert capsys.readouterr().err == f"par4d inspect: error: {tmp_path / 'nowhere'} does not exist: give a run, " \
+                                      f"checkpoint or dataset folder\n"
+    os.mkfifo(tmp_path / "fifo")
+    for given, kind in ((text, "is a file"), (tmp_path / "fifo", "is a FIFO (named pipe)")):
+        assert main(["inspect", str(given)]) == 2
+        assert f"{given} {kind}: give a run, checkpoint or dataset folder" in capsys.readouterr().err
 
 
-def test_inspect_verifies_a_datasets_shards(tmp_path, capsys):
+def test_inspect_verifies_a_datasets_tokenizer_and_shards(tmp_path, capsys):
     from par4d.data.prepare import prepare
     from par4d.data.tokenizer import load_tokenizer
 
@@ -40,9 +54,20 @@ def test_inspect_verifies_a_datasets_shards(tmp_path, capsys):
                     shard_tokens=800, progress=False)
     assert main(["inspect", str(tmp_path / "ds")]) == 0
     out = capsys.readouterr().out
-    assert "every shard intact" in out and f"{index['splits']['train']['tokens']:,} tokens" in out
-    shard = index["splits"]["train"]["shards"][0]["name"]
-    with open(tmp_path / "ds" / shard, "r+b") as f:
+    assert "intact (its tokenizer the index's; every shard's SHA-256 and ids checked)" in out
+    assert f"{index['splits']['train']['tokens']:,} tokens" in out
+    shards = [s["name"] for s in index["splits"]["train"]["shards"]]
+    with open(tmp_path / "ds" / shards[0], "r+b") as f:      # an id beyond the vocabulary, at token 2
+        f.seek(4)
         f.write(b"\xff\xff")
-    assert main(["inspect", str(tmp_path / "ds")]) == 0
-    assert f"DAMAGED shards: {shard}" in capsys.readouterr().out
+    with open(tmp_path / "ds" / shards[1], "r+b") as f:      # another id in the vocabulary
+        f.write(b"\x01\x00" if f.read(2) != b"\x01\x00" else b"\x02\x00")
+    (tmp_path / "ds" / "tokenizer.json").write_bytes(bpe_tokenizer(tmp_path / "other", vocab=280).read_bytes())
+    assert main(["inspect", str(tmp_path / "ds")]) == 1
+    out = capsys.readouterr().out
+    assert "DAMAGED (3 problems)" in out and "its tokenizer.json has SHA-256 " in out
+    assert f"shard {shards[0]} holds token id 65535 at token 2, not below the vocabulary of 300" in out
+    assert f"shard {shards[1]}: its SHA-256 is not the index's" in out
+    (tmp_path / "ds" / "index.json").write_text("{}")
+    assert main(["inspect", str(tmp_path / "ds")]) == 2
+    assert "index.json is not a par4d dataset index" in capsys.readouterr().err

@@ -11,8 +11,9 @@ Outside a launcher, ``--nproc N`` local ranks are started with torchrun's elasti
 the command joins the job instead. Command modules import torch only inside ``run``: ``par4d plan`` needs none.
 
 Exit status: 0 done; 1 a rank failed (one line names it; ``train`` keeps the traceback in the run's
-``logs/``); 2 bad input, found before anything started; 128 + N stopped by signal N (``train`` saved its step);
-141 (128 + SIGPIPE, as ``git`` or ``cat`` end) the reader of the output went away (``| head``), quietly.
+``logs/``), or ``inspect`` found something damaged or changed; 2 bad input, found before anything started;
+128 + N stopped by signal N (``train`` saved its step; a rank killed by signal N is named with it); 141
+(128 + SIGPIPE, as ``git`` or ``cat`` end) the reader of the output went away (``| head``), quietly.
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="the share of documents for validation, chosen by each document's SHA-256 (default 0.05)")
     q.add_argument("--shard-tokens", type=int, default=1 << 27, metavar="N",
                    help="tokens per shard file (default 134,217,728: 256 MiB of uint16)")
-    q.add_argument("--force", action="store_true", help="replace a finished dataset in DIR (its files only)")
+    q.add_argument("--force", action="store_true", help="replace par4d's dataset in DIR, finished or not (only the "
+                                                        "files its index.json or progress.json lists)")
     q.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

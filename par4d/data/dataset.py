@@ -2,9 +2,11 @@
 nothing read whole.
 
 Opening checks the folder before any rank starts: ``index.json`` is there (else the folder is not a
-finished dataset), of this format, its tokenizer the run's (by SHA-256), every shard a regular file inside
-the folder whose size is its token count times the dtype's. The SHA-256 of every shard is checked by
-:func:`verify` (``par4d inspect``'s work: it reads every byte), not at every start.
+finished dataset), of this format; its ``tokenizer.json`` is the file the index names by SHA-256 (hashed
+here: the run records the file's own), of the index's vocabulary and end-of-text id; every shard a regular
+file inside the folder whose size is its token count times the dtype's. The SHA-256 and the largest id of
+every shard are checked by :func:`verify` (``par4d inspect``'s work: it reads every byte), not at every
+start; a window read holding an id beyond the vocabulary is refused there, naming its shard and offset.
 
 A split is the concatenation of its shards; :class:`Tokens` reads a window of it from the memory maps
 (across a shard's end where one falls inside), so a dataset many times larger than memory trains with
@@ -24,19 +26,22 @@ from pathlib import Path
 
 import numpy as np
 
-from par4d.data.prepare import FORMAT, INDEX, SPLITS, VERSION
+from par4d.data.prepare import INDEX, SPLITS, TOKENIZER, check_index
+from par4d.data.tokenizer import Tokenizer, parse_tokenizer
 from par4d.folder import Folder, FolderError
 
 MAPPED = 64                          # shards mapped at once per split (a file descriptor each)
+SCAN_BYTES = 1 << 20                 # what verify reads of a shard at a time
 
 
 class Tokens:
     """One split's tokens across its shards, read by slices (``len``, ``tokens[a:b]`` as int64 numpy). A
     shard is memory-mapped when first read; at most :data:`MAPPED` stay mapped (each mapping holds a file
-    descriptor), the least recently read unmapped first."""
+    descriptor), the least recently read unmapped first. Every id read is checked to be below ``vocab``
+    (a damaged shard would fail a rank's step with an IndexError)."""
 
-    def __init__(self, folder: Folder, shards: list[tuple[str, int]], dtype: np.dtype):
-        self.folder, self.names, self.dtype = folder, [name for name, _ in shards], dtype
+    def __init__(self, folder: Folder, shards: list[tuple[str, int]], dtype: np.dtype, vocab: int):
+        self.folder, self.names, self.dtype, self.vocab = folder, [name for name, _ in shards], dtype, vocab
         self.starts = [0]
         for _, tokens in shards:
             self.starts.append(self.starts[-1] + tokens)
@@ -68,17 +73,24 @@ class Tokens:
         while at < stop:
             shard = bisect.bisect_right(self.starts, at) - 1
             end = min(stop, self.starts[shard + 1])
-            parts.append(self._shard(shard)[at - self.starts[shard]:end - self.starts[shard]])
+            part = self._shard(shard)[at - self.starts[shard]:end - self.starts[shard]]
+            if part.max() >= self.vocab:
+                raise ValueError(f"--data {self.folder.path()}: "
+                                 f"{_bad_id(self.names[shard], part, at - self.starts[shard], self.vocab)} (damaged: "
+                                 f"par4d inspect checks every shard)")
+            parts.append(part)
             at = end
         return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
 
 
 @dataclass
 class Dataset:
-    """An opened dataset folder: its index and each split's :class:`Tokens`."""
+    """An opened dataset folder: its index, its tokenizer (checked against the index) and each split's
+    :class:`Tokens`."""
 
     path: str
     index: dict
+    tokenizer: Tokenizer
     splits: dict[str, Tokens]
 
     @property
@@ -87,7 +99,8 @@ class Dataset:
 
     @property
     def tokenizer_sha256(self) -> str:
-        return self.index["tokenizer"]["sha256"]
+        """The SHA-256 of the folder's ``tokenizer.json`` itself (the index's, as opening checked)."""
+        return self.tokenizer.sha256
 
 
 def is_dataset(path: str | Path) -> bool:
@@ -95,40 +108,57 @@ def is_dataset(path: str | Path) -> bool:
     return Path(path).is_dir()
 
 
-def _check_index(index: object, where: Path) -> dict:
-    if not isinstance(index, dict) or index.get("format") != FORMAT:
-        raise ValueError(f"{where} is not a par4d dataset index (made by par4d data prepare)")
-    if index.get("version") != VERSION:
-        raise ValueError(f"{where}: dataset format version {index.get('version')!r}; this par4d reads {VERSION}")
+def _bad_id(name: str, ids: np.ndarray, start: int, vocab: int) -> str:
+    """The line naming the first of ``ids`` (shard ``name``'s tokens from token ``start``) at or beyond ``vocab``."""
+    first = int(np.argmax(ids >= vocab))
+    return (f"shard {name} holds token id {int(ids[first])} at token {start + first:,}, not below the vocabulary "
+            f"of {vocab:,}")
+
+
+def read_index(folder: Folder) -> dict:
+    """The folder's ``index.json``, checked to be a whole par4d dataset index; raises naming it."""
     try:
-        if index["dtype"] not in ("u2", "u4"):
-            raise ValueError(f"dtype {index['dtype']!r}, not u2 or u4")
-        if not 1 < int(index["tokenizer"]["vocab"]) <= 1 << (16 if index["dtype"] == "u2" else 32):
-            raise ValueError(f"vocabulary {index['tokenizer']['vocab']} in {index['dtype']}")
-        for split in SPLITS:
-            int(index["splits"][split]["documents"]), int(index["splits"][split]["tokens"])
-            for shard in index["splits"][split]["shards"]:
-                if not (isinstance(shard["name"], str) and isinstance(shard["tokens"], int) and shard["tokens"] > 0):
-                    raise TypeError(shard)
-        int(index["tokenizer"]["vocab"]), str(index["tokenizer"]["sha256"])
-    except (KeyError, TypeError, ValueError) as error:
-        raise ValueError(f"{where} is damaged ({type(error).__name__}: {error})") from None
-    return index
+        return check_index(folder.read_json(INDEX), folder.path(INDEX))
+    except OSError as error:                    # a FolderError names the file itself
+        raise ValueError(f"{folder.path(INDEX)}: {error.strerror or error}") from None
+
+
+def check_tokenizer(folder: Folder, index: dict) -> Tokenizer:
+    """The folder's ``tokenizer.json``, checked to be the file the index names by SHA-256, of the index's
+    vocabulary and end-of-text id. Raises ``ValueError`` naming the file (the folder's caller prefixes it)."""
+    try:
+        data = folder.read_bytes(TOKENIZER)
+    except FileNotFoundError:
+        raise ValueError(f"its {TOKENIZER} is missing (what its ids mean)") from None
+    except OSError as error:                    # a FolderError (a link, not a regular file) names it itself
+        raise ValueError(f"its {TOKENIZER}: {error.strerror or error}") from None
+    recorded = index["tokenizer"]["sha256"]
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != recorded:
+        raise ValueError(f"its {TOKENIZER} has SHA-256 {digest[:12]}..., the {INDEX} recorded {recorded[:12]}... "
+                         f"(another tokenizer: the ids would mean other text)")
+    tokenizer = parse_tokenizer(data, TOKENIZER)
+    vocab, eos = index["tokenizer"]["vocab"], index["tokenizer"]["eos"]
+    if vocab != tokenizer.vocab:
+        raise ValueError(f"its {INDEX} says a vocabulary of {vocab:,}, its {TOKENIZER} has {tokenizer.vocab:,}")
+    if eos != tokenizer.eos:
+        raise ValueError(f"its {INDEX} says end-of-text id {eos}, its {TOKENIZER}'s is {tokenizer.eos}")
+    return tokenizer
 
 
 def open_dataset(path: str | Path, seq_len: int, tokenizer_sha256: str | None = None) -> Dataset:
     """The dataset folder at ``path``, checked (see the module's docstring) and memory-mapped. Raises
-    ``ValueError`` naming the folder and the problem: not finished, of another tokenizer (given its
-    ``tokenizer_sha256``), a shard missing, a link or of the wrong size, a split without one window of
-    ``seq_len + 1`` tokens."""
+    ``ValueError`` naming the folder and the problem: not finished, its tokenizer not the index's or of
+    another tokenizer (given its ``tokenizer_sha256``), a shard missing, a link or of the wrong size, a
+    split without one window of ``seq_len + 1`` tokens."""
     folder = Folder(Path(path).absolute())
-    where = folder.path(INDEX)
     if not folder.exists(INDEX):
         raise ValueError(f"--data {folder.path()}: no {INDEX}, so not a finished dataset (an interrupted "
                          f"par4d data prepare? run it again with the same arguments)")
+    index = read_index(folder)
     try:
-        index = _check_index(folder.read_json(INDEX), where)
-    except FolderError as error:
+        tokenizer = check_tokenizer(folder, index)
+    except ValueError as error:
         raise ValueError(f"--data {folder.path()}: {error}") from None
     if tokenizer_sha256 is not None and index["tokenizer"]["sha256"] != tokenizer_sha256:
         raise ValueError(f"--data {folder.path()} was prepared with another tokenizer (SHA-256 "
@@ -145,27 +175,57 @@ def open_dataset(path: str | Path, seq_len: int, tokenizer_sha256: str | None = 
             if size != tokens * dtype.itemsize:
                 raise ValueError(f"--data {folder.path()}: shard {name} has {size:,} bytes, the index says "
                                  f"{tokens:,} tokens of {dtype.itemsize} bytes")
-        splits[split] = Tokens(folder, shards, dtype)
+        splits[split] = Tokens(folder, shards, dtype, index["tokenizer"]["vocab"])
         if len(splits[split]) < seq_len + 2:
             raise ValueError(f"--data {folder.path()}: the {split} split has {len(splits[split]):,} tokens; "
                              f"--seq-len {seq_len} needs at least {seq_len + 2}")
-    return Dataset(str(folder.path()), index, splits)
+    return Dataset(str(folder.path()), index, tokenizer, splits)
 
 
 def verify(path: str | Path) -> list[str]:
-    """Every shard's SHA-256 against the index; the names of those that differ (reads every byte)."""
+    """What is wrong with the dataset at ``path``, a line each (none when it is whole): its tokenizer not the
+    index's, and every shard missing, of another size, with another SHA-256 than the index's, or holding an
+    id beyond the vocabulary (the first named, with its offset). Reads every byte."""
     folder = Folder(Path(path).absolute())
-    index = _check_index(folder.read_json(INDEX), folder.path(INDEX))
-    bad = []
+    index = read_index(folder)
+    problems = []
+    try:
+        check_tokenizer(folder, index)
+    except ValueError as error:
+        problems.append(str(error))
+    dtype, vocab = np.dtype(index["dtype"]).newbyteorder("<"), index["tokenizer"]["vocab"]
     for split in SPLITS:
         for shard in index["splits"][split]["shards"]:
-            try:
-                digest = folder.sha256(shard["name"])
-            except (FolderError, OSError):
-                digest = None
-            if digest != shard["sha256"]:
-                bad.append(shard["name"])
-    return bad
+            problem = _shard_problem(folder, shard, dtype, vocab)
+            if problem is not None:
+                problems.append(problem)
+    return problems
+
+
+def _shard_problem(folder: Folder, shard: dict, dtype: np.dtype, vocab: int) -> str | None:
+    """What is wrong with one shard (its size, its first id beyond ``vocab``, its SHA-256), or None. One pass."""
+    name = shard["name"]
+    try:
+        fd = folder.open_fd(name)
+    except (FolderError, OSError) as error:
+        return f"shard {name}: {error}"
+    try:
+        size = os.fstat(fd).st_size
+        if size != shard["tokens"] * dtype.itemsize:
+            return (f"shard {name} has {size:,} bytes, the index says {shard['tokens']:,} tokens of "
+                    f"{dtype.itemsize} bytes")
+        digest, bad, offset = hashlib.sha256(), None, 0
+        while chunk := os.pread(fd, SCAN_BYTES, offset * dtype.itemsize):
+            digest.update(chunk)
+            ids = np.frombuffer(chunk, dtype=dtype)
+            if bad is None and ids.max() >= vocab:
+                bad = _bad_id(name, ids, offset, vocab)
+            offset += len(ids)
+    finally:
+        os.close(fd)
+    if bad is not None:
+        return bad
+    return None if digest.hexdigest() == shard.get("sha256") else f"shard {name}: its SHA-256 is not the index's"
 
 
 def sha256_of_index(path: str | Path) -> str:
