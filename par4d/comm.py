@@ -11,6 +11,7 @@ same result, one ledger entry per stage.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -74,10 +75,13 @@ class Handle:
         return self.result
 
 
-def _issue(grid: Grid, kind: str, axes: tuple[str, ...], message: torch.Tensor, run, async_op: bool, result):
+def _issue(grid: Grid, kind: str, axes: tuple[str, ...], message: torch.Tensor, run, async_op: bool, result,
+           elements: int | None = None):
+    """Record ``kind`` (its per-rank message: ``message``, or ``elements`` of its dtype), run it, and book the
+    wait where it is waited for."""
     start = time.perf_counter()
-    entry = Entry(kind, axes, message.numel(), message.numel() * message.element_size(), issued_at=start,
-                  overlapped=async_op)
+    elements = message.numel() if elements is None else elements
+    entry = Entry(kind, axes, elements, elements * message.element_size(), issued_at=start, overlapped=async_op)
     grid.ledger.record(entry)
     work = run(async_op)
     if async_op:
@@ -132,6 +136,22 @@ def reduce_scatter(grid: Grid, full: torch.Tensor, axis: str, async_op: bool = F
     group = grid.group(axis)
     return _issue(grid, "reduce_scatter", (axis,), full,
                   lambda a: staged.reduce_scatter_single(out, full, group=group, async_op=a), async_op, out)
+
+
+def all_to_all(grid: Grid, rows: torch.Tensor, axis: str, send: list[int], receive: list[int],
+               async_op: bool = False):
+    """Exchange rows (dim 0) over ``axis``: ``send[i]`` consecutive rows of ``rows`` go to the axis's i-th
+    rank, in coordinate order, and ``receive[i]`` come from it, concatenated in that order (uneven counts: a
+    mixture of experts' dispatch). The ledger's message is what this rank sends to the others (its own
+    rows stay), counted exactly."""
+    if grid.size(axis) == 1:
+        return _nothing(grid, rows, async_op)
+    rows = rows.contiguous()
+    out = rows.new_empty((sum(receive), *rows.shape[1:]))
+    group, others = grid.group(axis), sum(send) - send[grid.coord(axis)]
+    return _issue(grid, "all_to_all", (axis,), rows,
+                  lambda a: dist.all_to_all_single(out, rows, receive, send, group=group, async_op=a), async_op, out,
+                  elements=others * math.prod(rows.shape[1:]))
 
 
 def broadcast(grid: Grid, tensor: torch.Tensor, *axes: str) -> torch.Tensor:

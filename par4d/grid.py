@@ -47,17 +47,27 @@ AXES: tuple[str, ...] = tuple(a.value for a in Axis)
 TENSOR_AXES: tuple[str, ...] = ("x", "y", "z")
 """The axes of the 3D tensor-parallel grid inside one data replica."""
 
+FOLDED: dict[str, str] = {"expert": "data"}
+"""Axes folded over the ranks of another, adding none: ``expert`` spreads a mixture's experts over the
+ranks of ``data`` (E consecutive data coordinates hold every expert between them; docs/architecture.md,
+"Experts"). A folded axis is in a grid's sizes only where it was given."""
+
 # Multi-axis groups built at construction (each a tuple in AXES order).
 _COMBINED: tuple[tuple[str, ...], ...] = (("z", "data"), ("x", "y", "z"))
 
 
 def check_axes(axes: Iterable[str]) -> tuple[str, ...]:
-    """``axes`` in AXES order; an unknown name raises ``ValueError`` listing the valid ones."""
+    """``axes`` in AXES order, then the folded ones; an unknown name raises ``ValueError`` listing the valid ones."""
     axes = tuple(axes)
-    unknown = [a for a in axes if a not in AXES]
+    unknown = [a for a in axes if a not in AXES and a not in FOLDED]
     if unknown:
-        raise ValueError(f"unknown grid axis {unknown[0]!r}; valid axes are {', '.join(AXES)}")
-    return tuple(a for a in AXES if a in axes)
+        raise ValueError(f"unknown grid axis {unknown[0]!r}; valid axes are {', '.join([*AXES, *FOLDED])}")
+    return tuple(a for a in (*AXES, *FOLDED) if a in axes)
+
+
+def world_of(sizes: dict[str, int]) -> int:
+    """The ranks a grid of ``sizes`` has: the product of its axes, a folded one adding none."""
+    return math.prod(n for a, n in sizes.items() if a not in FOLDED)
 
 
 def parse_grid(text: str) -> dict[str, int]:
@@ -96,7 +106,11 @@ def validate_sizes(sizes: dict[str, int], world_size: int) -> dict[str, int]:
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"grid axis {axis}={size!r} must be an integer >= 1")
         full[axis] = size
-    product = math.prod(full.values())
+    for axis, host in FOLDED.items():
+        if full.get(axis, 1) > 1 and full[host] % full[axis]:
+            raise ValueError(f"grid axis {axis}={full[axis]} folds over {host}={full[host]}, which it does not "
+                             f"divide: give {host} a multiple of {full[axis]} ({axis} spreads over {host}'s ranks)")
+    product = world_of(full)
     if product != world_size:
         shape = " * ".join(f"{a}={full[a]}" for a in AXES)
         raise ValueError(
@@ -107,8 +121,9 @@ def validate_sizes(sizes: dict[str, int], world_size: int) -> dict[str, int]:
 
 
 def describe(sizes: dict[str, int]) -> str:
-    """``"x=2 y=1 z=2 data=1 pipe=1"``: every axis, in AXES order."""
-    return " ".join(f"{a}={sizes.get(a, 1)}" for a in AXES)
+    """``"x=2 y=1 z=2 data=1 pipe=1"``: every axis, in AXES order (then a folded one, where it is > 1)."""
+    folded = [f"{a}={sizes[a]}" for a in FOLDED if sizes.get(a, 1) > 1]
+    return " ".join([*(f"{a}={sizes.get(a, 1)}" for a in AXES), *folded])
 
 
 def coords_of(rank: int, sizes: dict[str, int]) -> dict[str, int]:
@@ -117,6 +132,9 @@ def coords_of(rank: int, sizes: dict[str, int]) -> dict[str, int]:
     for axis in AXES:
         coords[axis] = rank % sizes[axis]
         rank //= sizes[axis]
+    for axis, host in FOLDED.items():      # the innermost factor of its host: consecutive host coordinates
+        if axis in sizes:
+            coords[axis] = coords[host] % sizes[axis]
     return coords
 
 
@@ -153,17 +171,17 @@ class Grid:
 
     def size(self, *axes: str) -> int:
         """Number of ranks along the given axes (their product)."""
-        return math.prod(self.sizes[a] for a in check_axes(axes))
+        return math.prod(self.sizes.get(a, 1) for a in check_axes(axes))
 
     def coord(self, axis: str) -> int:
         """This rank's coordinate along ``axis``."""
-        return coords_of(self.rank, self.sizes)[check_axes((axis,))[0]]
+        return coords_of(self.rank, self.sizes).get(check_axes((axis,))[0], 0)
 
     @classmethod
     def virtual(cls, sizes: dict[str, int], rank: int = 0) -> Grid:
         """A grid with no job behind it (meta device, no groups): for validating a
         model against a shape, or planning, before any process is started."""
-        full = validate_sizes(sizes, math.prod(sizes.values()))
+        full = validate_sizes(sizes, world_of(sizes))
         return cls(sizes=full, rank=rank, device=torch.device("meta"), mesh=None)
 
     def group(self, *axes: str) -> dist.ProcessGroup:
@@ -216,6 +234,12 @@ class Grid:
     def group_ranks(self, *axes: str) -> list[int]:
         """Global ranks of ``group(*axes)``, in axis order (innermost fastest)."""
         key = check_axes(axes)
+        folded = [a for a in key if a in FOLDED]
+        if folded:
+            if len(key) > 1:
+                raise ValueError(f"no group of {key}: a folded axis ({folded[0]}) forms groups of its own only")
+            return next(g for g in folded_groups(self.sizes, key[0]) if self.rank in g) \
+                if self.sizes.get(key[0], 1) > 1 else [self.rank]
         mine = coords_of(self.rank, self.sizes)
         ranges = [range(self.sizes[a]) if a in key else [mine[a]] for a in AXES]
         return [rank_of(dict(zip(reversed(AXES), c)), self.sizes) for c in itertools.product(*reversed(ranges))]
@@ -251,7 +275,7 @@ class Grid:
 
     @property
     def world_size(self) -> int:
-        return math.prod(self.sizes.values())
+        return world_of(self.sizes)
 
     def describe(self) -> str:
         return describe(self.sizes)
@@ -291,6 +315,9 @@ def build_grid(sizes: dict[str, int], device: torch.device, nodes: tuple[int, ..
                 hierarchical=hierarchical)
     for axis in AXES:
         grid._groups[(axis,)] = mesh.get_group(axis)
+    for axis in FOLDED:
+        if sizes.get(axis, 1) > 1:
+            grid._groups[(axis,)], _ = dist.new_subgroups_by_enumeration(folded_groups(sizes, axis))
     for combo in _COMBINED:
         grid._groups[combo] = _combined_group(grid, combo)
     if nodes is not None and device.type == "cpu" and hierarchical != "off":
@@ -328,6 +355,14 @@ def groups_of(sizes: dict[str, int], axes: tuple[str, ...]) -> list[list[int]]:
             members.append(rank_of(coords, sizes))
         enumeration.append(members)
     return enumeration
+
+
+def folded_groups(sizes: dict[str, int], axis: str) -> list[list[int]]:
+    """Every group of the folded ``axis``: the ranks of one group of its host axis, cut into runs of
+    ``sizes[axis]`` consecutive host coordinates."""
+    size = sizes[axis]
+    return [members[start:start + size] for members in groups_of(sizes, (FOLDED[axis],))
+            for start in range(0, len(members), size)]
 
 
 def _combined_group(grid: Grid, axes: tuple[str, ...]) -> dist.ProcessGroup:

@@ -17,19 +17,19 @@ _current: dict[tuple, Grid] = {}
 
 
 def grid(x: int = 1, y: int = 1, z: int = 1, data: int = 1, pipe: int = 1,
-         nodes: tuple[int, ...] | None = None, hierarchical: str = "auto") -> Grid:
+         nodes: tuple[int, ...] | None = None, hierarchical: str = "auto", expert: int = 1) -> Grid:
     """The grid of this shape, reused while tests ask for the same shape (building
     groups costs); the previous shape's grid is closed, since idle groups slow the
     pool's ranks (docs/planner.md). ``nodes``: each rank's node, declared (the pool's ranks
     share one host): collectives over groups that span the declared nodes go in stages."""
-    key = (x, y, z, data, pipe, nodes, hierarchical)
+    key = (x, y, z, data, pipe, nodes, hierarchical, expert)
     if key not in _current:
         for old in _current.values():
             old.close()
         _current.clear()
         sizes = dict(x=x, y=y, z=z, data=data, pipe=pipe)
         if nodes is None:
-            _current[key] = par4d.init(**sizes, hierarchical=hierarchical)
+            _current[key] = par4d.init(**sizes, hierarchical=hierarchical, expert=expert)
         else:
             _current[key] = build_grid(validate_sizes(sizes, dist.get_world_size()), torch.device("cpu"),
                                        nodes, hierarchical)

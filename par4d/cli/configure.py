@@ -77,14 +77,12 @@ def world_size(args: argparse.Namespace, resumed: tuple[Path, dict] | None = Non
 
 
 def _default_nproc(args: argparse.Namespace, resumed: tuple[Path, dict] | None) -> int:
-    from math import prod
-
-    from par4d.grid import parse_grid
+    from par4d.grid import parse_grid, world_of
 
     if args.grid and args.grid != "auto":
-        return prod(parse_grid(args.grid).values())
+        return world_of(parse_grid(args.grid))
     if resumed is not None:   # the grid it was saved on (checked by _resumable)
-        return prod(resumed[1]["train_config"]["grid"].values())
+        return world_of(resumed[1]["train_config"]["grid"])
     return DEFAULT_NPROC
 
 

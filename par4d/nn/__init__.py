@@ -7,7 +7,8 @@ from par4d.nn.conv import Conv2d
 from par4d.nn.embedding import Embedding
 from par4d.nn.linear import Linear
 from par4d.nn.loss import vocab_parallel_cross_entropy
+from par4d.nn.moe import MoE, ReferenceMoE
 from par4d.nn.norm import LayerNorm, RMSNorm
 
-__all__ = ["BatchNorm", "CausalSelfAttention", "Conv2d", "Embedding", "LayerNorm", "Linear", "RMSNorm",
-           "ShardedModule", "full_state_dict", "load_full_state_dict", "vocab_parallel_cross_entropy"]
+__all__ = ["BatchNorm", "CausalSelfAttention", "Conv2d", "Embedding", "LayerNorm", "Linear", "MoE", "RMSNorm",
+           "ReferenceMoE", "ShardedModule", "full_state_dict", "load_full_state_dict", "vocab_parallel_cross_entropy"]

@@ -74,6 +74,10 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         recipe(self.model).check(self)      # an unknown --model, and what the model cannot train with
+        if self.grid.get("expert", 1) > 1:    # no model here has experts to spread: never a silent dense run
+            raise ValueError(f"--grid expert={self.grid['expert']}: the expert axis spreads a mixture of experts' "
+                             f"experts over data's ranks; no model of par4d train has experts yet (par4d.nn.MoE is "
+                             f"the layer)")
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"--precision {self.precision!r}: give fp32, bf16 or fp16")
         if self.offload_bsize is not None and (self.precision == "fp32" or self.offload_bsize < 1):

@@ -1,0 +1,205 @@
+"""A mixture of experts on the grid (docs/architecture.md, "Experts"): a router gives each token its top-k
+experts; the tokens travel to the ranks that hold those experts over the ``expert`` axis (folded over
+``data``) and back, **dropless**: every token reaches every expert it chose, whatever the load.
+
+One layer's step, on each rank of an expert group (``G`` ranks, ``E / G`` experts each):
+
+1. route: fp32 (or wider) logits of a replicated router, softmax or sigmoid scores, top-k, weights
+   renormalised over the k where asked;
+2. permute: the (token, slot) assignments sorted by expert (stable), so each destination rank's rows
+   are one run, in the order of its experts;
+3. exchange: an all-to-all of the per-expert counts, then one of the rows with uneven splits;
+4. the experts: the rows regrouped expert-major (from every source), each expert's GEMMs on its run;
+5. the way back: ungrouped, the reverse all-to-all, unsorted to (token, slot) order, weighted and summed
+   over the k slots.
+
+Load balancing: the switch (GShard) auxiliary loss ``E * sum_e f_e * P_e`` over the global batch (``f_e``,
+the share of assignments expert e got, counted over every data-parallel rank; ``P_e`` its mean score), and
+the router z-loss (the mean squared log-sum-exp of the logits); the layer keeps both of its last forward
+(``aux_loss``, weighted, for the model to add to its loss).
+
+Experts are whole on a rank for now: x, y and z must be 1 (splitting each expert's GEMMs by Algorithm 1
+is not built yet); :class:`ReferenceMoE` is the single-device twin the tests hold it to.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from par4d import comm
+from par4d.grid import Grid
+from par4d.layout import Placement, Split, place
+from par4d.nn.base import ShardedModule
+
+SCORES = ("softmax", "sigmoid")
+BATCH_AXES = ("z", "data")    # what a dense layer's gradients are summed over: every rank of other tokens
+
+
+class Exchange(torch.autograd.Function):
+    """all-to-all of rows over ``expert`` in forward (``send[i]`` rows to its i-th rank, ``receive[i]``
+    from it), the reverse all-to-all in backward (each row's gradient goes back where the row came from)."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, grid: Grid, send: list[int], receive: list[int]) -> torch.Tensor:
+        ctx.grid, ctx.send, ctx.receive = grid, send, receive
+        return comm.all_to_all(grid, rows, "expert", send, receive)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return comm.all_to_all(ctx.grid, grad.contiguous(), "expert", ctx.receive, ctx.send), None, None, None
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, score: str, renormalize: bool
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(experts (N, k), their weights (N, k), scores (N, E), logits (N, E)) of tokens ``x`` (N, D) under
+    router ``weight`` (E, D), in fp32 or the inputs' wider dtype. Ties in top-k go to the lower index."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    logits = x.to(dtype) @ weight.to(dtype).t()
+    scores = logits.softmax(-1) if score == "softmax" else logits.sigmoid()
+    weights, experts = scores.topk(top_k, dim=-1, sorted=True)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return experts, weights, scores, logits
+
+
+def balance_losses(experts: torch.Tensor, scores: torch.Tensor, logits: torch.Tensor, counts: torch.Tensor,
+                   score: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(switch auxiliary loss, router z-loss) of one rank's tokens, given ``counts``: the assignments per
+    expert over the whole batch (every rank's). The mean of every rank's values is the whole batch's (each
+    rank holds as many tokens), and so is the mean of their gradients."""
+    n_experts = scores.shape[-1]
+    share = counts.to(scores.dtype) / counts.sum()                 # f_e: no gradient (a count)
+    probs = scores if score == "softmax" else scores / scores.sum(-1, keepdim=True)
+    aux = n_experts * (share * probs.mean(0)).sum()
+    z = torch.logsumexp(logits, dim=-1).square().mean()
+    return aux, z
+
+
+def _expert_mlp(rows: torch.Tensor, fc: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
+    """One expert: fc (hidden, dim) -> GELU -> proj (dim, hidden), as the GPT's dense MLP (no bias)."""
+    return F.gelu(rows @ fc.t()) @ proj.t()
+
+
+class MoE(ShardedModule):
+    """A mixture of ``experts`` GELU MLPs (``dim`` -> ``hidden`` -> ``dim``), ``top_k`` of them per token,
+    spread over the grid's ``expert`` axis; residual layout in and out ((..., dim), samples over data and z).
+
+    ``score``: ``"softmax"`` or ``"sigmoid"`` router scores; ``renormalize``: the top-k weights summed to 1;
+    ``aux_weight``, ``z_weight``: the weights of the auxiliary and z losses in :attr:`aux_loss`.
+    Parameters: ``router`` (E, D) replicated; ``fc`` (E, hidden, D) and ``proj`` (E, D, hidden), cut
+    over ``expert`` (dim 0). Raises ``ValueError`` naming the numbers for a shape the grid cannot hold.
+    """
+
+    def __init__(self, dim: int, hidden: int, experts: int, top_k: int, grid: Grid, name: str = "moe", *,
+                 score: str = "softmax", renormalize: bool = True, aux_weight: float = 0.01,
+                 z_weight: float = 0.001):
+        super().__init__()
+        check_moe(name, experts, top_k, grid, score)
+        self.grid, self.name, self.top_k, self.score, self.renormalize = grid, name, top_k, score, renormalize
+        self.n_experts, self.aux_weight, self.z_weight = experts, aux_weight, z_weight
+        local = experts // grid.size("expert")
+        device = grid.device
+        self.router = place(nn.Parameter(torch.empty(experts, dim, device=device)), Placement((), BATCH_AXES))
+        self.fc = place(nn.Parameter(torch.empty(local, hidden, dim, device=device)),
+                        Placement((Split(0, "expert"),), BATCH_AXES))
+        self.proj = place(nn.Parameter(torch.empty(local, dim, hidden, device=device)),
+                          Placement((Split(0, "expert"),), BATCH_AXES))
+        self.aux_loss: torch.Tensor | None = None     # the last forward's weighted balance losses
+        self.last_counts: torch.Tensor | None = None  # the last forward's assignments per expert (whole batch)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        shape = h.shape
+        x = h.reshape(-1, shape[-1])
+        experts, weights, scores, logits = route(x, self.router, self.top_k, self.score, self.renormalize)
+        local = torch.bincount(experts.reshape(-1), minlength=self.n_experts)
+        counts = comm.all_reduce(self.grid, local.clone(), *BATCH_AXES)    # every rank's assignments
+        aux, z = balance_losses(experts, scores, logits, counts, self.score)
+        self.aux_loss, self.last_counts = self.aux_weight * aux + self.z_weight * z, counts
+        y = dispatch(x, experts, local, self.grid, lambda rows, per_expert: self._experts(rows, per_expert))
+        slots = y.view(x.shape[0], self.top_k, -1) * weights.to(y.dtype).unsqueeze(-1)
+        return slots.sum(1).reshape(shape)
+
+    def _experts(self, rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
+        """This rank's experts on their runs of ``rows`` (expert-major), a GEMM pair each (a loop: on CPU
+        the runs are too uneven for a padded batched matmul to pay)."""
+        parts = rows.split(per_expert)
+        return torch.cat([_expert_mlp(part, self.fc[e], self.proj[e]) for e, part in enumerate(parts)])
+
+
+def check_moe(where: str, experts: int, top_k: int, grid: Grid, score: str = "softmax") -> None:
+    """Raise a ValueError naming ``where`` and the numbers unless ``grid`` can hold the layer."""
+    spread = grid.size("expert")
+    if score not in SCORES:
+        raise ValueError(f"{where}: score={score!r}; give one of {', '.join(SCORES)}")
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"{where}: top_k={top_k} must be from 1 to the {experts} experts")
+    if experts % spread:
+        raise ValueError(f"{where}: {experts} experts do not divide over expert={spread} ranks")
+    if grid.size("x", "y", "z") > 1:
+        raise ValueError(f"{where}: experts split over x, y or z are not built yet (this grid has x={grid.size('x')}, "
+                         f"y={grid.size('y')}, z={grid.size('z')}); spread them over expert, folded over data")
+
+
+def dispatch(x: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor, grid: Grid, compute) -> torch.Tensor:
+    """``compute(rows, per_expert)`` of every (token, slot) assignment, dropless, returned in (token, slot)
+    order (N * k rows): the rows are sorted by expert, sent to the ranks of the expert group that hold
+    their experts, regrouped expert-major there (``per_expert``: each local expert's run), computed, and
+    sent back. ``counts``: this rank's assignments per expert (E,)."""
+    spread = grid.size("expert")
+    n_experts, k = counts.numel(), experts.shape[1]
+    per_rank = n_experts // spread
+    order = torch.argsort(experts.reshape(-1), stable=True)          # expert-major, token order inside
+    rows = x[order // k]
+    send = counts.view(spread, per_rank)                               # to each rank: a count per expert of its
+    got = comm.all_to_all(grid, send, "expert", [1] * spread, [1] * spread).view(spread, per_rank)
+    send_rows, receive_rows = send.sum(1).tolist(), got.sum(1).tolist()
+    arrived = Exchange.apply(rows, grid, send_rows, receive_rows)      # by source rank, then expert
+    regroup = _expert_major(got)
+    out = compute(arrived[regroup], got.sum(0).tolist())
+    back = Exchange.apply(out[torch.argsort(regroup)], grid, receive_rows, send_rows)
+    return back[torch.argsort(order)]
+
+
+def _expert_major(got: torch.Tensor) -> torch.Tensor:
+    """The row order that takes blocks laid out (source, expert) to (expert, source); ``got[s, e]`` rows each."""
+    sizes = got.reshape(-1).tolist()
+    starts = [0, *itertools.accumulate(sizes)][:-1]
+    sources, per_rank = got.shape
+    runs = [torch.arange(starts[s * per_rank + e], starts[s * per_rank + e] + sizes[s * per_rank + e])
+            for e in range(per_rank) for s in range(sources)]
+    return torch.cat(runs) if runs else torch.zeros(0, dtype=torch.long)
+
+
+class ReferenceMoE(nn.Module):
+    """The single-device twin of :class:`MoE`: every expert here, the same routing and losses, each
+    (token, slot) computed by its expert and summed over the slots in the same order."""
+
+    def __init__(self, dim: int, hidden: int, experts: int, top_k: int, *, score: str = "softmax",
+                 renormalize: bool = True, aux_weight: float = 0.01, z_weight: float = 0.001):
+        super().__init__()
+        self.top_k, self.score, self.renormalize = top_k, score, renormalize
+        self.n_experts, self.aux_weight, self.z_weight = experts, aux_weight, z_weight
+        self.router = nn.Parameter(torch.randn(experts, dim) / math.sqrt(dim))
+        self.fc = nn.Parameter(torch.randn(experts, hidden, dim) / math.sqrt(dim))
+        self.proj = nn.Parameter(torch.randn(experts, dim, hidden) / math.sqrt(hidden))
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        shape = h.shape
+        x = h.reshape(-1, shape[-1])
+        experts, weights, scores, logits = route(x, self.router, self.top_k, self.score, self.renormalize)
+        counts = torch.bincount(experts.reshape(-1), minlength=self.n_experts)
+        aux, z = balance_losses(experts, scores, logits, counts, self.score)
+        self.aux_loss = self.aux_weight * aux + self.z_weight * z
+        flat = experts.reshape(-1)
+        y = x.new_zeros(flat.numel(), shape[-1])
+        for e in range(self.n_experts):
+            slots = (flat == e).nonzero().squeeze(1)
+            y = y.index_copy(0, slots, _expert_mlp(x[slots // self.top_k], self.fc[e], self.proj[e]))
+        slots = y.view(x.shape[0], self.top_k, -1) * weights.to(y.dtype).unsqueeze(-1)
+        return slots.sum(1).reshape(shape)

@@ -1,0 +1,164 @@
+"""The expert axis and the mixture-of-experts layer (par4d.nn.moe): the axis folded over data (sizes,
+coordinates, groups), the dispatcher's round trip (uneven loads, an expert without tokens, every token to
+one expert), the all-to-all's bytes counted exactly, and the layer against its single-device twin in
+float64 (routes, outputs, balance losses, every gradient) on expert=2 and expert=4, with replicas."""
+
+import pytest
+import torch
+
+from par4d.grid import Grid, coords_of, describe, folded_groups, validate_sizes, world_of
+from par4d.layout import shard, shard_batch
+from tests import cases
+
+DIM, HIDDEN = 8, 12
+
+
+def test_the_expert_axis_folds_over_data():
+    sizes = validate_sizes({"x": 2, "data": 4, "expert": 2}, 8)
+    assert world_of(sizes) == 8 and describe(sizes) == "x=2 y=1 z=1 data=4 pipe=1 expert=2"
+    assert [coords_of(r, sizes)["expert"] for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    # each group: consecutive data coordinates (x fixed); together they cover every rank once
+    assert folded_groups(sizes, "expert") == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert Grid.virtual({"data": 4, "expert": 4}, 2).group_ranks("expert") == [0, 1, 2, 3]
+    assert "expert" not in validate_sizes({"data": 2}, 2) and describe({"data": 2}) == "x=1 y=1 z=1 data=2 pipe=1"
+    with pytest.raises(ValueError, match=r"grid axis expert=2 folds over data=3, which it does not divide"):
+        validate_sizes({"data": 3, "expert": 2}, 3)
+
+
+def test_a_layer_the_grid_cannot_hold_is_named():
+    from par4d.nn.moe import check_moe
+
+    spread = Grid.virtual({"data": 4, "expert": 4})
+    for experts, top_k, grid, said in [(6, 2, spread, "6 experts do not divide over expert=4 ranks"),
+                                       (4, 5, spread, "top_k=5 must be from 1 to the 4 experts"),
+                                       (4, 0, spread, "top_k=0 must be from 1 to the 4 experts"),
+                                       (4, 1, Grid.virtual({"x": 2}), "experts split over x, y or z are not built")]:
+        with pytest.raises(ValueError, match=said):
+            check_moe("block.mlp", experts, top_k, grid)
+
+
+def _round_trip(sizes: dict, routes: str) -> list[str]:
+    """The dispatcher with an identity for experts: every (token, slot) comes back as its token, each
+    expert saw exactly the tokens routed to it (from every source, source-major), and the gradient of
+    every token is the sum of its slots'."""
+    import torch.distributed as dist
+
+    from par4d.nn.moe import dispatch
+
+    grid = cases.grid(**sizes)
+    n_experts, k, tokens = 4, 2, 6
+    generator = torch.Generator().manual_seed(grid.coord("data"))
+    x = torch.randn(tokens, DIM, generator=generator, dtype=torch.float64, requires_grad=True)
+    if routes == "uneven":                    # expert 0 most, expert 3 none
+        chosen = torch.tensor([[0, 1], [0, 2], [1, 0], [0, 1], [2, 0], [1, 2]])
+    else:                                     # every token to expert 3 (twice: both slots)
+        chosen = torch.full((tokens, k), 3)
+    counts = torch.bincount(chosen.reshape(-1), minlength=n_experts)
+    seen = []
+
+    def identity(rows, per_expert):
+        seen.append((rows.detach().clone(), list(per_expert)))
+        return rows * 1.0
+
+    out = dispatch(x, chosen, counts, grid, identity)
+    torch.testing.assert_close(out, x.repeat_interleave(k, 0), rtol=0, atol=0)
+    out.backward(torch.arange(out.numel(), dtype=out.dtype).view_as(out))
+    slots = torch.arange(out.numel(), dtype=out.dtype).view(tokens, k, DIM).sum(1)
+    torch.testing.assert_close(x.grad, slots, rtol=0, atol=0)
+    # what the experts of this rank saw: the tokens each source routed to them, source by source
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (grid.rank, x.detach(), chosen))
+    group = grid.group_ranks("expert")
+    rows, per_expert = seen[0]
+    local = n_experts // grid.size("expert")
+    start = 0
+    for e in range(local):
+        mine = grid.coord("expert") * local + e
+        want = [xs[(ch == mine).any(1).nonzero().squeeze(1).repeat_interleave((ch == mine).sum(1)[(ch == mine).any(1)])]
+                for rank, xs, ch in sorted(everyone, key=lambda r: group.index(r[0]) if r[0] in group else 99)
+                if rank in group]
+        want = torch.cat(want)
+        assert per_expert[e] == len(want)
+        torch.testing.assert_close(rows[start:start + len(want)], want, rtol=0, atol=0)
+        start += len(want)
+    return [f"{grid.rank}: {per_expert}"]
+
+
+GRIDS = [dict(data=4, expert=4), dict(data=4, expert=2), dict(data=2, pipe=2, expert=2), dict(data=4)]
+
+
+@pytest.mark.parametrize("routes", ["uneven", "one expert"])
+@pytest.mark.parametrize("sizes", GRIDS[:3], ids=describe)
+def test_the_dispatcher_returns_every_token_and_its_gradient(pool4, sizes, routes):
+    pool4.run(_round_trip, sizes, routes)
+
+
+def _exchange_bytes() -> list[int]:
+    """One all-to-all of uneven rows: the ledger counts the rows sent to the other ranks, not one's own."""
+    from par4d import comm
+
+    grid = cases.grid(data=4, expert=4)
+    me = grid.coord("expert")
+    send = [me + i for i in range(4)]                  # rank r sends r + i rows to rank i
+    receive = [i + me for i in range(4)]
+    rows = torch.full((sum(send), 3), float(me))
+    before = grid.ledger.total_bytes()
+    out = comm.all_to_all(grid, rows, "expert", send, receive)
+    assert out.tolist() == [[float(i)] * 3 for i in range(4) for _ in range(i + me)]
+    return [grid.ledger.total_bytes() - before]
+
+
+def test_the_all_to_all_counts_what_leaves_the_rank(pool4):
+    moved = pool4.run(_exchange_bytes)
+    assert moved == [[(sum(r + i for i in range(4)) - 2 * r) * 3 * 4] for r in range(4)]
+
+
+def _against_the_twin(sizes: dict, score: str, seed: int) -> dict:
+    """The parallel layer and its twin on the same global batch: routes, outputs, losses and every
+    gradient (the router's averaged over ranks, each expert's summed over its replicas)."""
+    from par4d import comm
+    from par4d.nn.moe import MoE, ReferenceMoE, route
+
+    grid = cases.grid(**sizes)
+    with cases.float64():
+        torch.manual_seed(seed)
+        twin = ReferenceMoE(DIM, HIDDEN, 4, 2, score=score)
+        layer = MoE(DIM, HIDDEN, 4, 2, grid, score=score)
+        layer.load_full_state({name: p.detach() for name, p in twin.named_parameters()})
+        batch = torch.randn(8, 3, DIM, generator=torch.Generator().manual_seed(seed + 1))
+        target = torch.randn(8, 3, DIM, generator=torch.Generator().manual_seed(seed + 2))
+        x = batch.clone().requires_grad_()
+        (((twin(x) - target) ** 2).mean() + twin.aux_loss).backward()
+        mine = shard_batch(grid, batch).clone().requires_grad_()
+        out = layer(mine)
+        (((out - shard_batch(grid, target)) ** 2).mean() + layer.aux_loss).backward()
+    torch.testing.assert_close(out, shard_batch(grid, twin(batch)), rtol=0, atol=1e-13)
+    chosen = route(batch.reshape(-1, DIM), twin.router.detach(), 2, score, True)[0]       # the twin's routes
+    assert layer.last_counts.tolist() == torch.bincount(chosen.reshape(-1), minlength=4).tolist()
+    ranks = grid.size("data")
+    aux = comm.all_reduce(grid, layer.aux_loss.detach().clone(), "data") / ranks   # each rank's share of the batch's
+    torch.testing.assert_close(aux, twin.aux_loss.detach(), rtol=0, atol=1e-13)
+    torch.testing.assert_close(mine.grad, shard_batch(grid, x.grad) * ranks, rtol=0, atol=1e-13)
+    router = comm.all_reduce(grid, layer.router.grad.clone(), "data") / ranks
+    torch.testing.assert_close(router, twin.router.grad, rtol=0, atol=1e-13)
+    for name in ("fc", "proj"):     # each expert's gradient, summed over the data ranks that hold it
+        held = shard(grid, getattr(twin, name).grad, getattr(layer, name)._par4d_placement)
+        torch.testing.assert_close(_replica_sum(grid, getattr(layer, name).grad) / ranks, held, rtol=0, atol=1e-13)
+    return {"counts": layer.last_counts.tolist()}
+
+
+def _replica_sum(grid: Grid, grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` summed over the data ranks that hold the same experts (what the data-parallel sync will do)."""
+    import torch.distributed as dist
+
+    every = [None] * dist.get_world_size()
+    mine = (grid.coord("expert"), grid.coord("pipe"))       # (a second pipeline stage runs its own copy here)
+    dist.all_gather_object(every, (mine, grad))
+    return sum(g for held, g in every if held == mine)
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("sizes", GRIDS, ids=describe)
+def test_the_layer_is_its_single_device_twin(pool4, sizes, score):
+    counts = pool4.run(_against_the_twin, sizes, score, 3)
+    assert all(c == counts[0] for c in counts) and sum(counts[0]["counts"]) == 8 * 3 * 2
