@@ -95,10 +95,16 @@ def _nothing(grid: Grid, result: torch.Tensor, async_op: bool):
     return Handle(None, grid.ledger, None, result) if async_op else result
 
 
-def all_reduce(grid: Grid, tensor: torch.Tensor, *axes: str, op=dist.ReduceOp.SUM, async_op: bool = False):
-    """Sum (or ``op``) ``tensor`` in place over ``axes``; returns it (or a Handle)."""
-    if grid.size(*axes) == 1:
+def all_reduce(grid: Grid, tensor: torch.Tensor, *axes: str, op=dist.ReduceOp.SUM, async_op: bool = False,
+               within: str | None = None):
+    """Sum (or ``op``) ``tensor`` in place over ``axes``; returns it (or a Handle). ``within`` a folded axis:
+    over those ranks only that share this rank's coordinate on it (an expert's replicas), flat."""
+    if grid.size(*axes, within=within) == 1:
         return _nothing(grid, tensor, async_op)
+    if within is not None:
+        group = grid.group(*axes, within=within)
+        return _issue(grid, "all_reduce", tuple(axes), tensor,
+                      lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a), async_op, tensor)
     staged_ok = tensor.is_contiguous() and op == dist.ReduceOp.SUM     # stages sum (a max runs flat)
     stages = grid.stages(axes, tensor.numel() * tensor.element_size()) if staged_ok else None
     if stages is not None:

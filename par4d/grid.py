@@ -165,13 +165,16 @@ class Grid:
     nodes: tuple[int, ...] | None = None
     hierarchical: str = "auto"
     _groups: dict[tuple[str, ...], dist.ProcessGroup] = field(default_factory=dict, repr=False)
+    _within: dict[tuple[tuple[str, ...], str], dist.ProcessGroup] = field(default_factory=dict, repr=False)
     _stages: dict[tuple[str, ...], Stages] = field(default_factory=dict, repr=False)
     _stager: object | None = field(default=None, repr=False)      # par4d.staged's lanes, made on first use
     _closed: bool = field(default=False, repr=False)
 
-    def size(self, *axes: str) -> int:
-        """Number of ranks along the given axes (their product)."""
-        return math.prod(self.sizes.get(a, 1) for a in check_axes(axes))
+    def size(self, *axes: str, within: str | None = None) -> int:
+        """Number of ranks along the given axes (their product); ``within`` a folded axis: those of them
+        that share this rank's coordinate on it (the data ranks holding the same experts)."""
+        size = math.prod(self.sizes.get(a, 1) for a in check_axes(axes))
+        return size // self.size(within) if within is not None and FOLDED[within] in axes else size
 
     def coord(self, axis: str) -> int:
         """This rank's coordinate along ``axis``."""
@@ -184,9 +187,14 @@ class Grid:
         full = validate_sizes(sizes, world_of(sizes))
         return cls(sizes=full, rank=rank, device=torch.device("meta"), mesh=None)
 
-    def group(self, *axes: str) -> dist.ProcessGroup:
-        """Process group of the ranks that differ from this one only along ``axes``."""
+    def group(self, *axes: str, within: str | None = None) -> dist.ProcessGroup:
+        """Process group of the ranks that differ from this one only along ``axes``; ``within`` a folded
+        axis: only those that share this rank's coordinate on it (built where it is > 1)."""
         key = check_axes(axes)
+        if within is not None:
+            if (key, within) not in self._within:
+                raise ValueError(f"no process group for axes {key} within {within}; available: {sorted(self._within)}")
+            return self._within[(key, within)]
         if self.mesh is None:
             state = "closed" if self._closed else "virtual"
             raise RuntimeError(f"{self!r} is {state}: it has no process groups")
@@ -262,7 +270,7 @@ class Grid:
         if dist.is_initialized():
             world = dist.group.WORLD
             staged = [] if stuck else [g for st in self._stages.values() for g in (st.node, st.link, st.node_out)]
-            for group in {id(g): g for g in [*self._groups.values(), *staged]}.values():
+            for group in {id(g): g for g in [*self._groups.values(), *self._within.values(), *staged]}.values():
                 if group is world:
                     continue
                 try:
@@ -270,6 +278,7 @@ class Grid:
                 except ValueError:    # gone already: the job was left (destroy_process_group()) since
                     pass
         self._groups.clear()
+        self._within.clear()
         self._stages.clear()
         self.mesh, self._closed = None, True
 
@@ -318,6 +327,8 @@ def build_grid(sizes: dict[str, int], device: torch.device, nodes: tuple[int, ..
     for axis in FOLDED:
         if sizes.get(axis, 1) > 1:
             grid._groups[(axis,)], _ = dist.new_subgroups_by_enumeration(folded_groups(sizes, axis))
+            for key in ((FOLDED[axis],), ("z", FOLDED[axis])):    # what gradients are summed over, within it
+                grid._within[(key, axis)], _ = dist.new_subgroups_by_enumeration(within_groups(sizes, key, axis))
     for combo in _COMBINED:
         grid._groups[combo] = _combined_group(grid, combo)
     if nodes is not None and device.type == "cpu" and hierarchical != "off":
@@ -363,6 +374,13 @@ def folded_groups(sizes: dict[str, int], axis: str) -> list[list[int]]:
     size = sizes[axis]
     return [members[start:start + size] for members in groups_of(sizes, (FOLDED[axis],))
             for start in range(0, len(members), size)]
+
+
+def within_groups(sizes: dict[str, int], axes: tuple[str, ...], folded: str) -> list[list[int]]:
+    """Every group of ``axes`` cut by the coordinate on the folded axis: the ranks of one group that hold
+    the same experts."""
+    return [[r for r in members if coords_of(r, sizes)[folded] == c]
+            for members in groups_of(sizes, axes) for c in range(sizes[folded])]
 
 
 def _combined_group(grid: Grid, axes: tuple[str, ...]) -> dist.ProcessGroup:

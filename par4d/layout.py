@@ -174,7 +174,7 @@ def boxes(placement: Placement, full_shape: tuple[int, ...], coords: dict[str, i
             del dims[s.dim]
             continue
         chunks = index.view(s.chunks, -1)
-        mine = block(chunks.shape[1], sizes[s.axis], coords[s.axis])
+        mine = block(chunks.shape[1], sizes.get(s.axis, 1), coords.get(s.axis, 0))   # (a folded axis may be absent)
         dims[s.dim] = (full_dim, chunks[:, mine].reshape(-1))
     runs: dict[int, list[tuple[int, int, int]]] = {}   # full dim -> (local start, full start, length)
     for full_dim, index in dims:   # runs of consecutive indices: where the next is not the last + 1

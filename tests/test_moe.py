@@ -162,3 +162,61 @@ def _replica_sum(grid: Grid, grad: torch.Tensor) -> torch.Tensor:
 def test_the_layer_is_its_single_device_twin(pool4, sizes, score):
     counts = pool4.run(_against_the_twin, sizes, score, 3)
     assert all(c == counts[0] for c in counts) and sum(counts[0]["counts"]) == 8 * 3 * 2
+
+
+def _trained(sizes: dict, folder: str | None, saved: dict | None) -> dict:
+    """3 AdamW steps of the layer (its gradients synced over data, experts' over their replicas; the global
+    norm of its gradients) against the twin's on the whole batch; then saved (its full state returned), or,
+    given what another grid saved, that checkpoint loaded here: this grid's shards of it, bit for bit."""
+    from pathlib import Path
+
+    from par4d import checkpoint
+    from par4d.nn.moe import MoE, ReferenceMoE
+    from par4d.optim.data_parallel import grad_norm, sync_gradients
+
+    grid = cases.grid(**sizes)
+    norms = []
+    with cases.float64():
+        torch.manual_seed(5)
+        twin = ReferenceMoE(DIM, HIDDEN, 4, 2)
+        layer = MoE(DIM, HIDDEN, 4, 2, grid)
+        layer.load_full_state({name: p.detach() for name, p in twin.named_parameters()})
+        # eps 1e-4: AdamW's update divides by sqrt(v) + eps, so at the default 1e-8 round-off in a near-zero
+        # gradient (1e-17 here) would come out of it 1e6 times larger: a bound on the amplification, not on the sum
+        ours = torch.optim.AdamW(layer.parameters(), lr=0.05, eps=1e-4)
+        theirs = torch.optim.AdamW(twin.parameters(), lr=0.05, eps=1e-4)
+        for step in range(3):
+            batch = torch.randn(8, 3, DIM, generator=torch.Generator().manual_seed(step))
+            for model, x, opt in ((twin, batch, theirs), (layer, shard_batch(grid, batch), ours)):
+                opt.zero_grad()
+                ((model(x) - x.flip(-1)) ** 2).mean().add(model.aux_loss).backward()
+            sync_gradients(layer, grid)
+            # the global norm counts each expert once (the expert group's ranks hold different ones)
+            norms.append((grad_norm(layer, grid).item(),
+                          torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in twin.parameters()])).item()))
+            ours.step()
+            theirs.step()
+    for name, value in layer.full_state().items():
+        torch.testing.assert_close(value, getattr(twin, name).detach(), rtol=0, atol=1e-11)
+    found = {"norms": norms}
+    if folder is not None:
+        checkpoint.save(Path(folder), 3, grid, layer, ours, {})
+        found["state"] = layer.full_state()
+    if saved is not None:
+        with cases.float64():
+            fresh = MoE(DIM, HIDDEN, 4, 2, grid)
+            fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.05, eps=1e-4)
+        assert checkpoint.load(Path(saved["folder"]), grid, fresh, fresh_opt)["step"] == 3
+        for name, param in fresh.named_parameters():
+            assert torch.equal(param, shard(grid, saved["state"][name], param._par4d_placement)), name
+            assert fresh_opt.state[param]["exp_avg_sq"].shape == param.shape
+    return found
+
+
+def test_three_adamw_steps_equal_the_twins_and_the_checkpoint_loads_at_any_expert_size(pool4, tmp_path):
+    folder = str(tmp_path / "expert4")
+    first = pool4.run(_trained, dict(data=4, expert=4), folder, None)[0]
+    saved = {"folder": folder, "state": first["state"]}
+    for sizes in (dict(data=4, expert=2), dict(data=4)):     # (a pipe=2 grid would hold the layer on both stages)
+        norms = pool4.run(_trained, sizes, None, saved)[0]["norms"]
+        assert all(abs(ours - theirs) <= 1e-12 * theirs for ours, theirs in first["norms"] + norms), norms

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from par4d.folder import Folder
-from par4d.grid import AXES, Grid
+from par4d.grid import AXES, FOLDED, Grid
 from par4d.layout import Placement, placement_of
 
 FOLDER = "checkpoints"
@@ -70,15 +70,19 @@ def persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def coords(grid: Grid) -> dict[str, int]:
-    return {a: grid.coord(a) for a in AXES}
+    return {a: grid.coord(a) for a in (*AXES, *FOLDED)}
 
 
 def owns(grid: Grid, placement: Placement) -> bool:
     """Whether this rank writes its piece: it is coordinate 0 of every axis the piece is copied
     over (pipe is not one: a parameter lives on one pipeline stage, but for a weight tied across
-    stages, which the earlier stage's copy writes)."""
-    return placement.pipe_peer >= 0 and all(grid.coord(a) == 0 for a in AXES
-                                            if a not in placement.sharded and a != "pipe")
+    stages, which the earlier stage's copy writes). A piece cut over a folded axis (an expert's) is
+    copied over its host's other ranks only: the first of those writes it."""
+    first = {a: grid.coord(a) for a in AXES}
+    for folded, host in FOLDED.items():
+        if folded in placement.sharded:
+            first[host] //= grid.size(folded)
+    return placement.pipe_peer >= 0 and all(first[a] == 0 for a in AXES if a not in placement.sharded and a != "pipe")
 
 
 def tensors_of(grid: Grid, model: nn.Module, optimizer: torch.optim.Optimizer):

@@ -25,7 +25,7 @@ from par4d.checkpoint.format import (
     step_of,
 )
 from par4d.folder import ABSURD_BYTES, Folder, FolderError, fd_sha256, is_count
-from par4d.grid import AXES
+from par4d.grid import AXES, FOLDED
 from par4d.layout import Box
 
 
@@ -205,8 +205,9 @@ def _meta(folder: Folder) -> dict:
     if not is_count(meta.get("step")):
         raise ValueError(f"{path}: step is {json.dumps(meta.get('step'))[:40]}, not a count of steps")
     grid = meta.get("grid")
-    if not (isinstance(grid, dict) and set(grid) <= set(AXES) and all(is_count(v, 1) for v in grid.values())):
-        raise ValueError(f"{path}: grid is {json.dumps(grid)[:80]}, not axis sizes >= 1 of {', '.join(AXES)}")
+    axes = (*AXES, *FOLDED)
+    if not (isinstance(grid, dict) and set(grid) <= set(axes) and all(is_count(v, 1) for v in grid.values())):
+        raise ValueError(f"{path}: grid is {json.dumps(grid)[:80]}, not axis sizes >= 1 of {', '.join(axes)}")
     for key in ("train_config", "model_config", "placements"):
         if key in meta and not isinstance(meta[key], dict):
             raise ValueError(f"{path}: {key} is {json.dumps(meta[key])[:40]}, not an object")

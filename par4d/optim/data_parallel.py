@@ -23,7 +23,7 @@ import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from par4d import comm
-from par4d.grid import TENSOR_AXES, Grid
+from par4d.grid import FOLDED, TENSOR_AXES, Grid
 from par4d.layout import Placement, placement_of
 from par4d.overlap.policy import BUCKET_MB, Overlap
 from par4d.parallel import state
@@ -48,6 +48,16 @@ def _buckets(params: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]
         current.append(p)
         size += p.numel() * p.element_size()
     return buckets + ([current] if current else [])
+
+
+def _order(key: tuple[tuple[str, ...], str | None]) -> tuple:
+    """Groups in one order on every rank: by their axes, an expert's after the others'."""
+    return key[0], key[1] or ""
+
+
+def _within(placement: Placement, grid: Grid) -> str | None:
+    """The folded axis a parameter is cut over (an expert's weights: "expert"), where it has ranks."""
+    return next((a for a in FOLDED if a in placement.sharded and grid.size(a) > 1), None)
 
 
 def _placement(name: str, param: torch.Tensor) -> Placement:
@@ -89,18 +99,22 @@ class GradientSync:
                  deferred: DeferredGrads | None = None):
         """``deferred``: the model's ORS runtime, whose gradients arrive after backward."""
         self.grid, self.bucket_bytes, self.overlap, self.deferred = grid, bucket_bytes, overlap, deferred
-        grouped: dict[tuple[str, ...], list[torch.Tensor]] = defaultdict(list)
+        grouped: dict[tuple[tuple[str, ...], str | None], list[torch.Tensor]] = defaultdict(list)
         for name, param in reversed(list(model.named_parameters())):
             placement = _placement(name, param)
             if param.requires_grad:
                 # Axes of one rank add nothing: ("z", "data") at z=1 is the data group, so biases
-                # share buckets (and all-reduces) with the weights there, as in DDP.
-                grouped[tuple(a for a in placement.grad_sum if grid.size(a) > 1)].append(param)
+                # share buckets (and all-reduces) with the weights there, as in DDP. An expert's
+                # gradient is summed over the ranks that hold that expert only (within "expert").
+                within = _within(placement, grid)
+                axes = tuple(a for a in placement.grad_sum if grid.size(a, within=within) > 1)
+                grouped[(axes, within if axes else None)].append(param)
         self.scale = 1.0 / grid.size("z", "data")
         # Weights tied across pipeline stages: yielded last, once the other stage's gradient is added.
         self.tied = [p for p in model.parameters() if p.requires_grad and placement_of(p).pipe_peer]
-        self.scaled_only = grouped.pop((), [])
-        self.groups = {axes: [_Bucket(b) for b in _buckets(ps, bucket_bytes)] for axes, ps in sorted(grouped.items())}
+        self.scaled_only = grouped.pop(((), None), [])
+        self.groups = {key: [_Bucket(b) for b in _buckets(grouped[key], bucket_bytes)]
+                       for key in sorted(grouped, key=_order)}
         self._armed = False                  # inside the step's last backward pass (:meth:`backward`)
         self.trained = tuple((id(p), p.requires_grad) for p in model.parameters())   # what the buckets hold
         self.reduce_dtype: torch.dtype | None = state(model).reduce_dtype
@@ -160,10 +174,10 @@ class GradientSync:
                 axes, index = self._where[id(param)]
                 self.groups[axes][index].ready.add(id(param))
                 touched.add(axes)
-        for axes in sorted(touched):
-            self.early_launches += self._launch_ready(axes)
+        for key in sorted(touched, key=_order):
+            self.early_launches += self._launch_ready(key)
 
-    def _launch_ready(self, axes: tuple[str, ...]) -> int:
+    def _launch_ready(self, axes: tuple[tuple[str, ...], str | None]) -> int:
         launched = 0
         for bucket in self.groups[axes]:
             if bucket.handle is not None or bucket.flat is not None:
@@ -174,7 +188,7 @@ class GradientSync:
             launched += 1
         return launched
 
-    def _launch(self, axes: tuple[str, ...], bucket: _Bucket) -> None:
+    def _launch(self, key: tuple[tuple[str, ...], str | None], bucket: _Bucket) -> None:
         bucket.grads = [p.grad for p in bucket.params if p.grad is not None]
         if not bucket.grads:
             bucket.flat = torch.empty(0)     # nothing to sum (no gradients at all): done
@@ -184,7 +198,8 @@ class GradientSync:
             bucket.flat = bucket.flat.to(self.reduce_dtype)
         in_flight = sum(b.flat.nbytes for buckets in self.groups.values() for b in buckets if b.flat is not None)
         self.peak_buffer_bytes = max(self.peak_buffer_bytes, in_flight)
-        bucket.handle = comm.all_reduce(self.grid, bucket.flat, *axes, async_op=True)
+        axes, within = key
+        bucket.handle = comm.all_reduce(self.grid, bucket.flat, *axes, async_op=True, within=within)
 
     @torch.no_grad()
     def finish(self) -> None:
@@ -291,9 +306,11 @@ def grad_norm(model: nn.Module, grid: Grid) -> torch.Tensor:
     """The global 2-norm of the model's gradients (float64, shape (1,)), each shard counted
     once: a gradient replicated over tensor axes (x, y, z) it is not sharded on is divided by
     that replication, the sum of squares all-reduced over (x, y, z), then over the pipeline's
-    stages (a weight tied across stages counted on the earlier one); data replicas are identical.
+    stages (a weight tied across stages counted on the earlier one); data replicas are identical, but
+    an expert group's ranks hold different experts: theirs are summed over it first.
     Half gradients are summed in fp32 (no overflow)."""
     total = torch.zeros(1, dtype=torch.float64, device=grid.device)
+    experts = torch.zeros(1, dtype=torch.float64, device=grid.device)
     for name, param in model.named_parameters():
         placement = _placement(name, param)
         if param.grad is None or placement.pipe_peer < 0:
@@ -301,7 +318,10 @@ def grad_norm(model: nn.Module, grid: Grid) -> torch.Tensor:
         copies = grid.size(*[a for a in TENSOR_AXES if a not in placement.sharded])
         # The shard's norm without a float64 copy of the gradient, summed in float64.
         wide = torch.promote_types(param.grad.dtype, torch.float32)    # half in fp32; float64 kept
-        total += torch.linalg.vector_norm(param.grad, dtype=wide).double().square() / copies
+        square = torch.linalg.vector_norm(param.grad, dtype=wide).double().square() / copies
+        (experts if _within(placement, grid) else total).add_(square)
+    if grid.size("expert") > 1:
+        total += comm.all_reduce(grid, experts, "expert")
     comm.all_reduce(grid, total, "x", "y", "z")
     comm.all_reduce(grid, total, "pipe")        # each stage holds its own layers
     return total.sqrt()
