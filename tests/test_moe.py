@@ -220,3 +220,28 @@ def test_three_adamw_steps_equal_the_twins_and_the_checkpoint_loads_at_any_exper
     for sizes in (dict(data=4, expert=2), dict(data=4)):     # (a pipe=2 grid would hold the layer on both stages)
         norms = pool4.run(_trained, sizes, None, saved)[0]["norms"]
         assert all(abs(ours - theirs) <= 1e-12 * theirs for ours, theirs in first["norms"] + norms), norms
+
+
+def _gpt_with_experts(sizes: dict) -> int:
+    from dataclasses import replace
+
+    from tests.cases import GPT_CONFIG, compare_gpt_with_twin
+
+    with cases.float64():
+        return compare_gpt_with_twin(cases.grid(**sizes), sizes, replace(GPT_CONFIG, mlp="moe", experts=4, top_k=2))
+
+
+@pytest.mark.parametrize("sizes", [dict(data=4, expert=4), dict(data=4, expert=2)], ids=describe)
+def test_the_gpt_with_experts_is_its_twin(pool4, sizes):
+    """par4d's GPT with a mixture in every block (--mlp moe): its loss (the balance losses in it), every
+    gradient and the parameters after AdamW steps, against the single-device twin, in float64; and the
+    count of its parameters from the config alone."""
+    from dataclasses import replace
+
+    from par4d.train.recipes.gpt import build_reference
+    from tests.cases import GPT_CONFIG
+
+    config = replace(GPT_CONFIG, mlp="moe", experts=4, top_k=2)
+    twin = build_reference(config, init=False)
+    assert pool4.run(_gpt_with_experts, sizes) == [len(list(twin.parameters()))] * 4
+    assert config.num_params() == sum(p.numel() for p in twin.parameters())

@@ -56,6 +56,9 @@ def balanced_stages(costs: list[float], stages: int, last: float = 0.0) -> list[
     return bounds[::-1]
 
 
+MLPS = ("dense", "phantom", "moe")
+
+
 @dataclass(frozen=True)
 class GPTConfig:
     """A GPT-2 style decoder: learned positions, pre-LN blocks, GELU MLP, untied head, no dropout.
@@ -70,9 +73,11 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 64
     seed: int = 0
-    mlp: str = "dense"       # "phantom": phantom layers over x (phantom parallelism) in every MLP
+    mlp: str = "dense"       # "phantom": phantom layers over x (phantom parallelism); "moe": a mixture of experts
     phantom_k: int = 16      # ghost neurons per phantom layer
     phantom_p: int = 1       # ranks of the phantom axis (x); a phantom model's shape depends on it
+    experts: int = 1         # mlp="moe": experts per block (each the dense MLP's shape, without biases)
+    top_k: int = 1           # mlp="moe": experts per token
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
@@ -80,8 +85,11 @@ class GPTConfig:
                 raise ValueError(f"GPTConfig.{name}={value!r} must be a positive integer")
         if self.n_embd % self.n_head:
             raise ValueError(f"GPTConfig: n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
-        if self.mlp not in ("dense", "phantom"):
-            raise ValueError(f"GPTConfig.mlp={self.mlp!r}; valid: 'dense', 'phantom'")
+        if self.mlp not in MLPS:
+            raise ValueError(f"GPTConfig.mlp={self.mlp!r}; valid: {', '.join(map(repr, MLPS))}")
+        if self.mlp == "moe" and not (2 <= self.experts and 1 <= self.top_k <= self.experts):
+            raise ValueError(f"GPTConfig: mlp='moe' needs experts >= 2 and top_k from 1 to experts (got "
+                             f"experts={self.experts}, top_k={self.top_k})")
         if self.mlp == "phantom" and (self.n_embd % self.phantom_p or (4 * self.n_embd) % self.phantom_p):
             raise ValueError(f"GPTConfig: n_embd={self.n_embd} is not divisible by phantom_p={self.phantom_p}")
 
@@ -112,10 +120,18 @@ class GPTConfig:
         # Per phantom layer: local blocks, compressors, decompressors (docs/phantom.md, Notation); its bias is a vector.
         return sum(n_in * n_out // p + k * n_in + (p - 1) * k * n_out for n_in, n_out in ((d, 4 * d), (4 * d, d)))
 
-    def _matmul_weights(self) -> int:
-        """Weights of every matmul (= its multiply-adds per token), the head's included."""
+    def _moe_weights(self, active: bool) -> int:
+        """A mixture's weights per block: the router's and every expert's (``active``: the top-k experts a
+        token goes through, and the router: its multiply-adds per token)."""
+        d = self.n_embd
+        return self.experts * d + (self.top_k if active else self.experts) * 2 * d * 4 * d
+
+    def _matmul_weights(self, active: bool = False) -> int:
+        """Weights of every matmul (``active``: those a token goes through, its multiply-adds), the head's
+        included."""
         phantom = self.n_layer * self._phantom_mlp_weights() if self.mlp == "phantom" else 0
-        return sum(layer.k * layer.n * layer.count for layer in self._linears()) + phantom
+        moe = self.n_layer * self._moe_weights(active) if self.mlp == "moe" else 0
+        return sum(layer.k * layer.n * layer.count for layer in self._linears()) + phantom + moe
 
     def embedding_params(self) -> int:
         """Token and position embeddings: ``(V + T) d``."""
@@ -125,7 +141,8 @@ class GPTConfig:
         """Biases and norm gains: ``13 d`` per block (two LayerNorms' weight and bias 4d, qkv 3d,
         attn.proj d, fc 4d, proj d: a phantom layer has the same bias) and the final norm's ``2 d``."""
         d = self.n_embd
-        return self.n_layer * (2 * 2 * d + 3 * d + d + 4 * d + d) + 2 * d
+        mlp = 0 if self.mlp == "moe" else 4 * d + d          # experts have no biases
+        return self.n_layer * (2 * 2 * d + 3 * d + d + mlp) + 2 * d
 
     def num_params(self) -> int:
         """Parameters of the model (embeddings included), from the shapes alone."""
@@ -149,7 +166,7 @@ class GPTConfig:
         blocks run their forward twice (x 4/3), the head once. Over a batch of ``B T`` tokens
         this is their ``72 B T L d^2 (1 + T/(6d) + V/(12 L d))`` (``96 ... (1 + T/(6d) + V/(16 L d))``)."""
         head = self.n_embd * self.vocab_size
-        blocks = 2 * (self._matmul_weights() - head)
+        blocks = 2 * (self._matmul_weights(active=True) - head)
         return self._passes(recompute) * blocks + self.attention_flops_per_token(recompute) + 3 * 2 * head
 
     def narayanan_flops(self, batch: int) -> float:

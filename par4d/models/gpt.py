@@ -9,9 +9,10 @@ re-laid out or fully replicated between layers:
     ln2 (stats over y) -> fc (normal, 4D over x) -> GELU -> proj (transposed)
     ln_f -> head (normal, vocabulary over x) -> vocab-parallel cross-entropy over x
 
-The MLP comes from a factory (``mlp=``): the dense one above by default; a layer
-above this one supplies another, as :mod:`par4d.phantom` does for ``config.mlp ==
-"phantom"`` (models never import the layers built on top of them).
+The MLP comes from a factory (``mlp=``): the dense one above by default, a mixture of
+experts (:class:`par4d.nn.MoE`, spread over the expert axis) for ``config.mlp == "moe"``, whose
+balance losses join the loss; a layer above this one supplies another, as :mod:`par4d.phantom`
+does for ``config.mlp == "phantom"`` (models never import the layers built on top of them).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 
 from par4d.grid import Grid
 from par4d.models.config import GPTConfig, init_tensor
-from par4d.nn import CausalSelfAttention, Embedding, LayerNorm, Linear, vocab_parallel_cross_entropy
+from par4d.nn import CausalSelfAttention, Embedding, LayerNorm, Linear, MoE, vocab_parallel_cross_entropy
 from par4d.nn.base import ShardedModule, full_state_dict, load_full_state_dict
 from par4d.nn.recompute import run_blocks
 from par4d.overlap.apply import set_overlap
@@ -46,6 +47,12 @@ class DenseMLP(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(h)))
+
+
+def moe_mlp(config: GPTConfig, grid: Grid, name: str) -> MoE:
+    """The mixture a ``mlp="moe"`` block has: ``config.experts`` of the dense MLP's shape (no biases), the
+    top ``config.top_k`` per token, spread over the grid's expert axis (par4d.nn.moe)."""
+    return MoE(config.n_embd, 4 * config.n_embd, config.experts, config.top_k, grid, name)
 
 
 class _Block(nn.Module):
@@ -83,10 +90,14 @@ class GPT(nn.Module):
                  overlap: Overlap | None = None, recompute: int = 0):
         super().__init__()
         if mlp is None:
-            if config.mlp != "dense":
+            if config.mlp == "phantom":
                 raise ValueError(f"GPTConfig.mlp={config.mlp!r} needs its MLP factory: pass "
                                  f"mlp=par4d.phantom.PhantomMLP, or build with par4d.train.recipes.gpt.build_gpt")
-            mlp = DenseMLP
+            mlp = moe_mlp if config.mlp == "moe" else DenseMLP
+        if config.mlp == "moe" and (grid.size("pipe") > 1 or recompute):
+            raise ValueError(f"mlp='moe': a pipeline (pipe={grid.size('pipe')}) and recomputation (recompute="
+                             f"{recompute}) are not built for experts yet (their balance losses join the loss on "
+                             f"one stage, in one forward)")
         stages = config.stage_blocks(grid.size("pipe"))
         for blocks in stages:
             if recompute < 0 or (recompute and len(blocks) % recompute):
@@ -144,7 +155,8 @@ class GPT(nn.Module):
         logits = self.head(self.ln_f(h))                                              # (B, T, V/G_x)
         if targets is None:
             return logits
-        return vocab_parallel_cross_entropy(logits, targets, grid=self.grid, axis="x")
+        loss = vocab_parallel_cross_entropy(logits, targets, grid=self.grid, axis="x")
+        return loss + balance_loss(self.blocks.values())
 
     def stream_shape(self, rows: int, seq: int) -> tuple[tuple[int, ...], torch.dtype]:
         """The residual stream between pipeline stages for ``rows`` sequences of ``seq``
@@ -160,3 +172,8 @@ class GPT(nn.Module):
         """Full parameters (or gradients) named as the twin's ``state_dict`` (collective)."""
         return full_state_dict(self, grad)
 
+
+def balance_loss(blocks) -> torch.Tensor | float:
+    """The weighted balance losses of the mixtures among ``blocks`` in their last forward (0 without any):
+    what a mixture-of-experts model adds to its loss."""
+    return sum(block.mlp.aux_loss for block in blocks if isinstance(block.mlp, MoE))

@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from par4d.models.config import GPTConfig, init_tensor
+from par4d.nn.moe import ReferenceMoE
 
 TwinMLPFactory = Callable[[GPTConfig], nn.Module]
 """``factory(config)``: the twin of a block's MLP (named and shaped as par4d's)."""
@@ -39,6 +40,10 @@ class _MLP(nn.Module):
         return self.proj(F.gelu(self.fc(h)))
 
 
+def _moe(config: GPTConfig) -> ReferenceMoE:
+    return ReferenceMoE(config.n_embd, 4 * config.n_embd, config.experts, config.top_k)
+
+
 class _Block(nn.Module):
     def __init__(self, config: GPTConfig, mlp: TwinMLPFactory):
         super().__init__()
@@ -62,10 +67,10 @@ class ReferenceGPT(nn.Module):
     def __init__(self, config: GPTConfig, init: bool = True, *, mlp: TwinMLPFactory | None = None):
         super().__init__()
         if mlp is None:
-            if config.mlp != "dense":
+            if config.mlp == "phantom":
                 raise ValueError(f"GPTConfig.mlp={config.mlp!r} needs its twin MLP factory: pass mlp=par4d.phantom."
                                  f"PhantomMLPTwin, or build with par4d.train.recipes.gpt.build_reference")
-            mlp = _MLP
+            mlp = _moe if config.mlp == "moe" else _MLP
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd)
@@ -87,4 +92,5 @@ class ReferenceGPT(nn.Module):
         logits = self.head(self.ln_f(h))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return loss + sum(b.mlp.aux_loss for b in self.blocks if isinstance(b.mlp, ReferenceMoE))
