@@ -245,3 +245,46 @@ def test_the_gpt_with_experts_is_its_twin(pool4, sizes):
     twin = build_reference(config, init=False)
     assert pool4.run(_gpt_with_experts, sizes) == [len(list(twin.parameters()))] * 4
     assert config.num_params() == sum(p.numel() for p in twin.parameters())
+
+
+SMALL_MOE = ["--mlp", "moe", "--experts", "4", "--top-k", "2", "--n-layer", "2", "--n-embd", "32", "--n-head", "2",
+             "--seq-len", "16", "--batch-size", "8", "--no-progress", "--no-tensorboard"]
+
+
+def test_par4d_train_spreads_the_experts_and_resumes_on_another_expert_grid(tmp_path, capsys, pool2, pool4):
+    """`par4d train --mlp moe --grid data=4,expert=4`: the run records each layer's load per step, the
+    summary names the worst layer's; resumed on data=2,expert=2 (experts two to a rank) and on one rank
+    (every expert there) it follows a one-rank run to fp32 rounding."""
+    import json
+
+    from tests.helpers import checked_config, run_losses, train_alone, train_pooled
+
+    run, alone = tmp_path / "moe", tmp_path / "alone"
+    train_alone(checked_config("--nproc", "1", *SMALL_MOE, "--steps", "6", "--out", str(alone), world=1))
+    train_pooled(pool4, "--grid", "data=4,expert=4", *SMALL_MOE, "--steps", "3", "--out", str(run))
+    assert "a mixture of 4 experts in every block (top 2)" in capsys.readouterr().out
+    train_pooled(pool2, "--resume", str(run), "--grid", "data=2,expert=2", "--steps", "5")
+    train_alone(checked_config("--resume", str(run), "--grid", "x=1", "--steps", "6", world=1))
+    assert run_losses(run) == pytest.approx(run_losses(alone), rel=1e-5)
+    row = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert len(row["expert_tokens_max"]) == 2 and row["expert_tokens_mean"] == [8 * 16 * 2 / 4] * 2
+    assert row["expert_imbalance"] == max(m / 64 for m in row["expert_tokens_max"])
+    assert "busiest expert of the worst layer" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags,said", [
+    (["--grid", "x=2,data=2,expert=2"], "experts split over x, y or z are not built yet"),
+    (["--grid", "data=3,expert=2", "--nproc", "3"], "expert=2 folds over data=3"),
+    (["--grid", "data=2,expert=2", "--experts", "3"], "3 experts do not divide over expert=2"),
+    (["--grid", "data=2,expert=2", "--top-k", "5"], "experts >= 2 and top_k from 1 to experts"),
+    (["--grid", "data=2,expert=2", "--mlp", "dense"], "--mlp dense has none (give --mlp moe)"),
+    (["--grid", "data=2,pipe=2,expert=2"], "a pipeline (pipe=2) and recomputation"),
+    (["--experts", "4", "--mlp", "dense", "--grid", "data=2"], "--experts 4: a setting of a mixture of experts"),
+])
+def test_a_grid_the_experts_cannot_take_is_refused_before_any_rank_starts(tmp_path, capsys, flags, said):
+    from par4d.cli import main
+
+    args = [*SMALL_MOE[:2], *SMALL_MOE[6:]] if "--mlp" in flags else SMALL_MOE
+    assert main(["train", *args, *flags, "--out", str(tmp_path / "refused")]) == 2
+    assert said in capsys.readouterr().err
+    assert not (tmp_path / "refused").exists()

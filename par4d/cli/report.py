@@ -35,7 +35,11 @@ def _model_line(summary: dict) -> str:
     from par4d.train.recipes import RECIPES
 
     model = summary.get("model", "gpt")
-    return RECIPES[model].describe if isinstance(model, str) and model in RECIPES else str(model)
+    line = RECIPES[model].describe if isinstance(model, str) and model in RECIPES else str(model)
+    config = summary.get("config", {})
+    if config.get("mlp") == "moe":
+        line += f", a mixture of {config.get('experts')} experts in every block (top {config.get('top_k')})"
+    return line
 
 
 def _memory(rss: list[dict]) -> str:
@@ -57,9 +61,9 @@ def _held(footprints: list[dict]) -> str:
 
 
 def print_summary(summary: dict) -> None:
-    from par4d.grid import AXES
+    from par4d.grid import describe
 
-    grid = " ".join(f"{a}={summary['grid'][a]}" for a in AXES)
+    grid = describe(summary["grid"])
     text = summary["eq3_flops_per_s"] is not None    # the paper's GPT formulas (Eqs 2 and 3) apply
     flops = _rate(summary['model_flops_per_s'])
     rows = [
@@ -82,6 +86,9 @@ def print_summary(summary: dict) -> None:
         *([("step holds", _held(summary["footprint_per_rank"]))] if summary.get("footprint_per_rank") else []),
         ("loss", f"{summary['initial_loss']:.3f} -> {summary['final_loss']:.3f} (train), "
                  f"{summary['val_loss']:.3f} (validation)"),
+        *([("experts", f"the busiest expert of the worst layer took {summary['expert_imbalance']:.2f}x the mean "
+                       f"tokens at the last step (1.00: balanced; per layer in metrics.jsonl)")]
+          if "expert_imbalance" in summary else []),
         ("run directory", summary["config"]["out"]),
         *([("started from", summary["config"]["init_from"])] if summary["config"].get("init_from") else []),
     ]

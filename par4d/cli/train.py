@@ -14,8 +14,8 @@ from par4d.train.recipes.unet import IMAGE_CHANNELS
 from par4d.train.say import say
 
 # The flags with a fixed set of values; a --config file's values are held to the same sets.
-CHOICES = {"model": MODELS, "mlp": ("dense", "phantom"), "hierarchical": MODES, "precision": ("fp32", "bf16", "fp16"),
-           "grad_reduce": ("fp32", "compute")}
+CHOICES = {"model": MODELS, "mlp": ("dense", "phantom", "moe"), "hierarchical": MODES,
+           "precision": ("fp32", "bf16", "fp16"), "grad_reduce": ("fp32", "compute")}
 
 def _help(name: str, text: str = "") -> str:
     return f"{text} (default {default(name)})" if text else f"default {default(name)}"
@@ -70,7 +70,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                        help=_help("image_size", f"unet: images are {IMAGE_CHANNELS} x N x N, N divisible by "
                                                 f"2 ** (levels - 1)"))
     model.add_argument("--mlp", choices=CHOICES["mlp"], default=None,
-                       help=_help("mlp", "phantom: phantom layers over x in every MLP (needs y = z = 1)"))
+                       help=_help("mlp", "phantom: phantom layers over x in every MLP (needs y = z = 1); moe: a "
+                                         "mixture of experts in every block, spread over --grid ...,expert=E (E "
+                                         "dividing data; needs x = y = z = 1 and pipe = 1 for now)"))
+    model.add_argument("--experts", type=int, default=None, help=_help("experts", "--mlp moe: experts per block"))
+    model.add_argument("--top-k", type=int, default=None, help=_help("top_k", "--mlp moe: experts per token"))
     model.add_argument("--phantom-k", type=int, default=None,
                        help=_help("phantom_k", "ghost neurons per phantom layer"))
     model.add_argument("--seed", type=int, default=None, help=_help("seed"))

@@ -111,6 +111,7 @@ class MoE(ShardedModule):
                           Placement((Split(0, "expert"),), BATCH_AXES))
         self.aux_loss: torch.Tensor | None = None     # the last forward's weighted balance losses
         self.last_counts: torch.Tensor | None = None  # the last forward's assignments per expert (whole batch)
+        self.last_losses: tuple[float, float] | None = None   # its auxiliary and z losses, unweighted
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         shape = h.shape
@@ -120,6 +121,7 @@ class MoE(ShardedModule):
         counts = comm.all_reduce(self.grid, local.clone(), *BATCH_AXES)    # every rank's assignments
         aux, z = balance_losses(experts, scores, logits, counts, self.score)
         self.aux_loss, self.last_counts = self.aux_weight * aux + self.z_weight * z, counts
+        self.last_losses = (aux.detach(), z.detach())       # floats only when reported: no host sync here
         y = dispatch(x, experts, local, self.grid, lambda rows, per_expert: self._experts(rows, per_expert))
         slots = y.view(x.shape[0], self.top_k, -1) * weights.to(y.dtype).unsqueeze(-1)
         return slots.sum(1).reshape(shape)
@@ -129,6 +131,22 @@ class MoE(ShardedModule):
         the runs are too uneven for a padded batched matmul to pay)."""
         parts = rows.split(per_expert)
         return torch.cat([_expert_mlp(part, self.fc[e], self.proj[e]) for e, part in enumerate(parts)])
+
+
+def expert_metrics(model: nn.Module) -> dict:
+    """The load of every mixture in ``model`` at its last forward, for ``metrics.jsonl``: per layer the most
+    and the mean tokens an expert received (over the whole batch, so the same on every rank), its auxiliary
+    and z losses (this rank's share: the batch's where ranks agree), and the worst layer's most over mean
+    (1: perfectly balanced); empty for a model without one."""
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE) and m.last_counts is not None]
+    if not layers:
+        return {}
+    most = [int(m.last_counts.max()) for _, m in layers]
+    mean = [m.last_counts.double().mean().item() for _, m in layers]
+    return {"expert_tokens_max": most, "expert_tokens_mean": mean,
+            "expert_aux_loss": [float(m.last_losses[0]) for _, m in layers],
+            "expert_z_loss": [float(m.last_losses[1]) for _, m in layers],
+            "expert_imbalance": max(a / b for a, b in zip(most, mean))}
 
 
 def check_moe(where: str, experts: int, top_k: int, grid: Grid, score: str = "softmax") -> None:

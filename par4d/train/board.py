@@ -28,7 +28,9 @@ TAGS = {"loss": "loss/train", "val_loss": "loss/validation", "lr": "optimizer/lr
         "tokens_per_s": "throughput/tokens_per_s", "model_flops_per_s": "throughput/model_flops_per_s",
         "percent_of_peak": "throughput/percent_of_peak", "comm_exposed_s": "communication/exposed_s",
         "comm_issued_s": "communication/in_flight_s", "comm_bytes": "communication/bytes",
-        "rss_bytes": "memory/rss_bytes"}
+        "rss_bytes": "memory/rss_bytes", "expert_imbalance": "experts/imbalance"}
+LAYER_TAGS = {"expert_tokens_max": "experts/tokens_max", "expert_tokens_mean": "experts/tokens_mean",
+              "expert_aux_loss": "experts/aux_loss", "expert_z_loss": "experts/z_loss"}
 
 
 def check_available() -> None:
@@ -67,11 +69,15 @@ class Board:
         self.writer = SummaryWriter(log_dir=str(run.path(FOLDER)), purge_step=start_step + 1)
 
     def step(self, step: int, record: dict) -> None:
-        """The scalars of ``record`` (a ``metrics.jsonl`` line) that have a tag, at ``step``."""
+        """The scalars of ``record`` (a ``metrics.jsonl`` line) that have a tag, at ``step``; a list (a value
+        per mixture-of-experts layer) as one scalar per layer."""
         for key, tag in TAGS.items():
             value = record.get(key)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 self.writer.add_scalar(tag, value, step)
+        for key, tag in LAYER_TAGS.items():
+            for layer, value in enumerate(record.get(key, ())):
+                self.writer.add_scalar(f"{tag}/layer_{layer}", value, step)
 
     def final(self, step: int, rss_per_rank: list[dict], footprints: list[dict] | None = None) -> None:
         for rank, rss in enumerate(rss_per_rank):

@@ -37,6 +37,8 @@ class TrainConfig:
     image_size: int = 16             # --model unet: images are image_size x image_size pixels
     mlp: str = "dense"
     phantom_k: int = 16
+    experts: int = 8                 # --mlp moe: experts per block
+    top_k: int = 2                   # --mlp moe: experts per token
     lr: float = 3e-3
     warmup: int = 20
     weight_decay: float = 0.1
@@ -74,10 +76,9 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         recipe(self.model).check(self)      # an unknown --model, and what the model cannot train with
-        if self.grid.get("expert", 1) > 1:    # no model here has experts to spread: never a silent dense run
-            raise ValueError(f"--grid expert={self.grid['expert']}: the expert axis spreads a mixture of experts' "
-                             f"experts over data's ranks; no model of par4d train has experts yet (par4d.nn.MoE is "
-                             f"the layer)")
+        if self.grid.get("expert", 1) > 1 and self.mlp != "moe":    # nothing to spread: never a silent dense run
+            raise ValueError(f"--grid expert={self.grid['expert']}: the expert axis spreads a mixture's experts over "
+                             f"data's ranks; --mlp {self.mlp} has none (give --mlp moe)")
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"--precision {self.precision!r}: give fp32, bf16 or fp16")
         if self.offload_bsize is not None and (self.precision == "fp32" or self.offload_bsize < 1):

@@ -21,6 +21,7 @@ from par4d.launch import distributed_env, init
 from par4d.launch.host import threads_per_rank
 from par4d.launch.peak import job_peak
 from par4d.ledger import in_flight_seconds
+from par4d.nn.moe import expert_metrics
 from par4d.optim.data_parallel import global_mean
 from par4d.optim.precision import FullPrecision, MixedPrecision, Precision, fused_adamw, parse_precision
 from par4d.pipeline import evaluate_pipeline
@@ -220,6 +221,7 @@ def _train(job: _Job, grid, stop: StopRequest, metrics, out: Path, board: Board 
                 if grid.size("pipe") > 1:    # rank 0's point-to-point bytes sent to its pipeline neighbours
                     record["p2p_sent_bytes"] = sum(e.bytes for e in entries if e.kind == "send")
                 record.update(precision.metrics())   # mixed precision's loss scale and skipped steps
+                record.update(expert_metrics(job.model))   # a mixture's load per layer (none without one)
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
                 if board is not None:
@@ -293,6 +295,7 @@ def _summarize(job: _Job, grid, run: Folder, measured: _Measured, peak: float, p
         "initial_loss": history[0]["loss"], "final_loss": history[-1]["loss"],
         "val_loss": val_loss, "data": job.source, "rss_per_rank": measured.rss,
         "footprint_per_rank": measured.footprints, "config": asdict(config),
+        **({"expert_imbalance": history[-1]["expert_imbalance"]} if "expert_imbalance" in history[-1] else {}),
     }
     run.write_text(SUMMARY, text=json.dumps(summary, indent=2))
     _plot(run, history, kind.loss_unit)

@@ -25,6 +25,7 @@ INT, FLOAT, STR, BOOL = (int,), (int, float), (str,), (bool,)
 SECTIONS: dict[str, dict[str, tuple[str, tuple]]] = {
     "model": {"model": ("model", STR), "n_layer": ("n_layer", INT), "n_embd": ("n_embd", INT),
               "n_head": ("n_head", INT), "mlp": ("mlp", STR), "phantom_k": ("phantom_k", INT),
+              "experts": ("experts", INT), "top_k": ("top_k", INT),
               "image_size": ("image_size", INT), "init_from": ("init_from", STR)},
     "data": {"data": ("data", STR), "tokenizer": ("tokenizer", STR), "seq_len": ("seq_len", INT),
              "batch_size": ("batch_size", INT), "seed": ("seed", INT)},

@@ -51,7 +51,8 @@ class Recipe:
         """The model's own config at the run's sizes."""
         return GPTConfig(vocab_size=config.vocab_size, block_size=config.seq_len, n_layer=config.n_layer,
                          n_embd=config.n_embd, n_head=config.n_head, seed=config.seed, mlp=config.mlp,
-                         phantom_k=config.phantom_k, phantom_p=config.grid.get("x", 1))
+                         phantom_k=config.phantom_k, phantom_p=config.grid.get("x", 1),
+                         **({"experts": config.experts, "top_k": config.top_k} if config.mlp == "moe" else {}))
 
     def sizes(self, config: Settings) -> str:
         """The run's size settings, as an error message names them."""
