@@ -53,14 +53,13 @@ def _round_trip(sizes: dict, routes: str) -> list[str]:
         chosen = torch.tensor([[0, 1], [0, 2], [1, 0], [0, 1], [2, 0], [1, 2]])
     else:                                     # every token to expert 3 (twice: both slots)
         chosen = torch.full((tokens, k), 3)
-    counts = torch.bincount(chosen.reshape(-1), minlength=n_experts)
     seen = []
 
     def identity(rows, per_expert):
         seen.append((rows.detach().clone(), list(per_expert)))
         return rows * 1.0
 
-    out = dispatch(x, chosen, counts, grid, identity)
+    out = dispatch(x, torch.arange(tokens).repeat_interleave(k), chosen.reshape(-1), n_experts, grid, identity)
     torch.testing.assert_close(out, x.repeat_interleave(k, 0), rtol=0, atol=0)
     out.backward(torch.arange(out.numel(), dtype=out.dtype).view_as(out))
     slots = torch.arange(out.numel(), dtype=out.dtype).view(tokens, k, DIM).sum(1)
@@ -113,17 +112,18 @@ def test_the_all_to_all_counts_what_leaves_the_rank(pool4):
     assert moved == [[(sum(r + i for i in range(4)) - 2 * r) * 3 * 4] for r in range(4)]
 
 
-def _against_the_twin(sizes: dict, score: str, seed: int) -> dict:
+def _against_the_twin(sizes: dict, score: str, seed: int, capacity: float | None = None) -> dict:
     """The parallel layer and its twin on the same global batch: routes, outputs, losses and every
     gradient (the router's averaged over ranks, each expert's summed over its replicas)."""
     from par4d import comm
-    from par4d.nn.moe import MoE, ReferenceMoE, route
+    from par4d.nn.moe import MoE, ReferenceMoE, route, within_capacity
+    from par4d.nn.moe import capacity as capacity_of
 
     grid = cases.grid(**sizes)
     with cases.float64():
         torch.manual_seed(seed)
-        twin = ReferenceMoE(DIM, HIDDEN, 4, 2, score=score)
-        layer = MoE(DIM, HIDDEN, 4, 2, grid, score=score)
+        twin = ReferenceMoE(DIM, HIDDEN, 4, 2, score=score, capacity_factor=capacity, shards=grid.size("data"))
+        layer = MoE(DIM, HIDDEN, 4, 2, grid, score=score, capacity_factor=capacity)
         layer.load_full_state({name: p.detach() for name, p in twin.named_parameters()})
         batch = torch.randn(8, 3, DIM, generator=torch.Generator().manual_seed(seed + 1))
         target = torch.randn(8, 3, DIM, generator=torch.Generator().manual_seed(seed + 2))
@@ -133,8 +133,12 @@ def _against_the_twin(sizes: dict, score: str, seed: int) -> dict:
         out = layer(mine)
         (((out - shard_batch(grid, target)) ** 2).mean() + layer.aux_loss).backward()
     torch.testing.assert_close(out, shard_batch(grid, twin(batch)), rtol=0, atol=1e-13)
-    chosen = route(batch.reshape(-1, DIM), twin.router.detach(), 2, score, True)[0]       # the twin's routes
-    assert layer.last_counts.tolist() == torch.bincount(chosen.reshape(-1), minlength=4).tolist()
+    chosen, _, scores, _ = route(batch.reshape(-1, DIM), twin.router.detach(), 2, score, True)   # the twin's routes
+    tokens = chosen.shape[0] // grid.size("data")
+    limit = capacity_of(capacity, tokens, 2, 4)
+    kept = torch.cat([within_capacity(e, s, limit) for e, s in zip(chosen.split(tokens), scores.split(tokens))])
+    assert layer.last_counts.tolist() == torch.bincount(chosen.reshape(-1)[kept.reshape(-1)], minlength=4).tolist()
+    assert int(layer.last_dropped) == int((~kept).sum())
     ranks = grid.size("data")
     aux = comm.all_reduce(grid, layer.aux_loss.detach().clone(), "data") / ranks   # each rank's share of the batch's
     torch.testing.assert_close(aux, twin.aux_loss.detach(), rtol=0, atol=1e-13)
@@ -144,7 +148,7 @@ def _against_the_twin(sizes: dict, score: str, seed: int) -> dict:
     for name in ("fc", "proj"):     # each expert's gradient, summed over the data ranks that hold it
         held = shard(grid, getattr(twin, name).grad, getattr(layer, name)._par4d_placement)
         torch.testing.assert_close(_replica_sum(grid, getattr(layer, name).grad) / ranks, held, rtol=0, atol=1e-13)
-    return {"counts": layer.last_counts.tolist()}
+    return {"counts": layer.last_counts.tolist(), "dropped": int(layer.last_dropped)}
 
 
 def _replica_sum(grid: Grid, grad: torch.Tensor) -> torch.Tensor:
@@ -162,6 +166,28 @@ def _replica_sum(grid: Grid, grad: torch.Tensor) -> torch.Tensor:
 def test_the_layer_is_its_single_device_twin(pool4, sizes, score):
     counts = pool4.run(_against_the_twin, sizes, score, 3)
     assert all(c == counts[0] for c in counts) and sum(counts[0]["counts"]) == 8 * 3 * 2
+
+
+@pytest.mark.parametrize("sizes", GRIDS[:2], ids=describe)
+def test_a_capacity_drops_the_twins_tokens(pool4, sizes):
+    """capacity_factor 0.5: each expert takes ceil(0.5 * tokens * k / E) of a rank's assignments, those of
+    the highest scores; the same are dropped as by the twin (which counts capacity per batch shard), and the
+    outputs and gradients still equal its."""
+    found = pool4.run(_against_the_twin, sizes, "softmax", 3, 0.5)
+    assert found[0]["dropped"] > 0 and sum(found[0]["counts"]) + found[0]["dropped"] == 8 * 3 * 2
+
+
+def test_an_expert_keeps_its_best_scored_assignments_up_to_capacity():
+    from par4d.nn.moe import capacity, within_capacity
+
+    experts = torch.tensor([[0, 1], [0, 1], [1, 0], [0, 2]])
+    scores = torch.tensor([[.5, .2, .3], [.6, .1, .3], [.3, .4, .3], [.5, .1, .4]], dtype=torch.float64)
+    assert capacity(0.75, 4, 2, 3) == 2 and capacity(None, 4, 2, 3) is None
+    # expert 0: tokens 0 (.5), 1 (.6), 2 (.3), 3 (.5): keeps 1 and 0 (ties go to the earlier token); expert 1:
+    # 0 (.2), 1 (.1), 2 (.4): keeps 2 and 0; expert 2: token 3 only
+    assert within_capacity(experts, scores, 2).tolist() == [[True, True], [True, False], [True, False],
+                                                            [False, True]]
+    assert within_capacity(experts, scores, None).all()
 
 
 def _trained(sizes: dict, folder: str | None, saved: dict | None) -> dict:

@@ -97,11 +97,12 @@ class MoE(ShardedModule):
 
     def __init__(self, dim: int, hidden: int, experts: int, top_k: int, grid: Grid, name: str = "moe", *,
                  score: str = "softmax", renormalize: bool = True, aux_weight: float = 0.01,
-                 z_weight: float = 0.001):
+                 z_weight: float = 0.001, capacity_factor: float | None = None):
         super().__init__()
-        check_moe(name, experts, top_k, grid, score)
+        check_moe(name, experts, top_k, grid, score, capacity_factor)
         self.grid, self.name, self.top_k, self.score, self.renormalize = grid, name, top_k, score, renormalize
         self.n_experts, self.aux_weight, self.z_weight = experts, aux_weight, z_weight
+        self.capacity_factor = capacity_factor
         local = experts // grid.size("expert")
         device = grid.device
         self.router = place(nn.Parameter(torch.empty(experts, dim, device=device)), Placement((), BATCH_AXES))
@@ -112,17 +113,27 @@ class MoE(ShardedModule):
         self.aux_loss: torch.Tensor | None = None     # the last forward's weighted balance losses
         self.last_counts: torch.Tensor | None = None  # the last forward's assignments per expert (whole batch)
         self.last_losses: tuple[float, float] | None = None   # its auxiliary and z losses, unweighted
+        self.last_dropped: torch.Tensor | None = None  # assignments dropped over capacity (whole batch)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         shape = h.shape
         x = h.reshape(-1, shape[-1])
         experts, weights, scores, logits = route(x, self.router, self.top_k, self.score, self.renormalize)
-        local = torch.bincount(experts.reshape(-1), minlength=self.n_experts)
-        counts = comm.all_reduce(self.grid, local.clone(), *BATCH_AXES)    # every rank's assignments
-        aux, z = balance_losses(experts, scores, logits, counts, self.score)
-        self.aux_loss, self.last_counts = self.aux_weight * aux + self.z_weight * z, counts
+        kept = within_capacity(experts, scores, capacity(self.capacity_factor, x.shape[0], self.top_k,
+                                                         self.n_experts))
+        # One all-reduce: every rank's assignments per expert, as routed (the balance loss counts those) and
+        # as kept (what the experts received)
+        routed = torch.bincount(experts.reshape(-1), minlength=self.n_experts)
+        received = torch.bincount(experts.reshape(-1)[kept.reshape(-1)], minlength=self.n_experts)
+        both = comm.all_reduce(self.grid, torch.cat([routed, received]), *BATCH_AXES)
+        aux, z = balance_losses(experts, scores, logits, both[:self.n_experts], self.score)
+        self.aux_loss, self.last_counts = self.aux_weight * aux + self.z_weight * z, both[self.n_experts:]
         self.last_losses = (aux.detach(), z.detach())       # floats only when reported: no host sync here
-        y = dispatch(x, experts, local, self.grid, lambda rows, per_expert: self._experts(rows, per_expert))
+        self.last_dropped = both[:self.n_experts].sum() - both[self.n_experts:].sum()
+        chosen = kept.reshape(-1).nonzero().squeeze(1)       # the (token, slot) assignments that go
+        out = dispatch(x, chosen // self.top_k, experts.reshape(-1)[chosen], self.n_experts, self.grid,
+                       self._experts)
+        y = out.new_zeros(experts.numel(), out.shape[1]).index_copy(0, chosen, out)   # a dropped slot adds 0
         slots = y.view(x.shape[0], self.top_k, -1) * weights.to(y.dtype).unsqueeze(-1)
         return slots.sum(1).reshape(shape)
 
@@ -136,24 +147,51 @@ class MoE(ShardedModule):
 def expert_metrics(model: nn.Module) -> dict:
     """The load of every mixture in ``model`` at its last forward, for ``metrics.jsonl``: per layer the most
     and the mean tokens an expert received (over the whole batch, so the same on every rank), its auxiliary
-    and z losses (this rank's share: the batch's where ranks agree), and the worst layer's most over mean
-    (1: perfectly balanced); empty for a model without one."""
+    and z losses (this rank's share: the batch's where ranks agree), the assignments dropped over capacity
+    (where a layer has one), and the worst layer's most over mean (1: perfectly balanced); empty for a model
+    without one."""
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE) and m.last_counts is not None]
     if not layers:
         return {}
     most = [int(m.last_counts.max()) for _, m in layers]
     mean = [m.last_counts.double().mean().item() for _, m in layers]
+    dropped = {"expert_dropped": [int(m.last_dropped) for _, m in layers]} \
+        if any(m.capacity_factor is not None for _, m in layers) else {}
     return {"expert_tokens_max": most, "expert_tokens_mean": mean,
             "expert_aux_loss": [float(m.last_losses[0]) for _, m in layers],
             "expert_z_loss": [float(m.last_losses[1]) for _, m in layers],
-            "expert_imbalance": max(a / b for a, b in zip(most, mean))}
+            "expert_imbalance": max(a / b for a, b in zip(most, mean)), **dropped}
 
 
-def check_moe(where: str, experts: int, top_k: int, grid: Grid, score: str = "softmax") -> None:
+def capacity(factor: float | None, tokens: int, top_k: int, experts: int) -> int | None:
+    """The assignments an expert takes from one rank's ``tokens``: ``ceil(factor * tokens * top_k /
+    experts)``, or None (dropless)."""
+    return None if factor is None else math.ceil(factor * tokens * top_k / experts)
+
+
+def within_capacity(experts: torch.Tensor, scores: torch.Tensor, limit: int | None) -> torch.Tensor:
+    """Which (token, slot) assignments an expert keeps (N, k): all where ``limit`` is None, else each
+    expert's ``limit`` of them with the highest scores (ties: the earlier token), the rest dropped."""
+    if limit is None:
+        return torch.ones_like(experts, dtype=torch.bool)
+    flat, score = experts.reshape(-1), scores.gather(1, experts).reshape(-1)
+    by_score = torch.argsort(-score, stable=True)
+    order = by_score[torch.argsort(flat[by_score], stable=True)]      # expert-major, best first inside
+    sorted_experts = flat[order]
+    first = torch.searchsorted(sorted_experts, sorted_experts, side="left")   # where each expert's run starts
+    keep = torch.empty_like(flat, dtype=torch.bool)
+    keep[order] = torch.arange(flat.numel(), device=flat.device) - first < limit
+    return keep.view_as(experts)
+
+
+def check_moe(where: str, experts: int, top_k: int, grid: Grid, score: str = "softmax",
+              capacity_factor: float | None = None) -> None:
     """Raise a ValueError naming ``where`` and the numbers unless ``grid`` can hold the layer."""
     spread = grid.size("expert")
     if score not in SCORES:
         raise ValueError(f"{where}: score={score!r}; give one of {', '.join(SCORES)}")
+    if capacity_factor is not None and not (math.isfinite(capacity_factor) and capacity_factor > 0):
+        raise ValueError(f"{where}: capacity_factor={capacity_factor} must be a finite number > 0 (None: dropless)")
     if not 1 <= top_k <= experts:
         raise ValueError(f"{where}: top_k={top_k} must be from 1 to the {experts} experts")
     if experts % spread:
@@ -163,16 +201,17 @@ def check_moe(where: str, experts: int, top_k: int, grid: Grid, score: str = "so
                          f"y={grid.size('y')}, z={grid.size('z')}); spread them over expert, folded over data")
 
 
-def dispatch(x: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor, grid: Grid, compute) -> torch.Tensor:
-    """``compute(rows, per_expert)`` of every (token, slot) assignment, dropless, returned in (token, slot)
-    order (N * k rows): the rows are sorted by expert, sent to the ranks of the expert group that hold
-    their experts, regrouped expert-major there (``per_expert``: each local expert's run), computed, and
-    sent back. ``counts``: this rank's assignments per expert (E,)."""
+def dispatch(x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor, n_experts: int, grid: Grid,
+             compute) -> torch.Tensor:
+    """``compute(rows, per_expert)`` of every assignment (token ``tokens[i]`` to expert ``experts[i]``),
+    returned in the assignments' order: the rows are sorted by expert, sent to the ranks of the expert
+    group that hold their experts, regrouped expert-major there (``per_expert``: each local expert's run),
+    computed, and sent back."""
     spread = grid.size("expert")
-    n_experts, k = counts.numel(), experts.shape[1]
     per_rank = n_experts // spread
-    order = torch.argsort(experts.reshape(-1), stable=True)          # expert-major, token order inside
-    rows = x[order // k]
+    counts = torch.bincount(experts, minlength=n_experts)
+    order = torch.argsort(experts, stable=True)                      # expert-major, assignment order inside
+    rows = x[tokens[order]]
     send = counts.view(spread, per_rank)                               # to each rank: a count per expert of its
     got = comm.all_to_all(grid, send, "expert", [1] * spread, [1] * spread).view(spread, per_rank)
     send_rows, receive_rows = send.sum(1).tolist(), got.sum(1).tolist()
@@ -198,10 +237,14 @@ class ReferenceMoE(nn.Module):
     (token, slot) computed by its expert and summed over the slots in the same order."""
 
     def __init__(self, dim: int, hidden: int, experts: int, top_k: int, *, score: str = "softmax",
-                 renormalize: bool = True, aux_weight: float = 0.01, z_weight: float = 0.001):
+                 renormalize: bool = True, aux_weight: float = 0.01, z_weight: float = 0.001,
+                 capacity_factor: float | None = None, shards: int = 1):
+        """``shards``: with a capacity, the batch shards (data x z ranks) whose tokens each expert's capacity
+        counts, as the parallel layer counts them per rank."""
         super().__init__()
         self.top_k, self.score, self.renormalize = top_k, score, renormalize
         self.n_experts, self.aux_weight, self.z_weight = experts, aux_weight, z_weight
+        self.capacity_factor, self.shards = capacity_factor, shards
         self.router = nn.Parameter(torch.randn(experts, dim) / math.sqrt(dim))
         self.fc = nn.Parameter(torch.randn(experts, hidden, dim) / math.sqrt(dim))
         self.proj = nn.Parameter(torch.randn(experts, dim, hidden) / math.sqrt(hidden))
@@ -214,10 +257,13 @@ class ReferenceMoE(nn.Module):
         counts = torch.bincount(experts.reshape(-1), minlength=self.n_experts)
         aux, z = balance_losses(experts, scores, logits, counts, self.score)
         self.aux_loss = self.aux_weight * aux + self.z_weight * z
+        tokens = x.shape[0] // self.shards
+        limit = capacity(self.capacity_factor, tokens, self.top_k, self.n_experts)
+        kept = torch.cat([within_capacity(e, s, limit) for e, s in zip(experts.split(tokens), scores.split(tokens))])
         flat = experts.reshape(-1)
         y = x.new_zeros(flat.numel(), shape[-1])
         for e in range(self.n_experts):
-            slots = (flat == e).nonzero().squeeze(1)
+            slots = ((flat == e) & kept.reshape(-1)).nonzero().squeeze(1)
             y = y.index_copy(0, slots, _expert_mlp(x[slots // self.top_k], self.fc[e], self.proj[e]))
         slots = y.view(x.shape[0], self.top_k, -1) * weights.to(y.dtype).unsqueeze(-1)
         return slots.sum(1).reshape(shape)
