@@ -190,23 +190,24 @@ def test_an_expert_keeps_its_best_scored_assignments_up_to_capacity():
     assert within_capacity(experts, scores, None).all()
 
 
-def _trained(sizes: dict, folder: str | None, saved: dict | None) -> dict:
+def _trained(sizes: dict, folder: str | None, saved: dict | None, bias_rate: float = 0.0) -> dict:
     """3 AdamW steps of the layer (its gradients synced over data, experts' over their replicas; the global
     norm of its gradients) against the twin's on the whole batch; then saved (its full state returned), or,
     given what another grid saved, that checkpoint loaded here: this grid's shards of it, bit for bit."""
     from pathlib import Path
 
     from par4d import checkpoint
-    from par4d.nn.moe import MoE, ReferenceMoE
+    from par4d.nn.moe import MoE, ReferenceMoE, update_expert_bias
     from par4d.optim.data_parallel import grad_norm, sync_gradients
 
     grid = cases.grid(**sizes)
     norms = []
     with cases.float64():
         torch.manual_seed(5)
-        twin = ReferenceMoE(DIM, HIDDEN, 4, 2)
-        layer = MoE(DIM, HIDDEN, 4, 2, grid)
+        twin = ReferenceMoE(DIM, HIDDEN, 4, 2, bias_rate=bias_rate)
+        layer = MoE(DIM, HIDDEN, 4, 2, grid, bias_rate=bias_rate)
         layer.load_full_state({name: p.detach() for name, p in twin.named_parameters()})
+        biases = []
         # eps 1e-4: AdamW's update divides by sqrt(v) + eps, so at the default 1e-8 round-off in a near-zero
         # gradient (1e-17 here) would come out of it 1e6 times larger: a bound on the amplification, not on the sum
         ours = torch.optim.AdamW(layer.parameters(), lr=0.05, eps=1e-4)
@@ -222,9 +223,13 @@ def _trained(sizes: dict, folder: str | None, saved: dict | None) -> dict:
                           torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in twin.parameters()])).item()))
             ours.step()
             theirs.step()
+            update_expert_bias(layer)
+            update_expert_bias(twin)
+            assert torch.equal(layer.expert_bias, twin.expert_bias)    # signs of integer loads: exact
+            biases.append(layer.expert_bias.tolist())
     for name, value in layer.full_state().items():
         torch.testing.assert_close(value, getattr(twin, name).detach(), rtol=0, atol=1e-11)
-    found = {"norms": norms}
+    found = {"norms": norms, "biases": biases}
     if folder is not None:
         checkpoint.save(Path(folder), 3, grid, layer, ours, {})
         found["state"] = layer.full_state()
@@ -237,6 +242,15 @@ def _trained(sizes: dict, folder: str | None, saved: dict | None) -> dict:
             assert torch.equal(param, shard(grid, saved["state"][name], param._par4d_placement)), name
             assert fresh_opt.state[param]["exp_avg_sq"].shape == param.shape
     return found
+
+
+def test_loss_free_balancing_moves_the_bias_as_the_twins(pool4):
+    """DeepSeek-V3's bias (bias_rate 0.1): after each step every expert's bias moved by the rate towards the
+    mean load, the same on every rank and as the twin's, and the routes it biases keep the layer the twin's."""
+    biases = pool4.run(_trained, dict(data=4, expert=2), None, None, 0.1)[0]["biases"]
+    assert all(abs(b) in (0.0, 0.1) for b in biases[0]) and biases[0] != [0.0] * 4
+    assert all(round(abs(b - a), 9) in (0.0, 0.1) for before, after in zip(biases, biases[1:])
+               for a, b in zip(before, after))
 
 
 def test_three_adamw_steps_equal_the_twins_and_the_checkpoint_loads_at_any_expert_size(pool4, tmp_path):

@@ -54,14 +54,20 @@ class Exchange(torch.autograd.Function):
         return comm.all_to_all(ctx.grid, grad.contiguous(), "expert", ctx.receive, ctx.send), None, None, None
 
 
-def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, score: str, renormalize: bool
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, score: str, renormalize: bool,
+          bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(experts (N, k), their weights (N, k), scores (N, E), logits (N, E)) of tokens ``x`` (N, D) under
-    router ``weight`` (E, D), in fp32 or the inputs' wider dtype. Ties in top-k go to the lower index."""
+    router ``weight`` (E, D), in fp32 or the inputs' wider dtype. Ties in top-k go to the lower index.
+    ``bias`` (E,): added to the scores to choose the experts only (DeepSeek-V3's loss-free balancing); the
+    weights are the scores themselves."""
     dtype = torch.promote_types(x.dtype, torch.float32)
     logits = x.to(dtype) @ weight.to(dtype).t()
     scores = logits.softmax(-1) if score == "softmax" else logits.sigmoid()
-    weights, experts = scores.topk(top_k, dim=-1, sorted=True)
+    if bias is None:
+        weights, experts = scores.topk(top_k, dim=-1, sorted=True)
+    else:
+        experts = (scores + bias.to(dtype)).topk(top_k, dim=-1, sorted=True).indices
+        weights = scores.gather(1, experts)
     if renormalize:
         weights = weights / weights.sum(-1, keepdim=True)
     return experts, weights, scores, logits
@@ -97,12 +103,13 @@ class MoE(ShardedModule):
 
     def __init__(self, dim: int, hidden: int, experts: int, top_k: int, grid: Grid, name: str = "moe", *,
                  score: str = "softmax", renormalize: bool = True, aux_weight: float = 0.01,
-                 z_weight: float = 0.001, capacity_factor: float | None = None):
+                 z_weight: float = 0.001, capacity_factor: float | None = None, bias_rate: float = 0.0):
         super().__init__()
         check_moe(name, experts, top_k, grid, score, capacity_factor)
         self.grid, self.name, self.top_k, self.score, self.renormalize = grid, name, top_k, score, renormalize
         self.n_experts, self.aux_weight, self.z_weight = experts, aux_weight, z_weight
         self.capacity_factor = capacity_factor
+        _balancing(self, experts, bias_rate, grid.device)
         local = experts // grid.size("expert")
         device = grid.device
         self.router = place(nn.Parameter(torch.empty(experts, dim, device=device)), Placement((), BATCH_AXES))
@@ -118,7 +125,8 @@ class MoE(ShardedModule):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         shape = h.shape
         x = h.reshape(-1, shape[-1])
-        experts, weights, scores, logits = route(x, self.router, self.top_k, self.score, self.renormalize)
+        experts, weights, scores, logits = route(x, self.router, self.top_k, self.score, self.renormalize,
+                                                 self.expert_bias if self.bias_rate else None)
         kept = within_capacity(experts, scores, capacity(self.capacity_factor, x.shape[0], self.top_k,
                                                          self.n_experts))
         # One all-reduce: every rank's assignments per expert, as routed (the balance loss counts those) and
@@ -130,6 +138,8 @@ class MoE(ShardedModule):
         self.aux_loss, self.last_counts = self.aux_weight * aux + self.z_weight * z, both[self.n_experts:]
         self.last_losses = (aux.detach(), z.detach())       # floats only when reported: no host sync here
         self.last_dropped = both[:self.n_experts].sum() - both[self.n_experts:].sum()
+        if self.training and self.bias_rate:       # the load the next bias step answers (every microbatch's)
+            self.pending_load = both[:self.n_experts] + (0 if self.pending_load is None else self.pending_load)
         chosen = kept.reshape(-1).nonzero().squeeze(1)       # the (token, slot) assignments that go
         out = dispatch(x, chosen // self.top_k, experts.reshape(-1)[chosen], self.n_experts, self.grid,
                        self._experts)
@@ -137,11 +147,44 @@ class MoE(ShardedModule):
         slots = y.view(x.shape[0], self.top_k, -1) * weights.to(y.dtype).unsqueeze(-1)
         return slots.sum(1).reshape(shape)
 
+    @torch.no_grad()
+    def update_bias(self) -> None:
+        """DeepSeek-V3's loss-free balancing, once per optimizer step: each expert's bias moves by
+        ``bias_rate`` towards the mean load (up for an expert that got fewer assignments than the mean,
+        down for one that got more), outside the gradient. The load is the whole batch's, the same on every
+        rank: every rank's bias stays the same."""
+        step_bias(self)
+
     def _experts(self, rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
         """This rank's experts on their runs of ``rows`` (expert-major), a GEMM pair each (a loop: on CPU
         the runs are too uneven for a padded batched matmul to pay)."""
         parts = rows.split(per_expert)
         return torch.cat([_expert_mlp(part, self.fc[e], self.proj[e]) for e, part in enumerate(parts)])
+
+
+def _balancing(layer: nn.Module, experts: int, rate: float, device: torch.device) -> None:
+    """Loss-free balancing's state on a mixture (its twin's too): the bias (a persistent buffer: checkpoints
+    keep it) and the load since its last step."""
+    if not (math.isfinite(rate) and rate >= 0):
+        raise ValueError(f"bias_rate={rate} must be a finite number >= 0 (0: no loss-free balancing)")
+    layer.bias_rate = rate
+    layer.register_buffer("expert_bias", torch.zeros(experts, device=device), persistent=bool(rate))
+    layer.pending_load = None
+
+
+def step_bias(layer: nn.Module) -> None:
+    if layer.bias_rate and layer.pending_load is not None:
+        load = layer.pending_load.to(layer.expert_bias.dtype)
+        layer.expert_bias.add_(layer.bias_rate * torch.sign(load.mean() - load))
+    layer.pending_load = None
+
+
+def update_expert_bias(model: nn.Module) -> None:
+    """Step the loss-free balancing bias of every mixture in ``model`` (after the optimizer step;
+    par4d.train.step.train_step calls it)."""
+    for module in model.modules():
+        if isinstance(module, (MoE, ReferenceMoE)):
+            step_bias(module)
 
 
 def expert_metrics(model: nn.Module) -> dict:
@@ -238,13 +281,14 @@ class ReferenceMoE(nn.Module):
 
     def __init__(self, dim: int, hidden: int, experts: int, top_k: int, *, score: str = "softmax",
                  renormalize: bool = True, aux_weight: float = 0.01, z_weight: float = 0.001,
-                 capacity_factor: float | None = None, shards: int = 1):
+                 capacity_factor: float | None = None, shards: int = 1, bias_rate: float = 0.0):
         """``shards``: with a capacity, the batch shards (data x z ranks) whose tokens each expert's capacity
         counts, as the parallel layer counts them per rank."""
         super().__init__()
         self.top_k, self.score, self.renormalize = top_k, score, renormalize
         self.n_experts, self.aux_weight, self.z_weight = experts, aux_weight, z_weight
         self.capacity_factor, self.shards = capacity_factor, shards
+        _balancing(self, experts, bias_rate, torch.device("cpu"))
         self.router = nn.Parameter(torch.randn(experts, dim) / math.sqrt(dim))
         self.fc = nn.Parameter(torch.randn(experts, hidden, dim) / math.sqrt(dim))
         self.proj = nn.Parameter(torch.randn(experts, dim, hidden) / math.sqrt(hidden))
@@ -253,8 +297,11 @@ class ReferenceMoE(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         shape = h.shape
         x = h.reshape(-1, shape[-1])
-        experts, weights, scores, logits = route(x, self.router, self.top_k, self.score, self.renormalize)
+        experts, weights, scores, logits = route(x, self.router, self.top_k, self.score, self.renormalize,
+                                                 self.expert_bias if self.bias_rate else None)
         counts = torch.bincount(experts.reshape(-1), minlength=self.n_experts)
+        if self.training and self.bias_rate:
+            self.pending_load = counts + (0 if self.pending_load is None else self.pending_load)
         aux, z = balance_losses(experts, scores, logits, counts, self.score)
         self.aux_loss = self.aux_weight * aux + self.z_weight * z
         tokens = x.shape[0] // self.shards
