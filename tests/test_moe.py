@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from par4d.grid import Grid, coords_of, describe, folded_groups, validate_sizes, world_of
-from par4d.layout import shard, shard_batch
+from par4d.layout import shard, shard_batch, shard_features
 from tests import cases
 
 DIM, HIDDEN = 8, 12
@@ -31,8 +31,7 @@ def test_a_layer_the_grid_cannot_hold_is_named():
     spread = Grid.virtual({"data": 4, "expert": 4})
     for experts, top_k, grid, said in [(6, 2, spread, "6 experts do not divide over expert=4 ranks"),
                                        (4, 5, spread, "top_k=5 must be from 1 to the 4 experts"),
-                                       (4, 0, spread, "top_k=0 must be from 1 to the 4 experts"),
-                                       (4, 1, Grid.virtual({"x": 2}), "experts split over x, y or z are not built")]:
+                                       (4, 0, spread, "top_k=0 must be from 1 to the 4 experts")]:
         with pytest.raises(ValueError, match=said):
             check_moe("block.mlp", experts, top_k, grid)
 
@@ -83,7 +82,8 @@ def _round_trip(sizes: dict, routes: str) -> list[str]:
     return [f"{grid.rank}: {per_expert}"]
 
 
-GRIDS = [dict(data=4, expert=4), dict(data=4, expert=2), dict(data=2, pipe=2, expert=2), dict(data=4)]
+GRIDS = [dict(data=4, expert=4), dict(data=4, expert=2), dict(data=2, pipe=2, expert=2), dict(data=4),
+         dict(x=2, data=2, expert=2), dict(y=2, data=2, expert=2), dict(z=2, data=2, expert=2)]
 
 
 @pytest.mark.parametrize("routes", ["uneven", "one expert"])
@@ -112,42 +112,53 @@ def test_the_all_to_all_counts_what_leaves_the_rank(pool4):
     assert moved == [[(sum(r + i for i in range(4)) - 2 * r) * 3 * 4] for r in range(4)]
 
 
+def _mine(grid: Grid, tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a residual-stream tensor: its samples (data, z), its features (y)."""
+    return shard_features(grid, shard_batch(grid, tensor), "y")
+
+
+def _squared_error(out: torch.Tensor, target: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Each rank's share of the mean squared error over every feature: its features' sum over all of them."""
+    return ((out - target) ** 2).sum() / (tokens * DIM)
+
+
 def _against_the_twin(sizes: dict, score: str, seed: int, capacity: float | None = None) -> dict:
     """The parallel layer and its twin on the same global batch: routes, outputs, losses and every
-    gradient (the router's averaged over ranks, each expert's summed over its replicas)."""
+    gradient (the router's averaged over the batch shards, each expert's summed over its replicas)."""
     from par4d import comm
     from par4d.nn.moe import MoE, ReferenceMoE, route, within_capacity
     from par4d.nn.moe import capacity as capacity_of
 
     grid = cases.grid(**sizes)
+    shards = grid.size("z", "data")
     with cases.float64():
         torch.manual_seed(seed)
-        twin = ReferenceMoE(DIM, HIDDEN, 4, 2, score=score, capacity_factor=capacity, shards=grid.size("data"))
+        twin = ReferenceMoE(DIM, HIDDEN, 4, 2, score=score, capacity_factor=capacity, shards=shards)
         layer = MoE(DIM, HIDDEN, 4, 2, grid, score=score, capacity_factor=capacity)
         layer.load_full_state({name: p.detach() for name, p in twin.named_parameters()})
         batch = torch.randn(8, 3, DIM, generator=torch.Generator().manual_seed(seed + 1))
         target = torch.randn(8, 3, DIM, generator=torch.Generator().manual_seed(seed + 2))
         x = batch.clone().requires_grad_()
-        (((twin(x) - target) ** 2).mean() + twin.aux_loss).backward()
-        mine = shard_batch(grid, batch).clone().requires_grad_()
+        (_squared_error(twin(x), target, 8 * 3) + twin.aux_loss).backward()
+        mine = _mine(grid, batch).clone().requires_grad_()
         out = layer(mine)
-        (((out - shard_batch(grid, target)) ** 2).mean() + layer.aux_loss).backward()
-    torch.testing.assert_close(out, shard_batch(grid, twin(batch)), rtol=0, atol=1e-13)
+        (_squared_error(out, _mine(grid, target), 8 * 3 // shards) + layer.aux_loss).backward()
+    torch.testing.assert_close(out, _mine(grid, twin(batch)), rtol=0, atol=1e-13)
     chosen, _, scores, _ = route(batch.reshape(-1, DIM), twin.router.detach(), 2, score, True)   # the twin's routes
-    tokens = chosen.shape[0] // grid.size("data")
+    tokens = chosen.shape[0] // shards
     limit = capacity_of(capacity, tokens, 2, 4)
     kept = torch.cat([within_capacity(e, s, limit) for e, s in zip(chosen.split(tokens), scores.split(tokens))])
     assert layer.last_counts.tolist() == torch.bincount(chosen.reshape(-1)[kept.reshape(-1)], minlength=4).tolist()
     assert int(layer.last_dropped) == int((~kept).sum())
-    ranks = grid.size("data")
-    aux = comm.all_reduce(grid, layer.aux_loss.detach().clone(), "data") / ranks   # each rank's share of the batch's
+    aux = comm.all_reduce(grid, layer.aux_loss.detach().clone(), "z", "data") / shards   # each shard's share
     torch.testing.assert_close(aux, twin.aux_loss.detach(), rtol=0, atol=1e-13)
-    torch.testing.assert_close(mine.grad, shard_batch(grid, x.grad) * ranks, rtol=0, atol=1e-13)
-    router = comm.all_reduce(grid, layer.router.grad.clone(), "data") / ranks
-    torch.testing.assert_close(router, twin.router.grad, rtol=0, atol=1e-13)
-    for name in ("fc", "proj"):     # each expert's gradient, summed over the data ranks that hold it
+    torch.testing.assert_close(mine.grad, _mine(grid, x.grad) * shards, rtol=0, atol=1e-13)
+    router = comm.all_reduce(grid, layer.router.grad.clone(), "z", "data") / shards
+    torch.testing.assert_close(router, shard(grid, twin.router.grad, layer.router._par4d_placement), rtol=0,
+                               atol=1e-13)
+    for name in ("fc", "proj"):     # each expert's gradient (summed over z by Algorithm 1), over its replicas
         held = shard(grid, getattr(twin, name).grad, getattr(layer, name)._par4d_placement)
-        torch.testing.assert_close(_replica_sum(grid, getattr(layer, name).grad) / ranks, held, rtol=0, atol=1e-13)
+        torch.testing.assert_close(_replica_sum(grid, getattr(layer, name).grad) / shards, held, rtol=0, atol=1e-13)
     return {"counts": layer.last_counts.tolist(), "dropped": int(layer.last_dropped)}
 
 
@@ -156,7 +167,8 @@ def _replica_sum(grid: Grid, grad: torch.Tensor) -> torch.Tensor:
     import torch.distributed as dist
 
     every = [None] * dist.get_world_size()
-    mine = (grid.coord("expert"), grid.coord("pipe"))       # (a second pipeline stage runs its own copy here)
+    mine = tuple(grid.coord(a) for a in ("expert", "pipe", "x", "y", "z"))   # the same shard (a second pipeline
+                                                                               # stage runs its own copy here)
     dist.all_gather_object(every, (mine, grad))
     return sum(g for held, g in every if held == mine)
 
@@ -214,9 +226,12 @@ def _trained(sizes: dict, folder: str | None, saved: dict | None, bias_rate: flo
         theirs = torch.optim.AdamW(twin.parameters(), lr=0.05, eps=1e-4)
         for step in range(3):
             batch = torch.randn(8, 3, DIM, generator=torch.Generator().manual_seed(step))
-            for model, x, opt in ((twin, batch, theirs), (layer, shard_batch(grid, batch), ours)):
+            target = batch.flip(-1)
+            for model, x, t, tokens, opt in ((twin, batch, target, 8 * 3, theirs),
+                                             (layer, _mine(grid, batch), _mine(grid, target),
+                                              8 * 3 // grid.size("z", "data"), ours)):
                 opt.zero_grad()
-                ((model(x) - x.flip(-1)) ** 2).mean().add(model.aux_loss).backward()
+                _squared_error(model(x), t, tokens).add(model.aux_loss).backward()
             sync_gradients(layer, grid)
             # the global norm counts each expert once (the expert group's ranks hold different ones)
             norms.append((grad_norm(layer, grid).item(),
@@ -257,7 +272,8 @@ def test_three_adamw_steps_equal_the_twins_and_the_checkpoint_loads_at_any_exper
     folder = str(tmp_path / "expert4")
     first = pool4.run(_trained, dict(data=4, expert=4), folder, None)[0]
     saved = {"folder": folder, "state": first["state"]}
-    for sizes in (dict(data=4, expert=2), dict(data=4)):     # (a pipe=2 grid would hold the layer on both stages)
+    # (a pipe=2 grid would hold the layer on both stages)
+    for sizes in (dict(data=4, expert=2), dict(data=4), dict(x=2, data=2, expert=2), dict(z=2, data=2, expert=2)):
         norms = pool4.run(_trained, sizes, None, saved)[0]["norms"]
         assert all(abs(ours - theirs) <= 1e-12 * theirs for ours, theirs in first["norms"] + norms), norms
 
@@ -271,7 +287,8 @@ def _gpt_with_experts(sizes: dict) -> int:
         return compare_gpt_with_twin(cases.grid(**sizes), sizes, replace(GPT_CONFIG, mlp="moe", experts=4, top_k=2))
 
 
-@pytest.mark.parametrize("sizes", [dict(data=4, expert=4), dict(data=4, expert=2)], ids=describe)
+@pytest.mark.parametrize("sizes", [dict(data=4, expert=4), dict(data=4, expert=2), dict(x=2, data=2, expert=2),
+                                   dict(y=2, data=2, expert=2), dict(z=2, data=2, expert=2)], ids=describe)
 def test_the_gpt_with_experts_is_its_twin(pool4, sizes):
     """par4d's GPT with a mixture in every block (--mlp moe): its loss (the balance losses in it), every
     gradient and the parameters after AdamW steps, against the single-device twin, in float64; and the
@@ -313,7 +330,7 @@ def test_par4d_train_spreads_the_experts_and_resumes_on_another_expert_grid(tmp_
 
 
 @pytest.mark.parametrize("flags,said", [
-    (["--grid", "x=2,data=2,expert=2"], "experts split over x, y or z are not built yet"),
+    (["--grid", "data=2,expert=2", "--recompute", "1"], "a pipeline (pipe=1) and recomputation (recompute=1)"),
     (["--grid", "data=3,expert=2", "--nproc", "3"], "expert=2 folds over data=3"),
     (["--grid", "data=2,expert=2", "--experts", "3"], "3 experts do not divide over expert=2"),
     (["--grid", "data=2,expert=2", "--top-k", "5"], "experts >= 2 and top_k from 1 to experts"),
@@ -328,3 +345,10 @@ def test_a_grid_the_experts_cannot_take_is_refused_before_any_rank_starts(tmp_pa
     assert main(["train", *args, *flags, "--out", str(tmp_path / "refused")]) == 2
     assert said in capsys.readouterr().err
     assert not (tmp_path / "refused").exists()
+
+
+def test_the_gpt_with_experts_is_its_twin_on_every_axis(pool16):
+    """x, y, z, data all 2 and the experts spread over data: every tensor axis splits each expert's GEMMs
+    while expert spreads them (16 ranks: the expert axis folds over data, which needs 2 of them)."""
+    sizes = dict(x=2, y=2, z=2, data=2, expert=2)
+    assert len(set(pool16.run(_gpt_with_experts, sizes, timeout=300))) == 1

@@ -72,7 +72,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     model.add_argument("--mlp", choices=CHOICES["mlp"], default=None,
                        help=_help("mlp", "phantom: phantom layers over x in every MLP (needs y = z = 1); moe: a "
                                          "mixture of experts in every block, spread over --grid ...,expert=E (E "
-                                         "dividing data; needs x = y = z = 1 and pipe = 1 for now)"))
+                                         "dividing data; each expert's GEMMs split over x, y and z as a Linear's; "
+                                         "no pipeline or recomputation yet)"))
     model.add_argument("--experts", type=int, default=None, help=_help("experts", "--mlp moe: experts per block"))
     model.add_argument("--top-k", type=int, default=None, help=_help("top_k", "--mlp moe: experts per token"))
     model.add_argument("--phantom-k", type=int, default=None,

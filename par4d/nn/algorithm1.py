@@ -116,8 +116,10 @@ class Algorithm1(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, w_shard, bias, layer: Algorithm1Layer):
         grid, runtime = layer.grid, layer.runtime
-        # W (n/G_out, k/G_in, ...), whichever way the weight is stored (w_shard is layer.weight: passed for autograd)
-        w = runtime.gathers.gather(layer) if runtime else comm.all_gather(grid, layer.weight_rows(), "z")
+        # W (n/G_out, k/G_in, ...), whichever way the weight is stored (w_shard: layer.weight, or one expert's
+        # slice of a mixture's stacked weights; passed for autograd)
+        rows = w_shard.t() if layer.weight_layout == "in_out" else w_shard
+        w = runtime.gathers.gather(layer) if runtime else comm.all_gather(grid, rows, "z")
         # O_{l,i}: partial over in_axis, summed there (xy: chunk by chunk, each sum behind the next chunk's matmul)
         out = _in_chunks(layer, layer.in_axis, lambda part: layer.local_forward(part, w), inp)
         if bias is not None:

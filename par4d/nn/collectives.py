@@ -66,3 +66,32 @@ class SumOver(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_sum: torch.Tensor):
         return comm.all_reduce(ctx.grid, grad_sum.clone(), ctx.axis), None, None
+
+
+class SumFeatures(torch.autograd.Function):
+    """all-reduce over ``axis`` in forward, nothing in backward: partial sums over a feature split whose
+    result every rank of ``axis`` then uses alike (a router's logits), so each rank's part has the sum's
+    gradient."""
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, grid: Grid, axis: str) -> torch.Tensor:
+        return comm.all_reduce(grid, partial.contiguous(), axis)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None, None
+
+
+class SumGradients(torch.autograd.Function):
+    """nothing in forward, all-reduce over ``axis`` in backward: a tensor every rank of ``axis`` holds
+    whole and applies to its own part of a feature split (a mixture's weights), so its gradient is the
+    sum of the parts'. The pair of :class:`SumFeatures`."""
+
+    @staticmethod
+    def forward(ctx, whole: torch.Tensor, grid: Grid, axis: str) -> torch.Tensor:
+        ctx.grid, ctx.axis = grid, axis
+        return whole.view_as(whole)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return comm.all_reduce(ctx.grid, grad.contiguous().clone(), ctx.axis), None, None

@@ -18,8 +18,11 @@ the share of assignments expert e got, counted over every data-parallel rank; ``
 the router z-loss (the mean squared log-sum-exp of the logits); the layer keeps both of its last forward
 (``aux_loss``, weighted, for the model to add to its loss).
 
-Experts are whole on a rank for now: x, y and z must be 1 (splitting each expert's GEMMs by Algorithm 1
-is not built yet); :class:`ReferenceMoE` is the single-device twin the tests hold it to.
+Each expert's two GEMMs run under Algorithm 1 on x, y and z like the dense MLP's (fc normal: features
+over y in, x out; proj transposed), so an expert is split as well as spread: the rows that arrive have
+the residual stream's features over y, and every rank of an x or y group holds the same tokens (routing
+is the same there). The router's weight is cut over y with the features; its partial logits are summed
+over y. :class:`ReferenceMoE` is the single-device twin the tests hold it to.
 """
 
 from __future__ import annotations
@@ -32,9 +35,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from par4d import comm
-from par4d.grid import Grid
+from par4d.grid import Grid, Indivisible
 from par4d.layout import Placement, Split, place
+from par4d.nn.algorithm1 import Algorithm1
 from par4d.nn.base import ShardedModule
+from par4d.nn.collectives import SumFeatures, SumGradients
 
 SCORES = ("softmax", "sigmoid")
 BATCH_AXES = ("z", "data")    # what a dense layer's gradients are summed over: every rank of other tokens
@@ -54,14 +59,44 @@ class Exchange(torch.autograd.Function):
         return comm.all_to_all(ctx.grid, grad.contiguous(), "expert", ctx.receive, ctx.send), None, None, None
 
 
+class _ExpertMatmul:
+    """What :class:`par4d.nn.algorithm1.Algorithm1` asks of a layer, for one GEMM of every expert: the axes
+    (normal: features y in, x out; transposed: swapped) and the local matmuls; the weight is the expert's
+    slice of the stacked parameter, passed to each call."""
+
+    runtime = None                # the exchanges and these GEMMs are not overlapped yet
+    feature_dim = -1
+    weight_layout = "out_in"
+
+    def __init__(self, grid: Grid, transposed: bool):
+        self.grid = grid
+        self.in_axis, self.out_axis = ("x", "y") if transposed else ("y", "x")
+
+    def __call__(self, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.grid.size(self.in_axis, self.out_axis, "z") == 1:
+            return rows @ weight.t()                     # nothing to gather or sum
+        return Algorithm1.apply(rows, weight, None, self)
+
+    def local_forward(self, inp: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return inp @ w.t()
+
+    def local_input_grad(self, grad_out: torch.Tensor, w: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+        return grad_out @ w
+
+    def local_weight_grad(self, grad_out: torch.Tensor, inp: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return grad_out.t() @ inp
+
+
 def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, score: str, renormalize: bool,
-          bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+          bias: torch.Tensor | None = None, grid: Grid | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(experts (N, k), their weights (N, k), scores (N, E), logits (N, E)) of tokens ``x`` (N, D) under
     router ``weight`` (E, D), in fp32 or the inputs' wider dtype. Ties in top-k go to the lower index.
     ``bias`` (E,): added to the scores to choose the experts only (DeepSeek-V3's loss-free balancing); the
-    weights are the scores themselves."""
+    weights are the scores themselves. ``grid``: ``x`` and ``weight`` hold their features' part over y."""
     dtype = torch.promote_types(x.dtype, torch.float32)
-    logits = x.to(dtype) @ weight.to(dtype).t()
+    logits = x.to(dtype) @ weight.to(dtype).t() if grid is None else \
+        SumFeatures.apply(x.to(dtype) @ weight.to(dtype).t(), grid, "y")       # the features' parts, summed
     scores = logits.softmax(-1) if score == "softmax" else logits.sigmoid()
     if bias is None:
         weights, experts = scores.topk(top_k, dim=-1, sorted=True)
@@ -97,8 +132,9 @@ class MoE(ShardedModule):
 
     ``score``: ``"softmax"`` or ``"sigmoid"`` router scores; ``renormalize``: the top-k weights summed to 1;
     ``aux_weight``, ``z_weight``: the weights of the auxiliary and z losses in :attr:`aux_loss`.
-    Parameters: ``router`` (E, D) replicated; ``fc`` (E, hidden, D) and ``proj`` (E, D, hidden), cut
-    over ``expert`` (dim 0). Raises ``ValueError`` naming the numbers for a shape the grid cannot hold.
+    Parameters: ``router`` (E, D), its features cut over y; ``fc`` (E, hidden, D) and ``proj`` (E, D,
+    hidden), cut over ``expert`` (dim 0) and each expert's matrix as Algorithm 1 cuts a normal and a
+    transposed Linear's. Raises ``ValueError`` naming the numbers for a shape the grid cannot hold.
     """
 
     def __init__(self, dim: int, hidden: int, experts: int, top_k: int, grid: Grid, name: str = "moe", *,
@@ -110,13 +146,18 @@ class MoE(ShardedModule):
         self.n_experts, self.aux_weight, self.z_weight = experts, aux_weight, z_weight
         self.capacity_factor = capacity_factor
         _balancing(self, experts, bias_rate, grid.device)
+        check_expert_shape(name, dim, hidden, grid)
         local = experts // grid.size("expert")
         device = grid.device
-        self.router = place(nn.Parameter(torch.empty(experts, dim, device=device)), Placement((), BATCH_AXES))
-        self.fc = place(nn.Parameter(torch.empty(local, hidden, dim, device=device)),
-                        Placement((Split(0, "expert"),), BATCH_AXES))
-        self.proj = place(nn.Parameter(torch.empty(local, dim, hidden, device=device)),
-                          Placement((Split(0, "expert"),), BATCH_AXES))
+        gx, gy, gz = grid.size("x"), grid.size("y"), grid.size("z")
+        self.router = place(nn.Parameter(torch.empty(experts, dim // gy, device=device)),
+                            Placement((Split(1, "y"),), BATCH_AXES))
+        # As a normal Linear's weight (out over x, in over y, each block's rows over z), one per expert
+        self.fc = place(nn.Parameter(torch.empty(local, hidden // (gx * gz), dim // gy, device=device)),
+                        Placement((Split(0, "expert"), Split(1, "x"), Split(2, "y"), Split(1, "z")), ("data",)))
+        self.proj = place(nn.Parameter(torch.empty(local, dim // (gy * gz), hidden // gx, device=device)),
+                          Placement((Split(0, "expert"), Split(1, "y"), Split(2, "x"), Split(1, "z")), ("data",)))
+        self.up, self.down = _ExpertMatmul(grid, transposed=False), _ExpertMatmul(grid, transposed=True)
         self.aux_loss: torch.Tensor | None = None     # the last forward's weighted balance losses
         self.last_counts: torch.Tensor | None = None  # the last forward's assignments per expert (whole batch)
         self.last_losses: tuple[float, float] | None = None   # its auxiliary and z losses, unweighted
@@ -126,7 +167,7 @@ class MoE(ShardedModule):
         shape = h.shape
         x = h.reshape(-1, shape[-1])
         experts, weights, scores, logits = route(x, self.router, self.top_k, self.score, self.renormalize,
-                                                 self.expert_bias if self.bias_rate else None)
+                                                 self.expert_bias if self.bias_rate else None, self.grid)
         kept = within_capacity(experts, scores, capacity(self.capacity_factor, x.shape[0], self.top_k,
                                                          self.n_experts))
         # One all-reduce: every rank's assignments per expert, as routed (the balance loss counts those) and
@@ -144,7 +185,9 @@ class MoE(ShardedModule):
         out = dispatch(x, chosen // self.top_k, experts.reshape(-1)[chosen], self.n_experts, self.grid,
                        self._experts)
         y = out.new_zeros(experts.numel(), out.shape[1]).index_copy(0, chosen, out)   # a dropped slot adds 0
-        slots = y.view(x.shape[0], self.top_k, -1) * weights.to(y.dtype).unsqueeze(-1)
+        # Each rank of y weighs its features' part: the weights' gradient is the sum of the parts'
+        weights = SumGradients.apply(weights.to(y.dtype), self.grid, "y")
+        slots = y.view(x.shape[0], self.top_k, -1) * weights.unsqueeze(-1)
         return slots.sum(1).reshape(shape)
 
     @torch.no_grad()
@@ -159,7 +202,7 @@ class MoE(ShardedModule):
         """This rank's experts on their runs of ``rows`` (expert-major), a GEMM pair each (a loop: on CPU
         the runs are too uneven for a padded batched matmul to pay)."""
         parts = rows.split(per_expert)
-        return torch.cat([_expert_mlp(part, self.fc[e], self.proj[e]) for e, part in enumerate(parts)])
+        return torch.cat([self.down(F.gelu(self.up(part, self.fc[e])), self.proj[e]) for e, part in enumerate(parts)])
 
 
 def _balancing(layer: nn.Module, experts: int, rate: float, device: torch.device) -> None:
@@ -239,9 +282,17 @@ def check_moe(where: str, experts: int, top_k: int, grid: Grid, score: str = "so
         raise ValueError(f"{where}: top_k={top_k} must be from 1 to the {experts} experts")
     if experts % spread:
         raise ValueError(f"{where}: {experts} experts do not divide over expert={spread} ranks")
-    if grid.size("x", "y", "z") > 1:
-        raise ValueError(f"{where}: experts split over x, y or z are not built yet (this grid has x={grid.size('x')}, "
-                         f"y={grid.size('y')}, z={grid.size('z')}); spread them over expert, folded over data")
+
+
+
+def check_expert_shape(where: str, dim: int, hidden: int, grid: Grid) -> None:
+    """Raise :class:`par4d.grid.Indivisible` naming the numbers unless an expert's GEMMs split as Algorithm 1
+    splits a Linear: ``dim`` over y (and its blocks over z), ``hidden`` over x (and its blocks over z)."""
+    gx, gy, gz = grid.size("x"), grid.size("y"), grid.size("z")
+    for size, name, axis, g in ((dim, "dim", "y", gy), (hidden, "hidden", "x", gx)):
+        if size % (g * gz):
+            raise Indivisible(f"{where}: {name}={size} does not split over {axis}={g} and then z={gz} (an expert's "
+                              f"GEMMs cut it as a Linear's)")
 
 
 def dispatch(x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor, n_experts: int, grid: Grid,
