@@ -320,6 +320,8 @@ def test_par4d_train_spreads_the_experts_and_resumes_on_another_expert_grid(tmp_
     train_alone(checked_config("--nproc", "1", *SMALL_MOE, "--steps", "6", "--out", str(alone), world=1))
     train_pooled(pool4, "--grid", "data=4,expert=4", *SMALL_MOE, "--steps", "3", "--out", str(run))
     assert "a mixture of 4 experts in every block (top 2)" in capsys.readouterr().out
+    resolved = (run / "config.toml").read_text()      # what --config reads to train the same run again
+    assert all(line in resolved.splitlines() for line in ("expert = 4", "experts = 4", "top_k = 2", 'mlp = "moe"'))
     train_pooled(pool2, "--resume", str(run), "--grid", "data=2,expert=2", "--steps", "5")
     train_alone(checked_config("--resume", str(run), "--grid", "x=1", "--steps", "6", world=1))
     assert run_losses(run) == pytest.approx(run_losses(alone), rel=1e-5)

@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 
 from par4d.folder import Folder
-from par4d.grid import AXES
+from par4d.grid import AXES, FOLDED
 
 # What a run's config.toml leaves out: --grid auto (the grid it chose is there), the launch, its folder.
 NOT_KEPT = ("grid_auto", "nproc", "machine", "out", "max_restarts")
@@ -29,9 +29,9 @@ SECTIONS: dict[str, dict[str, tuple[str, tuple]]] = {
               "image_size": ("image_size", INT), "init_from": ("init_from", STR)},
     "data": {"data": ("data", STR), "tokenizer": ("tokenizer", STR), "seq_len": ("seq_len", INT),
              "batch_size": ("batch_size", INT), "seed": ("seed", INT)},
-    "grid": {**{axis: (f"axis_{axis}", INT) for axis in AXES}, "auto": ("grid_auto", BOOL), "nproc": ("nproc", INT),
-             "machine": ("machine", STR), "hierarchical": ("hierarchical", STR), "overlap": ("overlap", STR),
-             "recompute": ("recompute", STR), "microbatches": ("microbatches", INT),
+    "grid": {**{axis: (f"axis_{axis}", INT) for axis in (*AXES, *FOLDED)}, "auto": ("grid_auto", BOOL),
+             "nproc": ("nproc", INT), "machine": ("machine", STR), "hierarchical": ("hierarchical", STR),
+             "overlap": ("overlap", STR), "recompute": ("recompute", STR), "microbatches": ("microbatches", INT),
              "pipeline_limit": ("pipeline_limit", INT)},
     "optimizer": {"lr": ("lr", FLOAT), "grad_clip": ("grad_clip", FLOAT), "precision": ("precision", STR),
                   "grad_reduce": ("grad_reduce", STR), "offload_optimizer": ("offload_bsize", INT)},
@@ -60,6 +60,8 @@ def _line(text: str, section: str | None, key: str | None = None) -> int:
             return number
     return 0
 
+
+MOE = ("experts", "top_k")     # a mixture's settings: kept only for a run with one
 
 # Destinations whose value names a file or folder: an empty string names none (it would not mean "the default").
 PATHS = ("data", "tokenizer", "init_from", "out")
@@ -118,7 +120,7 @@ def read(path: str | Path, choices: dict[str, tuple] | None = None) -> dict[str,
 def apply(args, settings: dict[str, object], source: str) -> None:
     """Fill ``args`` (parsed ``par4d train`` flags) from a settings file's values wherever the command line
     gave nothing (None): flags override the file."""
-    axes = {axis: settings.pop(f"axis_{axis}") for axis in AXES if f"axis_{axis}" in settings}
+    axes = {axis: settings.pop(f"axis_{axis}") for axis in (*AXES, *FOLDED) if f"axis_{axis}" in settings}
     auto = settings.pop("grid_auto", False)
     if axes and auto:
         raise ValueError(f"--config {source}: [grid] gives both axis sizes and auto = true")
@@ -144,7 +146,10 @@ def resolved(config) -> str:
 
     def value(dest: str):
         if dest.startswith("axis_"):
-            return config.grid.get(dest.removeprefix("axis_"), 1)
+            axis = dest.removeprefix("axis_")
+            return None if axis in FOLDED and axis not in config.grid else config.grid.get(axis, 1)
+        if dest in MOE and config.mlp != "moe":       # (given without --mlp moe, they are refused)
+            return None
         return None if dest in NOT_KEPT else getattr(config, dest)
 
     lines = ["# par4d train's settings for this run, resolved (par4d train --config FILE trains it again;",
