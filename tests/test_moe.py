@@ -8,6 +8,7 @@ import torch
 
 from par4d.grid import Grid, coords_of, describe, folded_groups, validate_sizes, world_of
 from par4d.layout import shard, shard_batch, shard_features
+from par4d.nn.base import full_state_dict, load_full_state_dict
 from tests import cases
 
 DIM, HIDDEN = 8, 12
@@ -122,7 +123,7 @@ def _squared_error(out: torch.Tensor, target: torch.Tensor, tokens: int) -> torc
     return ((out - target) ** 2).sum() / (tokens * DIM)
 
 
-def _against_the_twin(sizes: dict, score: str, seed: int, capacity: float | None = None) -> dict:
+def _against_the_twin(sizes: dict, score: str, seed: int, capacity: float | None = None, shared: int = 0) -> dict:
     """The parallel layer and its twin on the same global batch: routes, outputs, losses and every
     gradient (the router's averaged over the batch shards, each expert's summed over its replicas)."""
     from par4d import comm
@@ -133,9 +134,9 @@ def _against_the_twin(sizes: dict, score: str, seed: int, capacity: float | None
     shards = grid.size("z", "data")
     with cases.float64():
         torch.manual_seed(seed)
-        twin = ReferenceMoE(DIM, HIDDEN, 4, 2, score=score, capacity_factor=capacity, shards=shards)
-        layer = MoE(DIM, HIDDEN, 4, 2, grid, score=score, capacity_factor=capacity)
-        layer.load_full_state({name: p.detach() for name, p in twin.named_parameters()})
+        twin = ReferenceMoE(DIM, HIDDEN, 4, 2, score=score, capacity_factor=capacity, shards=shards, shared=shared)
+        layer = MoE(DIM, HIDDEN, 4, 2, grid, score=score, capacity_factor=capacity, shared=shared)
+        load_full_state_dict(layer, {name: p.detach() for name, p in twin.named_parameters()})
         batch = torch.randn(8, 3, DIM, generator=torch.Generator().manual_seed(seed + 1))
         target = torch.randn(8, 3, DIM, generator=torch.Generator().manual_seed(seed + 2))
         x = batch.clone().requires_grad_()
@@ -159,6 +160,11 @@ def _against_the_twin(sizes: dict, score: str, seed: int, capacity: float | None
     for name in ("fc", "proj"):     # each expert's gradient (summed over z by Algorithm 1), over its replicas
         held = shard(grid, getattr(twin, name).grad, getattr(layer, name)._par4d_placement)
         torch.testing.assert_close(_replica_sum(grid, getattr(layer, name).grad) / shards, held, rtol=0, atol=1e-13)
+    if shared:      # the shared experts: Linears, their gradients summed over the batch shards (data)
+        grads = full_state_dict(layer.shared, grad=True)
+        for name, param in twin.shared.named_parameters():
+            total = comm.all_reduce(grid, grads[name].clone(), "data") / shards
+            torch.testing.assert_close(total, param.grad, rtol=0, atol=1e-13)
     return {"counts": layer.last_counts.tolist(), "dropped": int(layer.last_dropped)}
 
 
@@ -278,13 +284,14 @@ def test_three_adamw_steps_equal_the_twins_and_the_checkpoint_loads_at_any_exper
         assert all(abs(ours - theirs) <= 1e-12 * theirs for ours, theirs in first["norms"] + norms), norms
 
 
-def _gpt_with_experts(sizes: dict) -> int:
+def _gpt_with_experts(sizes: dict, shared: int = 0) -> int:
     from dataclasses import replace
 
     from tests.cases import GPT_CONFIG, compare_gpt_with_twin
 
+    config = replace(GPT_CONFIG, mlp="moe", experts=4, top_k=2, shared_experts=shared)
     with cases.float64():
-        return compare_gpt_with_twin(cases.grid(**sizes), sizes, replace(GPT_CONFIG, mlp="moe", experts=4, top_k=2))
+        return compare_gpt_with_twin(cases.grid(**sizes), sizes, config)
 
 
 @pytest.mark.parametrize("sizes", [dict(data=4, expert=4), dict(data=4, expert=2), dict(x=2, data=2, expert=2),
@@ -298,9 +305,10 @@ def test_the_gpt_with_experts_is_its_twin(pool4, sizes):
     from par4d.train.recipes.gpt import build_reference
     from tests.cases import GPT_CONFIG
 
-    config = replace(GPT_CONFIG, mlp="moe", experts=4, top_k=2)
+    shared = 1 if "x" in sizes else 0          # (one grid with a shared expert: its Linears on x)
+    config = replace(GPT_CONFIG, mlp="moe", experts=4, top_k=2, shared_experts=shared)
     twin = build_reference(config, init=False)
-    assert pool4.run(_gpt_with_experts, sizes) == [len(list(twin.parameters()))] * 4
+    assert pool4.run(_gpt_with_experts, sizes, shared) == [len(list(twin.parameters()))] * 4
     assert config.num_params() == sum(p.numel() for p in twin.parameters())
 
 
@@ -339,6 +347,7 @@ def test_par4d_train_spreads_the_experts_and_resumes_on_another_expert_grid(tmp_
     (["--grid", "data=2,expert=2", "--mlp", "dense"], "--mlp dense has none (give --mlp moe)"),
     (["--grid", "data=2,pipe=2,expert=2"], "a pipeline (pipe=2) and recomputation"),
     (["--experts", "4", "--mlp", "dense", "--grid", "data=2"], "--experts 4: a setting of a mixture of experts"),
+    (["--shared-experts", "1", "--mlp", "dense"], "--shared-experts 1: a setting of a mixture of experts"),
 ])
 def test_a_grid_the_experts_cannot_take_is_refused_before_any_rank_starts(tmp_path, capsys, flags, said):
     from par4d.cli import main
@@ -354,3 +363,42 @@ def test_the_gpt_with_experts_is_its_twin_on_every_axis(pool16):
     while expert spreads them (16 ranks: the expert axis folds over data, which needs 2 of them)."""
     sizes = dict(x=2, y=2, z=2, data=2, expert=2)
     assert len(set(pool16.run(_gpt_with_experts, sizes, timeout=300))) == 1
+
+
+@pytest.mark.parametrize("sizes", [dict(data=4, expert=4), dict(x=2, data=2, expert=2), dict(y=2, data=2, expert=2),
+                                   dict(z=2, data=2, expert=2)], ids=describe)
+def test_shared_experts_join_every_token_as_the_twins(pool4, sizes):
+    """shared=1: a dense MLP of an expert's width that every token goes through, beside the routed ones."""
+    found = pool4.run(_against_the_twin, sizes, "softmax", 4, None, 1)
+    assert sum(found[0]["counts"]) == 8 * 3 * 2
+
+
+def _overlapped_and_not(sizes: dict) -> dict:
+    """The same layer with the shared experts' GEMMs run while the rows travel, and without: the same bits,
+    and the rows' all-to-all issued before them (in flight over them) and waited for after."""
+    from par4d.nn.moe import MoE
+
+    grid = cases.grid(**sizes)
+    results = []
+    for overlap in (True, False):
+        torch.manual_seed(6)
+        layer = MoE(DIM, HIDDEN, 4, 2, grid, shared=1, overlap=overlap)
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+        x = _mine(grid, torch.randn(8, 3, DIM, generator=torch.Generator().manual_seed(7))).requires_grad_()
+        with grid.ledger.capture() as entries:
+            out = layer(x)
+        out.square().sum().backward()
+        results.append((out.detach(), x.grad, [p.grad for p in layer.parameters()],
+                        [e.overlapped for e in entries if e.kind == "all_to_all"]))
+    (out, grad, grads, overlapped), (out_sync, grad_sync, grads_sync, sync) = results
+    assert torch.equal(out, out_sync) and torch.equal(grad, grad_sync)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_sync))
+    return {"overlapped": overlapped, "sync": sync}
+
+
+def test_the_exchange_is_hidden_behind_the_shared_experts_bit_for_bit(pool4):
+    found = pool4.run(_overlapped_and_not, dict(x=2, data=2, expert=2))[0]
+    # the counts, then the rows (issued before the shared experts, waited after), then the way back
+    assert found == {"overlapped": [False, True, False], "sync": [False, False, False]}

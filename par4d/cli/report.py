@@ -38,7 +38,8 @@ def _model_line(summary: dict) -> str:
     line = RECIPES[model].describe if isinstance(model, str) and model in RECIPES else str(model)
     config = summary.get("config", {})
     if config.get("mlp") == "moe":
-        line += f", a mixture of {config.get('experts')} experts in every block (top {config.get('top_k')})"
+        line += f", a mixture of {config.get('experts')} experts in every block (top {config.get('top_k')}"
+        line += f"; {config['shared_experts']} shared)" if config.get("shared_experts") else ")"
     return line
 
 

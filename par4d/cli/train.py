@@ -76,6 +76,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                          "no pipeline or recomputation yet)"))
     model.add_argument("--experts", type=int, default=None, help=_help("experts", "--mlp moe: experts per block"))
     model.add_argument("--top-k", type=int, default=None, help=_help("top_k", "--mlp moe: experts per token"))
+    model.add_argument("--shared-experts", type=int, default=None,
+                       help=_help("shared_experts", "--mlp moe: experts every token goes through besides the routed "
+                                                    "ones (their GEMMs run while the tokens travel)"))
     model.add_argument("--phantom-k", type=int, default=None,
                        help=_help("phantom_k", "ghost neurons per phantom layer"))
     model.add_argument("--seed", type=int, default=None, help=_help("seed"))

@@ -78,10 +78,12 @@ class GPTConfig:
     phantom_p: int = 1       # ranks of the phantom axis (x); a phantom model's shape depends on it
     experts: int = 1         # mlp="moe": experts per block (each the dense MLP's shape, without biases)
     top_k: int = 1           # mlp="moe": experts per token
+    shared_experts: int = 0  # mlp="moe": experts every token goes through besides (0: none)
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
-            if name not in ("seed", "mlp") and (not isinstance(value, int) or value < 1):
+            low = 0 if name == "shared_experts" else 1
+            if name not in ("seed", "mlp") and (not isinstance(value, int) or value < low):
                 raise ValueError(f"GPTConfig.{name}={value!r} must be a positive integer")
         if self.n_embd % self.n_head:
             raise ValueError(f"GPTConfig: n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
@@ -121,10 +123,10 @@ class GPTConfig:
         return sum(n_in * n_out // p + k * n_in + (p - 1) * k * n_out for n_in, n_out in ((d, 4 * d), (4 * d, d)))
 
     def _moe_weights(self, active: bool) -> int:
-        """A mixture's weights per block: the router's and every expert's (``active``: the top-k experts a
-        token goes through, and the router: its multiply-adds per token)."""
+        """A mixture's weights per block: the router's, every expert's and the shared ones' (``active``: the
+        top-k experts a token goes through, the shared ones and the router: its multiply-adds per token)."""
         d = self.n_embd
-        return self.experts * d + (self.top_k if active else self.experts) * 2 * d * 4 * d
+        return self.experts * d + ((self.top_k if active else self.experts) + self.shared_experts) * 2 * d * 4 * d
 
     def _matmul_weights(self, active: bool = False) -> int:
         """Weights of every matmul (``active``: those a token goes through, its multiply-adds), the head's

@@ -52,7 +52,8 @@ class DenseMLP(nn.Module):
 def moe_mlp(config: GPTConfig, grid: Grid, name: str) -> MoE:
     """The mixture a ``mlp="moe"`` block has: ``config.experts`` of the dense MLP's shape (no biases), the
     top ``config.top_k`` per token, spread over the grid's expert axis (par4d.nn.moe)."""
-    return MoE(config.n_embd, 4 * config.n_embd, config.experts, config.top_k, grid, name)
+    return MoE(config.n_embd, 4 * config.n_embd, config.experts, config.top_k, grid, name,
+               shared=config.shared_experts)
 
 
 class _Block(nn.Module):

@@ -41,7 +41,7 @@ class _MLP(nn.Module):
 
 
 def _moe(config: GPTConfig) -> ReferenceMoE:
-    return ReferenceMoE(config.n_embd, 4 * config.n_embd, config.experts, config.top_k)
+    return ReferenceMoE(config.n_embd, 4 * config.n_embd, config.experts, config.top_k, shared=config.shared_experts)
 
 
 class _Block(nn.Module):

@@ -40,6 +40,7 @@ from par4d.layout import Placement, Split, place
 from par4d.nn.algorithm1 import Algorithm1
 from par4d.nn.base import ShardedModule
 from par4d.nn.collectives import SumFeatures, SumGradients
+from par4d.nn.linear import Linear
 
 SCORES = ("softmax", "sigmoid")
 BATCH_AXES = ("z", "data")    # what a dense layer's gradients are summed over: every rank of other tokens
@@ -50,13 +51,16 @@ class Exchange(torch.autograd.Function):
     from it), the reverse all-to-all in backward (each row's gradient goes back where the row came from)."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, grid: Grid, send: list[int], receive: list[int]) -> torch.Tensor:
+    def forward(ctx, rows: torch.Tensor, grid: Grid, send: list[int], receive: list[int],
+                arrived: torch.Tensor | None = None) -> torch.Tensor:
+        """``arrived``: the rows already exchanged (an all-to-all issued earlier and waited for, with other
+        work in between): returned as they are."""
         ctx.grid, ctx.send, ctx.receive = grid, send, receive
-        return comm.all_to_all(grid, rows, "expert", send, receive)
+        return arrived.view_as(arrived) if arrived is not None else comm.all_to_all(grid, rows, "expert", send, receive)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return comm.all_to_all(ctx.grid, grad.contiguous(), "expert", ctx.receive, ctx.send), None, None, None
+        return comm.all_to_all(ctx.grid, grad.contiguous(), "expert", ctx.receive, ctx.send), None, None, None, None
 
 
 class _ExpertMatmul:
@@ -139,7 +143,8 @@ class MoE(ShardedModule):
 
     def __init__(self, dim: int, hidden: int, experts: int, top_k: int, grid: Grid, name: str = "moe", *,
                  score: str = "softmax", renormalize: bool = True, aux_weight: float = 0.01,
-                 z_weight: float = 0.001, capacity_factor: float | None = None, bias_rate: float = 0.0):
+                 z_weight: float = 0.001, capacity_factor: float | None = None, bias_rate: float = 0.0,
+                 shared: int = 0, overlap: bool = True):
         super().__init__()
         check_moe(name, experts, top_k, grid, score, capacity_factor)
         self.grid, self.name, self.top_k, self.score, self.renormalize = grid, name, top_k, score, renormalize
@@ -158,6 +163,15 @@ class MoE(ShardedModule):
         self.proj = place(nn.Parameter(torch.empty(local, dim // (gy * gz), hidden // gx, device=device)),
                           Placement((Split(0, "expert"), Split(1, "y"), Split(2, "x"), Split(1, "z")), ("data",)))
         self.up, self.down = _ExpertMatmul(grid, transposed=False), _ExpertMatmul(grid, transposed=True)
+        self.overlap = overlap
+        if shared:       # experts every token goes through: a dense MLP of their width (Linear's own layout)
+            self.shared = nn.Module()
+            self.shared.fc = Linear(dim, shared * hidden, bias=False, grid=grid, name=f"{name}.shared.fc",
+                                    initialize=False)
+            self.shared.proj = Linear(shared * hidden, dim, bias=False, transposed=True, grid=grid,
+                                      name=f"{name}.shared.proj", initialize=False)
+        else:
+            self.shared = None
         self.aux_loss: torch.Tensor | None = None     # the last forward's weighted balance losses
         self.last_counts: torch.Tensor | None = None  # the last forward's assignments per expert (whole batch)
         self.last_losses: tuple[float, float] | None = None   # its auxiliary and z losses, unweighted
@@ -182,13 +196,20 @@ class MoE(ShardedModule):
         if self.training and self.bias_rate:       # the load the next bias step answers (every microbatch's)
             self.pending_load = both[:self.n_experts] + (0 if self.pending_load is None else self.pending_load)
         chosen = kept.reshape(-1).nonzero().squeeze(1)       # the (token, slot) assignments that go
-        out = dispatch(x, chosen // self.top_k, experts.reshape(-1)[chosen], self.n_experts, self.grid,
-                       self._experts)
+        shared = None if self.shared is None else (lambda: self.shared.proj(F.gelu(self.shared.fc(h))))
+        if shared is not None and self.overlap:     # the shared experts' GEMMs while the rows travel
+            out, common = dispatch(x, chosen // self.top_k, experts.reshape(-1)[chosen], self.n_experts, self.grid,
+                                   self._experts, meanwhile=shared)
+        else:
+            out = dispatch(x, chosen // self.top_k, experts.reshape(-1)[chosen], self.n_experts, self.grid,
+                           self._experts)
+            common = None if shared is None else shared()
         y = out.new_zeros(experts.numel(), out.shape[1]).index_copy(0, chosen, out)   # a dropped slot adds 0
         # Each rank of y weighs its features' part: the weights' gradient is the sum of the parts'
         weights = SumGradients.apply(weights.to(y.dtype), self.grid, "y")
         slots = y.view(x.shape[0], self.top_k, -1) * weights.unsqueeze(-1)
-        return slots.sum(1).reshape(shape)
+        routed = slots.sum(1).reshape(shape)
+        return routed if common is None else routed + common
 
     @torch.no_grad()
     def update_bias(self) -> None:
@@ -296,11 +317,13 @@ def check_expert_shape(where: str, dim: int, hidden: int, grid: Grid) -> None:
 
 
 def dispatch(x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor, n_experts: int, grid: Grid,
-             compute) -> torch.Tensor:
+             compute, meanwhile=None):
     """``compute(rows, per_expert)`` of every assignment (token ``tokens[i]`` to expert ``experts[i]``),
     returned in the assignments' order: the rows are sorted by expert, sent to the ranks of the expert
     group that hold their experts, regrouped expert-major there (``per_expert``: each local expert's run),
-    computed, and sent back."""
+    computed, and sent back. ``meanwhile()``: work run while the rows are on their way (the rows'
+    all-to-all is issued before it and waited for after: the same arithmetic, the same bits); with it,
+    returns (the rows computed, what it returned)."""
     spread = grid.size("expert")
     per_rank = n_experts // spread
     counts = torch.bincount(experts, minlength=n_experts)
@@ -309,11 +332,18 @@ def dispatch(x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor, n_exp
     send = counts.view(spread, per_rank)                               # to each rank: a count per expert of its
     got = comm.all_to_all(grid, send, "expert", [1] * spread, [1] * spread).view(spread, per_rank)
     send_rows, receive_rows = send.sum(1).tolist(), got.sum(1).tolist()
-    arrived = Exchange.apply(rows, grid, send_rows, receive_rows)      # by source rank, then expert
+    side = None
+    if meanwhile is None:
+        arrived = Exchange.apply(rows, grid, send_rows, receive_rows)      # by source rank, then expert
+    else:
+        handle = comm.all_to_all(grid, rows.detach(), "expert", send_rows, receive_rows, async_op=True)
+        side = meanwhile()
+        arrived = Exchange.apply(rows, grid, send_rows, receive_rows, handle.wait())
     regroup = _expert_major(got)
     out = compute(arrived[regroup], got.sum(0).tolist())
     back = Exchange.apply(out[torch.argsort(regroup)], grid, receive_rows, send_rows)
-    return back[torch.argsort(order)]
+    result = back[torch.argsort(order)]
+    return result if meanwhile is None else (result, side)
 
 
 def _expert_major(got: torch.Tensor) -> torch.Tensor:
@@ -332,7 +362,7 @@ class ReferenceMoE(nn.Module):
 
     def __init__(self, dim: int, hidden: int, experts: int, top_k: int, *, score: str = "softmax",
                  renormalize: bool = True, aux_weight: float = 0.01, z_weight: float = 0.001,
-                 capacity_factor: float | None = None, shards: int = 1, bias_rate: float = 0.0):
+                 capacity_factor: float | None = None, shards: int = 1, bias_rate: float = 0.0, shared: int = 0):
         """``shards``: with a capacity, the batch shards (data x z ranks) whose tokens each expert's capacity
         counts, as the parallel layer counts them per rank."""
         super().__init__()
@@ -340,6 +370,11 @@ class ReferenceMoE(nn.Module):
         self.n_experts, self.aux_weight, self.z_weight = experts, aux_weight, z_weight
         self.capacity_factor, self.shards = capacity_factor, shards
         _balancing(self, experts, bias_rate, torch.device("cpu"))
+        self.shared = None
+        if shared:
+            self.shared = nn.Module()
+            self.shared.fc = nn.Linear(dim, shared * hidden, bias=False)
+            self.shared.proj = nn.Linear(shared * hidden, dim, bias=False)
         self.router = nn.Parameter(torch.randn(experts, dim) / math.sqrt(dim))
         self.fc = nn.Parameter(torch.randn(experts, hidden, dim) / math.sqrt(dim))
         self.proj = nn.Parameter(torch.randn(experts, dim, hidden) / math.sqrt(hidden))
@@ -364,4 +399,5 @@ class ReferenceMoE(nn.Module):
             slots = ((flat == e) & kept.reshape(-1)).nonzero().squeeze(1)
             y = y.index_copy(0, slots, _expert_mlp(x[slots // self.top_k], self.fc[e], self.proj[e]))
         slots = y.view(x.shape[0], self.top_k, -1) * weights.to(y.dtype).unsqueeze(-1)
-        return slots.sum(1).reshape(shape)
+        routed = slots.sum(1).reshape(shape)
+        return routed if self.shared is None else routed + self.shared.proj(F.gelu(self.shared.fc(h)))

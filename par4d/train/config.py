@@ -39,6 +39,7 @@ class TrainConfig:
     phantom_k: int = 16
     experts: int = 8                 # --mlp moe: experts per block
     top_k: int = 2                   # --mlp moe: experts per token
+    shared_experts: int = 0          # --mlp moe: experts every token goes through besides (0: none)
     lr: float = 3e-3
     warmup: int = 20
     weight_decay: float = 0.1

@@ -52,7 +52,8 @@ class Recipe:
         return GPTConfig(vocab_size=config.vocab_size, block_size=config.seq_len, n_layer=config.n_layer,
                          n_embd=config.n_embd, n_head=config.n_head, seed=config.seed, mlp=config.mlp,
                          phantom_k=config.phantom_k, phantom_p=config.grid.get("x", 1),
-                         **({"experts": config.experts, "top_k": config.top_k} if config.mlp == "moe" else {}))
+                         **({"experts": config.experts, "top_k": config.top_k, "shared_experts": config.shared_experts}
+                            if config.mlp == "moe" else {}))
 
     def sizes(self, config: Settings) -> str:
         """The run's size settings, as an error message names them."""
