@@ -402,3 +402,23 @@ def test_the_exchange_is_hidden_behind_the_shared_experts_bit_for_bit(pool4):
     found = pool4.run(_overlapped_and_not, dict(x=2, data=2, expert=2))[0]
     # the counts, then the rows (issued before the shared experts, waited after), then the way back
     assert found == {"overlapped": [False, True, False], "sync": [False, False, False]}
+
+
+def _bench_rows() -> list[dict]:
+    from par4d.bench.moe import MoESettings, moe_worker
+
+    return moe_worker(MoESettings(nproc=4, iters=1))
+
+
+def test_bench_moe_rows_count_what_each_rank_holds(pool4):
+    """`par4d bench moe`'s rows: par4d's expert grids beside DDP and FSDP2 of the same model; the expert bytes
+    a rank holds are exact: all of them under DDP and on a grid without experts, a quarter with them spread
+    over 4 ranks or sharded by FSDP2, a half over 2 (and a quarter again when x=2 splits each of those)."""
+    rows = {(r["name"], r["grid"]): r for r in pool4.run(_bench_rows, timeout=240)[0]}
+    whole = rows[("torch DDP", "data=4")]["expert_bytes_per_rank"]
+    held = {grid: r["expert_bytes_per_rank"] for (name, grid), r in rows.items() if name == "par4d"}
+    assert held == {"x=1 y=1 z=1 data=4 pipe=1 expert=4": whole // 4, "x=1 y=1 z=1 data=4 pipe=1 expert=2": whole // 2,
+                    "x=2 y=1 z=1 data=2 pipe=1 expert=2": whole // 4, "x=1 y=1 z=1 data=4 pipe=1": whole}
+    assert rows[("torch FSDP2", "data=4")]["expert_bytes_per_rank"] == whole // 4
+    assert min(r["ratio_to_best_peer"] for r in rows.values() if r["framework"] == "torch") == 1.0
+    assert all({"framework", "name", "s_per_iter"} <= set(r) for r in rows.values())

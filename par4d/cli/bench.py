@@ -1,4 +1,4 @@
-"""``par4d bench grid|peers|overlap|pipeline|offload|checkpoint|data|gemm``: the GPT on every valid grid against
+"""``par4d bench grid|peers|moe|overlap|pipeline|offload|checkpoint|data|gemm``: the GPT on every valid grid against
 PyTorch DDP and FSDP2, par4d against DDP, FSDP2, HSDP and FSDP2+TP on two workloads (locally or on an emulated
 cluster), each overlap's gain (Fig. 3's rows), par4d's message-driven pipeline against
 torch.distributed.pipelining's schedules on the same stages, the offloaded optimizer against FSDP2's CPU offload,
@@ -130,6 +130,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     data.add_argument("--workdir", default=None, help="put the text and datasets in a temporary folder under this "
                                                       "one (default: the system's); removed afterwards")
     _output(data)
+    moe = sub.add_parser("moe", help="the GPT with a mixture of experts: par4d's expert grids vs PyTorch DDP and "
+                                     "FSDP2 of the same model (s/iter, expert and parameter bytes per rank)")
+    moe.add_argument("--nproc", type=int, default=DEFAULT_NPROC)
+    moe.add_argument("--iters", type=int, default=8, help="timed iterations per row (after 2 warm-up)")
+    _output(moe)
     gemm = sub.add_parser("gemm", help="gain of GEMM tuning per matmul shape and pass")
     gemm.add_argument("--json", action="store_true", help="one JSON object per row")
 
@@ -167,6 +172,14 @@ def run(args: argparse.Namespace) -> int:
         from par4d.bench.checkpoint import run_bench_checkpoint
 
         return run_bench_checkpoint(args)
+    if args.bench == "moe":
+        from par4d.bench.common import emit
+        from par4d.bench.moe import run_bench_moe, table
+
+        rows = run_bench_moe(args.nproc, args.iters)
+        if not emit(rows, args.out, args.json):
+            print(table(rows))
+        return 0
     if args.bench == "peers":
         if args.model != "gpt":
             from par4d.bench.hf_peers import run_bench_hf_peers

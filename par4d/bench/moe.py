@@ -1,0 +1,167 @@
+"""``par4d bench moe``: par4d's GPT with a mixture of experts in every block against PyTorch DDP and FSDP2
+of the same model (its single-device twin: every expert on each rank for DDP, every parameter sharded by
+FSDP2), on the same batch and ranks, one after another in one job.
+
+par4d's rows: the experts spread over every data rank (``expert`` = ranks), over half of them, not at all
+(each rank holds every expert, as DDP), and split over x as well as spread. Each row gives the median
+seconds per step, the ratio to the fastest peer's, the bytes of expert parameters and of all parameters a
+rank holds (counted from the shards: what a rank's AdamW state and gradients scale with), and the bytes
+one step's collectives move on rank 0 (par4d: its ledger, the all-to-alls included; DDP: its gradients,
+all-reduced once; FSDP2: c10d's dispatch, counted by the peers' counter).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from par4d.launch import distributed_env, init, join
+from par4d.launch.host import threads_per_rank
+from par4d.layout import placement_of, shard_batch
+from par4d.measure.grids import time_iterations
+from par4d.models import GPTConfig
+
+# Experts hold 16 d^2 each per block against attention's 4 d^2: with 8 of them, 97% of the blocks' weights
+MOE_CONFIG = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128, mlp="moe", experts=8, top_k=2)
+BATCH = 16
+
+
+@dataclass(frozen=True)
+class MoESettings:
+    nproc: int
+    iters: int
+    config: GPTConfig = MOE_CONFIG
+    batch: int = BATCH
+
+
+def par4d_grids(world: int) -> list[dict[str, int]]:
+    """The experts spread over every rank, over half, not at all; and split over x=2 while spread."""
+    grids = [dict(data=world, expert=world)]
+    if world % 4 == 0:
+        grids += [dict(data=world, expert=world // 2), dict(x=2, data=world // 2, expert=world // 2)]
+    return grids + [dict(data=world)]
+
+
+def _tokens(settings: MoESettings) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, settings.config.vocab_size, (settings.batch, settings.config.block_size + 1),
+                           generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _is_expert(param: torch.Tensor) -> bool:
+    placement = placement_of(param)
+    return getattr(param, "_bench_expert", False) or (placement is not None and "expert" in placement.sharded)
+
+
+def _bytes(params, expert: bool) -> int:
+    """Bytes of ``params`` (``expert``: the experts' only) as this rank holds them."""
+    return sum(p.numel() * p.element_size() for p in params if not expert or _is_expert(p))
+
+
+def _row(framework: str, name: str, grid: str, times: list[float], comm: int, experts: int, params: int) -> dict:
+    return {"framework": framework, "name": name, "grid": grid, "s_per_iter": statistics.median(times),
+            "comm_bytes_per_iter": comm, "expert_bytes_per_rank": experts, "param_bytes_per_rank": params,
+            "times": times}
+
+
+def _par4d(sizes: dict[str, int], settings: MoESettings) -> dict:
+    from par4d.grid import describe
+    from par4d.optim.data_parallel import sync_gradients
+    from par4d.train.recipes.gpt import build_gpt
+
+    grid = init(**sizes)
+    model = build_gpt(settings.config, grid)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    inputs, targets = _tokens(settings)
+    x, y = shard_batch(grid, inputs), shard_batch(grid, targets)
+
+    def step() -> None:
+        model(x, y).backward()
+        sync_gradients(model, grid)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    times = time_iterations(step, settings.iters)
+    before = grid.ledger.total_bytes()
+    step()
+    comm = grid.ledger.total_bytes() - before
+    row = _row("par4d", "par4d", describe(grid.sizes), times, comm, _bytes(model.parameters(), True),
+               _bytes(model.parameters(), False))
+    grid.close()
+    return row
+
+
+def _torch(kind: str, settings: MoESettings) -> dict:
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    from par4d.bench.peers import PeerBytes
+    from par4d.train.recipes.gpt import build_reference
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = build_reference(settings.config)
+    for block in model.blocks:          # what counts as an expert's, before FSDP2 replaces the parameters
+        block.mlp.fc._bench_expert = block.mlp.proj._bench_expert = True
+    experts_whole = _bytes(model.parameters(), True)
+    if kind == "ddp":
+        model = DistributedDataParallel(model)
+        name, experts = "torch DDP", experts_whole
+    else:
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        name, experts = "torch FSDP2", experts_whole // world     # dim 0 sharded over every rank
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    inputs, targets = _tokens(settings)
+    rows = slice(rank * settings.batch // world, (rank + 1) * settings.batch // world)
+    x, y = inputs[rows], targets[rows]
+
+    def step() -> None:
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    times = time_iterations(step, settings.iters)
+    params = sum(p.to_local().numel() * p.element_size() if hasattr(p, "to_local") else p.numel() * p.element_size()
+                 for p in model.parameters())
+    if kind == "ddp":
+        comm = params                 # every gradient, all-reduced once
+    else:
+        counter = PeerBytes()
+        with counter:
+            step()
+        comm = counter.bytes
+    return _row("torch", name, f"data={world}", times, comm, experts, params)
+
+
+def moe_worker(settings: MoESettings) -> list[dict]:
+    join(distributed_env())
+    torch.set_num_threads(threads_per_rank(settings.nproc))
+    rows = [_par4d(sizes, settings) for sizes in par4d_grids(settings.nproc)]
+    rows += [_torch(kind, settings) for kind in ("ddp", "fsdp")]
+    best = min(r["s_per_iter"] for r in rows if r["framework"] == "torch")
+    for row in rows:
+        row["ratio_to_best_peer"] = row["s_per_iter"] / best
+    return rows
+
+
+def run_bench_moe(nproc: int, iters: int) -> list[dict]:
+    from par4d.launch import launch_local
+
+    if nproc < 2 or iters < 1:
+        raise ValueError(f"--nproc must be >= 2 and --iters >= 1 (got {nproc}, {iters})")
+    return launch_local(nproc, moe_worker, (MoESettings(nproc, iters),), run_id="par4d-bench-moe")[0]
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'name':<12} {'grid':<38} {'s/iter':>8} {'ratio':>6} {'experts MB/rank':>15} {'params MB/rank':>14} "
+             f"{'comm MB/iter':>12}"]
+    for r in rows:
+        lines.append(f"{r['name']:<12} {r['grid']:<38} {r['s_per_iter']:>8.4f} {r['ratio_to_best_peer']:>6.2f} "
+                     f"{r['expert_bytes_per_rank'] / 1e6:>15.2f} {r['param_bytes_per_rank'] / 1e6:>14.2f} "
+                     f"{r['comm_bytes_per_iter'] / 1e6:>12.2f}")
+    return "\n".join(lines)
