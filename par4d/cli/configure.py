@@ -13,11 +13,12 @@ from pathlib import Path
 from par4d.train.config import DEFAULT_NPROC, default, flag
 from par4d.train.lock import check_new_out
 from par4d.train.recipes import recipe
+from par4d.train.recipes.base import MOE_SETTINGS
 from par4d.train.say import say
 
 # A resumed run keeps these (they decide the model and its batches); it takes HONOURED ones when given.
-FIXED = ("model", "batch_size", "seq_len", "n_layer", "n_embd", "n_head", "mlp", "phantom_k", "experts", "top_k",
-         "shared_experts", "image_size", "seed")
+FIXED = ("model", "batch_size", "seq_len", "n_layer", "n_embd", "n_head", "mlp", "phantom_k", *MOE_SETTINGS,
+         "image_size", "seed")
 HONOURED = ("lr", "grad_clip", "save_every", "keep", "overlap", "hierarchical", "recompute", "microbatches",
             "pipeline_limit", "precision", "grad_reduce", "offload_bsize", "eval_every", "tensorboard")
 Planner = Callable[..., object]   # par4d.measure.choose.planned_run (returns its Plan)
@@ -179,7 +180,7 @@ def _new_config(args: argparse.Namespace, world: int, inside: bool, planner: Pla
     if unused:
         raise ValueError(f"--model {model.name}: {flag(unused[0])} {chosen[unused[0]]} does not apply "
                          f"({model.unused_why})")
-    lonely = [name for name in ("experts", "top_k", "shared_experts") if name in chosen]
+    lonely = [name for name in MOE_SETTINGS if name in chosen]
     if lonely and chosen.get("mlp", default("mlp")) != "moe":      # else silently unused
         raise ValueError(f"{flag(lonely[0])} {chosen[lonely[0]]}: a setting of a mixture of experts; give --mlp moe "
                          f"with it")

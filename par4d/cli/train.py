@@ -79,6 +79,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     model.add_argument("--shared-experts", type=int, default=None,
                        help=_help("shared_experts", "--mlp moe: experts every token goes through besides the routed "
                                                     "ones (their GEMMs run while the tokens travel)"))
+    model.add_argument("--capacity-factor", type=float, default=None,
+                       help=_help("capacity_factor", "--mlp moe: each expert takes at most this times its share of a "
+                                                     "rank's assignments, the best-scored; the rest are dropped and "
+                                                     "counted (0: dropless; per rank, so drops depend on the grid)"))
+    model.add_argument("--expert-bias-rate", type=float, default=None,
+                       help=_help("expert_bias_rate", "--mlp moe: loss-free balancing (DeepSeek-V3): each expert's "
+                                                      "routing bias steps this much towards the mean load per step "
+                                                      "(0: off)"))
     model.add_argument("--phantom-k", type=int, default=None,
                        help=_help("phantom_k", "ghost neurons per phantom layer"))
     model.add_argument("--seed", type=int, default=None, help=_help("seed"))

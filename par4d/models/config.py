@@ -79,11 +79,16 @@ class GPTConfig:
     experts: int = 1         # mlp="moe": experts per block (each the dense MLP's shape, without biases)
     top_k: int = 1           # mlp="moe": experts per token
     shared_experts: int = 0  # mlp="moe": experts every token goes through besides (0: none)
+    capacity_factor: float = 0.0    # mlp="moe": an expert's capacity per rank over its share (0: dropless)
+    expert_bias_rate: float = 0.0   # mlp="moe": loss-free balancing's bias step (0: off)
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
             low = 0 if name == "shared_experts" else 1
-            if name not in ("seed", "mlp") and (not isinstance(value, int) or value < low):
+            if name in ("capacity_factor", "expert_bias_rate"):
+                if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                    raise ValueError(f"GPTConfig.{name}={value!r} must be a finite number >= 0 (0: off)")
+            elif name not in ("seed", "mlp") and (not isinstance(value, int) or value < low):
                 raise ValueError(f"GPTConfig.{name}={value!r} must be a positive integer")
         if self.n_embd % self.n_head:
             raise ValueError(f"GPTConfig: n_embd={self.n_embd} is not divisible by n_head={self.n_head}")

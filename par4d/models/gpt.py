@@ -53,7 +53,8 @@ def moe_mlp(config: GPTConfig, grid: Grid, name: str) -> MoE:
     """The mixture a ``mlp="moe"`` block has: ``config.experts`` of the dense MLP's shape (no biases), the
     top ``config.top_k`` per token, spread over the grid's expert axis (par4d.nn.moe)."""
     return MoE(config.n_embd, 4 * config.n_embd, config.experts, config.top_k, grid, name,
-               shared=config.shared_experts)
+               shared=config.shared_experts, capacity_factor=config.capacity_factor or None,
+               bias_rate=config.expert_bias_rate)
 
 
 class _Block(nn.Module):

@@ -41,7 +41,8 @@ class _MLP(nn.Module):
 
 
 def _moe(config: GPTConfig) -> ReferenceMoE:
-    return ReferenceMoE(config.n_embd, 4 * config.n_embd, config.experts, config.top_k, shared=config.shared_experts)
+    return ReferenceMoE(config.n_embd, 4 * config.n_embd, config.experts, config.top_k, shared=config.shared_experts,
+                        capacity_factor=config.capacity_factor or None, bias_rate=config.expert_bias_rate)
 
 
 class _Block(nn.Module):

@@ -40,6 +40,8 @@ class TrainConfig:
     experts: int = 8                 # --mlp moe: experts per block
     top_k: int = 2                   # --mlp moe: experts per token
     shared_experts: int = 0          # --mlp moe: experts every token goes through besides (0: none)
+    capacity_factor: float = 0.0     # --mlp moe: an expert's capacity per rank (0: dropless)
+    expert_bias_rate: float = 0.0    # --mlp moe: loss-free balancing's bias step (0: off)
     lr: float = 3e-3
     warmup: int = 20
     weight_decay: float = 0.1

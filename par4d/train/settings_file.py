@@ -26,6 +26,7 @@ SECTIONS: dict[str, dict[str, tuple[str, tuple]]] = {
     "model": {"model": ("model", STR), "n_layer": ("n_layer", INT), "n_embd": ("n_embd", INT),
               "n_head": ("n_head", INT), "mlp": ("mlp", STR), "phantom_k": ("phantom_k", INT),
               "experts": ("experts", INT), "top_k": ("top_k", INT), "shared_experts": ("shared_experts", INT),
+              "capacity_factor": ("capacity_factor", FLOAT), "expert_bias_rate": ("expert_bias_rate", FLOAT),
               "image_size": ("image_size", INT), "init_from": ("init_from", STR)},
     "data": {"data": ("data", STR), "tokenizer": ("tokenizer", STR), "seq_len": ("seq_len", INT),
              "batch_size": ("batch_size", INT), "seed": ("seed", INT)},
@@ -61,7 +62,7 @@ def _line(text: str, section: str | None, key: str | None = None) -> int:
     return 0
 
 
-MOE = ("experts", "top_k", "shared_experts")     # a mixture's settings: kept only for a run with one
+MOE = ("experts", "top_k", "shared_experts", "capacity_factor", "expert_bias_rate")   # kept for a mixture's run only
 
 # Destinations whose value names a file or folder: an empty string names none (it would not mean "the default").
 PATHS = ("data", "tokenizer", "init_from", "out")

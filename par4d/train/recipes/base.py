@@ -26,6 +26,10 @@ if TYPE_CHECKING:
 Settings = Any
 
 
+# A mixture of experts' settings (GPTConfig's and TrainConfig's names alike), for --mlp moe
+MOE_SETTINGS = ("experts", "top_k", "shared_experts", "capacity_factor", "expert_bias_rate")
+
+
 class Recipe:
     """One ``--model``: how it is checked, built on a grid and parallelized, counted, fed, saved and exported.
 
@@ -52,8 +56,7 @@ class Recipe:
         return GPTConfig(vocab_size=config.vocab_size, block_size=config.seq_len, n_layer=config.n_layer,
                          n_embd=config.n_embd, n_head=config.n_head, seed=config.seed, mlp=config.mlp,
                          phantom_k=config.phantom_k, phantom_p=config.grid.get("x", 1),
-                         **({"experts": config.experts, "top_k": config.top_k, "shared_experts": config.shared_experts}
-                            if config.mlp == "moe" else {}))
+                         **({name: getattr(config, name) for name in MOE_SETTINGS} if config.mlp == "moe" else {}))
 
     def sizes(self, config: Settings) -> str:
         """The run's size settings, as an error message names them."""

@@ -24,7 +24,8 @@ class UNetRecipe(Recipe):
     data = "images"
     samples = "images"
     loss_unit = "mean squared error"
-    unused = ("seq_len", "n_head", "mlp", "phantom_k", "experts", "top_k", "shared_experts")
+    unused = ("seq_len", "n_head", "mlp", "phantom_k", "experts", "top_k", "shared_experts", "capacity_factor",
+              "expert_bias_rate")
     unused_why = "the U-Net's sizes are --n-embd, --n-layer and --image-size"
 
     def check(self, config: Settings) -> None:
