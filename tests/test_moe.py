@@ -123,7 +123,8 @@ def _squared_error(out: torch.Tensor, target: torch.Tensor, tokens: int) -> torc
     return ((out - target) ** 2).sum() / (tokens * DIM)
 
 
-def _against_the_twin(sizes: dict, score: str, seed: int, capacity: float | None = None, shared: int = 0) -> dict:
+def _against_the_twin(sizes: dict, score: str, seed: int, capacity: float | None = None, shared: int = 0,
+                      groups: tuple[int, int] = (1, 1)) -> dict:
     """The parallel layer and its twin on the same global batch: routes, outputs, losses and every
     gradient (the router's averaged over the batch shards, each expert's summed over its replicas)."""
     from par4d import comm
@@ -134,8 +135,9 @@ def _against_the_twin(sizes: dict, score: str, seed: int, capacity: float | None
     shards = grid.size("z", "data")
     with cases.float64():
         torch.manual_seed(seed)
-        twin = ReferenceMoE(DIM, HIDDEN, 4, 2, score=score, capacity_factor=capacity, shards=shards, shared=shared)
-        layer = MoE(DIM, HIDDEN, 4, 2, grid, score=score, capacity_factor=capacity, shared=shared)
+        twin = ReferenceMoE(DIM, HIDDEN, 4, 2, score=score, capacity_factor=capacity, shards=shards, shared=shared,
+                            groups=groups)
+        layer = MoE(DIM, HIDDEN, 4, 2, grid, score=score, capacity_factor=capacity, shared=shared, groups=groups)
         load_full_state_dict(layer, {name: p.detach() for name, p in twin.named_parameters()})
         batch = torch.randn(8, 3, DIM, generator=torch.Generator().manual_seed(seed + 1))
         target = torch.randn(8, 3, DIM, generator=torch.Generator().manual_seed(seed + 2))
@@ -145,7 +147,10 @@ def _against_the_twin(sizes: dict, score: str, seed: int, capacity: float | None
         out = layer(mine)
         (_squared_error(out, _mine(grid, target), 8 * 3 // shards) + layer.aux_loss).backward()
     torch.testing.assert_close(out, _mine(grid, twin(batch)), rtol=0, atol=1e-13)
-    chosen, _, scores, _ = route(batch.reshape(-1, DIM), twin.router.detach(), 2, score, True)   # the twin's routes
+    chosen, _, scores, _ = route(batch.reshape(-1, DIM), twin.router.detach(), 2, score, True,   # the twin's routes
+                                 groups=groups)
+    if groups[0] > 1:        # every token's experts in the groups it was allowed
+        assert all(len({int(e) // (4 // groups[0]) for e in row}) <= groups[1] for row in chosen)
     tokens = chosen.shape[0] // shards
     limit = capacity_of(capacity, tokens, 2, 4)
     kept = torch.cat([within_capacity(e, s, limit) for e, s in zip(chosen.split(tokens), scores.split(tokens))])
@@ -427,3 +432,19 @@ def test_bench_moe_rows_count_what_each_rank_holds(pool4):
     assert rows[("torch FSDP2", "data=4")]["expert_bytes_per_rank"] == whole // 4
     assert min(r["ratio_to_best_peer"] for r in rows.values() if r["framework"] == "torch") == 1.0
     assert all({"framework", "name", "s_per_iter"} <= set(r) for r in rows.values())
+
+
+@pytest.mark.parametrize("sizes", [dict(data=4, expert=4), dict(y=2, data=2, expert=2)], ids=describe)
+def test_group_limited_routing_is_the_twins(pool4, sizes):
+    """groups=(2, 1): the 4 experts in 2 groups, each token's 2 chosen inside the one group whose two best
+    scores sum highest (DeepSeek-V3's group-limited routing)."""
+    found = pool4.run(_against_the_twin, sizes, "sigmoid", 5, None, 0, (2, 1))
+    assert sum(found[0]["counts"]) == 8 * 3 * 2
+
+
+def test_group_limits_the_grid_cannot_hold_are_named():
+    from par4d.nn.moe import check_moe
+
+    for groups in ((3, 1), (2, 3), (4, 1)):       # 3 does not divide 4; 3 of 2 groups; one expert a group < top_k
+        with pytest.raises(ValueError, match=rf"groups=\({groups[0]}, {groups[1]}\): give G groups dividing"):
+            check_moe("block.mlp", 4, 2, Grid.virtual({"data": 2}), groups=groups)

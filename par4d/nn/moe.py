@@ -92,21 +92,28 @@ class _ExpertMatmul:
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, score: str, renormalize: bool,
-          bias: torch.Tensor | None = None, grid: Grid | None = None
+          bias: torch.Tensor | None = None, grid: Grid | None = None, groups: tuple[int, int] = (1, 1)
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(experts (N, k), their weights (N, k), scores (N, E), logits (N, E)) of tokens ``x`` (N, D) under
     router ``weight`` (E, D), in fp32 or the inputs' wider dtype. Ties in top-k go to the lower index.
     ``bias`` (E,): added to the scores to choose the experts only (DeepSeek-V3's loss-free balancing); the
-    weights are the scores themselves. ``grid``: ``x`` and ``weight`` hold their features' part over y."""
+    weights are the scores themselves. ``grid``: ``x`` and ``weight`` hold their features' part over y.
+    ``groups`` (G, M): group-limited routing (DeepSeek-V3's): the experts in G equal groups, a token's k
+    chosen among the M groups whose two best choice scores sum highest (the best one, in groups of one)."""
     dtype = torch.promote_types(x.dtype, torch.float32)
     logits = x.to(dtype) @ weight.to(dtype).t() if grid is None else \
         SumFeatures.apply(x.to(dtype) @ weight.to(dtype).t(), grid, "y")       # the features' parts, summed
     scores = logits.softmax(-1) if score == "softmax" else logits.sigmoid()
-    if bias is None:
-        weights, experts = scores.topk(top_k, dim=-1, sorted=True)
-    else:
-        experts = (scores + bias.to(dtype)).topk(top_k, dim=-1, sorted=True).indices
-        weights = scores.gather(1, experts)
+    choice = scores if bias is None else scores + bias.to(dtype)
+    count, kept = groups
+    if count > 1:
+        per_group = choice.view(choice.shape[0], count, -1)
+        best = per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(-1)       # (N, G)
+        chosen = best.topk(kept, dim=-1).indices
+        allowed = torch.zeros_like(best, dtype=torch.bool).scatter(1, chosen, True)
+        choice = choice.masked_fill(~allowed.repeat_interleave(per_group.shape[-1], dim=1), float("-inf"))
+    experts = choice.topk(top_k, dim=-1, sorted=True).indices
+    weights = scores.gather(1, experts)
     if renormalize:
         weights = weights / weights.sum(-1, keepdim=True)
     return experts, weights, scores, logits
@@ -135,7 +142,8 @@ class MoE(ShardedModule):
     spread over the grid's ``expert`` axis; residual layout in and out ((..., dim), samples over data and z).
 
     ``score``: ``"softmax"`` or ``"sigmoid"`` router scores; ``renormalize``: the top-k weights summed to 1;
-    ``aux_weight``, ``z_weight``: the weights of the auxiliary and z losses in :attr:`aux_loss`.
+    ``aux_weight``, ``z_weight``: the weights of the auxiliary and z losses in :attr:`aux_loss`;
+    ``capacity_factor``, ``bias_rate``, ``shared``, ``groups``: see the module's docstring and :func:`route`.
     Parameters: ``router`` (E, D), its features cut over y; ``fc`` (E, hidden, D) and ``proj`` (E, D,
     hidden), cut over ``expert`` (dim 0) and each expert's matrix as Algorithm 1 cuts a normal and a
     transposed Linear's. Raises ``ValueError`` naming the numbers for a shape the grid cannot hold.
@@ -144,12 +152,12 @@ class MoE(ShardedModule):
     def __init__(self, dim: int, hidden: int, experts: int, top_k: int, grid: Grid, name: str = "moe", *,
                  score: str = "softmax", renormalize: bool = True, aux_weight: float = 0.01,
                  z_weight: float = 0.001, capacity_factor: float | None = None, bias_rate: float = 0.0,
-                 shared: int = 0, overlap: bool = True):
+                 shared: int = 0, overlap: bool = True, groups: tuple[int, int] = (1, 1)):
         super().__init__()
-        check_moe(name, experts, top_k, grid, score, capacity_factor)
+        check_moe(name, experts, top_k, grid, score, capacity_factor, groups)
         self.grid, self.name, self.top_k, self.score, self.renormalize = grid, name, top_k, score, renormalize
         self.n_experts, self.aux_weight, self.z_weight = experts, aux_weight, z_weight
-        self.capacity_factor = capacity_factor
+        self.capacity_factor, self.groups = capacity_factor, groups
         _balancing(self, experts, bias_rate, grid.device)
         check_expert_shape(name, dim, hidden, grid)
         local = experts // grid.size("expert")
@@ -181,7 +189,7 @@ class MoE(ShardedModule):
         shape = h.shape
         x = h.reshape(-1, shape[-1])
         experts, weights, scores, logits = route(x, self.router, self.top_k, self.score, self.renormalize,
-                                                 self.expert_bias if self.bias_rate else None, self.grid)
+                                                 self.expert_bias if self.bias_rate else None, self.grid, self.groups)
         kept = within_capacity(experts, scores, capacity(self.capacity_factor, x.shape[0], self.top_k,
                                                          self.n_experts))
         # One all-reduce: every rank's assignments per expert, as routed (the balance loss counts those) and
@@ -292,11 +300,15 @@ def within_capacity(experts: torch.Tensor, scores: torch.Tensor, limit: int | No
 
 
 def check_moe(where: str, experts: int, top_k: int, grid: Grid, score: str = "softmax",
-              capacity_factor: float | None = None) -> None:
+              capacity_factor: float | None = None, groups: tuple[int, int] = (1, 1)) -> None:
     """Raise a ValueError naming ``where`` and the numbers unless ``grid`` can hold the layer."""
     spread = grid.size("expert")
     if score not in SCORES:
         raise ValueError(f"{where}: score={score!r}; give one of {', '.join(SCORES)}")
+    count, kept = groups
+    if count < 1 or experts % count or not 1 <= kept <= count or top_k > kept * (experts // count):
+        raise ValueError(f"{where}: groups={groups}: give G groups dividing the {experts} experts and M from 1 to "
+                         f"G groups holding the top_k={top_k} ({experts // max(count, 1)} experts a group)")
     if capacity_factor is not None and not (math.isfinite(capacity_factor) and capacity_factor > 0):
         raise ValueError(f"{where}: capacity_factor={capacity_factor} must be a finite number > 0 (None: dropless)")
     if not 1 <= top_k <= experts:
@@ -362,13 +374,14 @@ class ReferenceMoE(nn.Module):
 
     def __init__(self, dim: int, hidden: int, experts: int, top_k: int, *, score: str = "softmax",
                  renormalize: bool = True, aux_weight: float = 0.01, z_weight: float = 0.001,
-                 capacity_factor: float | None = None, shards: int = 1, bias_rate: float = 0.0, shared: int = 0):
+                 capacity_factor: float | None = None, shards: int = 1, bias_rate: float = 0.0, shared: int = 0,
+                 groups: tuple[int, int] = (1, 1)):
         """``shards``: with a capacity, the batch shards (data x z ranks) whose tokens each expert's capacity
         counts, as the parallel layer counts them per rank."""
         super().__init__()
         self.top_k, self.score, self.renormalize = top_k, score, renormalize
         self.n_experts, self.aux_weight, self.z_weight = experts, aux_weight, z_weight
-        self.capacity_factor, self.shards = capacity_factor, shards
+        self.capacity_factor, self.shards, self.groups = capacity_factor, shards, groups
         _balancing(self, experts, bias_rate, torch.device("cpu"))
         self.shared = None
         if shared:
@@ -384,7 +397,7 @@ class ReferenceMoE(nn.Module):
         shape = h.shape
         x = h.reshape(-1, shape[-1])
         experts, weights, scores, logits = route(x, self.router, self.top_k, self.score, self.renormalize,
-                                                 self.expert_bias if self.bias_rate else None)
+                                                 self.expert_bias if self.bias_rate else None, groups=self.groups)
         counts = torch.bincount(experts.reshape(-1), minlength=self.n_experts)
         if self.training and self.bias_rate:
             self.pending_load = counts + (0 if self.pending_load is None else self.pending_load)
