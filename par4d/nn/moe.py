@@ -305,17 +305,16 @@ def check_moe(where: str, experts: int, top_k: int, grid: Grid, score: str = "so
     spread = grid.size("expert")
     if score not in SCORES:
         raise ValueError(f"{where}: score={score!r}; give one of {', '.join(SCORES)}")
-    count, kept = groups
-    if count < 1 or experts % count or not 1 <= kept <= count or top_k > kept * (experts // count):
-        raise ValueError(f"{where}: groups={groups}: give G groups dividing the {experts} experts and M from 1 to "
-                         f"G groups holding the top_k={top_k} ({experts // max(count, 1)} experts a group)")
     if capacity_factor is not None and not (math.isfinite(capacity_factor) and capacity_factor > 0):
         raise ValueError(f"{where}: capacity_factor={capacity_factor} must be a finite number > 0 (None: dropless)")
     if not 1 <= top_k <= experts:
         raise ValueError(f"{where}: top_k={top_k} must be from 1 to the {experts} experts")
+    count, kept = groups
+    if count < 1 or experts % count or not 1 <= kept <= count or top_k > kept * (experts // count):
+        raise ValueError(f"{where}: groups={groups}: give G groups dividing the {experts} experts and M from 1 to "
+                         f"G groups holding the top_k={top_k} ({experts // max(count, 1)} experts a group)")
     if experts % spread:
         raise ValueError(f"{where}: {experts} experts do not divide over expert={spread} ranks")
-
 
 
 def check_expert_shape(where: str, dim: int, hidden: int, grid: Grid) -> None:
