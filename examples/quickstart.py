@@ -7,6 +7,7 @@ Each run trains 10 steps from the newest checkpoint in --out (or from the start)
 """
 
 import argparse
+import gc
 
 import torch
 import torch.distributed as dist
@@ -59,6 +60,10 @@ def main() -> None:
             print(f"step {step + 1} loss {loss.item() / grid.world_size:.6f}", flush=True)
     par4d.save_checkpoint(args.out, model, optimizer, grid, step=start + STEPS)
     dist.destroy_process_group()
+    # The grid (a reference cycle) holds groups whose gloo threads hold finished work with Python callbacks:
+    # freed now, not at interpreter exit, where such a thread taking the GIL can abort the process (SIGABRT).
+    del grid, model, optimizer
+    gc.collect()
 
 
 if __name__ == "__main__":
