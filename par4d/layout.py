@@ -26,6 +26,10 @@ import torch.nn as nn
 from par4d import comm
 from par4d.grid import TENSOR_AXES, Grid, check_axes
 
+BATCH_AXES = ("z", "data")
+"""The axes a batch's rows are split over: every rank of other samples (what a gradient of weights
+replicated over them is summed over, and a batch statistic's mean)."""
+
 
 @dataclass(frozen=True)
 class Split:

@@ -59,7 +59,7 @@ def _round_trip(sizes: dict, routes: str) -> list[str]:
         seen.append((rows.detach().clone(), list(per_expert)))
         return rows * 1.0
 
-    out = dispatch(x, torch.arange(tokens).repeat_interleave(k), chosen.reshape(-1), n_experts, grid, identity)
+    out, _ = dispatch(x, torch.arange(tokens).repeat_interleave(k), chosen.reshape(-1), n_experts, grid, identity)
     torch.testing.assert_close(out, x.repeat_interleave(k, 0), rtol=0, atol=0)
     out.backward(torch.arange(out.numel(), dtype=out.dtype).view_as(out))
     slots = torch.arange(out.numel(), dtype=out.dtype).view(tokens, k, DIM).sum(1)

@@ -56,8 +56,8 @@ from par4d.adopt.messages import (
 )
 from par4d.adopt.stream import gather_input, is_norm, split_output, stream_norm, stream_problem
 from par4d.grid import Grid, Indivisible
-from par4d.layout import Placement, place, placement_of
-from par4d.nn.batchnorm import BATCH_AXES, BatchNorm
+from par4d.layout import BATCH_AXES, Placement, place, placement_of
+from par4d.nn.batchnorm import BatchNorm
 from par4d.nn.conv import Conv2d
 from par4d.nn.embedding import Embedding
 from par4d.nn.linear import Linear

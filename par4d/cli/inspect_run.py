@@ -121,7 +121,8 @@ def _check(file: Path, recorded: str | None) -> tuple[str, bool]:
 
 def _dataset(path: Path) -> Report:
     """A dataset folder: its index, then its tokenizer and every shard checked (:func:`verify`)."""
-    from par4d.data.dataset import read_index, verify
+    from par4d.data.dataset import verify
+    from par4d.data.prepare import read_index
 
     index = read_index(Folder(path.absolute()))
     problems = verify(path)

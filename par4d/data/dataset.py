@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from par4d.data.prepare import INDEX, SPLITS, TOKENIZER, check_index
+from par4d.data.prepare import INDEX, SPLITS, TOKENIZER, read_index
 from par4d.data.tokenizer import Tokenizer, parse_tokenizer
 from par4d.folder import Folder, FolderError
 
@@ -113,14 +113,6 @@ def _bad_id(name: str, ids: np.ndarray, start: int, vocab: int) -> str:
     first = int(np.argmax(ids >= vocab))
     return (f"shard {name} holds token id {int(ids[first])} at token {start + first:,}, not below the vocabulary "
             f"of {vocab:,}")
-
-
-def read_index(folder: Folder) -> dict:
-    """The folder's ``index.json``, checked to be a whole par4d dataset index; raises naming it."""
-    try:
-        return check_index(folder.read_json(INDEX), folder.path(INDEX))
-    except OSError as error:                    # a FolderError names the file itself
-        raise ValueError(f"{folder.path(INDEX)}: {error.strerror or error}") from None
 
 
 def check_tokenizer(folder: Folder, index: dict) -> Tokenizer:

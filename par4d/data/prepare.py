@@ -310,7 +310,7 @@ def _resume_point(folder: Folder, settings: Settings, made_from: list[dict], tok
     fresh = (0, 0, 0), {s: [] for s in SPLITS}, {s: 0 for s in SPLITS}
     names = folder.names()
     if INDEX in names:
-        index = check_index(_read_json(folder, INDEX), folder.path(INDEX))
+        index = read_index(folder)
         if not force:
             raise ValueError(f"--out {folder.path()} holds a dataset already (its {INDEX}); give another folder, "
                              f"or --force to replace it")
@@ -343,6 +343,11 @@ def _resume_point(folder: Folder, settings: Settings, made_from: list[dict], tok
     say(f"going on from {Path(made_from[at[0]]['path']).name}, {where} "
         f"({sum(h['tokens'] for s in SPLITS for h in shards[s]):,} tokens already in {folder.path()})")
     return at, shards, counts
+
+
+def read_index(folder: Folder) -> dict:
+    """The folder's ``index.json``, checked to be a whole par4d dataset index; raises naming it."""
+    return check_index(_read_json(folder, INDEX), folder.path(INDEX))
 
 
 def _read_json(folder: Folder, name: str) -> object:

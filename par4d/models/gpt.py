@@ -27,6 +27,7 @@ from par4d.grid import Grid
 from par4d.models.config import GPTConfig, init_tensor
 from par4d.nn import CausalSelfAttention, Embedding, LayerNorm, Linear, MoE, vocab_parallel_cross_entropy
 from par4d.nn.base import ShardedModule, full_state_dict, load_full_state_dict
+from par4d.nn.moe import balance_loss
 from par4d.nn.recompute import run_blocks
 from par4d.overlap.apply import set_overlap
 from par4d.overlap.policy import Overlap
@@ -158,7 +159,7 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         loss = vocab_parallel_cross_entropy(logits, targets, grid=self.grid, axis="x")
-        return loss + balance_loss(self.blocks.values())
+        return loss + balance_loss(block.mlp for block in self.blocks.values())
 
     def stream_shape(self, rows: int, seq: int) -> tuple[tuple[int, ...], torch.dtype]:
         """The residual stream between pipeline stages for ``rows`` sequences of ``seq``
@@ -174,8 +175,3 @@ class GPT(nn.Module):
         """Full parameters (or gradients) named as the twin's ``state_dict`` (collective)."""
         return full_state_dict(self, grad)
 
-
-def balance_loss(blocks) -> torch.Tensor | float:
-    """The weighted balance losses of the mixtures among ``blocks`` in their last forward (0 without any):
-    what a mixture-of-experts model adds to its loss."""
-    return sum(block.mlp.aux_loss for block in blocks if isinstance(block.mlp, MoE))

@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from par4d.models.config import GPTConfig, init_tensor
-from par4d.nn.moe import ReferenceMoE
+from par4d.nn.moe import ReferenceMoE, balance_loss
 
 TwinMLPFactory = Callable[[GPTConfig], nn.Module]
 """``factory(config)``: the twin of a block's MLP (named and shaped as par4d's)."""
@@ -94,4 +94,4 @@ class ReferenceGPT(nn.Module):
         if targets is None:
             return logits
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        return loss + sum(b.mlp.aux_loss for b in self.blocks if isinstance(b.mlp, ReferenceMoE))
+        return loss + balance_loss(block.mlp for block in self.blocks)

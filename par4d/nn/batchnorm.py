@@ -20,9 +20,8 @@ import torch.nn.functional as F
 
 from par4d import comm
 from par4d.grid import Grid
-from par4d.layout import Placement, place
+from par4d.layout import BATCH_AXES, Placement, place
 
-BATCH_AXES = ("z", "data")
 WHOLE = Placement((), grad_sum=BATCH_AXES)   # par4d.adopt's REPLICATED (not imported: auto imports par4d.nn)
 
 

@@ -36,14 +36,13 @@ import torch.nn.functional as F
 
 from par4d import comm
 from par4d.grid import Grid, Indivisible
-from par4d.layout import Placement, Split, place
+from par4d.layout import BATCH_AXES, Placement, Split, place
 from par4d.nn.algorithm1 import Algorithm1
 from par4d.nn.base import ShardedModule
 from par4d.nn.collectives import SumFeatures, SumGradients
 from par4d.nn.linear import Linear
 
 SCORES = ("softmax", "sigmoid")
-BATCH_AXES = ("z", "data")    # what a dense layer's gradients are summed over: every rank of other tokens
 
 
 class Exchange(torch.autograd.Function):
@@ -182,7 +181,7 @@ class MoE(ShardedModule):
             self.shared = None
         self.aux_loss: torch.Tensor | None = None     # the last forward's weighted balance losses
         self.last_counts: torch.Tensor | None = None  # the last forward's assignments per expert (whole batch)
-        self.last_losses: tuple[float, float] | None = None   # its auxiliary and z losses, unweighted
+        self.last_losses: tuple[torch.Tensor, torch.Tensor] | None = None   # its auxiliary and z losses, unweighted
         self.last_dropped: torch.Tensor | None = None  # assignments dropped over capacity (whole batch)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -190,12 +189,16 @@ class MoE(ShardedModule):
         x = h.reshape(-1, shape[-1])
         experts, weights, scores, logits = route(x, self.router, self.top_k, self.score, self.renormalize,
                                                  self.expert_bias if self.bias_rate else None, self.grid, self.groups)
-        kept = within_capacity(experts, scores, capacity(self.capacity_factor, x.shape[0], self.top_k,
-                                                         self.n_experts))
+        flat = experts.reshape(-1)
+        limit = capacity(self.capacity_factor, x.shape[0], self.top_k, self.n_experts)
+        routed = torch.bincount(flat, minlength=self.n_experts)
+        if limit is None:               # dropless: every (token, slot) assignment goes
+            chosen, received = None, routed
+        else:
+            kept = within_capacity(experts, scores, limit).reshape(-1)
+            chosen, received = kept.nonzero().squeeze(1), torch.bincount(flat[kept], minlength=self.n_experts)
         # One all-reduce: every rank's assignments per expert, as routed (the balance loss counts those) and
         # as kept (what the experts received)
-        routed = torch.bincount(experts.reshape(-1), minlength=self.n_experts)
-        received = torch.bincount(experts.reshape(-1)[kept.reshape(-1)], minlength=self.n_experts)
         both = comm.all_reduce(self.grid, torch.cat([routed, received]), *BATCH_AXES)
         aux, z = balance_losses(experts, scores, logits, both[:self.n_experts], self.score)
         self.aux_loss, self.last_counts = self.aux_weight * aux + self.z_weight * z, both[self.n_experts:]
@@ -203,35 +206,33 @@ class MoE(ShardedModule):
         self.last_dropped = both[:self.n_experts].sum() - both[self.n_experts:].sum()
         if self.training and self.bias_rate:       # the load the next bias step answers (every microbatch's)
             self.pending_load = both[:self.n_experts] + (0 if self.pending_load is None else self.pending_load)
-        chosen = kept.reshape(-1).nonzero().squeeze(1)       # the (token, slot) assignments that go
+        tokens = torch.arange(x.shape[0], device=x.device).repeat_interleave(self.top_k) if chosen is None \
+            else chosen // self.top_k
         shared = None if self.shared is None else (lambda: self.shared.proj(F.gelu(self.shared.fc(h))))
-        if shared is not None and self.overlap:     # the shared experts' GEMMs while the rows travel
-            out, common = dispatch(x, chosen // self.top_k, experts.reshape(-1)[chosen], self.n_experts, self.grid,
-                                   self._experts, meanwhile=shared)
-        else:
-            out = dispatch(x, chosen // self.top_k, experts.reshape(-1)[chosen], self.n_experts, self.grid,
-                           self._experts)
-            common = None if shared is None else shared()
-        y = out.new_zeros(experts.numel(), out.shape[1]).index_copy(0, chosen, out)   # a dropped slot adds 0
+        # The shared experts' GEMMs while the rows travel (or after them, without overlap)
+        out, common = dispatch(x, tokens, flat if chosen is None else flat[chosen], self.n_experts, self.grid,
+                               self._experts, meanwhile=shared if self.overlap else None)
+        if shared is not None and not self.overlap:
+            common = shared()
+        # (token, slot) order; with a capacity, a dropped slot adds 0
+        y = out if chosen is None else out.new_zeros(flat.numel(), out.shape[1]).index_copy(0, chosen, out)
         # Each rank of y weighs its features' part: the weights' gradient is the sum of the parts'
         weights = SumGradients.apply(weights.to(y.dtype), self.grid, "y")
         slots = y.view(x.shape[0], self.top_k, -1) * weights.unsqueeze(-1)
         routed = slots.sum(1).reshape(shape)
         return routed if common is None else routed + common
 
-    @torch.no_grad()
-    def update_bias(self) -> None:
-        """DeepSeek-V3's loss-free balancing, once per optimizer step: each expert's bias moves by
-        ``bias_rate`` towards the mean load (up for an expert that got fewer assignments than the mean,
-        down for one that got more), outside the gradient. The load is the whole batch's, the same on every
-        rank: every rank's bias stays the same."""
-        step_bias(self)
-
     def _experts(self, rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
         """This rank's experts on their runs of ``rows`` (expert-major), a GEMM pair each (a loop: on CPU
         the runs are too uneven for a padded batched matmul to pay)."""
         parts = rows.split(per_expert)
         return torch.cat([self.down(F.gelu(self.up(part, self.fc[e])), self.proj[e]) for e, part in enumerate(parts)])
+
+
+def balance_loss(modules) -> torch.Tensor | float:
+    """The weighted balance losses of the mixtures among ``modules`` (par4d's or the twin's) in their last
+    forward, 0 without any: what a mixture-of-experts model adds to its loss."""
+    return sum(m.aux_loss for m in modules if isinstance(m, (MoE, ReferenceMoE)))
 
 
 def _balancing(layer: nn.Module, experts: int, rate: float, device: torch.device) -> None:
@@ -244,7 +245,12 @@ def _balancing(layer: nn.Module, experts: int, rate: float, device: torch.device
     layer.pending_load = None
 
 
+@torch.no_grad()
 def step_bias(layer: nn.Module) -> None:
+    """DeepSeek-V3's loss-free balancing, once per optimizer step: each expert's bias moves by ``bias_rate``
+    towards the mean load since the last step (up for an expert that got fewer assignments than the mean,
+    down for one that got more), outside the gradient. The load is the whole batch's, the same on every
+    rank: every rank's bias stays the same."""
     if layer.bias_rate and layer.pending_load is not None:
         load = layer.pending_load.to(layer.expert_bias.dtype)
         layer.expert_bias.add_(layer.bias_rate * torch.sign(load.mean() - load))
@@ -332,9 +338,9 @@ def dispatch(x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor, n_exp
     """``compute(rows, per_expert)`` of every assignment (token ``tokens[i]`` to expert ``experts[i]``),
     returned in the assignments' order: the rows are sorted by expert, sent to the ranks of the expert
     group that hold their experts, regrouped expert-major there (``per_expert``: each local expert's run),
-    computed, and sent back. ``meanwhile()``: work run while the rows are on their way (the rows'
-    all-to-all is issued before it and waited for after: the same arithmetic, the same bits); with it,
-    returns (the rows computed, what it returned)."""
+    computed, and sent back; returns (the rows computed, what ``meanwhile()`` returned: None without it),
+    ``meanwhile`` being work run while the rows are on their way (their all-to-all issued before it and
+    waited for after: the same arithmetic, the same bits)."""
     spread = grid.size("expert")
     per_rank = n_experts // spread
     counts = torch.bincount(experts, minlength=n_experts)
@@ -353,8 +359,7 @@ def dispatch(x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor, n_exp
     regroup = _expert_major(got)
     out = compute(arrived[regroup], got.sum(0).tolist())
     back = Exchange.apply(out[torch.argsort(regroup)], grid, receive_rows, send_rows)
-    result = back[torch.argsort(order)]
-    return result if meanwhile is None else (result, side)
+    return back[torch.argsort(order)], side
 
 
 def _expert_major(got: torch.Tensor) -> torch.Tensor:
