@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from par4d.adopt.moe import SparseMoE, router_aux_loss
 from par4d.adopt.stages import Stage
 from par4d.parallel import state
 
@@ -13,7 +14,9 @@ from par4d.parallel import state
 class CausalLM(nn.Module):
     """A Hugging Face causal language model as the training loop calls a model:
     ``forward(idx, targets)`` is the mean cross-entropy over this rank's tokens (``targets``
-    are already the next tokens), without targets the logits. ``flops_per_token`` and
+    are already the next tokens), plus a mixture's auxiliary loss where its config asks for it
+    (``output_router_logits``: ``router_aux_loss_coef`` times :func:`par4d.adopt.moe.router_aux_loss`);
+    without targets the logits. ``flops_per_token`` and
     ``num_params`` are the whole model's (counted before it was parallelized).
 
     On a grid with pipe > 1, ``lm`` is this rank's stage (:mod:`par4d.adopt.stages`) and the pipeline
@@ -24,6 +27,10 @@ class CausalLM(nn.Module):
         self.lm, self.flops_per_token, self.num_params = lm, flops_per_token, num_params
         self.stage = stage or Stage(0, 1, range(lm.config.num_hidden_layers))
         self.first, self.last = self.stage.first, self.stage.last
+        # A mixture of experts trained with transformers' load-balancing loss (output_router_logits): par4d's
+        # where par4d holds the mixtures (the whole batch's), else the model's own (unparallelized)
+        self.balanced = bool(getattr(lm.config, "output_router_logits", False))
+        self.ours = self.balanced and any(isinstance(m, SparseMoE) for m in lm.modules())
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if not (self.first and self.last):
@@ -38,8 +45,16 @@ class CausalLM(nn.Module):
         given = {"input_ids": inputs} if self.first else {"inputs_embeds": inputs}
         if not self.last:                   # its final norm is the identity (par4d.adopt.stages)
             return self.lm.base_model(**given, use_cache=False).last_hidden_state
-        logits = self.lm(**given, use_cache=False).logits     # training: no key/value cache
-        return logits if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        if self.balanced:
+            given["output_router_logits"] = not self.ours
+        out = self.lm(**given, use_cache=False)       # training: no key/value cache
+        if targets is None:
+            return out.logits
+        loss = F.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
+        if not self.balanced:
+            return loss
+        aux = router_aux_loss(self.lm) if self.ours else out.aux_loss
+        return loss + self.lm.config.router_aux_loss_coef * aux
 
     def stream_shape(self, rows: int, seq: int) -> tuple[tuple[int, ...], torch.dtype]:
         """The residual stream between stages for ``rows`` sequences of ``seq`` tokens: features over y where

@@ -155,6 +155,15 @@ _DECODER: dict[str, Rule] = {
     "tie_word_embeddings": boolean, "use_cache": boolean, "rope_scaling": _scaling,
     "rope_parameters": _scaling, **_TOKENS,
 }
+def layer_list(value: object) -> str | None:
+    """A list of layer indices (Qwen3-MoE's mlp_only_layers)."""
+    ok = isinstance(value, list) and all(whole(i) is None for i in value)
+    return None if ok else "not a list of layer indices (integers >= 0)"
+
+
+# A mixture of experts' fields, every family's (their expert counts have family names)
+_MIXTURE: dict[str, Rule] = {"num_experts_per_tok": count, "output_router_logits": boolean,
+                             "router_aux_loss_coef": non_negative}
 # model_type -> {field: its rule}
 RULES: dict[str, dict[str, Rule]] = {
     "llama": {**_DECODER, "attention_bias": boolean, "mlp_bias": boolean, "pretraining_tp": count},
@@ -167,7 +176,17 @@ RULES: dict[str, dict[str, Rule]] = {
              "attn_pdrop": probability, "initializer_range": non_negative, "scale_attn_weights": boolean,
              "scale_attn_by_inverse_layer_idx": boolean, "reorder_and_upcast_attn": boolean,
              "add_cross_attention": false, "tie_word_embeddings": boolean, "use_cache": boolean, **_TOKENS},
+    "mixtral": {**_DECODER, **_MIXTURE, "sliding_window": optional(count), "num_local_experts": count,
+                "router_jitter_noise": probability},
+    "qwen3_moe": {**_DECODER, **_MIXTURE, "attention_bias": boolean, "sliding_window": optional(count),
+                  "use_sliding_window": boolean, "max_window_layers": optional(whole), "num_experts": count,
+                  "moe_intermediate_size": count, "decoder_sparse_step": count, "norm_topk_prob": boolean,
+                  "mlp_only_layers": layer_list},
+    "olmoe": {**_DECODER, **_MIXTURE, "attention_bias": boolean, "clip_qkv": optional(positive), "num_experts": count,
+              "norm_topk_prob": boolean},
 }
+# model_type -> the field of its experts per mixture
+EXPERTS_FIELD = {"mixtral": "num_local_experts", "qwen3_moe": "num_experts", "olmoe": "num_experts"}
 
 
 def check_hf_config(config: dict, where: str | Path) -> None:
@@ -211,7 +230,9 @@ def _sizes(config: dict) -> dict[str, int]:
 
 def parameter_count(hf: object) -> int:
     """The parameters of the causal LM ``transformers`` builds from config ``hf`` (a tied head once),
-    from its sizes alone: Llama, Mistral and Qwen2 (bias where each has it), GPT-2."""
+    from its sizes alone: Llama, Mistral and Qwen2 (bias where each has it), GPT-2, and the mixtures of
+    experts Mixtral, Qwen3-MoE and OLMoE (every expert and the router; Qwen3's and OLMoE's query and key
+    norms)."""
     vocab, tied = hf.vocab_size, hf.tie_word_embeddings
     if hf.model_type == "gpt2":
         width, inner = hf.n_embd, hf.n_inner or 4 * hf.n_embd
@@ -224,6 +245,8 @@ def parameter_count(hf: object) -> int:
     q, kv = heads * head_dim, kv_heads * head_dim
     attention = width * q + 2 * width * kv + q * width
     mlp = 3 * width * hf.intermediate_size
+    if hf.model_type in EXPERTS_FIELD:
+        return _mixture_count(hf, width, attention, q, kv, head_dim)
     if hf.model_type == "qwen2":
         attention += q + 2 * kv                        # q, k and v carry a bias, the output none
     if getattr(hf, "attention_bias", False):
@@ -232,3 +255,23 @@ def parameter_count(hf: object) -> int:
         mlp += 2 * hf.intermediate_size + width
     block = attention + mlp + 2 * width                # and two RMSNorm weights
     return vocab * width + hf.num_hidden_layers * block + width + (0 if tied else vocab * width)
+
+
+def _mixture_count(hf: object, width: int, attention: int, q: int, kv: int, head_dim: int) -> int:
+    """:func:`parameter_count` of a mixture-of-experts family (``attention``: its q, k, v, o weights)."""
+    experts = getattr(hf, EXPERTS_FIELD[hf.model_type])
+    inner = hf.moe_intermediate_size if hf.model_type == "qwen3_moe" else hf.intermediate_size
+    mixture = experts * 3 * width * inner + experts * width           # the experts and the router
+    if getattr(hf, "attention_bias", False):
+        attention += q + 2 * kv + width
+    if hf.model_type == "qwen3_moe":
+        attention += 2 * head_dim                                      # q_norm, k_norm: per head
+    if hf.model_type == "olmoe":
+        attention += q + kv                                            # q_norm, k_norm: over every head
+    layers = 0
+    for index in range(hf.num_hidden_layers):
+        sparse = hf.model_type != "qwen3_moe" or (
+            index not in hf.mlp_only_layers and experts > 0 and (index + 1) % hf.decoder_sparse_step == 0)
+        layers += attention + 2 * width + (mixture if sparse else 3 * width * hf.intermediate_size)
+    vocab, tied = hf.vocab_size, hf.tie_word_embeddings
+    return vocab * width + layers + width + (0 if tied else vocab * width)

@@ -41,10 +41,12 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 import torch.nn as nn
 
+from par4d import comm
 from par4d.adopt.messages import (
     Message,
     bytes_sent,
@@ -54,6 +56,7 @@ from par4d.adopt.messages import (
     record,
     sync_messages,
 )
+from par4d.adopt.moe import MIXTURES, SparseMoE
 from par4d.adopt.stream import gather_input, is_norm, split_output, stream_norm, stream_problem
 from par4d.grid import Grid, Indivisible
 from par4d.layout import BATCH_AXES, Placement, place, placement_of
@@ -67,13 +70,18 @@ TREATMENTS = ("normal", "transposed", "replicated")
 KEPT_WHOLE = "kept whole: the grid does not divide its sizes"   # the plan's why, before the numbers
 ELEMENTWISE = (nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Identity, nn.Dropout, nn.LeakyReLU)
 # Feed-forward blocks by class name: (the layers whose outputs meet elementwise, the layer after).
-PAIRED = {name: (("gate_proj", "up_proj"), "down_proj") for name in ("LlamaMLP", "MistralMLP", "Qwen2MLP")}
+PAIRED = {name: (("gate_proj", "up_proj"), "down_proj") for name in ("LlamaMLP", "MistralMLP", "Qwen2MLP",
+                                                                      "Qwen3MoeMLP")}
 PAIRED["GPT2MLP"] = (("c_fc",), "c_proj")
 # Attention blocks by class name: (the q, k, v projections (one fused for GPT-2), the output projection).
 ATTENTION = {name: (("q_proj", "k_proj", "v_proj"), "o_proj") for name in ("LlamaAttention", "MistralAttention",
-                                                                           "Qwen2Attention")}
+                                                                           "Qwen2Attention", "MixtralAttention",
+                                                                           "Qwen3MoeAttention")}
+# Attention whose queries and keys are normalised per head (Qwen3's q_norm, k_norm over head_dim): with its
+# heads over x, each rank of x gives those weights the gradient of its own heads only (summed over x too).
+HEAD_NORMS = ("q_norm", "k_norm")
 ATTENTION["GPT2Attention"] = (("c_attn",), "c_proj")
-REPLICATED = Placement((), grad_sum=("z", "data"))
+REPLICATED = Placement((), grad_sum=BATCH_AXES)
 NORM_WHY = "a norm over features, which are whole between blocks: kept whole (its gradient summed over z and data)"
 STREAM_NORM_WHY = ("a norm over the residual stream, whose features are split over y between blocks: its weight "
                    "split so, its statistics summed over y")
@@ -287,6 +295,43 @@ def _batch_norms(model: nn.Module, grid: Grid, counted: bool) -> list[Treatment]
     return rows
 
 
+def _mixtures(model: nn.Module, grid: Grid, stream: bool) -> list[Treatment]:
+    """Every sparse mixture-of-experts block transformers built (:data:`par4d.adopt.moe.MIXTURES`), in place and
+    under its name, made par4d's :class:`par4d.adopt.moe.SparseMoE` holding the same tensors; their plan rows
+    (their all-to-alls depend on the routing: the ledger counts them as they run)."""
+    rows = []
+    for name, module in list(model.named_modules()):
+        if type(module).__name__ not in MIXTURES:
+            continue
+        mixture = SparseMoE(module, grid, name, stream)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, mixture)
+        rows.append(Treatment(name, "experts", f"a mixture of {mixture.n_experts} experts, top {mixture.top_k}: "
+                                               f"{mixture.n_experts // grid.size('expert')} per rank of expert="
+                                               f"{grid.size('expert')}, each cut over x, y and z as a gated MLP; "
+                                               f"tokens exchanged over expert",
+                              tuple(mixture.experts.gate_up_proj.shape)))
+    return rows
+
+
+def _per_head_norms(model: nn.Module, grid: Grid, roles: dict[str, Role]) -> None:
+    """Per-head query and key norms (:data:`HEAD_NORMS`) of attention whose heads are over x: their gradient
+    summed over x as it is made (each rank of x gives its own heads'), then over z and data with the others'."""
+    if grid.size("x") == 1:
+        return
+    for prefix, module in model.named_modules():
+        projections = ATTENTION.get(type(module).__name__, ((), None))[0]
+        if projections and all(f"{prefix}.{n}" in roles for n in projections):
+            for norm in HEAD_NORMS:
+                weight = getattr(getattr(module, norm, None), "weight", None)
+                if weight is not None:
+                    weight.register_hook(partial(_summed_over_x, grid))
+
+
+def _summed_over_x(grid: Grid, grad: torch.Tensor) -> torch.Tensor:
+    return comm.all_reduce(grid, grad.clone(), "x")
+
+
 def _forced(name: str, force: dict[str, str]) -> str | None:
     hits = [kind for pattern, kind in force.items() if fnmatch.fnmatchcase(name, pattern)]
     return hits[-1] if hits else None
@@ -379,6 +424,8 @@ def parallelize(model: nn.Module, grid: Grid, *, force: dict[str, str] | None = 
         setattr(model.get_submodule(parent) if parent else model, child, norm)
         messages = tuple(norm_messages(norm, seen[name], grid.sizes)) if seen else ()
         plan.append(Treatment(name, "sharded", STREAM_NORM_WHY, tuple(norm.weight.shape), messages))
+    plan += _mixtures(model, grid, stream)
+    _per_head_norms(model, grid, roles)
     plan += batch_norms
     for param in model.parameters():
         if placement_of(param) is None:        # whole on every rank: its gradient is summed over z and data

@@ -24,7 +24,8 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 # par4d train --model -> the Hugging Face model types it starts from
-FAMILIES = {"hf-llama": ("llama", "mistral", "qwen2"), "hf-gpt2": ("gpt2",)}
+FAMILIES = {"hf-llama": ("llama", "mistral", "qwen2"), "hf-gpt2": ("gpt2",), "hf-mixtral": ("mixtral",),
+            "hf-qwen3-moe": ("qwen3_moe",), "hf-olmoe": ("olmoe",)}
 
 
 def read_config(folder: Path) -> dict:

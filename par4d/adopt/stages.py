@@ -36,8 +36,9 @@ from par4d.models.config import balanced_stages
 
 # The base model's parts by model type: (its decoder layers, its input embeddings, position embeddings
 # added to inputs_embeds by its forward, its final norm).
-PARTS = {"llama": ("layers", "embed_tokens", None, "norm"), "mistral": ("layers", "embed_tokens", None, "norm"),
-         "qwen2": ("layers", "embed_tokens", None, "norm"), "gpt2": ("h", "wte", "wpe", "ln_f")}
+PARTS = {**{kind: ("layers", "embed_tokens", None, "norm") for kind in ("llama", "mistral", "qwen2", "mixtral",
+                                                                       "qwen3_moe", "olmoe")},
+         "gpt2": ("h", "wte", "wpe", "ln_f")}
 
 
 class Elsewhere(nn.Module):

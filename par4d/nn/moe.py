@@ -62,7 +62,7 @@ class Exchange(torch.autograd.Function):
         return comm.all_to_all(ctx.grid, grad.contiguous(), "expert", ctx.receive, ctx.send), None, None, None, None
 
 
-class _ExpertMatmul:
+class ExpertMatmul:
     """What :class:`par4d.nn.algorithm1.Algorithm1` asks of a layer, for one GEMM of every expert: the axes
     (normal: features y in, x out; transposed: swapped) and the local matmuls; the weight is the expert's
     slice of the stacked parameter, passed to each call."""
@@ -91,18 +91,22 @@ class _ExpertMatmul:
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, score: str, renormalize: bool,
-          bias: torch.Tensor | None = None, grid: Grid | None = None, groups: tuple[int, int] = (1, 1)
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+          bias: torch.Tensor | None = None, grid: Grid | None = None, groups: tuple[int, int] = (1, 1),
+          precision: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(experts (N, k), their weights (N, k), scores (N, E), logits (N, E)) of tokens ``x`` (N, D) under
     router ``weight`` (E, D), in fp32 or the inputs' wider dtype. Ties in top-k go to the lower index.
     ``bias`` (E,): added to the scores to choose the experts only (DeepSeek-V3's loss-free balancing); the
     weights are the scores themselves. ``grid``: ``x`` and ``weight`` hold their features' part over y.
     ``groups`` (G, M): group-limited routing (DeepSeek-V3's): the experts in G equal groups, a token's k
-    chosen among the M groups whose two best choice scores sum highest (the best one, in groups of one)."""
-    dtype = torch.promote_types(x.dtype, torch.float32)
-    logits = x.to(dtype) @ weight.to(dtype).t() if grid is None else \
-        SumFeatures.apply(x.to(dtype) @ weight.to(dtype).t(), grid, "y")       # the features' parts, summed
-    scores = logits.softmax(-1) if score == "softmax" else logits.sigmoid()
+    chosen among the M groups whose two best choice scores sum highest (the best one, in groups of one).
+    ``precision``: the logits in the inputs' dtype and the scores in this one (transformers' routers: float32,
+    whatever the model's); None: both in fp32 or the inputs' wider dtype."""
+    dtype = torch.promote_types(x.dtype, torch.float32) if precision is None else x.dtype
+    logits = x.to(dtype) @ weight.to(dtype).t()
+    if grid is not None:
+        logits = SumFeatures.apply(logits, grid, "y")        # the features' parts, summed
+    at = logits if precision is None else logits.to(precision)
+    scores = at.softmax(-1) if score == "softmax" else at.sigmoid()
     choice = scores if bias is None else scores + bias.to(dtype)
     count, kept = groups
     if count > 1:
@@ -136,7 +140,88 @@ def _expert_mlp(rows: torch.Tensor, fc: torch.Tensor, proj: torch.Tensor) -> tor
     return F.gelu(rows @ fc.t()) @ proj.t()
 
 
-class MoE(ShardedModule):
+class Mixture(ShardedModule):
+    """What every mixture of experts on the grid shares: the routing, the counts, the balance losses, the
+    exchange there and back and the weighted combine (residual layout in and out: (..., dim), samples over
+    data and z, features over y). A subclass holds the router's weight (:meth:`router_weight`), the experts
+    (:meth:`_experts`) and any shared experts (:meth:`_shared`), and calls :meth:`_setup`."""
+
+    def _setup(self, grid: Grid, name: str, experts: int, top_k: int, score: str, renormalize: bool,
+               aux_weight: float, z_weight: float, capacity_factor: float | None, bias_rate: float, overlap: bool,
+               groups: tuple[int, int]) -> None:
+        check_moe(name, experts, top_k, grid, score, capacity_factor, groups)
+        self.grid, self.name, self.top_k, self.score, self.renormalize = grid, name, top_k, score, renormalize
+        self.n_experts, self.aux_weight, self.z_weight = experts, aux_weight, z_weight
+        self.capacity_factor, self.groups, self.overlap = capacity_factor, groups, overlap
+        self.precision: torch.dtype | None = None      # the router's scores' dtype (None: see route)
+        _balancing(self, experts, bias_rate, grid.device)
+        self.aux_loss: torch.Tensor | None = None     # the last forward's weighted balance losses (None: weighted 0)
+        self.last_counts: torch.Tensor | None = None  # the last forward's assignments per expert (whole batch)
+        self.last_routed: torch.Tensor | None = None  # ... as routed, before any capacity (whole batch)
+        self.last_mean_scores: torch.Tensor | None = None   # this rank's tokens' mean score per expert (E,)
+        self.last_losses: tuple[torch.Tensor, torch.Tensor] | None = None   # its auxiliary and z losses, unweighted
+        self.last_dropped: torch.Tensor | None = None  # assignments dropped over capacity (whole batch)
+
+    def router_weight(self) -> torch.Tensor:
+        """The router's weight (E, dim / y), its features cut over y."""
+        raise NotImplementedError
+
+    def _experts(self, rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
+        """This rank's experts on their runs of ``rows`` (expert-major)."""
+        raise NotImplementedError
+
+    def _shared(self):
+        """The experts every token goes through, as a function of the layer's input (None: there are none)."""
+        return None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        shape = h.shape
+        x = h.reshape(-1, shape[-1])
+        experts, weights, scores, logits = route(x, self.router_weight(), self.top_k, self.score, self.renormalize,
+                                                 self.expert_bias if self.bias_rate else None, self.grid, self.groups,
+                                                 self.precision)
+        flat = experts.reshape(-1)
+        limit = capacity(self.capacity_factor, x.shape[0], self.top_k, self.n_experts)
+        routed = torch.bincount(flat, minlength=self.n_experts)
+        if limit is None:               # dropless: every (token, slot) assignment goes
+            chosen, received = None, routed
+        else:
+            kept = within_capacity(experts, scores, limit).reshape(-1)
+            chosen, received = kept.nonzero().squeeze(1), torch.bincount(flat[kept], minlength=self.n_experts)
+        # One all-reduce: every rank's assignments per expert, as routed (the balance loss counts those) and
+        # as kept (what the experts received)
+        both = comm.all_reduce(self.grid, torch.cat([routed, received]), *BATCH_AXES)
+        self.last_routed, self.last_counts = both[:self.n_experts], both[self.n_experts:]
+        # (transformers' balance loss takes its scores from the logits at their own precision, not the router's)
+        self.last_mean_scores = (scores if self.precision is None else
+                                 logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(-1)).mean(0)
+        weighted = bool(self.aux_weight or self.z_weight)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and weighted):   # else for the metrics only
+            aux, z = balance_losses(experts, scores, logits, self.last_routed, self.score)
+        self.aux_loss = self.aux_weight * aux + self.z_weight * z if weighted else None
+        self.last_losses = (aux.detach(), z.detach())       # floats only when reported: no host sync here
+        self.last_dropped = self.last_routed.sum() - self.last_counts.sum()
+        if self.training and self.bias_rate:       # the load the next bias step answers (every microbatch's)
+            self.pending_load = self.last_routed + (0 if self.pending_load is None else self.pending_load)
+        tokens = torch.arange(x.shape[0], device=x.device).repeat_interleave(self.top_k) if chosen is None \
+            else chosen // self.top_k
+        common_experts = self._shared()
+        shared = None if common_experts is None else (lambda: common_experts(h))
+        # The shared experts' GEMMs while the rows travel (or after them, without overlap)
+        out, common = dispatch(x, tokens, flat if chosen is None else flat[chosen], self.n_experts, self.grid,
+                               self._experts, meanwhile=shared if self.overlap else None)
+        if shared is not None and not self.overlap:
+            common = shared()
+        # (token, slot) order; with a capacity, a dropped slot adds 0
+        y = out if chosen is None else out.new_zeros(flat.numel(), out.shape[1]).index_copy(0, chosen, out)
+        # Each rank of y weighs its features' part: the weights' gradient is the sum of the parts'
+        weights = SumGradients.apply(weights.to(y.dtype), self.grid, "y")
+        slots = y.view(x.shape[0], self.top_k, -1) * weights.unsqueeze(-1)
+        routed = slots.sum(1).reshape(shape)
+        return routed if common is None else routed + common
+
+
+class MoE(Mixture):
     """A mixture of ``experts`` GELU MLPs (``dim`` -> ``hidden`` -> ``dim``), ``top_k`` of them per token,
     spread over the grid's ``expert`` axis; residual layout in and out ((..., dim), samples over data and z).
 
@@ -153,11 +238,8 @@ class MoE(ShardedModule):
                  z_weight: float = 0.001, capacity_factor: float | None = None, bias_rate: float = 0.0,
                  shared: int = 0, overlap: bool = True, groups: tuple[int, int] = (1, 1)):
         super().__init__()
-        check_moe(name, experts, top_k, grid, score, capacity_factor, groups)
-        self.grid, self.name, self.top_k, self.score, self.renormalize = grid, name, top_k, score, renormalize
-        self.n_experts, self.aux_weight, self.z_weight = experts, aux_weight, z_weight
-        self.capacity_factor, self.groups = capacity_factor, groups
-        _balancing(self, experts, bias_rate, grid.device)
+        self._setup(grid, name, experts, top_k, score, renormalize, aux_weight, z_weight, capacity_factor,
+                    bias_rate, overlap, groups)
         check_expert_shape(name, dim, hidden, grid)
         local = experts // grid.size("expert")
         device = grid.device
@@ -169,8 +251,7 @@ class MoE(ShardedModule):
                         Placement((Split(0, "expert"), Split(1, "x"), Split(2, "y"), Split(1, "z")), ("data",)))
         self.proj = place(nn.Parameter(torch.empty(local, dim // (gy * gz), hidden // gx, device=device)),
                           Placement((Split(0, "expert"), Split(1, "y"), Split(2, "x"), Split(1, "z")), ("data",)))
-        self.up, self.down = _ExpertMatmul(grid, transposed=False), _ExpertMatmul(grid, transposed=True)
-        self.overlap = overlap
+        self.up, self.down = ExpertMatmul(grid, transposed=False), ExpertMatmul(grid, transposed=True)
         if shared:       # experts every token goes through: a dense MLP of their width (Linear's own layout)
             self.shared = nn.Module()
             self.shared.fc = Linear(dim, shared * hidden, bias=False, grid=grid, name=f"{name}.shared.fc",
@@ -179,52 +260,16 @@ class MoE(ShardedModule):
                                       name=f"{name}.shared.proj", initialize=False)
         else:
             self.shared = None
-        self.aux_loss: torch.Tensor | None = None     # the last forward's weighted balance losses
-        self.last_counts: torch.Tensor | None = None  # the last forward's assignments per expert (whole batch)
-        self.last_losses: tuple[torch.Tensor, torch.Tensor] | None = None   # its auxiliary and z losses, unweighted
-        self.last_dropped: torch.Tensor | None = None  # assignments dropped over capacity (whole batch)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        shape = h.shape
-        x = h.reshape(-1, shape[-1])
-        experts, weights, scores, logits = route(x, self.router, self.top_k, self.score, self.renormalize,
-                                                 self.expert_bias if self.bias_rate else None, self.grid, self.groups)
-        flat = experts.reshape(-1)
-        limit = capacity(self.capacity_factor, x.shape[0], self.top_k, self.n_experts)
-        routed = torch.bincount(flat, minlength=self.n_experts)
-        if limit is None:               # dropless: every (token, slot) assignment goes
-            chosen, received = None, routed
-        else:
-            kept = within_capacity(experts, scores, limit).reshape(-1)
-            chosen, received = kept.nonzero().squeeze(1), torch.bincount(flat[kept], minlength=self.n_experts)
-        # One all-reduce: every rank's assignments per expert, as routed (the balance loss counts those) and
-        # as kept (what the experts received)
-        both = comm.all_reduce(self.grid, torch.cat([routed, received]), *BATCH_AXES)
-        aux, z = balance_losses(experts, scores, logits, both[:self.n_experts], self.score)
-        self.aux_loss, self.last_counts = self.aux_weight * aux + self.z_weight * z, both[self.n_experts:]
-        self.last_losses = (aux.detach(), z.detach())       # floats only when reported: no host sync here
-        self.last_dropped = both[:self.n_experts].sum() - both[self.n_experts:].sum()
-        if self.training and self.bias_rate:       # the load the next bias step answers (every microbatch's)
-            self.pending_load = both[:self.n_experts] + (0 if self.pending_load is None else self.pending_load)
-        tokens = torch.arange(x.shape[0], device=x.device).repeat_interleave(self.top_k) if chosen is None \
-            else chosen // self.top_k
-        shared = None if self.shared is None else (lambda: self.shared.proj(F.gelu(self.shared.fc(h))))
-        # The shared experts' GEMMs while the rows travel (or after them, without overlap)
-        out, common = dispatch(x, tokens, flat if chosen is None else flat[chosen], self.n_experts, self.grid,
-                               self._experts, meanwhile=shared if self.overlap else None)
-        if shared is not None and not self.overlap:
-            common = shared()
-        # (token, slot) order; with a capacity, a dropped slot adds 0
-        y = out if chosen is None else out.new_zeros(flat.numel(), out.shape[1]).index_copy(0, chosen, out)
-        # Each rank of y weighs its features' part: the weights' gradient is the sum of the parts'
-        weights = SumGradients.apply(weights.to(y.dtype), self.grid, "y")
-        slots = y.view(x.shape[0], self.top_k, -1) * weights.unsqueeze(-1)
-        routed = slots.sum(1).reshape(shape)
-        return routed if common is None else routed + common
+    def router_weight(self) -> torch.Tensor:
+        return self.router
+
+    def _shared(self):
+        return None if self.shared is None else (lambda h: self.shared.proj(F.gelu(self.shared.fc(h))))
 
     def _experts(self, rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
-        """This rank's experts on their runs of ``rows`` (expert-major), a GEMM pair each (a loop: on CPU
-        the runs are too uneven for a padded batched matmul to pay)."""
+        """A GEMM pair for each expert (a loop: on CPU the runs are too uneven for a padded batched matmul
+        to pay)."""
         parts = rows.split(per_expert)
         return torch.cat([self.down(F.gelu(self.up(part, self.fc[e])), self.proj[e]) for e, part in enumerate(parts)])
 
@@ -232,7 +277,7 @@ class MoE(ShardedModule):
 def balance_loss(modules) -> torch.Tensor | float:
     """The weighted balance losses of the mixtures among ``modules`` (par4d's or the twin's) in their last
     forward, 0 without any: what a mixture-of-experts model adds to its loss."""
-    return sum(m.aux_loss for m in modules if isinstance(m, (MoE, ReferenceMoE)))
+    return sum(m.aux_loss for m in modules if isinstance(m, (Mixture, ReferenceMoE)) and m.aux_loss is not None)
 
 
 def _balancing(layer: nn.Module, experts: int, rate: float, device: torch.device) -> None:
@@ -261,7 +306,7 @@ def update_expert_bias(model: nn.Module) -> None:
     """Step the loss-free balancing bias of every mixture in ``model`` (after the optimizer step;
     par4d.train.step.train_step calls it)."""
     for module in model.modules():
-        if isinstance(module, (MoE, ReferenceMoE)):
+        if isinstance(module, (Mixture, ReferenceMoE)):
             step_bias(module)
 
 
@@ -271,7 +316,7 @@ def expert_metrics(model: nn.Module) -> dict:
     and z losses (this rank's share: the batch's where ranks agree), the assignments dropped over capacity
     (where a layer has one), and the worst layer's most over mean (1: perfectly balanced); empty for a model
     without one."""
-    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE) and m.last_counts is not None]
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, Mixture) and m.last_counts is not None]
     if not layers:
         return {}
     most = [int(m.last_counts.max()) for _, m in layers]

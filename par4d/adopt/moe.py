@@ -1,0 +1,123 @@
+"""transformers' sparse mixture-of-experts blocks (Mixtral, Qwen3-MoE, OLMoE) as par4d mixtures.
+
+transformers 5 keeps a block's experts as two stacked tensors, ``experts.gate_up_proj`` (E, 2I, D: each
+expert's gate and up projections, one above the other) and ``experts.down_proj`` (E, D, I), and its router
+as ``gate.weight`` (E, D). ``par4d.parallelize`` replaces the block, under the same name, by a
+:class:`SparseMoE` holding the same three tensors under the same names, cut as par4d's own
+:class:`par4d.nn.moe.MoE` cuts its experts (docs/architecture.md, "Experts"): the experts over ``expert``
+(dim 0), each expert's gate and up as a normal Linear's weight (rows over x, its gate's and its up's blocks
+kept side by side, then over z; features over y) and its down as a transposed one's; the router's
+features over y. Checkpoints, ``--init-from``, export and the initialisation read and write them by name,
+as for every other parameter.
+
+The routing is transformers': softmax scores in fp32 (or wider), the top k, renormalised over the k where
+the model does (Mixtral always; Qwen3-MoE and OLMoE where ``norm_topk_prob``), dropless. Its auxiliary
+loss (``output_router_logits``: ``router_aux_loss_coef`` times :func:`router_aux_loss`) is
+transformers' ``load_balancing_loss_func``: every layer's assignments and scores pooled, over the whole
+batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from par4d.grid import Grid
+from par4d.layout import BATCH_AXES, Placement, Split, place
+from par4d.nn.base import ShardedModule
+from par4d.nn.collectives import GatherFeatures, SplitFeatures
+from par4d.nn.moe import ExpertMatmul, Mixture, check_expert_shape
+
+# transformers' sparse blocks par4d knows: the gate's top_k and (where the model has it) norm_topk_prob, the
+# experts' gate_up_proj, down_proj and act_fn; Mixtral's may add router jitter, which par4d refuses.
+MIXTURES = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "OlmoeSparseMoeBlock")
+
+
+class Router(ShardedModule):
+    """A block's ``gate``: its weight (E, D), the features cut over y (every rank of the batch's axes
+    holds it: its gradient is summed there)."""
+
+    def __init__(self, experts: int, dim: int, grid: Grid):
+        super().__init__()
+        self.grid = grid
+        self.weight = place(nn.Parameter(torch.empty(experts, dim // grid.size("y"), device=grid.device)),
+                            Placement((Split(1, "y"),), BATCH_AXES))
+
+
+class Experts(ShardedModule):
+    """A block's ``experts``: ``gate_up_proj`` (E, 2I, D) and ``down_proj`` (E, D, I), this rank's experts
+    and each one's Algorithm 1 shard."""
+
+    def __init__(self, experts: int, dim: int, inner: int, grid: Grid):
+        super().__init__()
+        self.grid = grid
+        local = experts // grid.size("expert")
+        gx, gy, gz = grid.size("x"), grid.size("y"), grid.size("z")
+        # A normal Linear's weight with two out-chunks (gate, up): each chunk's rows over x, the rank's
+        # blocks side by side, then over z
+        self.gate_up_proj = place(
+            nn.Parameter(torch.empty(local, 2 * inner // (gx * gz), dim // gy, device=grid.device)),
+            Placement((Split(0, "expert"), Split(1, "x", chunks=2), Split(2, "y"), Split(1, "z")), ("data",)))
+        self.down_proj = place(nn.Parameter(torch.empty(local, dim // (gy * gz), inner // gx, device=grid.device)),
+                               Placement((Split(0, "expert"), Split(1, "y"), Split(2, "x"), Split(1, "z")), ("data",)))
+
+
+class SparseMoE(Mixture):
+    """transformers' sparse block ``block`` on ``grid`` (see the module's docstring), its values kept unless
+    on the meta device. ``stream``: the residual stream reaches it with its features over y (as
+    ``par4d.parallelize`` shards it); else whole, and the block cuts and gathers them itself."""
+
+    def __init__(self, block: nn.Module, grid: Grid, name: str, stream: bool):
+        super().__init__()
+        gate, experts = block.gate, block.experts
+        n_experts, dim = gate.weight.shape
+        inner = experts.down_proj.shape[-1]
+        jitter = getattr(block, "jitter_noise", 0.0)
+        if jitter:
+            raise ValueError(f"parallelize: {name} multiplies its input by router jitter noise "
+                             f"(router_jitter_noise={jitter}), which par4d does not draw (the ranks holding a token "
+                             f"would draw different noise); set router_jitter_noise to 0")
+        renormalize = getattr(gate, "norm_topk_prob", True)       # Mixtral's router always renormalises
+        self._setup(grid, name, n_experts, gate.top_k, "softmax", renormalize, 0.0, 0.0, None, 0.0, True, (1, 1))
+        self.precision = torch.float32                   # transformers' routers score in float32
+        check_expert_shape(name, dim, inner, grid)
+        self.gate = Router(n_experts, dim, grid)
+        self.experts = Experts(n_experts, dim, inner, grid)
+        self.act_fn = experts.act_fn
+        self.stream = stream or grid.size("y") == 1
+        self.up, self.down = ExpertMatmul(grid, transposed=False), ExpertMatmul(grid, transposed=True)
+        if not gate.weight.is_meta:
+            with torch.no_grad():
+                self.gate.load_full_state({"weight": gate.weight.to(grid.device, self.gate.weight.dtype)})
+                self.experts.load_full_state({n: getattr(experts, n).to(grid.device, self.experts.down_proj.dtype)
+                                              for n in ("gate_up_proj", "down_proj")})
+
+    def router_weight(self) -> torch.Tensor:
+        return self.gate.weight
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.stream:
+            return super().forward(h)
+        return GatherFeatures.apply(super().forward(SplitFeatures.apply(h, self.grid, "y")), self.grid, "y")
+
+    def _experts(self, rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
+        """Each expert's gated MLP, ``down(act(gate(x)) * up(x))``, a GEMM pair on its run of rows."""
+        out = []
+        for e, part in enumerate(rows.split(per_expert)):
+            gate, up = self.up(part, self.experts.gate_up_proj[e]).chunk(2, dim=-1)
+            out.append(self.down(self.act_fn(gate) * up, self.experts.down_proj[e]))
+        return torch.cat(out)
+
+
+def router_aux_loss(model: nn.Module) -> torch.Tensor | None:
+    """transformers' ``load_balancing_loss_func`` over the mixtures in ``model`` at their last forward: E
+    times the sum over experts of (assignments per token, every layer's pooled over the whole batch) times
+    (mean score, this rank's tokens' over every layer). The mean of every rank's value is the whole
+    batch's (each rank holds as many tokens), and so is the mean of their gradients. None without one."""
+    layers = [m for m in model.modules() if isinstance(m, SparseMoE) and m.last_routed is not None]
+    if not layers:
+        return None
+    scores = torch.stack([m.last_mean_scores for m in layers]).mean(0)
+    routed = torch.stack([m.last_routed for m in layers]).sum(0).to(scores.dtype)
+    tokens = layers[0].last_routed.sum().to(scores.dtype) / layers[0].top_k     # the whole batch's
+    return layers[0].n_experts * (routed / (len(layers) * tokens) * scores).sum()

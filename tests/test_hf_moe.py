@@ -1,0 +1,166 @@
+"""transformers' mixtures of experts (Mixtral, Qwen3-MoE, OLMoE) made parallel by ``par4d.parallelize``
+against transformers' own unparallelized model: routes, the loss with transformers' load-balancing loss,
+every gradient and the parameters after 3 AdamW steps, in float64, on grids with the expert axis folded
+over data and every tensor axis."""
+
+import copy
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import par4d
+from par4d.adopt.causal_lm import CausalLM
+from par4d.adopt.moe import SparseMoE
+from par4d.layout import shard_batch
+from par4d.nn import full_state_dict
+from par4d.optim.data_parallel import global_mean, grad_norm, sync_gradients
+from tests import cases
+
+STEPS = 3
+VOCAB = 64
+
+
+def _mixtral(layers: int = 2):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=16,
+        output_router_logits=True, router_aux_loss_coef=0.05))
+
+
+def _qwen3_moe(layers: int = 2):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    # its second layer dense (mlp_only_layers): a Qwen3MoeMLP beside the mixtures
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, mlp_only_layers=[1], max_position_embeddings=16, output_router_logits=True,
+        router_aux_loss_coef=0.05))
+
+
+def _olmoe(layers: int = 2):
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    return OlmoeForCausalLM(OlmoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=4, num_experts=4, num_experts_per_tok=2, max_position_embeddings=16,
+        output_router_logits=True, router_aux_loss_coef=0.05))
+
+
+BUILD = {"mixtral": _mixtral, "qwen3_moe": _qwen3_moe, "olmoe": _olmoe}
+
+
+def _model(family: str):
+    """The family's small model in the default dtype, its weights drawn so routes are far from ties (a
+    router of unit-scale weights) and norms away from one."""
+    torch.manual_seed(0)
+    model = BUILD[family]().to(torch.get_default_dtype())
+    model.set_experts_implementation("eager")      # its loop over experts (its grouped GEMM takes no float64)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("gate.weight"):
+                p.normal_(0, 1.0)
+            else:
+                p.normal_(0, 0.2)
+    return model
+
+
+def _rms_norm_in_float64(self, h: torch.Tensor) -> torch.Tensor:
+    return self.weight * (h * torch.rsqrt(h.square().mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+def _norms_keep_float64(model) -> None:
+    """transformers' RMSNorm computes in float32 even in a float64 model (par4d's keeps float64): its norms
+    here keep float64, so the comparison proves exactness rather than meeting float32 round-off."""
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+            module.forward = types.MethodType(_rms_norm_in_float64, module)
+
+
+def _balance_loss(logits: tuple[torch.Tensor, ...], top_k: int) -> torch.Tensor:
+    """transformers' load_balancing_loss_func (no attention mask) in the logits' dtype: it sums in float32."""
+    scores = torch.cat(logits).softmax(-1)
+    chosen = F.one_hot(scores.topk(top_k, dim=-1).indices, scores.shape[-1]).sum(1).to(scores.dtype)
+    return scores.shape[-1] * (chosen.mean(0) * scores.mean(0)).sum()
+
+
+def _routes(model) -> list[torch.Tensor]:
+    """Each mixture's top-k experts at its last forward, by the model's own router (transformers') or
+    par4d's counts."""
+    return [m.last_routed.clone() for m in model.modules() if isinstance(m, SparseMoE)]
+
+
+def _matches(sizes: dict, family: str) -> dict:
+    with cases.float64():
+        grid = cases.grid(**sizes)
+        twin = _model(family)
+        model = CausalLM(par4d.parallelize(copy.deepcopy(twin), grid), 0.0, 0)
+        _norms_keep_float64(twin)
+        _norms_keep_float64(model)
+        coef = twin.config.router_aux_loss_coef
+        opt_twin = torch.optim.AdamW(twin.parameters(), lr=1e-2, eps=1e-4, weight_decay=0.1)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4, weight_decay=0.1)
+        gen = torch.Generator().manual_seed(1)
+        far, norms, counted = [], [], []
+        for step in range(STEPS):
+            tokens = torch.randint(0, VOCAB, (8, 9), generator=gen)
+            x, y = tokens[:, :-1], tokens[:, 1:]
+            out = twin(input_ids=x, use_cache=False, output_router_logits=True)
+            aux = _balance_loss(out.router_logits, twin.config.num_experts_per_tok)
+            if abs(aux.item() - out.aux_loss.item()) > 1e-6 * aux.item():     # its own sums in float32
+                far.append(f"step {step} transformers' aux loss {out.aux_loss.item()} vs {aux.item()}")
+            ref = F.cross_entropy(out.logits.flatten(0, 1), y.flatten()) + coef * aux
+            ref.backward()
+            theirs = [torch.bincount(logits.softmax(-1).topk(2, dim=-1).indices.flatten(), minlength=4)
+                      for logits in out.router_logits]
+            loss = model(shard_batch(grid, x), shard_batch(grid, y))
+            loss.backward()
+            sync_gradients(model, grid)
+            counted.append(all(torch.equal(a, b) for a, b in zip(_routes(model), theirs)))
+            mean = global_mean(loss.detach(), grid).item()
+            if abs(mean - ref.item()) > 1e-10 * abs(ref.item()):
+                far.append(f"step {step} loss {mean} vs {ref.item()}")
+            grads = full_state_dict(model.lm, grad=True)
+            far += [f"step {step} grad {n}" for n, p in twin.named_parameters()
+                    if not torch.allclose(grads[n], p.grad, rtol=1e-8, atol=1e-11)]
+            norms.append((grad_norm(model, grid).item(),
+                          torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in twin.parameters()])).item()))
+            opt.step(), opt_twin.step(), opt.zero_grad(), opt_twin.zero_grad()
+        after = full_state_dict(model.lm)
+        far += [f"{n} after {STEPS} steps" for n, p in twin.named_parameters()
+                if not torch.allclose(after[n], p, rtol=1e-8, atol=1e-11)]
+        kinds = {row.name: row.kind for row in par4d.state(model.lm).plan}
+        return {"far": far, "norms": norms, "counted": counted, "kinds": kinds,
+                "mixtures": sum(isinstance(m, SparseMoE) for m in model.modules())}
+
+
+def _check(results: list[dict], layers: int) -> None:
+    for r in results:
+        assert not r["far"], r["far"]
+        assert r["counted"] == [True] * STEPS         # every layer's routes are transformers' own
+        for ours, theirs in r["norms"]:
+            assert abs(ours - theirs) <= 1e-9 * theirs, r["norms"]
+        assert r["mixtures"] == layers
+
+
+@pytest.mark.parametrize("sizes", [dict(data=4, expert=4), dict(x=2, data=2, expert=2), dict(y=2, data=2, expert=2),
+                                   dict(z=2, data=2, expert=2)], ids=["d4e4", "x2d2e2", "y2d2e2", "z2d2e2"])
+def test_mixtral_is_transformers_own(pool4, sizes):
+    results = pool4.run(_matches, sizes, "mixtral")
+    _check(results, 2)
+    assert results[0]["kinds"]["model.layers.0.mlp"] == "experts"
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
+def test_qwen3_moe_and_olmoe_are_transformers_own(pool4, family):
+    _check(pool4.run(_matches, dict(x=2, data=2, expert=2), family), 1 if family == "qwen3_moe" else 2)
+
+
+def test_mixtral_on_every_tensor_axis_with_experts(pool8):
+    _check(pool8.run(_matches, dict(x=2, y=2, data=2, expert=2), "mixtral"), 2)
