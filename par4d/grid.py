@@ -180,6 +180,10 @@ class Grid:
         """This rank's coordinate along ``axis``."""
         return coords_of(self.rank, self.sizes).get(check_axes((axis,))[0], 0)
 
+    def coords(self) -> dict[str, int]:
+        """This rank's coordinate on every axis, the folded ones (``expert``) included."""
+        return {a: self.coord(a) for a in (*AXES, *FOLDED)}
+
     @classmethod
     def virtual(cls, sizes: dict[str, int], rank: int = 0) -> Grid:
         """A grid with no job behind it (meta device, no groups): for validating a

@@ -164,3 +164,71 @@ def test_qwen3_moe_and_olmoe_are_transformers_own(pool4, family):
 
 def test_mixtral_on_every_tensor_axis_with_experts(pool8):
     _check(pool8.run(_matches, dict(x=2, y=2, data=2, expert=2), "mixtral"), 2)
+
+
+def _save_mixtral(folder, dtype: torch.dtype, shard: str):
+    """A pretrained-shaped Mixtral folder (random weights, a router far from ties), as save_pretrained writes."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+        output_router_logits=True))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("gate.weight"):
+                p.normal_(0, 1.0)
+    model.to(dtype).save_pretrained(folder, max_shard_size=shard)
+    return folder
+
+
+def test_a_pretrained_mixtral_fine_tunes_exports_and_loads_in_transformers(pool4, tmp_path, capsys):
+    """`--init-from hf` a sharded bf16 Mixtral on x=2,data=2,expert=2: every rank computes transformers' logits;
+    2 steps, then resumed on data=4,expert=4 for a third; the export loads in transformers, which computes the
+    logits par4d computes from it on y=2,data=2,expert=2, and every expert's weights have moved."""
+    from safetensors.torch import load_file
+
+    from par4d.cli import main
+    from tests.helpers import train_pooled
+    from tests.test_pretrained import _grid_logits, _rows, _transformers_logits
+
+    pretrained = _save_mixtral(tmp_path / "pretrained", torch.bfloat16, "20KB")
+    expected = _transformers_logits(pretrained)
+    sizes = dict(x=2, data=2, expert=2)
+    for rank, logits in enumerate(_grid_logits(pool4, pretrained, "hf-mixtral", sizes)):
+        torch.testing.assert_close(logits, expected[_rows(rank, sizes)], rtol=0, atol=1e-5)
+    run, out = tmp_path / "run", tmp_path / "exported"
+    common = ("--seq-len", "16", "--batch-size", "4", "--lr", "1e-2", "--no-progress", "--no-tensorboard")
+    train_pooled(pool4, "--model", "hf-mixtral", "--init-from", "hf", str(pretrained), "--grid", "x=2,data=2,expert=2",
+                 "--steps", "2", "--out", str(run), *common)
+    train_pooled(pool4, "--resume", str(run), "--grid", "data=4,expert=4", "--steps", "3")
+    assert main(["export", "--run", str(run), "--to", "hf", str(out)]) == 0
+    exported = _transformers_logits(out)
+    sizes = dict(y=2, data=2, expert=2)
+    for rank, logits in enumerate(_grid_logits(pool4, out, "hf-mixtral", sizes)):
+        torch.testing.assert_close(logits, exported[_rows(rank, sizes)], rtol=0, atol=1e-5)
+    before = {k: v.float() for f in pretrained.glob("*.safetensors") for k, v in load_file(f).items()}
+    after = load_file(out / "model.safetensors")
+    assert sorted(before) == sorted(after)
+    for key in (k for k in after if "experts" in k):     # every expert of every layer trained
+        moved = (before[key] - after[key]).flatten(1).abs().amax(1)
+        assert bool((moved > 0).all()), key
+
+
+@pytest.mark.parametrize("flags,said", [
+    (["--grid", "data=2,expert=2", "--capacity-factor", "1"], "--capacity-factor 1.0: --model hf-mixtral routes as"),
+    (["--grid", "data=2,pipe=2,expert=2", "--nproc", "4"], "a mixture of experts is not yet cut into pipeline"),
+    (["--grid", "data=2,expert=2", "--recompute", "1"], "a mixture of experts is not yet recomputed"),
+    (["--grid", "data=2,expert=2", "--mlp", "dense"], "--model hf-mixtral is a mixture of experts: --mlp dense"),
+    (["--grid", "data=2,expert=2", "--experts", "3"], "3 experts do not divide over expert=2"),
+    (["--grid", "data=2,expert=2", "--top-k", "5"], "--top-k 5: give 1 to the 4 experts"),
+])
+def test_what_a_transformers_mixture_cannot_take_is_refused_before_any_rank_starts(tmp_path, capsys, flags, said):
+    from par4d.cli import main
+
+    shape = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--batch-size", "4",
+             "--experts", "4"]
+    assert main(["train", "--model", "hf-mixtral", "--nproc", "2", *shape, *flags, "--out", str(tmp_path / "no")]) == 2
+    assert said in capsys.readouterr().err
+    assert not (tmp_path / "no").exists()

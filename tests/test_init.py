@@ -13,9 +13,20 @@ from tests import cases
 
 
 def _make(family: str):
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+    )
 
     with torch.device("meta"):
+        if family == "mixtral":
+            return MixtralForCausalLM(MixtralConfig(vocab_size=300, hidden_size=32, intermediate_size=32,
+                                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                    num_local_experts=4))
         if family == "gpt2":
             return GPT2LMHeadModel(GPT2Config(vocab_size=260, n_embd=32, n_layer=2, n_head=4, n_positions=64,
                                               bos_token_id=0, eos_token_id=0))
@@ -41,12 +52,14 @@ def _largest_block(twin) -> int:
     return max([sum(p.numel() * 4 for p in layer.parameters()) for layer in layers] + lone)
 
 
-@pytest.mark.parametrize("family", ["llama-tied", "llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama-tied", "llama", "gpt2", "mixtral"])
 def test_every_grid_gets_the_whole_models_initial_values(pool8, pool4, family):
+    """A mixture's experts too: each rank of the expert axis gets its own experts' values."""
     twin = _make(family)
     expected = initial_state(twin, seed=5)
     assert sorted(expected) == sorted(n for n, _ in twin.named_parameters())     # tied: once, under the first name
-    for pool, sizes in ((pool8, dict(x=2, y=2, z=2)), (pool4, dict(y=2, data=2))):
+    spread = dict(y=2, data=2, expert=2) if family == "mixtral" else dict(y=2, data=2)
+    for pool, sizes in ((pool8, dict(x=2, y=2, z=2)), (pool4, spread)):
         state, most = pool.run(_initialized, sizes, family)[0]
         for name, value in expected.items():
             assert torch.equal(state[name], value), f"{name} on {sizes}"
@@ -54,7 +67,7 @@ def test_every_grid_gets_the_whole_models_initial_values(pool8, pool4, family):
     assert all(torch.equal(v, torch.ones_like(v)) for n, v in expected.items()
                if ("norm" in n or "ln_" in n) and n.endswith("weight"))
     assert all(not v.any() for n, v in expected.items() if n.endswith("bias"))
-    weights = [v for n, v in expected.items() if v.dim() == 2 and "c_proj" not in n]
+    weights = [v for n, v in expected.items() if v.dim() >= 2 and "c_proj" not in n]
     assert all(0.015 < float(v.std()) < 0.025 for v in weights)   # initializer_range 0.02 (GPT-2's c_proj: smaller)
     if family == "llama-tied":
         assert torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])

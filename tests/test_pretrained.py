@@ -261,6 +261,12 @@ def test_a_folder_par4d_must_not_read_is_refused_before_any_rank_starts(tmp_path
     ("qwen2", dict(LLAMA, num_key_value_heads=4)),
     ("gpt2", dict(GPT2)),
     ("gpt2", dict(GPT2, n_inner=40, tie_word_embeddings=False)),
+    ("mixtral", dict(LLAMA, num_local_experts=4, num_experts_per_tok=2)),
+    ("mixtral", dict(LLAMA, num_local_experts=3, tie_word_embeddings=True)),
+    ("qwen3_moe", dict(LLAMA, moe_intermediate_size=16, num_experts=4, head_dim=12, mlp_only_layers=[0],
+                       attention_bias=True)),
+    ("qwen3_moe", dict(LLAMA, num_hidden_layers=4, moe_intermediate_size=16, num_experts=6, decoder_sparse_step=2)),
+    ("olmoe", dict(LLAMA, num_experts=6, attention_bias=True)),
 ])
 def test_a_configs_parameter_count_is_the_models(family, sizes):
     """The count the memory check uses (from the config's numbers, nothing built) is exactly the model's."""

@@ -25,7 +25,7 @@ from safetensors import SafetensorError, safe_open
 from par4d import checkpoint
 from par4d.adopt.pretrained import read_config
 from par4d.folder import is_count
-from par4d.grid import AXES, Grid
+from par4d.grid import Grid
 from par4d.layout import Box, Placement, Reader, boxes, fill, slice_reader
 from par4d.models.config import GPTConfig
 
@@ -211,7 +211,7 @@ def load_hf(folder: Path, grid: Grid, model: nn.Module) -> dict:
     folder = Path(folder)
     config = check_hf(folder, model.config)
     shapes = param_shapes(model.config)
-    coords = {a: grid.coord(a) for a in AXES}
+    coords = grid.coords()
     with safe_open(str(folder / WEIGHTS_FILE), "pt") as f:
         for name, record in checkpoint.placements(grid, model).items():
             placement, full = Placement.from_dict(record), tuple(record["shape"])

@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from par4d.adopt.expert_files import stacked_view
 from par4d.adopt.pretrained import opened, weight_files
-from par4d.grid import AXES, Grid
+from par4d.grid import Grid
 from par4d.layout import Placement, boxes, fill, place, placement_of, slice_reader
 from par4d.nn.base import ShardedModule
 
@@ -36,9 +37,10 @@ def load_safetensors(model: nn.Module, path: str | Path, grid: Grid) -> None:
     not hold, unless the model knows how to compute it (a Hugging Face model's
     ``_init_weights``: rotary frequencies, for one)."""
     files = weight_files(path)
-    coords = {a: grid.coord(a) for a in AXES}
+    coords = grid.coords()
     with opened(files) as handles:
         shapes = {key: tuple(handles[key].get_slice(key).get_shape()) for key in handles}
+        handles, shapes = stacked_view(handles, shapes)      # a mixture's experts, stored one by one
         _fill(model, _sources(model, grid, shapes, path), handles, shapes, grid, coords)
         for prefix, module in model.named_modules():
             for attribute, buffer in list(module.named_buffers(recurse=False)):
@@ -79,7 +81,7 @@ def fill_parameters(model: nn.Module, grid: Grid, tensors: dict[str, torch.Tenso
         if shapes[key] != wanted[param_id][1]:
             raise ValueError(f"fill_parameters: {key} has shape {shapes[key]}, the model {wanted[param_id][1]}")
     whole = _Whole(tensors)
-    _fill(model, sources, {key: whole for key in tensors}, shapes, grid, {a: grid.coord(a) for a in AXES})
+    _fill(model, sources, {key: whole for key in tensors}, shapes, grid, grid.coords())
 
 
 def _fill(model: nn.Module, sources: dict[int, str], handles: dict, shapes: dict[str, tuple[int, ...]], grid: Grid,
@@ -103,7 +105,8 @@ def check_weights(model: nn.Module, path: str | Path) -> None:
     device) and ``path``: a parameter missing or at another shape. Reads headers only."""
     files = weight_files(path)
     with opened(files) as handles:
-        _sources(model, None, {key: tuple(handles[key].get_slice(key).get_shape()) for key in handles}, path)
+        _, shapes = stacked_view(handles, {key: tuple(handles[key].get_slice(key).get_shape()) for key in handles})
+        _sources(model, None, shapes, path)
 
 
 def _sources(model: nn.Module, grid: Grid | None, shapes: dict[str, tuple[int, ...]], path) -> dict[int, str]:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 
+from par4d.adopt.moe import MIXTURES
 from par4d.grid import Grid
 from par4d.layout import place, placement_of
 from par4d.models.config import balanced_stages
@@ -162,5 +163,11 @@ def _parts(lm: nn.Module) -> tuple[str, str, str | None, str]:
 
 
 def matmul_weights(module: nn.Module) -> int:
-    """The weights of ``module``'s linear layers (``nn.Linear`` and GPT-2's ``Conv1D``): its matmuls' size."""
-    return sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D")
+    """The weights a token meets in ``module``'s matmuls: its linear layers' (``nn.Linear`` and GPT-2's
+    ``Conv1D``), and in a transformers mixture of experts (:data:`par4d.adopt.moe.MIXTURES`) the router's and
+    its top-k experts' (one expert's times k)."""
+    dense = sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D")
+    experts = sum(m.gate.weight.numel() + m.gate.top_k * (m.experts.gate_up_proj[0].numel() +
+                                                         m.experts.down_proj[0].numel())
+                  for m in module.modules() if type(m).__name__ in MIXTURES)
+    return dense + experts

@@ -69,10 +69,6 @@ def persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
                 yield f"{prefix}.{name}" if prefix else name, buffer
 
 
-def coords(grid: Grid) -> dict[str, int]:
-    return {a: grid.coord(a) for a in (*AXES, *FOLDED)}
-
-
 def owns(grid: Grid, placement: Placement) -> bool:
     """Whether this rank writes its piece: it is coordinate 0 of every axis the piece is copied
     over (pipe is not one: a parameter lives on one pipeline stage, but for a weight tied across

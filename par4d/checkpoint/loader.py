@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 
-from par4d.checkpoint.format import DTYPES, ENTRY_FILES, check_optimizer, checkpoint_folder, coords, tensors_of
+from par4d.checkpoint.format import DTYPES, ENTRY_FILES, check_optimizer, checkpoint_folder, tensors_of
 from par4d.checkpoint.verifier import Checkpoint, check_file, check_open, choose_checkpoint, open_piece, verify
 from par4d.folder import FolderError, fd_path
 from par4d.grid import Grid
@@ -128,5 +128,5 @@ def load(run_dir: Path, grid: Grid, model: nn.Module, optimizer: torch.optim.Opt
             raise ValueError(problem)
     with pieces(chosen, hashed) as saved:
         for key, tensor, placement, full in wanted:
-            saved.fill(key, tensor, boxes(placement, full, coords(grid), grid.sizes))
+            saved.fill(key, tensor, boxes(placement, full, grid.coords(), grid.sizes))
     return chosen.meta

@@ -20,7 +20,6 @@ from par4d.checkpoint.format import (
     FORMAT,
     LATEST,
     check_optimizer,
-    coords,
     free_name,
     gather_all,
     latest,
@@ -70,7 +69,7 @@ def save(run_dir: Path, step: int, grid: Grid, model: nn.Module, optimizer: torc
         if not owns(grid, placement):
             continue
         owned[key] = tensor.detach().contiguous().cpu()
-        pieces = boxes(placement, full, coords(grid), grid.sizes)
+        pieces = boxes(placement, full, grid.coords(), grid.sizes)
         records[key] = {"shape": list(full), "dtype": str(tensor.dtype).removeprefix("torch."),
                         "piece": {"file": file, "boxes": [b.as_list() for b in pieces]}}
     digest, failed = None, None

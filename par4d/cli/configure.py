@@ -180,8 +180,10 @@ def _new_config(args: argparse.Namespace, world: int, inside: bool, planner: Pla
     if unused:
         raise ValueError(f"--model {model.name}: {flag(unused[0])} {chosen[unused[0]]} does not apply "
                          f"({model.unused_why})")
+    if model.mixture:       # a mixture by construction: the experts' flags are its own
+        chosen.setdefault("mlp", "moe")
     lonely = [name for name in MOE_SETTINGS if name in chosen]
-    if lonely and chosen.get("mlp", default("mlp")) != "moe":      # else silently unused
+    if lonely and not model.mixture and chosen.get("mlp", default("mlp")) != "moe":      # else silently unused
         raise ValueError(f"{flag(lonely[0])} {chosen[lonely[0]]}: a setting of a mixture of experts; give --mlp moe "
                          f"with it")
     init_from = _init_from(args.init_from)

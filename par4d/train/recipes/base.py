@@ -37,7 +37,7 @@ class Recipe:
     windows: the corpus, a dataset, a tokenizer) or ``"images"`` (generated from the seed). ``samples``: what
     a batch's rows are, in messages. ``loss_unit``: the training loss's unit, for the plot. ``unused``: the
     settings it has no use for (refused by name when given), ``unused_why`` says why. ``plannable``:
-    ``--grid auto`` plans it."""
+    ``--grid auto`` plans it. ``mixture``: a mixture of experts by construction (its ``--mlp`` is ``moe``)."""
 
     name: str
     describe: str
@@ -47,6 +47,7 @@ class Recipe:
     unused: tuple[str, ...] = ("image_size",)
     unused_why = "it is for unet"
     plannable = False
+    mixture = False     # its blocks are mixtures of experts whatever --mlp says (--mlp moe is implied)
 
     def check(self, config: Settings) -> None:
         """Refuse the settings this model cannot train with (run when the config is built; no torch)."""
@@ -98,4 +99,4 @@ class Recipe:
     def export_hf(self, chosen: Checkpoint, source: Path) -> tuple[dict[str, torch.Tensor], str]:
         """(state dict under ``transformers``' names, the ``config.json`` text) of the checkpoint ``chosen``."""
         raise ValueError(f"run {source} trained --model {self.name}: export is for par4d's GPT and the Hugging "
-                         f"Face models (--model gpt, hf-gpt2, hf-llama)")
+                         f"Face models (--model gpt, hf-gpt2, hf-llama, hf-mixtral, hf-qwen3-moe, hf-olmoe)")

@@ -1,5 +1,7 @@
-"""``--model hf-gpt2 | hf-llama``: a Hugging Face causal language model made parallel by
-``par4d.parallelize``, at the run's sizes or a pretrained folder's, and exported as its own model again."""
+"""``--model hf-gpt2 | hf-llama | hf-mixtral | hf-qwen3-moe | hf-olmoe``: a Hugging Face causal language
+model made parallel by ``par4d.parallelize``, at the run's sizes or a pretrained folder's, and exported as
+its own model again. The last three are mixtures of experts (:mod:`par4d.adopt.moe`): their experts spread
+over ``--grid ...,expert=E``."""
 
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ if TYPE_CHECKING:
     from par4d.grid import Grid
 
 # par4d's size settings -> a transformers config's names for them
-HF_NAMES = {"n_layer": "num_hidden_layers", "n_embd": "hidden_size", "n_head": "num_attention_heads"}
+HF_NAMES = {"n_layer": "num_hidden_layers", "n_embd": "hidden_size", "n_head": "num_attention_heads",
+            "experts": "num_experts (num_local_experts)", "top_k": "num_experts_per_tok"}
 
 
 def hf_model_config(config: Settings):
@@ -41,7 +44,7 @@ def pretrained_shape(model: str, folder: str) -> tuple[dict[str, int], dict]:
     (:func:`par4d.adopt.pretrained.read_pretrained`)."""
     from transformers import AutoConfig
 
-    from par4d.adopt.hf_config import check_hf_config
+    from par4d.adopt.hf_config import EXPERTS_FIELD, check_hf_config
     from par4d.adopt.pretrained import held_apart, read_pretrained
     from par4d.train.say import say
 
@@ -54,6 +57,8 @@ def pretrained_shape(model: str, folder: str) -> tuple[dict[str, int], dict]:
         raise ValueError(f"{Path(folder) / 'config.json'} is not a {config['model_type']} config ({error})") from None
     dims = {"n_layer": hf.num_hidden_layers, "n_embd": hf.hidden_size, "n_head": hf.num_attention_heads,
             "positions": hf.max_position_embeddings, "vocab": hf.vocab_size}
+    if hf.model_type in EXPERTS_FIELD:          # a mixture: its experts and top-k are its shape too
+        dims.update(experts=getattr(hf, EXPERTS_FIELD[hf.model_type]), top_k=hf.num_experts_per_tok)
     embedding = "transformer.wte.weight" if hf.model_type == "gpt2" else "model.embed_tokens.weight"
     if hf.tie_word_embeddings and held_apart(folder, "lm_head.weight", embedding):
         # Tying would drop the folder's own head: its weights are followed, and the change is said
@@ -71,7 +76,8 @@ def pretrained_sizes(model: str, folder: str, chosen: dict) -> tuple[dict, dict]
 
     dims, hf_config = pretrained_shape(model, folder)
     where = Path(folder) / "config.json"
-    for name in ("n_layer", "n_embd", "n_head"):
+    shape = [name for name in ("n_layer", "n_embd", "n_head", "experts", "top_k") if name in dims]
+    for name in shape:
         if name in chosen and chosen[name] != dims[name]:
             raise ValueError(f"{flag(name)} {chosen[name]}, but {where} gives the model {HF_NAMES[name]} "
                              f"{dims[name]}: a pretrained model keeps its shape (leave {flag(name)} out)")
@@ -87,7 +93,7 @@ def pretrained_sizes(model: str, folder: str, chosen: dict) -> tuple[dict, dict]
         say(f"{where}: {', '.join(f'{k}={v}' for k, v in sorted(dropped.items()))} set to 0: par4d trains without "
             f"dropout (ranks holding the same activations would draw different masks)")
     hf_config = dict(hf_config, **{k: 0.0 for k in dropped})
-    return dict(chosen, **{k: dims[k] for k in ("n_layer", "n_embd", "n_head")}), hf_config
+    return dict(chosen, **{k: dims[k] for k in shape}), hf_config
 
 
 def hf_lm(config: Settings) -> nn.Module:
@@ -272,3 +278,86 @@ class LlamaRecipe(HFRecipe):
                            num_attention_heads=config.n_head,
                            num_key_value_heads=config.n_head // 2 if config.n_head % 2 == 0 else config.n_head,
                            max_position_embeddings=config.seq_len, bos_token_id=0, eos_token_id=0)
+
+
+class MixtureRecipe(HFRecipe):
+    """A transformers mixture of experts (:mod:`par4d.adopt.moe`): ``--experts`` and ``--top-k`` at the
+    run's sizes (or the pretrained folder's), every expert the width of a Llama MLP (4 * n_embd), trained
+    with its own load-balancing loss (``output_router_logits``) at its family's weight. Routed as
+    transformers routes it: dropless, no shared experts, no loss-free bias (those flags are refused). Not
+    yet on the pipe axis, nor recomputed (refused by name)."""
+
+    mixture = True
+    family = ""                 # the transformers config's class name
+    lm_name = ""                # its causal LM's
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.describe = f"{name}: Hugging Face's mixture of experts, made parallel by par4d.parallelize"
+
+    def lm_class(self) -> type:
+        import transformers
+
+        return getattr(transformers, self.lm_name)
+
+    def check(self, config: Settings) -> None:
+        from par4d.adopt.hf_config import check_hf_config
+
+        if config.hf_config is not None:
+            check_hf_config(config.hf_config, "the run's hf_config (the pretrained folder's config.json)")
+        if config.mlp != "moe":
+            raise ValueError(f"--model {self.name} is a mixture of experts: --mlp {config.mlp} does not apply "
+                             f"(leave --mlp out)")
+        if not 1 <= config.top_k <= config.experts:
+            raise ValueError(f"--top-k {config.top_k}: give 1 to the {config.experts} experts (--experts)")
+        for name, flag, what in (("shared_experts", "--shared-experts", "no shared experts"),
+                                 ("capacity_factor", "--capacity-factor", "no capacity (dropless)"),
+                                 ("expert_bias_rate", "--expert-bias-rate", "no loss-free bias")):
+            if getattr(config, name):
+                raise ValueError(f"{flag} {getattr(config, name)}: --model {self.name} routes as transformers "
+                                 f"does, with {what}; that flag is for par4d's GPT (--model gpt --mlp moe)")
+        if config.grid.get("pipe", 1) > 1:
+            raise ValueError(f"--model {self.name} on pipe={config.grid['pipe']}: a mixture of experts is not yet "
+                             f"cut into pipeline stages (its load-balancing loss pools every layer); give pipe=1")
+        if config.recompute.strip().lower() != "none":
+            raise ValueError(f"--recompute {config.recompute}: a mixture of experts is not yet recomputed (its "
+                             f"exchanges would run again in backward); give --recompute none")
+
+    def recompute_every(self, config: Settings) -> int:
+        return 0
+
+    def fresh_config(self, config: Settings):
+        import transformers
+
+        kv = config.n_head // 2 if config.n_head % 2 == 0 else config.n_head
+        sizes = dict(vocab_size=config.vocab_size, hidden_size=config.n_embd, num_hidden_layers=config.n_layer,
+                     num_attention_heads=config.n_head, num_key_value_heads=kv,
+                     max_position_embeddings=config.seq_len, num_experts_per_tok=config.top_k,
+                     output_router_logits=True, bos_token_id=0, eos_token_id=0, **self.expert_sizes(config))
+        return getattr(transformers, self.family)(**sizes)
+
+    def expert_sizes(self, config: Settings) -> dict:
+        """The family's names for the experts' count and width."""
+        return {"num_experts": config.experts, "intermediate_size": 4 * config.n_embd}
+
+
+class MixtralRecipe(MixtureRecipe):
+    family, lm_name = "MixtralConfig", "MixtralForCausalLM"
+
+    def expert_sizes(self, config: Settings) -> dict:
+        return {"num_local_experts": config.experts, "intermediate_size": 4 * config.n_embd}
+
+
+class Qwen3MoeRecipe(MixtureRecipe):
+    """Every layer a mixture, its top-k weights renormalised (Qwen3-30B-A3B's norm_topk_prob)."""
+
+    family, lm_name = "Qwen3MoeConfig", "Qwen3MoeForCausalLM"
+
+    def expert_sizes(self, config: Settings) -> dict:
+        return {"num_experts": config.experts, "moe_intermediate_size": 4 * config.n_embd,
+                "intermediate_size": 4 * config.n_embd, "head_dim": config.n_embd // config.n_head,
+                "norm_topk_prob": True}
+
+
+class OlmoeRecipe(MixtureRecipe):
+    family, lm_name = "OlmoeConfig", "OlmoeForCausalLM"

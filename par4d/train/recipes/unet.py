@@ -64,4 +64,4 @@ class UNetRecipe(Recipe):
 
     def export_hf(self, chosen: Checkpoint, source: Path) -> tuple[dict[str, torch.Tensor], str]:
         raise ValueError(f"run {source} trained --model unet, par4d's U-Net, not a language model: export is for "
-                         f"par4d's GPT and the Hugging Face models (--model gpt, hf-gpt2, hf-llama)")
+                         f"par4d's GPT and the Hugging Face models (--model gpt and hf-*)")
