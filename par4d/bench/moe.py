@@ -1,6 +1,9 @@
-"""``par4d bench moe``: par4d's GPT with a mixture of experts in every block against PyTorch DDP and FSDP2
-of the same model (its single-device twin: every expert on each rank for DDP, every parameter sharded by
-FSDP2), on the same batch and ranks, one after another in one job.
+"""``par4d bench moe``: a mixture of experts in every block, par4d's grids against PyTorch DDP and FSDP2 of
+the same model, on the same batch and ranks, one after another in one job. The model: par4d's GPT
+(``--model gpt``; the peers train its single-device twin) or transformers' Mixtral (``--model hf-mixtral``;
+par4d trains it made parallel by ``par4d.parallelize``, the peers transformers' own model, its experts by
+transformers' default kernel, with its load-balancing loss over each rank's tokens). DDP holds every
+expert on each rank; FSDP2 shards every parameter (each block, then the root).
 
 par4d's rows: the experts spread over every data rank (``expert`` = ranks), over half of them, not at all
 (each rank holds every expert, as DDP), and split over x as well as spread. Each row gives the median
@@ -26,6 +29,11 @@ from par4d.models import GPTConfig
 
 # Experts hold 16 d^2 each per block against attention's 4 d^2: with 8 of them, 97% of the blocks' weights
 MOE_CONFIG = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128, mlp="moe", experts=8, top_k=2)
+# The same shape as transformers' Mixtral (gated experts: 24 d^2 each against attention's 3 d^2, grouped kv)
+MIXTRAL = dict(vocab_size=256, hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=64,
+               output_router_logits=True, bos_token_id=0, eos_token_id=0)
+MODELS = ("gpt", "hf-mixtral")
 BATCH = 16
 
 
@@ -35,6 +43,15 @@ class MoESettings:
     iters: int
     config: GPTConfig = MOE_CONFIG
     batch: int = BATCH
+    model: str = "gpt"
+
+
+def _mixtral() -> torch.nn.Module:
+    """The benchmark's Mixtral, fp32, from seed 0 (the same weights in every row)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    return MixtralForCausalLM(MixtralConfig(**MIXTRAL)).float()
 
 
 def par4d_grids(world: int) -> list[dict[str, int]]:
@@ -74,7 +91,13 @@ def _par4d(sizes: dict[str, int], settings: MoESettings) -> dict:
     from par4d.train.recipes.gpt import build_gpt
 
     grid = init(**sizes)
-    model = build_gpt(settings.config, grid)
+    if settings.model == "gpt":
+        model = build_gpt(settings.config, grid)
+    else:
+        from par4d.adopt import parallelize
+        from par4d.adopt.causal_lm import CausalLM
+
+        model = CausalLM(parallelize(_mixtral(), grid), 0.0, 0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     inputs, targets = _tokens(settings)
     x, y = shard_batch(grid, inputs), shard_batch(grid, targets)
@@ -103,15 +126,22 @@ def _torch(kind: str, settings: MoESettings) -> dict:
     from par4d.train.recipes.gpt import build_reference
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    model = build_reference(settings.config)
-    for block in model.blocks:          # what counts as an expert's, before FSDP2 replaces the parameters
-        block.mlp.fc._bench_expert = block.mlp.proj._bench_expert = True
+    if settings.model == "gpt":
+        model = build_reference(settings.config)
+        blocks = list(model.blocks)
+    else:
+        from par4d.adopt.causal_lm import CausalLM
+
+        model = CausalLM(_mixtral(), 0.0, 0)       # transformers' own loss, its balance loss included
+        blocks = list(model.lm.model.layers)
+    for name, param in model.named_parameters():    # what counts as an expert's, before FSDP2 replaces them
+        param._bench_expert = ".experts." in name or name.endswith((".mlp.fc", ".mlp.proj"))
     experts_whole = _bytes(model.parameters(), True)
     if kind == "ddp":
         model = DistributedDataParallel(model)
         name, experts = "torch DDP", experts_whole
     else:
-        for block in model.blocks:
+        for block in blocks:
             fully_shard(block)
         fully_shard(model)
         name, experts = "torch FSDP2", experts_whole // world     # dim 0 sharded over every rank
@@ -149,12 +179,15 @@ def moe_worker(settings: MoESettings) -> list[dict]:
     return rows
 
 
-def run_bench_moe(nproc: int, iters: int) -> list[dict]:
+def run_bench_moe(nproc: int, iters: int, model: str = "gpt") -> list[dict]:
     from par4d.launch import launch_local
 
     if nproc < 2 or iters < 1:
         raise ValueError(f"--nproc must be >= 2 and --iters >= 1 (got {nproc}, {iters})")
-    return launch_local(nproc, moe_worker, (MoESettings(nproc, iters),), run_id="par4d-bench-moe")[0]
+    if model not in MODELS:
+        raise ValueError(f"--model {model}: give one of {', '.join(MODELS)}")
+    settings = MoESettings(nproc, iters, model=model)
+    return launch_local(nproc, moe_worker, (settings,), run_id="par4d-bench-moe")[0]
 
 
 def table(rows: list[dict]) -> str:

@@ -56,9 +56,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     peers.add_argument("--iters", type=int, default=8, help="timed iterations per row (after 2 warm-up)")
     peers.add_argument("--rounds", type=int, default=2,
                        help="rounds over par4d's rows and DDP's, in alternating order (each row's times pooled)")
-    peers.add_argument("--model", default="gpt", choices=("gpt", "hf-llama", "hf-gpt2"),
+    peers.add_argument("--model", default="gpt", choices=("gpt", "hf-llama", "hf-gpt2", "hf-mixtral"),
                        help="gpt: par4d's own GPT; hf-llama, hf-gpt2: Hugging Face's, through par4d.parallelize, "
-                            "against DDP, FSDP2, HSDP and (Llama) FSDP2 + TP with torch's Llama plan")
+                            "against DDP, FSDP2, HSDP and (Llama) FSDP2 + TP with torch's Llama plan; hf-mixtral: "
+                            "bench moe --model hf-mixtral (local ranks only)")
     _output(peers)
     overlap = sub.add_parser("overlap", help="each overlap's gain in the order of the 4D paper's Fig. 3 "
                                              "(none, +oar, +ors, +oag, +cache, all)")
@@ -133,6 +134,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     moe = sub.add_parser("moe", help="the GPT with a mixture of experts: par4d's expert grids vs PyTorch DDP and "
                                      "FSDP2 of the same model (s/iter, expert and parameter bytes per rank)")
     moe.add_argument("--nproc", type=int, default=DEFAULT_NPROC)
+    moe.add_argument("--model", default="gpt", choices=("gpt", "hf-mixtral"),
+                     help="gpt: par4d's GPT with experts; hf-mixtral: transformers' Mixtral through par4d.parallelize "
+                          "(default gpt)")
     moe.add_argument("--iters", type=int, default=8, help="timed iterations per row (after 2 warm-up)")
     _output(moe)
     gemm = sub.add_parser("gemm", help="gain of GEMM tuning per matmul shape and pass")
@@ -172,11 +176,14 @@ def run(args: argparse.Namespace) -> int:
         from par4d.bench.checkpoint import run_bench_checkpoint
 
         return run_bench_checkpoint(args)
-    if args.bench == "moe":
+    if args.bench == "moe" or (args.bench == "peers" and args.model == "hf-mixtral"):   # a mixture's peers
         from par4d.bench.common import emit
         from par4d.bench.moe import run_bench_moe, table
 
-        rows = run_bench_moe(args.nproc, args.iters)
+        if getattr(args, "nodes", None) is not None:
+            raise ValueError("bench peers --model hf-mixtral runs on local ranks; across emulated nodes it is not "
+                             "built yet (leave --nodes out)")
+        rows = run_bench_moe(args.nproc, args.iters, args.model)
         if not emit(rows, args.out, args.json):
             print(table(rows))
         return 0
