@@ -96,11 +96,13 @@ def _routes(model) -> list[torch.Tensor]:
     return [m.last_routed.clone() for m in model.modules() if isinstance(m, SparseMoE)]
 
 
-def _matches(sizes: dict, family: str) -> dict:
+def _matches(sizes: dict, family: str, recompute: bool = False) -> dict:
     with cases.float64():
         grid = cases.grid(**sizes)
         twin = _model(family)
         model = CausalLM(par4d.parallelize(copy.deepcopy(twin), grid), 0.0, 0)
+        if recompute:       # transformers' own checkpointing of each decoder layer (par4d's --recompute)
+            model.lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         _norms_keep_float64(twin)
         _norms_keep_float64(model)
         coef = twin.config.router_aux_loss_coef
@@ -159,7 +161,9 @@ def test_mixtral_is_transformers_own(pool4, sizes):
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
 def test_qwen3_moe_and_olmoe_are_transformers_own(pool4, family):
-    _check(pool4.run(_matches, dict(x=2, data=2, expert=2), family), 1 if family == "qwen3_moe" else 2)
+    """Qwen3-MoE recomputed (each decoder layer again in backward, its exchanges too)."""
+    _check(pool4.run(_matches, dict(x=2, data=2, expert=2), family, family == "qwen3_moe"),
+           1 if family == "qwen3_moe" else 2)
 
 
 def test_mixtral_on_every_tensor_axis_with_experts(pool8):
@@ -219,7 +223,6 @@ def test_a_pretrained_mixtral_fine_tunes_exports_and_loads_in_transformers(pool4
 @pytest.mark.parametrize("flags,said", [
     (["--grid", "data=2,expert=2", "--capacity-factor", "1"], "--capacity-factor 1.0: --model hf-mixtral routes as"),
     (["--grid", "data=2,pipe=2,expert=2", "--nproc", "4"], "a mixture of experts is not yet cut into pipeline"),
-    (["--grid", "data=2,expert=2", "--recompute", "1"], "a mixture of experts is not yet recomputed"),
     (["--grid", "data=2,expert=2", "--mlp", "dense"], "--model hf-mixtral is a mixture of experts: --mlp dense"),
     (["--grid", "data=2,expert=2", "--experts", "3"], "3 experts do not divide over expert=2"),
     (["--grid", "data=2,expert=2", "--top-k", "5"], "--top-k 5: give 1 to the 4 experts"),

@@ -154,6 +154,7 @@ class Mixture(ShardedModule):
         self.n_experts, self.aux_weight, self.z_weight = experts, aux_weight, z_weight
         self.capacity_factor, self.groups, self.overlap = capacity_factor, groups, overlap
         self.precision: torch.dtype | None = None      # the router's scores' dtype (None: see route)
+        self.recomputing = False     # set while a recomputed segment runs it again (par4d.nn.recompute)
         _balancing(self, experts, bias_rate, grid.device)
         self.aux_loss: torch.Tensor | None = None     # the last forward's weighted balance losses (None: weighted 0)
         self.last_counts: torch.Tensor | None = None  # the last forward's assignments per expert (whole batch)
@@ -201,7 +202,8 @@ class Mixture(ShardedModule):
         self.aux_loss = self.aux_weight * aux + self.z_weight * z if weighted else None
         self.last_losses = (aux.detach(), z.detach())       # floats only when reported: no host sync here
         self.last_dropped = self.last_routed.sum() - self.last_counts.sum()
-        if self.training and self.bias_rate:       # the load the next bias step answers (every microbatch's)
+        # The load the next bias step answers: every microbatch's, once (not again when recomputed)
+        if self.training and self.bias_rate and not self.recomputing:
             self.pending_load = self.last_routed + (0 if self.pending_load is None else self.pending_load)
         tokens = torch.arange(x.shape[0], device=x.device).repeat_interleave(self.top_k) if chosen is None \
             else chosen // self.top_k

@@ -31,6 +31,20 @@ def _within(outer: contextlib.AbstractContextManager, inner: Callable[[], contex
         yield
 
 
+@contextlib.contextmanager
+def recomputing(blocks: Sequence[nn.Module]):
+    """Tell the modules of ``blocks`` that keep a ``recomputing`` flag that their forward is a recomputation
+    (a mixture's load is counted once per step, not again: :class:`par4d.nn.moe.Mixture`)."""
+    flagged = [m for block in blocks for m in block.modules() if hasattr(m, "recomputing")]
+    for module in flagged:
+        module.recomputing = True
+    try:
+        yield
+    finally:
+        for module in flagged:
+            module.recomputing = False
+
+
 def run_blocks(blocks: Sequence[nn.Module], h: torch.Tensor, every: int, runtime=None,
                observe: Callable[[], contextlib.AbstractContextManager] | None = None) -> torch.Tensor:
     """``h`` through ``blocks`` in order; with ``every`` > 0, each run of ``every`` blocks is one
@@ -41,13 +55,13 @@ def run_blocks(blocks: Sequence[nn.Module], h: torch.Tensor, every: int, runtime
         return _run(blocks, h)
     if len(blocks) % every:
         raise ValueError(f"recompute every {every} blocks: {len(blocks)} blocks do not split into such segments")
-    contexts = runtime.gathers.checkpoint_contexts if runtime is not None else noop_context_fn
-    if observe is not None:
-        inner = contexts
-
-        def contexts():
-            forward, recompute = inner()
-            return forward, _within(recompute, observe)
+    base = runtime.gathers.checkpoint_contexts if runtime is not None else noop_context_fn
     for start in range(0, len(blocks), every):
-        h = checkpoint(_run, blocks[start:start + every], h, use_reentrant=False, context_fn=contexts)
+        segment = blocks[start:start + every]
+
+        def contexts(segment=segment):
+            forward, recompute = base()
+            recompute = _within(recompute, lambda: recomputing(segment))
+            return forward, recompute if observe is None else _within(recompute, observe)
+        h = checkpoint(_run, segment, h, use_reentrant=False, context_fn=contexts)
     return h

@@ -284,8 +284,9 @@ class MixtureRecipe(HFRecipe):
     """A transformers mixture of experts (:mod:`par4d.adopt.moe`): ``--experts`` and ``--top-k`` at the
     run's sizes (or the pretrained folder's), every expert the width of a Llama MLP (4 * n_embd), trained
     with its own load-balancing loss (``output_router_logits``) at its family's weight. Routed as
-    transformers routes it: dropless, no shared experts, no loss-free bias (those flags are refused). Not
-    yet on the pipe axis, nor recomputed (refused by name)."""
+    transformers routes it: dropless, no shared experts, no loss-free bias (those flags are refused).
+    Recomputed as the dense models are (each decoder layer, its exchanges run again in backward); not yet on
+    the pipe axis (refused by name)."""
 
     mixture = True
     family = ""                 # the transformers config's class name
@@ -319,12 +320,6 @@ class MixtureRecipe(HFRecipe):
         if config.grid.get("pipe", 1) > 1:
             raise ValueError(f"--model {self.name} on pipe={config.grid['pipe']}: a mixture of experts is not yet "
                              f"cut into pipeline stages (its load-balancing loss pools every layer); give pipe=1")
-        if config.recompute.strip().lower() != "none":
-            raise ValueError(f"--recompute {config.recompute}: a mixture of experts is not yet recomputed (its "
-                             f"exchanges would run again in backward); give --recompute none")
-
-    def recompute_every(self, config: Settings) -> int:
-        return 0
 
     def fresh_config(self, config: Settings):
         import transformers
