@@ -13,6 +13,7 @@ from dataclasses import replace
 from par4d.cli.files import check_new_file
 from par4d.cli.values import number
 from par4d.plan.cost import VARIANTS, rank_configurations
+from par4d.plan.experts import MOE_MODELS, batch_of, moe_spec, rank_grids
 from par4d.plan.machines import BUILTIN, load_machine
 from par4d.plan.search import Space, search, search_top
 from par4d.plan.workload import GPT_MODELS, gpt_spec
@@ -28,7 +29,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "GEMMs at the one efficiency fitted to the table); device: measure this machine's GPU "
                         "(GEMMs by shape, attention, memory bandwidth, one-rank GPT steps beside plain PyTorch) "
                         "against what --machine predicts (default: the built-in machine of this GPU)")
-    p.add_argument("--model", default="gpt-20b", help=f"built-in GPT: {', '.join(GPT_MODELS)}")
+    p.add_argument("--model", default="gpt-20b", help=f"built-in GPT: {', '.join(GPT_MODELS)}; or mixture of experts: "
+                                                       f"{', '.join(MOE_MODELS)} (ranks x, z, data and expert)")
+    p.add_argument("--imbalance", type=number(1, above=False), default=None,
+                   help="a mixture's busiest rank's load over the mean (default 1: balanced; ranking of mixtures)")
     p.add_argument("--gpus", type=int, default=None, help="number of devices (ranking)")
     p.add_argument("--nproc", type=int, default=None, help="local ranks (validate; default 4)")
     p.add_argument("--iters", type=int, default=8, help="timed iterations per grid (validate) or step (device)")
@@ -178,6 +182,11 @@ def run(args: argparse.Namespace) -> int:
     machine = load_machine(args.machine or "perlmutter")
     if args.gpus_per_node is not None:
         machine = replace(machine, devices_per_node=args.gpus_per_node)
+    if args.model in MOE_MODELS:
+        return _mixture(args, machine)
+    if args.imbalance is not None:
+        raise ValueError(f"--imbalance: a setting of a mixture of experts ({', '.join(MOE_MODELS)}); --model "
+                         f"{args.model} has none")
     spec = gpt_spec(args.model).with_batch(args.batch_tokens // args.seq_len, args.seq_len)
     if args.variant != "full" and (args.pipe, args.microbatches, args.recompute, args.overlap,
                                    args.offload_bsize) != ("auto", "auto", "auto", None, None):
@@ -238,6 +247,48 @@ def run(args: argparse.Namespace) -> int:
                       f"{best.microbatches} microbatches; try a smaller --batch-tokens, --offload-optimizer, or "
                       f"more devices")
     if not ranked:   # an empty table is not a plan: the exit status says so (1, as grep finding nothing)
+        print(f"par4d plan: no grid of {args.gpus:,} devices runs {spec.name} with this batch; see the reasons "
+              f"above", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _mixture(args: argparse.Namespace, machine) -> int:
+    """Rank the (x, z, data, expert) grids of a built-in mixture of experts (par4d.plan.experts)."""
+    given = [f"--{name.replace('_', '-')}" for name, default in (("pipe", "auto"), ("microbatches", "auto"),
+                                                                  ("recompute", "auto"), ("overlap", None),
+                                                                  ("offload_bsize", None), ("variant", "full"),
+                                                                  ("train_tokens", None))
+             if getattr(args, name) != default]
+    if given:
+        raise ValueError(f"{given[0]}: the planner ranks a mixture of experts' x, z, data and expert sizes only (its "
+                         f"pipeline, overlaps and offloading are not priced yet); leave it out")
+    spec = batch_of(moe_spec(args.model), args.batch_tokens, args.seq_len)
+    imbalance = 1.0 if args.imbalance is None else args.imbalance
+    ranked, excluded = rank_grids(spec, args.gpus, machine, imbalance)
+    if args.json:
+        for position, pred in enumerate(ranked, 1):
+            print(json.dumps({"rank": position, **pred.row()}))
+        for pred in excluded:
+            print(json.dumps({"rank": None, **pred.row()}))
+        return 0 if ranked else 1
+    print(f"{spec.name}: {spec.params() / 1e9:.1f}B parameters ({spec.active_matmul_params() / 1e9:.1f}B matmul "
+          f"weights a token meets), batch {spec.tokens:,} tokens ({spec.global_batch} x {spec.seq_len}), "
+          f"{args.gpus} x {machine.name} ({machine.devices_per_node} per node), imbalance {imbalance:g}")
+    print(f"{'#':>3}  {'x':>4} {'z':>4} {'data':>5} {'expert':>6} {'rc':>3}  {'a2a GB':>7} {'a2a s':>7} {'x,z s':>7} "
+          f"{'sync s':>7} {'compute s':>9} {'iter s':>7}  {'mem GB':>6} {'tok/s/dev':>9} {'MFU':>5}")
+    for position, p in enumerate(ranked[:args.top], 1):
+        g = p.sizes
+        print(f"{position:>3}  {g['x']:>4} {g['z']:>4} {g['data']:>5} {g['expert']:>6} "
+              f"{'on' if p.recompute else 'off':>3}  "
+              f"{p.exchange_bytes / 1e9:>7.2f} {p.t_exchange:>7.3f} {p.t_tensor:>7.3f} {p.t_sync:>7.3f} "
+              f"{p.t_compute:>9.3f} {p.t_iter:>7.3f}  {p.mem_bytes / 1e9:>6.1f} {p.tokens_per_s_per_device:>9.0f} "
+              f"{p.mfu:>5.1%}")
+    print(f"{len(ranked)} of {len(ranked) + len(excluded)} grids fit; showing the top {min(args.top, len(ranked))}")
+    if excluded:
+        reasons = Counter(_reason_kind(p.excluded) for p in excluded)
+        print("excluded: " + "; ".join(f"{count} {kind}" for kind, count in reasons.most_common()))
+    if not ranked:
         print(f"par4d plan: no grid of {args.gpus:,} devices runs {spec.name} with this batch; see the reasons "
               f"above", file=sys.stderr)
         return 1
