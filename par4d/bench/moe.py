@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from par4d.bench.common import check_cluster, launch, link_bytes
 from par4d.launch import distributed_env, init, join
 from par4d.launch.host import threads_per_rank
 from par4d.layout import placement_of, shard_batch
@@ -44,6 +45,12 @@ class MoESettings:
     config: GPTConfig = MOE_CONFIG
     batch: int = BATCH
     model: str = "gpt"
+    nodes: int | None = None      # emulated nodes of nproc ranks each (None: local ranks)
+    link: str = "1gbit"
+
+    @property
+    def world(self) -> int:
+        return self.nproc * (self.nodes or 1)
 
 
 def _mixtral() -> torch.nn.Module:
@@ -79,10 +86,11 @@ def _bytes(params, expert: bool) -> int:
     return sum(p.numel() * p.element_size() for p in params if not expert or _is_expert(p))
 
 
-def _row(framework: str, name: str, grid: str, times: list[float], comm: int, experts: int, params: int) -> dict:
+def _row(framework: str, name: str, grid: str, times: list[float], comm: int, experts: int, params: int,
+         link: float | None) -> dict:
     return {"framework": framework, "name": name, "grid": grid, "s_per_iter": statistics.median(times),
             "comm_bytes_per_iter": comm, "expert_bytes_per_rank": experts, "param_bytes_per_rank": params,
-            "times": times}
+            "times": times, **({} if link is None else {"link_bytes_per_iter": link})}
 
 
 def _par4d(sizes: dict[str, int], settings: MoESettings) -> dict:
@@ -113,7 +121,7 @@ def _par4d(sizes: dict[str, int], settings: MoESettings) -> dict:
     step()
     comm = grid.ledger.total_bytes() - before
     row = _row("par4d", "par4d", describe(grid.sizes), times, comm, _bytes(model.parameters(), True),
-               _bytes(model.parameters(), False))
+               _bytes(model.parameters(), False), link_bytes(step) if settings.nodes else None)
     grid.close()
     return row
 
@@ -156,6 +164,7 @@ def _torch(kind: str, settings: MoESettings) -> dict:
         opt.zero_grad(set_to_none=True)
 
     times = time_iterations(step, settings.iters)
+    link = link_bytes(step) if settings.nodes else None
     params = sum(p.to_local().numel() * p.element_size() if hasattr(p, "to_local") else p.numel() * p.element_size()
                  for p in model.parameters())
     if kind == "ddp":
@@ -165,13 +174,13 @@ def _torch(kind: str, settings: MoESettings) -> dict:
         with counter:
             step()
         comm = counter.bytes
-    return _row("torch", name, f"data={world}", times, comm, experts, params)
+    return _row("torch", name, f"data={world}", times, comm, experts, params, link)
 
 
 def moe_worker(settings: MoESettings) -> list[dict]:
     join(distributed_env())
     torch.set_num_threads(threads_per_rank(settings.nproc))
-    rows = [_par4d(sizes, settings) for sizes in par4d_grids(settings.nproc)]
+    rows = [_par4d(sizes, settings) for sizes in par4d_grids(settings.world)]
     rows += [_torch(kind, settings) for kind in ("ddp", "fsdp")]
     best = min(r["s_per_iter"] for r in rows if r["framework"] == "torch")
     for row in rows:
@@ -179,22 +188,26 @@ def moe_worker(settings: MoESettings) -> list[dict]:
     return rows
 
 
-def run_bench_moe(nproc: int, iters: int, model: str = "gpt") -> list[dict]:
-    from par4d.launch import launch_local
-
-    if nproc < 2 or iters < 1:
-        raise ValueError(f"--nproc must be >= 2 and --iters >= 1 (got {nproc}, {iters})")
+def run_bench_moe(nproc: int, iters: int, model: str = "gpt", nodes: int | None = None,
+                  link: str = "1gbit") -> list[dict]:
+    """The rows, on ``nproc`` local ranks or ``nodes`` emulated nodes of ``nproc`` ranks joined by ``link``."""
+    if iters < 1 or nproc < 1 or nproc * (nodes or 1) < 2 or (nodes is not None and nodes < 2):
+        raise ValueError(f"--iters must be >= 1, and the ranks (--nproc {nproc}, per node over --nodes {nodes}) "
+                         f"at least 2, on 2 nodes or more")
     if model not in MODELS:
         raise ValueError(f"--model {model}: give one of {', '.join(MODELS)}")
-    settings = MoESettings(nproc, iters, model=model)
-    return launch_local(nproc, moe_worker, (settings,), run_id="par4d-bench-moe")[0]
+    check_cluster(nproc, nodes, link)
+    settings = MoESettings(nproc, iters, model=model, nodes=nodes, link=link)
+    return launch(moe_worker, (settings,), nproc, nodes, link, "par4d-bench-moe")
 
 
 def table(rows: list[dict]) -> str:
+    linked = all("link_bytes_per_iter" in r for r in rows)
     lines = [f"{'name':<12} {'grid':<38} {'s/iter':>8} {'ratio':>6} {'experts MB/rank':>15} {'params MB/rank':>14} "
-             f"{'comm MB/iter':>12}"]
+             f"{'comm MB/iter':>12}" + (f" {'link MB/iter':>12}" if linked else "")]
     for r in rows:
         lines.append(f"{r['name']:<12} {r['grid']:<38} {r['s_per_iter']:>8.4f} {r['ratio_to_best_peer']:>6.2f} "
                      f"{r['expert_bytes_per_rank'] / 1e6:>15.2f} {r['param_bytes_per_rank'] / 1e6:>14.2f} "
-                     f"{r['comm_bytes_per_iter'] / 1e6:>12.2f}")
+                     f"{r['comm_bytes_per_iter'] / 1e6:>12.2f}"
+                     + (f" {r['link_bytes_per_iter'] / 1e6:>12.2f}" if linked else ""))
     return "\n".join(lines)

@@ -59,7 +59,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     peers.add_argument("--model", default="gpt", choices=("gpt", "hf-llama", "hf-gpt2", "hf-mixtral"),
                        help="gpt: par4d's own GPT; hf-llama, hf-gpt2: Hugging Face's, through par4d.parallelize, "
                             "against DDP, FSDP2, HSDP and (Llama) FSDP2 + TP with torch's Llama plan; hf-mixtral: "
-                            "bench moe --model hf-mixtral (local ranks only)")
+                            "bench moe --model hf-mixtral")
     _output(peers)
     overlap = sub.add_parser("overlap", help="each overlap's gain in the order of the 4D paper's Fig. 3 "
                                              "(none, +oar, +ors, +oag, +cache, all)")
@@ -133,7 +133,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     _output(data)
     moe = sub.add_parser("moe", help="the GPT with a mixture of experts: par4d's expert grids vs PyTorch DDP and "
                                      "FSDP2 of the same model (s/iter, expert and parameter bytes per rank)")
-    moe.add_argument("--nproc", type=int, default=DEFAULT_NPROC)
+    _ranks(moe)
     moe.add_argument("--model", default="gpt", choices=("gpt", "hf-mixtral"),
                      help="gpt: par4d's GPT with experts; hf-mixtral: transformers' Mixtral through par4d.parallelize "
                           "(default gpt)")
@@ -180,10 +180,7 @@ def run(args: argparse.Namespace) -> int:
         from par4d.bench.common import emit
         from par4d.bench.moe import run_bench_moe, table
 
-        if getattr(args, "nodes", None) is not None:
-            raise ValueError("bench peers --model hf-mixtral runs on local ranks; across emulated nodes it is not "
-                             "built yet (leave --nodes out)")
-        rows = run_bench_moe(args.nproc, args.iters, args.model)
+        rows = run_bench_moe(args.nproc, args.iters, args.model, args.nodes, args.link)
         if not emit(rows, args.out, args.json):
             print(table(rows))
         return 0
