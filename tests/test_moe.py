@@ -335,7 +335,9 @@ def test_par4d_train_spreads_the_experts_and_resumes_on_another_expert_grid(tmp_
     run, alone = tmp_path / "moe", tmp_path / "alone"
     train_alone(checked_config("--nproc", "1", *SMALL_MOE, "--steps", "6", "--out", str(alone), world=1))
     train_pooled(pool4, "--grid", "data=4,expert=4", *SMALL_MOE, "--steps", "3", "--out", str(run))
-    assert "a mixture of 4 experts in every block (top 2)" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "a mixture of 4 experts in every block (top 2)" in said
+    assert "(par4d's count: the top-k experts a token meets)" in said and "Eq 3" not in said   # Eq 3 is dense
     resolved = (run / "config.toml").read_text()      # what --config reads to train the same run again
     assert all(line in resolved.splitlines()
                for line in ("expert = 4", "experts = 4", "top_k = 2", 'mlp = "moe"', "expert_bias_rate = 0.01"))

@@ -69,8 +69,9 @@ def inspect(path: Path) -> Report:
 def _meta(meta: dict) -> list[str]:
     config = meta.get("train_config", {})
     grid = " ".join(f"{a}={n}" for a, n in meta.get("grid", config.get("grid", {})).items())
-    sizes = ", ".join(f"{k}={config[k]}" for k in ("n_layer", "n_embd", "n_head", "seq_len", "batch_size")
-                      if k in config)
+    shape = ("n_layer", "n_embd", "n_head", "seq_len", "batch_size") + (("experts", "top_k")
+                                                                        if config.get("mlp") == "moe" else ())
+    sizes = ", ".join(f"{k}={config[k]}" for k in shape if k in config)
     return [f"step       {meta.get('step')} of {config.get('steps')}",
             f"grid       {grid}",
             f"model      {config.get('model', 'gpt')} ({sizes}; vocabulary {config.get('vocab_size', 256)})",

@@ -65,16 +65,17 @@ def print_summary(summary: dict) -> None:
     from par4d.grid import describe
 
     grid = describe(summary["grid"])
-    text = summary["eq3_flops_per_s"] is not None    # the paper's GPT formulas (Eqs 2 and 3) apply
+    text = summary["eq2_days_to_300b_tokens"] is not None    # a language model: the paper's Eq 2 applies
     flops = _rate(summary['model_flops_per_s'])
+    eq3 = summary["eq3_flops_per_s"]                          # Eq 3 too, where the model is dense
     rows = [
         ("grid", f"{grid}  ({summary['world_size']} ranks, {summary['device']}, {summary['backend']})"),
         ("model", _model_line(summary)),
         ("parameters", f"{summary['params']:,}"),
         ("steps", f"{summary['start_step']} -> {summary['steps']}" + _resumed(summary)),
         ("tokens/s" if text else "pixels/s", f"{summary['tokens_per_s']:,.0f}"),
-        ("model FLOP/s", f"{flops} (par4d's count; the paper's Eq 3: {_rate(summary['eq3_flops_per_s'])})"
-                         if text else flops),
+        ("model FLOP/s", flops if not text else f"{flops} (par4d's count; the paper's Eq 3: {_rate(eq3)})"
+         if eq3 is not None else f"{flops} (par4d's count: the top-k experts a token meets)"),
         *([("300 B tokens", f"{summary['eq2_days_to_300b_tokens']:,.0f} days at this rate (the paper's Eq 2)")]
           if text else []),
         ("matmul peak", f"{_rate(summary['matmul_peak_flops_per_s'])} "

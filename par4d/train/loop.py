@@ -284,9 +284,9 @@ def _summarize(job: _Job, grid, run: Folder, measured: _Measured, peak: float, p
         "tokens_per_s": tokens_per_s,
         "model_flops_per_s": flops, "matmul_peak_flops_per_s": peak, "matmul_peak_of": peak_what,
         # The async-pipeline paper's Eq 3 (Narayanan's count) and Eq 2 (time to train on 300 B tokens):
-        # the language models' (None for the U-Net).
-        "eq3_flops_per_s": None if not text else model_config.narayanan_flops(config.batch_size) / step_s if step_s
-        else 0.0,
+        # the language models' (None for the U-Net); Eq 3 counts a dense model's FLOPs (None for a mixture).
+        "eq3_flops_per_s": None if not text or config.mlp == "moe" else
+        model_config.narayanan_flops(config.batch_size) / step_s if step_s else 0.0,
         "eq2_days_to_300b_tokens": None if not text else 3e11 / job.batches.tokens_per_step * step_s / 86400,
         "percent_of_peak": 100 * flops / peak if peak else 0.0,
         "overlap": config.overlap_run().describe(), "recompute_every": config.recompute_every(),
