@@ -235,3 +235,31 @@ def test_what_a_transformers_mixture_cannot_take_is_refused_before_any_rank_star
     assert main(["train", "--model", "hf-mixtral", "--nproc", "2", *shape, *flags, "--out", str(tmp_path / "no")]) == 2
     assert said in capsys.readouterr().err
     assert not (tmp_path / "no").exists()
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe"])
+def test_a_folder_keeps_experts_apart_and_par4d_reads_and_writes_them_so(tmp_path, family):
+    """save_pretrained writes each expert's matrices apart (Mixtral's block_sparse_moe.experts.{e}.w1/w3/w2, the
+    others' mlp.experts.{e}.gate_proj/up_proj/down_proj): read as the stacked tensors they are in memory, whole
+    and sliced; per_expert writes the stacked state back under exactly the folder's names and values."""
+    from safetensors.torch import load_file
+
+    from par4d.adopt.expert_files import per_expert, stacked_view
+    from par4d.adopt.pretrained import opened, weight_files
+
+    model = _model(family).float()
+    model.save_pretrained(tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    assert any(".experts.0." in k for k in stored)      # apart, one matrix per expert
+    assert not any(k.endswith(("experts.gate_up_proj", "experts.down_proj")) for k in stored)
+    with opened(weight_files(tmp_path)) as handles:
+        view, shapes = stacked_view(handles, {k: tuple(h.get_slice(k).get_shape()) for k, h in handles.items()})
+        for name, param in model.named_parameters():
+            assert shapes[name] == tuple(param.shape), name
+            assert torch.equal(view[name].get_tensor(name), param.detach()), name
+            if param.dim() == 3:                           # a rank's block: experts 1..3, rows across gate and up
+                cut = (slice(1, 3), slice(3, param.shape[1] - 2), slice(4, 9))
+                assert torch.equal(view[name].get_slice(name)[cut], param.detach()[cut]), name
+    written = per_expert({n: p.detach() for n, p in model.named_parameters()}, model.config.model_type)
+    assert sorted(written) == sorted(stored)
+    assert all(torch.equal(written[k], stored[k]) for k in stored)
