@@ -54,6 +54,7 @@ ranks of ``data`` (E consecutive data coordinates hold every expert between them
 
 # Multi-axis groups built at construction (each a tuple in AXES order).
 _COMBINED: tuple[tuple[str, ...], ...] = (("z", "data"), ("x", "y", "z"))
+STAGE = ("x", "y", "z", "data")      # every rank of a pipeline stage (grids with pipe > 1 build its group)
 
 
 def check_axes(axes: Iterable[str]) -> tuple[str, ...]:
@@ -335,6 +336,8 @@ def build_grid(sizes: dict[str, int], device: torch.device, nodes: tuple[int, ..
                 grid._within[(key, axis)], _ = dist.new_subgroups_by_enumeration(within_groups(sizes, key, axis))
     for combo in _COMBINED:
         grid._groups[combo] = _combined_group(grid, combo)
+    if sizes.get("pipe", 1) > 1:     # a stage's ranks, all of them: where they agree on the pipeline's order
+        grid._groups[STAGE] = _combined_group(grid, STAGE)
     if nodes is not None and device.type == "cpu" and hierarchical != "off":
         made: dict[tuple, tuple[dist.ProcessGroup, ...]] = {}   # ("z",) and ("z", "data") at data=1 share groups
         for key, found in staged_splits(grid.sizes, nodes).items():

@@ -355,7 +355,6 @@ def test_par4d_train_spreads_the_experts_and_resumes_on_another_expert_grid(tmp_
     (["--grid", "data=2,expert=2", "--experts", "3"], "3 experts do not divide over expert=2"),
     (["--grid", "data=2,expert=2", "--top-k", "5"], "experts >= 2 and top_k from 1 to experts"),
     (["--grid", "data=2,expert=2", "--mlp", "dense"], "--mlp dense has none (give --mlp moe)"),
-    (["--grid", "data=2,pipe=2,expert=2"], "a pipeline (pipe=2) is not built for experts yet"),
     (["--experts", "4", "--mlp", "dense", "--grid", "data=2"], "--experts 4: a setting of a mixture of experts"),
     (["--shared-experts", "1", "--mlp", "dense"], "--shared-experts 1: a setting of a mixture of experts"),
     (["--capacity-factor", "-1"], "GPTConfig.capacity_factor=-1.0 must be a finite number >= 0"),
@@ -499,3 +498,66 @@ def test_recomputed_experts_give_the_same_bits_and_count_their_load_once(pool4, 
     found = pool4.run(_with_and_without_recomputation, sizes)
     assignments = 8 * GPT_CONFIG.block_size * 2           # the batch's tokens, top 2: counted once
     assert all(r == {"same": True, "load": [assignments] * 2, "moved": True} for r in found), found
+
+
+def _pipelined_experts(sizes: dict, microbatches: int) -> dict:
+    """par4d's GPT with experts through the pipeline against the twin, in float64: each microbatch's balance
+    losses are the m-th pieces' of every batch shard together (the experts' counts are summed over the
+    batch's ranks per microbatch), so the twin runs microbatch by microbatch; loss, every gradient of this
+    stage, and the parameters after 3 AdamW steps."""
+    from dataclasses import replace
+
+    from par4d.optim.data_parallel import global_mean, sync_gradients
+    from par4d.pipeline import run_pipeline
+    from par4d.train.recipes.gpt import build_gpt, build_reference
+    from tests.cases import GPT_CONFIG
+
+    config = replace(GPT_CONFIG, mlp="moe", experts=4, top_k=2)
+    far = []
+    with cases.float64():
+        grid = cases.grid(**sizes)
+        twin, model = build_reference(config), build_gpt(config, grid)
+        mine = {name for name, _ in model.named_parameters()}
+        opt_twin = torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-4)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-4)
+        gen = torch.Generator().manual_seed(0)
+        shards = grid.size("z", "data")
+        for step in range(3):
+            tokens = torch.randint(0, config.vocab_size, (8, config.block_size + 1), generator=gen)
+            inputs, targets = tokens[:, :-1], tokens[:, 1:]
+            ref = 0.0
+            pieces = [[t.tensor_split(microbatches) for t in pair.tensor_split(shards)] for pair in (inputs, targets)]
+            for m in range(microbatches):
+                x, y = (torch.cat([shard[m] for shard in part]) for part in pieces)
+                loss_m = twin(x, y) / microbatches
+                loss_m.backward()
+                ref += loss_m.item()
+            loss, _ = run_pipeline(model, grid, shard_batch(grid, inputs), shard_batch(grid, targets), microbatches)
+            sync_gradients(model, grid)
+            if abs(global_mean(loss, grid).item() - ref) > 1e-10 * abs(ref):
+                far.append(f"step {step} loss {global_mean(loss, grid).item()} vs {ref}")
+            grads = model.reference_state(grad=True)
+            far += [f"step {step} grad {n}" for n, p in twin.named_parameters()
+                    if n in mine and not torch.allclose(grads[n], p.grad, rtol=1e-8, atol=1e-11)]
+            opt.step(), opt_twin.step(), opt.zero_grad(), opt_twin.zero_grad()
+        after = model.reference_state()
+        far += [f"{n} after 3 steps" for n, p in twin.named_parameters()
+                if n in mine and not torch.allclose(after[n], p, rtol=1e-8, atol=1e-11)]
+    return {"far": far, "stage": grid.coord("pipe"), "params": sorted(mine)}
+
+
+@pytest.mark.parametrize("sizes", [dict(pipe=2, data=2, expert=2), dict(pipe=2, y=2)], ids=describe)
+def test_the_gpt_with_experts_through_the_pipeline_is_its_twin(pool4, sizes):
+    """pipe=2 with the experts spread over data (and, on y=2, every expert on each rank but each GEMM split):
+    every rank of a stage takes the pipeline's messages in the leader's order (the experts' exchanges and
+    counts span data), a stage before the last starts each microbatch's backward from its own balance losses
+    too, and the loss returned counts them."""
+    from dataclasses import replace
+
+    from par4d.train.recipes.gpt import build_reference
+    from tests.cases import GPT_CONFIG
+
+    found = pool4.run(_pipelined_experts, sizes, 2)
+    assert all(not r["far"] for r in found), [r["far"] for r in found]
+    names = {n for n, _ in build_reference(replace(GPT_CONFIG, mlp="moe", experts=4, top_k=2)).named_parameters()}
+    assert set().union(*(r["params"] for r in found)) == names

@@ -97,9 +97,6 @@ class GPT(nn.Module):
                 raise ValueError(f"GPTConfig.mlp={config.mlp!r} needs its MLP factory: pass "
                                  f"mlp=par4d.phantom.PhantomMLP, or build with par4d.train.recipes.gpt.build_gpt")
             mlp = moe_mlp if config.mlp == "moe" else DenseMLP
-        if config.mlp == "moe" and grid.size("pipe") > 1:
-            raise ValueError(f"mlp='moe': a pipeline (pipe={grid.size('pipe')}) is not built for experts yet (their "
-                             f"balance losses join the loss on one stage)")
         stages = config.stage_blocks(grid.size("pipe"))
         for blocks in stages:
             if recompute < 0 or (recompute and len(blocks) % recompute):
@@ -107,6 +104,9 @@ class GPT(nn.Module):
                 raise ValueError(f"recompute={recompute}: give 0 (none) or a divisor of every pipeline stage's block "
                                  f"count ({counts} of n_layer={config.n_layer})")
         self.config, self.grid, self.recompute = config, grid, recompute
+        # The axes whose ranks join the same collectives inside a pipeline stage during a step: a mixture's
+        # exchanges and counts span data too, so every rank of a stage takes the pipeline's messages in one order
+        self.stage_axes = ("x", "y", "z", "data") if config.mlp == "moe" else ("x", "y", "z")
         # This rank's pipeline stage: its blocks, the embeddings on the first, ln_f and the head on the last.
         stage = grid.coord("pipe")
         self.block_range = stages[stage]
@@ -158,7 +158,12 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         loss = vocab_parallel_cross_entropy(logits, targets, grid=self.grid, axis="x")
-        return loss + balance_loss(block.mlp for block in self.blocks.values())
+        return loss + self.stage_loss()
+
+    def stage_loss(self) -> torch.Tensor | float:
+        """The balance losses of this stage's mixtures at their last forward (0 without any): part of the loss,
+        on whichever stage they run (par4d.pipeline)."""
+        return balance_loss(block.mlp for block in self.blocks.values())
 
     def stream_shape(self, rows: int, seq: int) -> tuple[tuple[int, ...], torch.dtype]:
         """The residual stream between pipeline stages for ``rows`` sequences of ``seq``

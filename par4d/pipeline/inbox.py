@@ -29,19 +29,21 @@ class Inbox:
     """The messages a stage expects in one step, per kind (``FORWARD`` activations from the
     stage before, ``BACKWARD`` gradients from the stage after), each kind in microbatch order.
 
-    The ranks of one stage that share collectives (its x, y, z group) must take the kinds in
-    one order, or their layers' all-reduces and gathers would pair different microbatches. So
-    one of them, the leader (coordinate 0 of x, y, z), looks at what has arrived and
-    broadcasts the kind it takes; the others then wait for their own message of that kind.
+    The ranks of one stage that share collectives during a step (``sharing``: its x, y, z group; with a
+    mixture of experts every rank of the stage, data's too: the experts' exchanges and counts) must take
+    the kinds in one order, or their layers' collectives would pair different microbatches. So one of
+    them, the leader (coordinate 0 of those axes), looks at what has arrived and broadcasts the kind it
+    takes; the others then wait for their own message of that kind.
 
     What has arrived, on the leader: NCCL's receives can be polled; a gloo receive completes
     only inside ``wait``, so on gloo one watcher thread per kind waits on that kind's receives
     in order (``Work.wait`` releases the GIL) and notes each arrival."""
 
-    def __init__(self, grid: Grid, rows: list[int], stream: StreamShape, kinds: tuple[int, ...], window: int):
-        self.grid, self.rows, self.stream, self.window = grid, rows, stream, window
-        self.shared = grid.size("x", "y", "z") > 1
-        self.leader = all(grid.coord(a) == 0 for a in ("x", "y", "z"))
+    def __init__(self, grid: Grid, rows: list[int], stream: StreamShape, kinds: tuple[int, ...], window: int,
+                 sharing: tuple[str, ...] = ("x", "y", "z")):
+        self.grid, self.rows, self.stream, self.window, self.sharing = grid, rows, stream, window, sharing
+        self.shared = grid.size(*sharing) > 1
+        self.leader = all(grid.coord(a) == 0 for a in sharing)
         self.watched = self.leader and grid.device.type == "cpu"
         self.posted: dict[int, dict[int, tuple[comm.Handle, torch.Tensor]]] = {k: {} for k in kinds}
         self.next = {k: 0 for k in kinds}             # the next microbatch to take, per kind
@@ -119,7 +121,7 @@ class Inbox:
         kind = self._choose(forward) if self.leader else 0
         if self.shared:
             agreed = torch.tensor([kind], dtype=torch.int64, device=self.grid.device)
-            comm.broadcast(self.grid, agreed, "x", "y", "z")
+            comm.broadcast(self.grid, agreed, *self.sharing)
             kind = int(agreed[0])
         micro = self.next[kind]
         handle, buffer = self.posted[kind].pop(micro)

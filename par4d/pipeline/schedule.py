@@ -64,13 +64,17 @@ def run_pipeline(model: nn.Module, grid: Grid, inputs: torch.Tensor, targets: to
                  limit: int | None = None, loss_scale: float = 1.0) -> tuple[torch.Tensor, PipelineStats]:
     """Forward and backward of this rank's batch shard through the pipeline; gradients
     accumulate in ``.grad`` (not yet summed over data and z). Returns the shard's mean loss
-    (on every stage: the last stage's, shared over pipe) and what this rank did.
+    (on every stage: the last stage's, with every stage's own, shared over pipe) and what this rank did.
 
     ``model`` has ``stage_forward(inputs, targets=None)``, ``stream_shape(rows, seq)``,
-    ``first`` and ``last`` (par4d's GPT). Every stage gets the same ``inputs`` shape (token
-    ids: used on the first stage, their shape on all), ``targets`` are used on the last;
-    every stage must pass the same ``microbatches``. ``loss_scale`` multiplies what backward
-    starts from (mixed precision's fp16 scale); the loss returned is not scaled."""
+    ``first`` and ``last`` (par4d's GPT); and may have ``stage_axes``, the axes whose ranks join the same
+    collectives inside a stage during a step (default x, y, z; a mixture of experts': data's too), and
+    ``stage_loss()``, what a stage before the last adds to the loss at its last forward (a mixture's
+    balance losses: each microbatch's backward starts from it too, and the loss returned counts it).
+    Every stage gets the same ``inputs`` shape (token ids: used on the first stage, their shape on
+    all), ``targets`` are used on the last; every stage must pass the same ``microbatches``.
+    ``loss_scale`` multiplies what backward starts from (mixed precision's fp16 scale); the loss
+    returned is not scaled."""
     stages = grid.size("pipe")
     limit = stages if limit is None else limit
     if limit < 1:
@@ -85,8 +89,9 @@ def run_pipeline(model: nn.Module, grid: Grid, inputs: torch.Tensor, targets: to
     cap = max(1, limit - grid.coord("pipe"))
     stats = PipelineStats(microbatches)
     kinds = (() if model.first else (FORWARD,)) + (() if model.last else (BACKWARD,))
-    inbox = Inbox(grid, sizes, lambda r: model.stream_shape(r, seq), kinds, limit)
-    saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+    inbox = Inbox(grid, sizes, lambda r: model.stream_shape(r, seq), kinds, limit,
+                  getattr(model, "stage_axes", ("x", "y", "z")))
+    saved: dict[int, tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]] = {}
     sends: list[comm.Handle] = []
     loss_sum = torch.zeros(1, device=grid.device)
     started = finished = 0
@@ -103,7 +108,11 @@ def run_pipeline(model: nn.Module, grid: Grid, inputs: torch.Tensor, targets: to
             finished += 1
             sends.append(_send(grid, stage_in.grad, BACKWARD, micro, model.stream_shape(sizes[micro], seq)))
             return
-        saved[micro] = (None if model.first else stage_in, model.stage_forward(stage_in))
+        out = model.stage_forward(stage_in)
+        extra = _stage_loss(model)
+        if extra is not None:
+            loss_sum.add_(extra.detach() * weights[micro])
+        saved[micro] = (None if model.first else stage_in, out, extra)
         stats.max_in_flight = max(stats.max_in_flight, len(saved))
         sends.append(_send(grid, saved[micro][1].detach(), FORWARD, micro, model.stream_shape(sizes[micro], seq)))
 
@@ -116,8 +125,11 @@ def run_pipeline(model: nn.Module, grid: Grid, inputs: torch.Tensor, targets: to
     def backward(micro: int, grad: torch.Tensor) -> None:
         nonlocal finished
         stats.order.append(f"B{micro}")
-        stage_in, out = saved.pop(micro)
-        out.backward(grad)
+        stage_in, out, extra = saved.pop(micro)
+        if extra is None:
+            out.backward(grad)
+        else:                                       # the stage's own loss, weighted as the last stage's
+            torch.autograd.backward([out, extra], [grad, torch.full_like(extra, weights[micro] * loss_scale)])
         finished += 1
         if model.first:
             start_next()
@@ -136,8 +148,17 @@ def run_pipeline(model: nn.Module, grid: Grid, inputs: torch.Tensor, targets: to
     for handle in sends:
         handle.wait()
     inbox.close()
-    comm.all_reduce(grid, loss_sum, "pipe")          # only the last stage had a loss
+    comm.all_reduce(grid, loss_sum, "pipe")          # the last stage's loss, and the others' own
     return loss_sum[0], stats
+
+
+def _stage_loss(model: nn.Module) -> torch.Tensor | None:
+    """What a stage before the last adds to the loss at its last forward (``model.stage_loss()``), where it
+    has any that needs a gradient; None otherwise."""
+    if model.last or not hasattr(model, "stage_loss"):
+        return None
+    extra = model.stage_loss()
+    return extra if torch.is_tensor(extra) and extra.requires_grad else None
 
 
 @torch.no_grad()
@@ -153,5 +174,6 @@ def evaluate_pipeline(model: nn.Module, grid: Grid, inputs: torch.Tensor, target
         loss += out
     else:
         _send(grid, out, FORWARD, 0, (shape, dtype)).wait()
+        loss += model.stage_loss() if hasattr(model, "stage_loss") else 0.0
     comm.all_reduce(grid, loss, "pipe")
     return loss[0]
