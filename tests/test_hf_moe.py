@@ -96,11 +96,25 @@ def _routes(model) -> list[torch.Tensor]:
     return [m.last_routed.clone() for m in model.modules() if isinstance(m, SparseMoE)]
 
 
-def _matches(sizes: dict, family: str, recompute: bool = False) -> dict:
+def _on_meta(twin, family: str, grid):
+    """``twin`` made parallel as par4d train builds it: on the meta device, then filled shard by shard (its
+    parameters replaced by new ones) and its buffers computed."""
+    from par4d.adopt.load import compute_buffers, fill_parameters
+
+    with torch.device("meta"):
+        shell = BUILD[family]().to(torch.get_default_dtype())
+    lm = par4d.parallelize(shell, grid)
+    fill_parameters(lm, grid, {name: p.detach() for name, p in twin.named_parameters()})
+    compute_buffers(lm, grid.device)
+    return lm
+
+
+def _matches(sizes: dict, family: str, recompute: bool = False, meta: bool = False) -> dict:
     with cases.float64():
         grid = cases.grid(**sizes)
         twin = _model(family)
-        model = CausalLM(par4d.parallelize(copy.deepcopy(twin), grid), 0.0, 0)
+        lm = _on_meta(twin, family, grid) if meta else par4d.parallelize(copy.deepcopy(twin), grid)
+        model = CausalLM(lm, 0.0, 0)
         if recompute:       # transformers' own checkpointing of each decoder layer (par4d's --recompute)
             model.lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         _norms_keep_float64(twin)
@@ -160,10 +174,16 @@ def test_mixtral_is_transformers_own(pool4, sizes):
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
-def test_qwen3_moe_and_olmoe_are_transformers_own(pool4, family):
-    """Qwen3-MoE recomputed (each decoder layer again in backward, its exchanges too)."""
-    _check(pool4.run(_matches, dict(x=2, data=2, expert=2), family, family == "qwen3_moe"),
-           1 if family == "qwen3_moe" else 2)
+@pytest.mark.parametrize("sizes", [dict(x=2, data=2, expert=2), dict(y=2, data=2, expert=2)], ids=["x2d2e2", "y2d2e2"])
+def test_qwen3_moe_and_olmoe_are_transformers_own(pool4, family, sizes):
+    """Built as par4d train builds them (on the meta device, then filled: Qwen3's per-head norms keep their
+    gradient's sum over x); Qwen3-MoE recomputed (each decoder layer again in backward, its exchanges too).
+    On y=2 their stream stays whole (their q and k norms are not over the hidden width, or span every head):
+    the mixture cuts its input's features over y and gathers its output."""
+    found = pool4.run(_matches, sizes, family, family == "qwen3_moe", True)
+    _check(found, 1 if family == "qwen3_moe" else 2)
+    if "x" in sizes and family == "qwen3_moe":
+        assert found[0]["kinds"]["model.layers.0.self_attn.q_proj"] == "normal"
 
 
 def test_mixtral_on_every_tensor_axis_with_experts(pool8):

@@ -41,12 +41,10 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, replace
-from functools import partial
 
 import torch
 import torch.nn as nn
 
-from par4d import comm
 from par4d.adopt.messages import (
     Message,
     bytes_sent,
@@ -64,6 +62,7 @@ from par4d.nn.batchnorm import BatchNorm
 from par4d.nn.conv import Conv2d
 from par4d.nn.embedding import Embedding
 from par4d.nn.linear import Linear
+from par4d.nn.norm import HeadRMSNorm
 from par4d.parallel import has_state, state
 
 TREATMENTS = ("normal", "transposed", "replicated")
@@ -78,7 +77,8 @@ ATTENTION = {name: (("q_proj", "k_proj", "v_proj"), "o_proj") for name in ("Llam
                                                                            "Qwen2Attention", "MixtralAttention",
                                                                            "Qwen3MoeAttention")}
 # Attention whose queries and keys are normalised per head (Qwen3's q_norm, k_norm over head_dim): with its
-# heads over x, each rank of x gives those weights the gradient of its own heads only (summed over x too).
+# heads over x, each rank of x gives those weights the gradient of its own heads only (par4d's HeadRMSNorm
+# sums them over x).
 HEAD_NORMS = ("q_norm", "k_norm")
 ATTENTION["GPT2Attention"] = (("c_attn",), "c_proj")
 REPLICATED = Placement((), grad_sum=BATCH_AXES)
@@ -315,21 +315,26 @@ def _mixtures(model: nn.Module, grid: Grid, stream: bool) -> list[Treatment]:
 
 
 def _per_head_norms(model: nn.Module, grid: Grid, roles: dict[str, Role]) -> None:
-    """Per-head query and key norms (:data:`HEAD_NORMS`) of attention whose heads are over x: their gradient
-    summed over x as it is made (each rank of x gives its own heads'), then over z and data with the others'."""
+    """Per-head query and key norms (:data:`HEAD_NORMS`) of attention whose heads are over x: par4d's
+    :class:`par4d.nn.norm.HeadRMSNorm` under the same name, holding the same weight, whose gradient is summed
+    over x as it is made (each rank of x gives its own heads')."""
     if grid.size("x") == 1:
         return
-    for prefix, module in model.named_modules():
+    for prefix, module in list(model.named_modules()):
         projections = ATTENTION.get(type(module).__name__, ((), None))[0]
-        if projections and all(f"{prefix}.{n}" in roles for n in projections):
-            for norm in HEAD_NORMS:
-                weight = getattr(getattr(module, norm, None), "weight", None)
-                if weight is not None:
-                    weight.register_hook(partial(_summed_over_x, grid))
-
-
-def _summed_over_x(grid: Grid, grad: torch.Tensor) -> torch.Tensor:
-    return comm.all_reduce(grid, grad.clone(), "x")
+        if not (projections and all(f"{prefix}.{n}" in roles for n in projections)):
+            continue
+        for name in HEAD_NORMS:
+            norm = getattr(module, name, None)
+            if norm is None:
+                continue
+            eps = norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
+            head = HeadRMSNorm(norm.weight.shape[0], grid=grid, eps=eps)
+            if not norm.weight.is_meta:
+                head.weight.data.copy_(norm.weight.detach())
+            else:
+                head.weight = nn.Parameter(torch.empty_like(norm.weight))
+            setattr(module, name, head)
 
 
 def _forced(name: str, force: dict[str, str]) -> str | None:

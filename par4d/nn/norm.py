@@ -9,6 +9,10 @@ result equals ``torch.nn.LayerNorm`` on the full rows.
 RMSNorm (Llama's, Mistral's, Qwen2's) all-reduces each row's sum of squares over the axis
 (:class:`par4d.nn.collectives.SumOver`, whose backward all-reduces that sum's gradient); the rest is
 elementwise on the local block, so autograd differentiates it.
+
+HeadRMSNorm (Qwen3's per-head query and key norms) normalises each head's features, whole on the rank,
+with one weight every head shares; where the heads are split over an axis, each rank gives that weight its
+own heads' gradient, summed over the axis (:class:`par4d.nn.collectives.SumGradients`).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from par4d import comm
 from par4d.grid import Grid
 from par4d.layout import Placement, Split, place
 from par4d.nn.base import ShardedModule
-from par4d.nn.collectives import SumOver
+from par4d.nn.collectives import SumGradients, SumOver
 
 
 class _ShardedLayerNorm(torch.autograd.Function):
@@ -93,3 +97,19 @@ class RMSNorm(ShardedModule):
         if self.grid.size(self.axis) > 1:
             squares = SumOver.apply(squares, self.grid, self.axis)
         return self.weight * (xf * torch.rsqrt(squares / self.dim + self.eps)).to(x.dtype)
+
+
+class HeadRMSNorm(nn.Module):
+    """An RMSNorm over each head's ``dim`` features (``x / sqrt(mean(x^2) + eps)`` in fp32, float64 kept, cast
+    back, times the weight) on heads split over ``axis``: the weight, whole on every rank, gets the sum of every
+    rank's heads' gradients (its other sums, over the batch's axes, are the data-parallel sync's)."""
+
+    def __init__(self, dim: int, *, grid: Grid, axis: str = "x", eps: float = 1e-6):
+        super().__init__()
+        self.grid, self.axis, self.eps = grid, axis, eps
+        self.weight = nn.Parameter(torch.ones(dim, device=grid.device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        weight = SumGradients.apply(self.weight, self.grid, self.axis)
+        return weight * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype)
