@@ -92,18 +92,22 @@ def test_the_exchanges_bytes_are_what_the_ledger_counts(pool4, sizes):
 
 
 def test_plan_ranks_expert_sizes_with_the_other_axes():
-    """Spreading Mixtral's experts over 8 ranks beats holding them all (the dense and expert states fit only
-    spread or cut over z); x multiplies the exchange (every rank of x sends the same rows); an expert size
-    that does not divide the experts is excluded, named."""
+    """Mixtral on 64 H100s: at z=2 or z=8 its states fit only with the experts spread (expert=8); x multiplies the
+    exchange (every rank of x sends the same rows); an expert size that does not divide the experts, or a z
+    that does not divide an expert's width, is excluded, named; the fitting grids come fastest first."""
     spec = MOE_MODELS["mixtral-8x7b"].with_batch(256, 4096)
     h100 = BUILTIN["h100"]
     ranked, excluded = rank_grids(spec, 64, h100)
-    assert ranked[0].sizes["expert"] > 1 and ranked[0].fits
-    assert all(a.t_iter <= b.t_iter for a, b in zip(ranked, ranked[1:]))
+    assert all(a.t_iter <= b.t_iter for a, b in zip(ranked, ranked[1:])) and all(p.fits for p in ranked)
+    for z in (2, 8):
+        assert predict(spec, dict(z=z, data=64 // z, expert=8), h100).fits
+        assert predict(spec, dict(z=z, data=64 // z, expert=1), h100).excluded.startswith("needs")
     spread = predict(spec, dict(x=1, z=2, data=32, expert=8), h100)
     split = predict(spec, dict(x=2, z=1, data=32, expert=8), h100)
-    assert split.exchange_bytes == 2 * spread.exchange_bytes
+    assert split.recompute == spread.recompute and split.exchange_bytes == 2 * spread.exchange_bytes
     assert predict(spec, dict(data=64, expert=16), h100).excluded == "expert=16 does not divide the 8 experts"
+    qwen = MOE_MODELS["qwen3-30b-a3b"].with_batch(1024, 4096)
+    assert predict(qwen, dict(z=512, data=1), h100).excluded == "x*z=512 does not divide the experts' width 768"
     assert any(p.excluded.startswith("needs") for p in excluded)
 
 

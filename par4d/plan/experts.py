@@ -15,8 +15,9 @@ rank of ``T = tokens / (z data)`` tokens:
   waits for it);
 * the token exchange: each mixture's four all-to-alls (dispatch and combine, forward and backward) move ``T k``
   rows of ``D`` elements, ``(G - 1) / G`` of them to other ranks of the expert group of G (uniform routing):
-  :func:`exchange_bytes`, what par4d's ledger counts; inside a node at ``beta_intra``, across nodes the node's
-  share at ``beta_inter``, never hidden (par4d does not overlap them yet);
+  :func:`exchange_bytes`, what par4d's ledger counts; six with recomputation (the forward's again); inside a
+  node at ``beta_intra``, across nodes the node's share at ``beta_inter``, never hidden (par4d does not
+  overlap them yet);
 * x's Algorithm 1 all-reduces (attention's output and the MLP's or experts' output, forward and backward);
   every rank of x holds the same tokens, so each sends the same rows: x multiplies the exchange's traffic;
 * z's Algorithm 1 all-gathers of the weights (forward, and again when recomputed) and reduce-scatters of their
@@ -184,8 +185,14 @@ def problem(spec: MoESpec, sizes: dict[str, int]) -> str | None:
         return f"batch of {spec.global_batch} sequences not divisible by z*data={gz * data}"
     if spec.kv_heads % gx or spec.heads % gx:
         return f"x={gx} does not divide the {spec.heads} query and {spec.kv_heads} key/value heads"
-    if spec.expert_hidden % gx or (spec.dense_hidden % gx if spec.dense_layers else 0):
-        return f"x={gx} does not divide the experts' width {spec.expert_hidden}"
+    # As Algorithm 1 cuts a matmul: out-features over x, then each block's rows over z; in-features over y
+    # (y = 1 here), the embedding's rows over z
+    for what, size, parts in (("the experts' width", spec.expert_hidden, gx * gz),
+                              ("the dense MLPs' width", spec.dense_hidden if spec.dense_layers else gx * gz, gx * gz),
+                              ("the hidden size", spec.hidden, gz), ("the vocabulary", spec.vocab, gz)):
+        if size % parts:
+            return f"x*z={gx * gz} does not divide {what} {size}" if parts == gx * gz else \
+                f"z={gz} does not divide {what} {size}"
     return None
 
 
@@ -237,17 +244,19 @@ def predict(spec: MoESpec, sizes: dict[str, int], machine: Machine, imbalance: f
     dpn = machine.devices_per_node
     # The expert group: G data ranks x z apart; its peers outside a node's dpn / (x z) data ranks cross the
     # network, where the node's dpn ranks share its links
-    pred.exchange_bytes = exchange_bytes(spec, sizes, b)
+    # Recomputation runs each forward's exchanges and x's all-reduces again: 6 passes of them, not 4
+    again = 1.5 if recompute else 1.0
+    pred.exchange_bytes = exchange_bytes(spec, sizes, b) * again
     inside = min(spread, max(1, dpn // (gx * gz)))
     far = (spread - inside) / max(spread - 1, 1)
     latency = machine.latency_inter if far and machine.latency_inter is not None else machine.latency
     pred.t_exchange = max(pred.exchange_bytes * (1 - far) / machine.beta_intra,
                           pred.exchange_bytes * far * min(dpn, gx * gz * spread) / machine.beta_inter) \
-        + 4 * spec.moe_layers * (spread - 1) * latency
+        + 4 * again * spec.moe_layers * (spread - 1) * latency
     # x: attention's and the MLP's (a mixture's: its k rows') outputs summed, forward and backward
     beta_x = machine.beta_intra if gx <= dpn else machine.beta_inter / dpn
     rows = spec.n_layer * tokens * (1 + 1) + spec.moe_layers * tokens * (spec.top_k - 1)
-    pred.t_tensor = 2 * ring_time("all_reduce", gx, rows * spec.hidden * b, beta_x, machine.latency)
+    pred.t_tensor = 2 * again * ring_time("all_reduce", gx, rows * spec.hidden * b, beta_x, machine.latency)
     # z: each layer's weights gathered in forward (and again when recomputed), their gradients reduce-scattered
     beta_z = machine.beta_intra if gx * gz <= dpn else machine.beta_inter / min(dpn, gx)
     held = ((spec.params() - spec.expert_params()) / gx + spec.expert_params() / (gx * spread)) * b
