@@ -280,6 +280,16 @@ def test_a_folder_keeps_experts_apart_and_par4d_reads_and_writes_them_so(tmp_pat
             if param.dim() == 3:                           # a rank's block: experts 1..3, rows across gate and up
                 cut = (slice(1, 3), slice(3, param.shape[1] - 2), slice(4, 9))
                 assert torch.equal(view[name].get_slice(name)[cut], param.detach()[cut]), name
+                empty = view[name].get_slice(name)[(slice(2, 2), slice(None), slice(0, 3))]
+                assert empty.shape == (0, param.shape[1], 3) and empty.dtype == param.dtype
+        stacked = next(n for n in shapes if n.endswith("experts.gate_up_proj"))
+        one = next(k for k in handles if k.endswith("experts.0.down_proj.weight") or k.endswith("experts.0.w2.weight"))
+        with pytest.raises(ValueError, match="another layout: keep one"):     # both layouts: not par4d's guess
+            stacked_view({**handles, stacked: handles[one]}, {**shapes, stacked: shapes[stacked]})
+        odd = {k: v for k, v in shapes.items() if k in handles}
+        odd[one] = (odd[one][0], odd[one][1] + 1)
+        with pytest.raises(ValueError, match=f"{one} has shape"):            # every expert of a block alike
+            stacked_view(handles, odd)
     written = per_expert({n: p.detach() for n, p in model.named_parameters()}, model.config.model_type)
     assert sorted(written) == sorted(stored)
     assert all(torch.equal(written[k], stored[k]) for k in stored)

@@ -42,17 +42,20 @@ class _Stacked:
         return self[(slice(None),) * 3]
 
     def __getitem__(self, src: tuple[slice, ...]) -> torch.Tensor:
-        experts, rows, cols = (s.indices(n) for s, n in zip(src, self.shape))
-        out = []
-        for e in range(*experts):
-            pieces, start = [], 0
+        bounds = [s.indices(n) for s, n in zip(src, self.shape)]
+        if any(step != 1 for _, _, step in bounds):
+            raise ValueError(f"a stacked view of experts reads contiguous slices only, not {src}")
+        (e0, e1, _), (r0, r1, _), (c0, c1, _) = bounds
+        handle, key, _ = self.parts[0][0]
+        out = [handle.get_slice(key)[0:0, c0:c1].reshape(0, max(c1 - c0, 0))]   # an empty read keeps the dtype
+        for e in range(e0, e1):
+            start = 0
             for handle, key, n in self.parts[e]:        # the rows asked for that this piece holds
-                lo, hi = max(rows[0], start), min(rows[1], start + n)
+                lo, hi = max(r0, start), min(r1, start + n)
                 if lo < hi:
-                    pieces.append(handle.get_slice(key)[lo - start:hi - start, cols[0]:cols[1]])
+                    out.append(handle.get_slice(key)[lo - start:hi - start, c0:c1])
                 start += n
-            out.append(torch.cat(pieces))
-        return torch.stack(out)
+        return torch.cat(out).reshape(max(e1 - e0, 0), max(r1 - r0, 0), max(c1 - c0, 0))
 
 
 def stacked_view(handles: dict[str, object], shapes: dict[str, tuple[int, ...]]
@@ -65,25 +68,36 @@ def stacked_view(handles: dict[str, object], shapes: dict[str, tuple[int, ...]]
     for key in list(handles):
         if ".block_sparse_moe." in key:                      # Mixtral's router and experts: the block is mlp
             renamed = key.replace(".block_sparse_moe.", ".mlp.")
+            _vacant(handles, renamed, key)
             handles[renamed], shapes[renamed] = _Renamed(handles[key], key), shapes[key]
         match = _APART.match(key.replace(".block_sparse_moe.", ".mlp."))
         if match:
             found.setdefault(match["block"], {}).setdefault(_ROLES[match["matrix"]], {})[int(match["expert"])] = key
     for block, roles in found.items():
-        if set(roles) != {"gate", "up", "down"} or not all(sorted(r) == list(range(len(r))) for r in roles.values()):
+        count = len(roles.get("gate", ()))
+        if set(roles) != {"gate", "up", "down"} or any(sorted(r) != list(range(count)) for r in roles.values()):
             continue                   # not a whole set of experts: left as the file names them (refused there)
-        count = len(roles["gate"])
-        if any(len(r) != count for r in roles.values()):
-            continue
-        gate_up = [[(handles[roles[m][e]], roles[m][e], shapes[roles[m][e]][0]) for m in ("gate", "up")]
-                   for e in range(count)]
-        down = [[(handles[roles["down"][e]], roles["down"][e], shapes[roles["down"][e]][0])] for e in range(count)]
-        for name, parts, cols in (("gate_up_proj", gate_up, shapes[roles["gate"][0]][1]),
-                                  ("down_proj", down, shapes[roles["down"][0]][1])):
+        inner, dim = shapes[roles["gate"][0]]
+        for role, want in (("gate", (inner, dim)), ("up", (inner, dim)), ("down", (dim, inner))):
+            odd = [roles[role][e] for e in range(count) if tuple(shapes[roles[role][e]]) != want]
+            if odd:
+                raise ValueError(f"{odd[0]} has shape {tuple(shapes[odd[0]])}, where the block's experts are "
+                                 f"{want} ({roles['gate'][0]}'s): every expert of a block has one shape")
+        gate_up = [[(handles[roles[m][e]], roles[m][e], inner) for m in ("gate", "up")] for e in range(count)]
+        down = [[(handles[roles["down"][e]], roles["down"][e], dim)] for e in range(count)]
+        for name, parts, cols in (("gate_up_proj", gate_up, dim), ("down_proj", down, inner)):
+            _vacant(handles, f"{block}.experts.{name}", roles["gate"][0])
             stacked = _Stacked(parts, cols)
             handles[f"{block}.experts.{name}"] = stacked
             shapes[f"{block}.experts.{name}"] = stacked.shape
     return handles, shapes
+
+
+def _vacant(handles: dict[str, object], name: str, source: str) -> None:
+    """Refuse a folder that holds ``name`` itself and also as ``source`` (both layouts): which to read is not
+    par4d's guess."""
+    if name in handles:
+        raise ValueError(f"the weights hold {name} and also {source}, the same tensor in another layout: keep one")
 
 
 class _Renamed:
