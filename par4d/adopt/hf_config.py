@@ -89,6 +89,12 @@ def one_of(names: Callable[[], list[str]]) -> Rule:
     return check
 
 
+def layer_list(value: object) -> str | None:
+    """A list of layer indices (Qwen3-MoE's mlp_only_layers)."""
+    ok = isinstance(value, list) and all(whole(i) is None for i in value)
+    return None if ok else "not a list of layer indices (integers >= 0)"
+
+
 def token_ids(value: object) -> str | None:
     """A token id, a list of them (several end-of-text ids), or null."""
     ids = value if isinstance(value, list) else [value]
@@ -155,12 +161,6 @@ _DECODER: dict[str, Rule] = {
     "tie_word_embeddings": boolean, "use_cache": boolean, "rope_scaling": _scaling,
     "rope_parameters": _scaling, **_TOKENS,
 }
-def layer_list(value: object) -> str | None:
-    """A list of layer indices (Qwen3-MoE's mlp_only_layers)."""
-    ok = isinstance(value, list) and all(whole(i) is None for i in value)
-    return None if ok else "not a list of layer indices (integers >= 0)"
-
-
 # A mixture of experts' fields, every family's (their expert counts have family names)
 _MIXTURE: dict[str, Rule] = {"num_experts_per_tok": count, "output_router_logits": boolean,
                              "router_aux_loss_coef": non_negative}

@@ -10,8 +10,9 @@ kept side by side, then over z; features over y) and its down as a transposed on
 features over y. Checkpoints, ``--init-from``, export and the initialisation read and write them by name,
 as for every other parameter.
 
-The routing is transformers': softmax scores in fp32 (or wider), the top k, renormalised over the k where
-the model does (Mixtral always; Qwen3-MoE and OLMoE where ``norm_topk_prob``), dropless. Its auxiliary
+The routing is transformers': softmax scores in float32 (as its routers compute them, whatever the model's
+dtype), the top k, renormalised over the k where the model does (Mixtral always; Qwen3-MoE and OLMoE where
+``norm_topk_prob``), dropless. Its auxiliary
 loss (``output_router_logits``: ``router_aux_loss_coef`` times :func:`router_aux_loss`) is
 transformers' ``load_balancing_loss_func``: every layer's assignments and scores pooled, over the whole
 batch.
@@ -23,10 +24,10 @@ import torch
 import torch.nn as nn
 
 from par4d.grid import Grid
-from par4d.layout import BATCH_AXES, Placement, Split, place
+from par4d.layout import place
 from par4d.nn.base import ShardedModule
 from par4d.nn.collectives import GatherFeatures, SplitFeatures
-from par4d.nn.moe import ExpertMatmul, Mixture, check_expert_shape
+from par4d.nn.moe import ROUTER, ExpertMatmul, Mixture, check_expert_shape, expert_placement
 
 # transformers' sparse blocks par4d knows: the gate's top_k and (where the model has it) norm_topk_prob, the
 # experts' gate_up_proj, down_proj and act_fn; Mixtral's may add router jitter, which par4d refuses.
@@ -40,8 +41,7 @@ class Router(ShardedModule):
     def __init__(self, experts: int, dim: int, grid: Grid):
         super().__init__()
         self.grid = grid
-        self.weight = place(nn.Parameter(torch.empty(experts, dim // grid.size("y"), device=grid.device)),
-                            Placement((Split(1, "y"),), BATCH_AXES))
+        self.weight = place(nn.Parameter(torch.empty(experts, dim // grid.size("y"), device=grid.device)), ROUTER)
 
 
 class Experts(ShardedModule):
@@ -53,13 +53,12 @@ class Experts(ShardedModule):
         self.grid = grid
         local = experts // grid.size("expert")
         gx, gy, gz = grid.size("x"), grid.size("y"), grid.size("z")
-        # A normal Linear's weight with two out-chunks (gate, up): each chunk's rows over x, the rank's
-        # blocks side by side, then over z
+        # Two out-chunks (gate, up): each chunk's rows over x, the rank's blocks side by side, then over z
         self.gate_up_proj = place(
             nn.Parameter(torch.empty(local, 2 * inner // (gx * gz), dim // gy, device=grid.device)),
-            Placement((Split(0, "expert"), Split(1, "x", chunks=2), Split(2, "y"), Split(1, "z")), ("data",)))
+            expert_placement(transposed=False, chunks=2))
         self.down_proj = place(nn.Parameter(torch.empty(local, dim // (gy * gz), inner // gx, device=grid.device)),
-                               Placement((Split(0, "expert"), Split(1, "y"), Split(2, "x"), Split(1, "z")), ("data",)))
+                               expert_placement(transposed=True))
 
 
 class SparseMoE(Mixture):
@@ -78,8 +77,13 @@ class SparseMoE(Mixture):
                              f"(router_jitter_noise={jitter}), which par4d does not draw (the ranks holding a token "
                              f"would draw different noise); set router_jitter_noise to 0")
         renormalize = getattr(gate, "norm_topk_prob", True)       # Mixtral's router always renormalises
-        self._setup(grid, name, n_experts, gate.top_k, "softmax", renormalize, 0.0, 0.0, None, 0.0, True, (1, 1))
+        # transformers' routing: softmax, top k, dropless; no capacity, bias or group limit; balanced by
+        # router_aux_loss (the model's), not the layer's own losses
+        self._setup(grid=grid, name=name, experts=n_experts, top_k=gate.top_k, score="softmax",
+                    renormalize=renormalize, aux_weight=0.0, z_weight=0.0, capacity_factor=None, bias_rate=0.0,
+                    overlap=True, groups=(1, 1))
         self.precision = torch.float32                   # transformers' routers score in float32
+        self.last_mean_scores: torch.Tensor | None = None   # this rank's tokens' mean score per expert (E,)
         check_expert_shape(name, dim, inner, grid)
         self.gate = Router(n_experts, dim, grid)
         self.experts = Experts(n_experts, dim, inner, grid)
@@ -94,6 +98,12 @@ class SparseMoE(Mixture):
 
     def router_weight(self) -> torch.Tensor:
         return self.gate.weight
+
+    def _routed(self, scores: torch.Tensor, logits: torch.Tensor) -> None:
+        """The mean scores transformers' balance loss takes (:func:`router_aux_loss`): the softmax of the logits
+        at their own precision (float32 at least), not the router's float32 scores: equal in float32 and
+        float64; in bf16 transformers takes its softmax in bf16."""
+        self.last_mean_scores = logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(-1).mean(0)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if self.stream:

@@ -43,6 +43,17 @@ from par4d.nn.collectives import SumFeatures, SumGradients
 from par4d.nn.linear import Linear
 
 SCORES = ("softmax", "sigmoid")
+ROUTER = Placement((Split(1, "y"),), BATCH_AXES)     # a router's weight: features over y, whole elsewhere
+
+
+def expert_placement(transposed: bool, chunks: int = 1) -> Placement:
+    """Every expert's weight of one GEMM, stacked (experts, out, in): the experts over ``expert``, each cut as
+    a normal Linear's weight (out over x in ``chunks`` equal chunks, in over y, each block's rows over z) or,
+    ``transposed``, a transposed one's (out over y, in over x); each expert's gradient summed over its
+    replicas on data."""
+    if transposed:
+        return Placement((Split(0, "expert"), Split(1, "y"), Split(2, "x"), Split(1, "z")), ("data",))
+    return Placement((Split(0, "expert"), Split(1, "x", chunks=chunks), Split(2, "y"), Split(1, "z")), ("data",))
 
 
 class Exchange(torch.autograd.Function):
@@ -107,7 +118,7 @@ def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, score: str, renorma
         logits = SumFeatures.apply(logits, grid, "y")        # the features' parts, summed
     at = logits if precision is None else logits.to(precision)
     scores = at.softmax(-1) if score == "softmax" else at.sigmoid()
-    choice = scores if bias is None else scores + bias.to(dtype)
+    choice = scores if bias is None else scores + bias.to(scores.dtype)
     count, kept = groups
     if count > 1:
         per_group = choice.view(choice.shape[0], count, -1)
@@ -146,7 +157,7 @@ class Mixture(ShardedModule):
     data and z, features over y). A subclass holds the router's weight (:meth:`router_weight`), the experts
     (:meth:`_experts`) and any shared experts (:meth:`_shared`), and calls :meth:`_setup`."""
 
-    def _setup(self, grid: Grid, name: str, experts: int, top_k: int, score: str, renormalize: bool,
+    def _setup(self, *, grid: Grid, name: str, experts: int, top_k: int, score: str, renormalize: bool,
                aux_weight: float, z_weight: float, capacity_factor: float | None, bias_rate: float, overlap: bool,
                groups: tuple[int, int]) -> None:
         check_moe(name, experts, top_k, grid, score, capacity_factor, groups)
@@ -159,13 +170,15 @@ class Mixture(ShardedModule):
         self.aux_loss: torch.Tensor | None = None     # the last forward's weighted balance losses (None: weighted 0)
         self.last_counts: torch.Tensor | None = None  # the last forward's assignments per expert (whole batch)
         self.last_routed: torch.Tensor | None = None  # ... as routed, before any capacity (whole batch)
-        self.last_mean_scores: torch.Tensor | None = None   # this rank's tokens' mean score per expert (E,)
         self.last_losses: tuple[torch.Tensor, torch.Tensor] | None = None   # its auxiliary and z losses, unweighted
         self.last_dropped: torch.Tensor | None = None  # assignments dropped over capacity (whole batch)
 
     def router_weight(self) -> torch.Tensor:
         """The router's weight (E, dim / y), its features cut over y."""
         raise NotImplementedError
+
+    def _routed(self, scores: torch.Tensor, logits: torch.Tensor) -> None:
+        """What a subclass keeps of this forward's routing besides the counts and losses (nothing here)."""
 
     def _experts(self, rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
         """This rank's experts on their runs of ``rows`` (expert-major)."""
@@ -193,9 +206,7 @@ class Mixture(ShardedModule):
         # as kept (what the experts received)
         both = comm.all_reduce(self.grid, torch.cat([routed, received]), *BATCH_AXES)
         self.last_routed, self.last_counts = both[:self.n_experts], both[self.n_experts:]
-        # (transformers' balance loss takes its scores from the logits at their own precision, not the router's)
-        self.last_mean_scores = (scores if self.precision is None else
-                                 logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(-1)).mean(0)
+        self._routed(scores, logits)
         weighted = bool(self.aux_weight or self.z_weight)
         with torch.set_grad_enabled(torch.is_grad_enabled() and weighted):   # else for the metrics only
             aux, z = balance_losses(experts, scores, logits, self.last_routed, self.score)
@@ -240,19 +251,18 @@ class MoE(Mixture):
                  z_weight: float = 0.001, capacity_factor: float | None = None, bias_rate: float = 0.0,
                  shared: int = 0, overlap: bool = True, groups: tuple[int, int] = (1, 1)):
         super().__init__()
-        self._setup(grid, name, experts, top_k, score, renormalize, aux_weight, z_weight, capacity_factor,
-                    bias_rate, overlap, groups)
+        self._setup(grid=grid, name=name, experts=experts, top_k=top_k, score=score, renormalize=renormalize,
+                    aux_weight=aux_weight, z_weight=z_weight, capacity_factor=capacity_factor, bias_rate=bias_rate,
+                    overlap=overlap, groups=groups)
         check_expert_shape(name, dim, hidden, grid)
         local = experts // grid.size("expert")
         device = grid.device
         gx, gy, gz = grid.size("x"), grid.size("y"), grid.size("z")
-        self.router = place(nn.Parameter(torch.empty(experts, dim // gy, device=device)),
-                            Placement((Split(1, "y"),), BATCH_AXES))
-        # As a normal Linear's weight (out over x, in over y, each block's rows over z), one per expert
+        self.router = place(nn.Parameter(torch.empty(experts, dim // gy, device=device)), ROUTER)
         self.fc = place(nn.Parameter(torch.empty(local, hidden // (gx * gz), dim // gy, device=device)),
-                        Placement((Split(0, "expert"), Split(1, "x"), Split(2, "y"), Split(1, "z")), ("data",)))
+                        expert_placement(transposed=False))
         self.proj = place(nn.Parameter(torch.empty(local, dim // (gy * gz), hidden // gx, device=device)),
-                          Placement((Split(0, "expert"), Split(1, "y"), Split(2, "x"), Split(1, "z")), ("data",)))
+                          expert_placement(transposed=True))
         self.up, self.down = ExpertMatmul(grid, transposed=False), ExpertMatmul(grid, transposed=True)
         if shared:       # experts every token goes through: a dense MLP of their width (Linear's own layout)
             self.shared = nn.Module()

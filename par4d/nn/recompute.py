@@ -32,7 +32,7 @@ def _within(outer: contextlib.AbstractContextManager, inner: Callable[[], contex
 
 
 @contextlib.contextmanager
-def recomputing(blocks: Sequence[nn.Module]):
+def flag_recomputation(blocks: Sequence[nn.Module]):
     """Tell the modules of ``blocks`` that keep a ``recomputing`` flag that their forward is a recomputation
     (a mixture's load is counted once per step, not again: :class:`par4d.nn.moe.Mixture`)."""
     flagged = [m for block in blocks for m in block.modules() if hasattr(m, "recomputing")]
@@ -61,7 +61,7 @@ def run_blocks(blocks: Sequence[nn.Module], h: torch.Tensor, every: int, runtime
 
         def contexts(segment=segment):
             forward, recompute = base()
-            recompute = _within(recompute, lambda: recomputing(segment))
+            recompute = _within(recompute, lambda: flag_recomputation(segment))
             return forward, recompute if observe is None else _within(recompute, observe)
         h = checkpoint(_run, segment, h, use_reentrant=False, context_fn=contexts)
     return h

@@ -86,9 +86,6 @@ def export_hf(source: Path, out: Path, force: bool = False, report: Callable[[st
     written: ``out`` not empty without ``force`` (which replaces config.json and the weights files, those
     of an earlier export included, and leaves the others), a folder that is not a par4d run, a damaged
     checkpoint, a U-Net or phantom-MLP run."""
-    import json
-
-    from par4d.adopt.expert_files import per_expert
     from par4d.folder import is_count
     from par4d.train.export import check_out, write_weights
 
@@ -97,6 +94,6 @@ def export_hf(source: Path, out: Path, force: bool = False, report: Callable[[st
         raise ValueError(f"the largest weights file must be >= 1 byte, got {shard_bytes}")
     check_out(out, force)
     chosen, tensors, text = hf_state(source, report)
-    tensors = per_expert(tensors, json.loads(text).get("model_type"))   # a mixture's experts as folders keep them
+    tensors = RECIPES[chosen.meta.get("train_config", {}).get("model", "gpt")].stored(tensors)   # as folders keep them
     write_weights(out, tensors, text, {"format": "pt", "par4d_step": str(chosen.meta.get("step"))}, shard_bytes)
     return chosen.path, chosen.meta

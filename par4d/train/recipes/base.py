@@ -96,6 +96,10 @@ class Recipe:
     def load_pretrained(self, config: Settings, grid: Grid, model: nn.Module) -> None:
         """Fill a new run's model from ``config.init_from`` (each rank its shards), where :meth:`build` did not."""
 
+    def stored(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """:meth:`export_hf`'s state dict as a model folder stores it (the same, but for a mixture's experts)."""
+        return tensors
+
     def export_hf(self, chosen: Checkpoint, source: Path) -> tuple[dict[str, torch.Tensor], str]:
         """(state dict under ``transformers``' names, the ``config.json`` text) of the checkpoint ``chosen``."""
         raise ValueError(f"run {source} trained --model {self.name}: export is for par4d's GPT and the Hugging "

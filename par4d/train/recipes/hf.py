@@ -93,6 +93,9 @@ def pretrained_sizes(model: str, folder: str, chosen: dict) -> tuple[dict, dict]
         say(f"{where}: {', '.join(f'{k}={v}' for k, v in sorted(dropped.items()))} set to 0: par4d trains without "
             f"dropout (ranks holding the same activations would draw different masks)")
     hf_config = dict(hf_config, **{k: 0.0 for k in dropped})
+    if "experts" in dims and not hf_config.get("output_router_logits", False):
+        say(f"{where}: output_router_logits is false: the mixture trains without its load-balancing loss, as "
+            f"transformers would (set it true in the folder's config.json to balance the experts)")
     return dict(chosen, **{k: dims[k] for k in shape}), hf_config
 
 
@@ -175,6 +178,11 @@ def lm_state(chosen: Checkpoint) -> tuple[dict[str, torch.Tensor], str]:
     return tensors, json.dumps(settings, indent=2, sort_keys=True) + "\n"
 
 
+def kv_heads(heads: int) -> int:
+    """A fresh model's key/value heads: grouped-query attention, half the heads where they are even."""
+    return heads // 2 if heads % 2 == 0 else heads
+
+
 class HFRecipe(Recipe):
     """One Hugging Face architecture par4d builds at the run's sizes (:meth:`fresh_config`) or a pretrained
     folder's (``--init-from hf``)."""
@@ -192,13 +200,18 @@ class HFRecipe(Recipe):
         raise NotImplementedError
 
     def check(self, config: Settings) -> None:
-        from par4d.adopt.hf_config import check_hf_config
-
-        if config.hf_config is not None:   # a resumed run's, as its meta.json kept it
-            check_hf_config(config.hf_config, "the run's hf_config (the pretrained folder's config.json)")
+        self.check_kept_config(config)
         if config.mlp != "dense":
             raise ValueError(f"--model {self.name}: --mlp {config.mlp} is for par4d's GPT (--model gpt); a Hugging "
                              f"Face model trains without phantom MLPs")
+
+    @staticmethod
+    def check_kept_config(config: Settings) -> None:
+        """A resumed run's pretrained config.json, as its meta.json kept it, meets its family's rules."""
+        from par4d.adopt.hf_config import check_hf_config
+
+        if config.hf_config is not None:
+            check_hf_config(config.hf_config, "the run's hf_config (the pretrained folder's config.json)")
 
     def recompute_every(self, config: Settings) -> int:
         """transformers checkpoints each decoder layer on its own: 0 or 1."""
@@ -270,20 +283,20 @@ class LlamaRecipe(HFRecipe):
         return LlamaForCausalLM
 
     def fresh_config(self, config: Settings):
-        """Grouped-query attention: half as many key/value heads where the heads are even."""
+        """Grouped-query attention (:func:`kv_heads`)."""
         from transformers import LlamaConfig
 
         return LlamaConfig(vocab_size=config.vocab_size, hidden_size=config.n_embd,
                            intermediate_size=4 * config.n_embd, num_hidden_layers=config.n_layer,
-                           num_attention_heads=config.n_head,
-                           num_key_value_heads=config.n_head // 2 if config.n_head % 2 == 0 else config.n_head,
+                           num_attention_heads=config.n_head, num_key_value_heads=kv_heads(config.n_head),
                            max_position_embeddings=config.seq_len, bos_token_id=0, eos_token_id=0)
 
 
 class MixtureRecipe(HFRecipe):
     """A transformers mixture of experts (:mod:`par4d.adopt.moe`): ``--experts`` and ``--top-k`` at the
-    run's sizes (or the pretrained folder's), every expert the width of a Llama MLP (4 * n_embd), trained
-    with its own load-balancing loss (``output_router_logits``) at its family's weight. Routed as
+    run's sizes, every expert the width of a Llama MLP (4 * n_embd), trained with its own load-balancing
+    loss (``output_router_logits``) at its family's weight; or the pretrained folder's shape and loss
+    settings (a folder's config that leaves the loss off trains without it, and par4d says so). Routed as
     transformers routes it: dropless, no shared experts, no loss-free bias (those flags are refused).
     Recomputed as the dense models are (each decoder layer, its exchanges run again in backward); not yet on
     the pipe axis (refused by name)."""
@@ -291,6 +304,7 @@ class MixtureRecipe(HFRecipe):
     mixture = True
     family = ""                 # the transformers config's class name
     lm_name = ""                # its causal LM's
+    model_type = ""             # its config.json's model_type
 
     def __init__(self, name: str):
         super().__init__(name)
@@ -302,10 +316,7 @@ class MixtureRecipe(HFRecipe):
         return getattr(transformers, self.lm_name)
 
     def check(self, config: Settings) -> None:
-        from par4d.adopt.hf_config import check_hf_config
-
-        if config.hf_config is not None:
-            check_hf_config(config.hf_config, "the run's hf_config (the pretrained folder's config.json)")
+        self.check_kept_config(config)
         if config.mlp != "moe":
             raise ValueError(f"--model {self.name} is a mixture of experts: --mlp {config.mlp} does not apply "
                              f"(leave --mlp out)")
@@ -321,12 +332,17 @@ class MixtureRecipe(HFRecipe):
             raise ValueError(f"--model {self.name} on pipe={config.grid['pipe']}: a mixture of experts is not yet "
                              f"cut into pipeline stages (its load-balancing loss pools every layer); give pipe=1")
 
+    def stored(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each block's experts one matrix per expert, under its family's names (par4d.adopt.expert_files)."""
+        from par4d.adopt.expert_files import per_expert
+
+        return per_expert(tensors, self.model_type)
+
     def fresh_config(self, config: Settings):
         import transformers
 
-        kv = config.n_head // 2 if config.n_head % 2 == 0 else config.n_head
         sizes = dict(vocab_size=config.vocab_size, hidden_size=config.n_embd, num_hidden_layers=config.n_layer,
-                     num_attention_heads=config.n_head, num_key_value_heads=kv,
+                     num_attention_heads=config.n_head, num_key_value_heads=kv_heads(config.n_head),
                      max_position_embeddings=config.seq_len, num_experts_per_tok=config.top_k,
                      output_router_logits=True, bos_token_id=0, eos_token_id=0, **self.expert_sizes(config))
         return getattr(transformers, self.family)(**sizes)
@@ -337,7 +353,7 @@ class MixtureRecipe(HFRecipe):
 
 
 class MixtralRecipe(MixtureRecipe):
-    family, lm_name = "MixtralConfig", "MixtralForCausalLM"
+    family, lm_name, model_type = "MixtralConfig", "MixtralForCausalLM", "mixtral"
 
     def expert_sizes(self, config: Settings) -> dict:
         return {"num_local_experts": config.experts, "intermediate_size": 4 * config.n_embd}
@@ -346,7 +362,7 @@ class MixtralRecipe(MixtureRecipe):
 class Qwen3MoeRecipe(MixtureRecipe):
     """Every layer a mixture, its top-k weights renormalised (Qwen3-30B-A3B's norm_topk_prob)."""
 
-    family, lm_name = "Qwen3MoeConfig", "Qwen3MoeForCausalLM"
+    family, lm_name, model_type = "Qwen3MoeConfig", "Qwen3MoeForCausalLM", "qwen3_moe"
 
     def expert_sizes(self, config: Settings) -> dict:
         return {"num_experts": config.experts, "moe_intermediate_size": 4 * config.n_embd,
@@ -355,4 +371,4 @@ class Qwen3MoeRecipe(MixtureRecipe):
 
 
 class OlmoeRecipe(MixtureRecipe):
-    family, lm_name = "OlmoeConfig", "OlmoeForCausalLM"
+    family, lm_name, model_type = "OlmoeConfig", "OlmoeForCausalLM", "olmoe"
