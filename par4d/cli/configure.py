@@ -159,8 +159,9 @@ def _grid(args: argparse.Namespace, world: int, inside: bool, dims: dict, planne
     if args.grid != "auto":
         return (parse_grid(args.grid) if args.grid else default_grid(world)), None, {}
     if dims["mlp"] != "dense" or not recipe(dims.get("model", "gpt")).plannable:
-        raise ValueError(f"--grid auto plans par4d's dense GPT only; give --grid for --mlp phantom or "
-                         f"--model {dims.get('model', 'gpt')}")
+        what = f"--model {dims.get('model', 'gpt')}" if dims["mlp"] == "dense" else f"--mlp {dims['mlp']}"
+        raise ValueError(f"--grid auto plans par4d's dense GPT only; give --grid for {what} (a mixture's grids: "
+                         f"par4d plan --model mixtral-8x7b and the other built-in mixtures)")
     if planner is None:
         raise ValueError("--grid auto needs the planner (par4d train passes par4d.measure.choose.planned_run)")
     plan = planner(world, machine=args.machine, inside=inside, report=say, microbatches=args.microbatches,
