@@ -39,7 +39,25 @@ def _gpt2(layers: int = 4):
     return GPT2LMHeadModel(config).to(torch.get_default_dtype())
 
 
-BUILD = {"llama": _llama, "llama-tied": lambda: _llama(tied=True), "gpt2": _gpt2}
+def _mixtral(layers: int = 4):
+    """Without its load-balancing loss (a folder's usual config): a mixture cut into stages; its router far from
+    ties, its experts by transformers' loop (its grouped GEMM takes no float64)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=layers,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                           max_position_embeddings=16, output_router_logits=False)
+    model = MixtralForCausalLM(config).to(torch.get_default_dtype())
+    model.set_experts_implementation("eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("gate.weight"):
+                p.normal_(0, 1.0)
+    return model
+
+
+BUILD = {"llama": _llama, "llama-tied": lambda: _llama(tied=True), "gpt2": _gpt2, "mixtral": _mixtral}
 
 
 def _stage(twin, grid) -> CausalLM:
@@ -106,7 +124,8 @@ def test_pipe2_x2_z2(pool8, which):
 
 
 @pytest.mark.parametrize("sizes, which", [(dict(pipe=4), "llama-tied"), (dict(pipe=2, y=2), "gpt2"),
-                                          (dict(pipe=2, data=2), "llama")], ids=["pipe4-tied", "pipe2-y2", "pipe2-d2"])
+                                          (dict(pipe=2, data=2), "llama"), (dict(pipe=2, data=2, expert=2), "mixtral")],
+                         ids=["pipe4-tied", "pipe2-y2", "pipe2-d2", "pipe2-d2-e2-mixtral"])
 def test_4_ranks(pool4, sizes, which):
     results = pool4.run(_matches, sizes, which, 2)
     _check(results, "llama" if which == "llama-tied" else which)

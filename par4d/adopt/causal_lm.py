@@ -30,7 +30,14 @@ class CausalLM(nn.Module):
         # A mixture of experts trained with transformers' load-balancing loss (output_router_logits): par4d's
         # where par4d holds the mixtures (the whole batch's), else the model's own (unparallelized)
         self.balanced = bool(getattr(lm.config, "output_router_logits", False))
-        self.ours = self.balanced and any(isinstance(m, SparseMoE) for m in lm.modules())
+        mixtures = any(isinstance(m, SparseMoE) for m in lm.modules())
+        self.ours = self.balanced and mixtures
+        if self.ours and self.stage.stages > 1:
+            raise ValueError("a mixture's load-balancing loss (output_router_logits) pools every layer's counts, which "
+                             "no pipeline stage holds: cut it into stages without it, or on pipe=1")
+        # The axes whose ranks join the same collectives inside a pipeline stage: a mixture's exchanges and
+        # counts span data too (par4d.pipeline)
+        self.stage_axes = ("x", "y", "z", "data") if mixtures else ("x", "y", "z")
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if not (self.first and self.last):

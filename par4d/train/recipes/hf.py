@@ -298,8 +298,8 @@ class MixtureRecipe(HFRecipe):
     loss (``output_router_logits``) at its family's weight; or the pretrained folder's shape and loss
     settings (a folder's config that leaves the loss off trains without it, and par4d says so). Routed as
     transformers routes it: dropless, no shared experts, no loss-free bias (those flags are refused).
-    Recomputed as the dense models are (each decoder layer, its exchanges run again in backward); not yet on
-    the pipe axis (refused by name)."""
+    Recomputed as the dense models are (each decoder layer, its exchanges run again in backward); on the pipe
+    axis only without its balance loss (which pools every layer's counts: refused by name with it)."""
 
     mixture = True
     family = ""                 # the transformers config's class name
@@ -328,9 +328,11 @@ class MixtureRecipe(HFRecipe):
             if getattr(config, name):
                 raise ValueError(f"{flag} {getattr(config, name)}: --model {self.name} routes as transformers "
                                  f"does, with {what}; that flag is for par4d's GPT (--model gpt --mlp moe)")
-        if config.grid.get("pipe", 1) > 1:
-            raise ValueError(f"--model {self.name} on pipe={config.grid['pipe']}: a mixture of experts is not yet "
-                             f"cut into pipeline stages (its load-balancing loss pools every layer); give pipe=1")
+        balanced = config.hf_config is None or config.hf_config.get("output_router_logits", False)
+        if config.grid.get("pipe", 1) > 1 and balanced:
+            raise ValueError(f"--model {self.name} on pipe={config.grid['pipe']}: its load-balancing loss pools every "
+                             f"layer's counts, which no stage holds; a mixture is cut into stages only without it (a "
+                             f"folder whose config.json has output_router_logits false), else give pipe=1")
 
     def stored(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Each block's experts one matrix per expert, under its family's names (par4d.adopt.expert_files)."""
