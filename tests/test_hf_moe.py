@@ -51,7 +51,19 @@ def _olmoe(layers: int = 2):
         output_router_logits=True, router_aux_loss_coef=0.05))
 
 
-BUILD = {"mixtral": _mixtral, "qwen3_moe": _qwen3_moe, "olmoe": _olmoe}
+def _deepseek_v3(layers: int = 3):
+    """Its first block dense, then mixtures of 8 experts in 4 groups (2 open to a token), a shared expert,
+    multi-head latent attention with low-rank queries and keys."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    return DeepseekV3ForCausalLM(DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        n_group=4, topk_group=2, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8,
+        qk_rope_head_dim=4, v_head_dim=8, routed_scaling_factor=2.5, max_position_embeddings=16, rope_scaling=None))
+
+
+BUILD = {"mixtral": _mixtral, "qwen3_moe": _qwen3_moe, "olmoe": _olmoe, "deepseek_v3": _deepseek_v3}
 
 
 def _model(family: str):
@@ -68,6 +80,9 @@ def _model(family: str):
                 p.normal_(0, 1.0)
             else:
                 p.normal_(0, 0.2)
+        for module in model.modules():           # DeepSeek-V3's score correction: a choice the scores alone differ from
+            if hasattr(module, "e_score_correction_bias"):
+                module.e_score_correction_bias.normal_(0, 0.1)
     return model
 
 
@@ -81,6 +96,33 @@ def _norms_keep_float64(model) -> None:
     for module in model.modules():
         if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
             module.forward = types.MethodType(_rms_norm_in_float64, module)
+
+
+def _deepseek_router_in_float64(self, h: torch.Tensor):
+    """DeepSeek-V3's router as transformers defines it, in the model's dtype: transformers computes its logits
+    in float32 even in a float64 model (and so its router's gradient), which float64 exactness cannot meet."""
+    logits = h.reshape(-1, self.hidden_dim) @ self.weight.t()
+    scores = logits.sigmoid()
+    choice = scores + self.e_score_correction_bias
+    per_group = choice.view(-1, self.num_group, self.num_experts // self.num_group)
+    best = per_group.topk(2, dim=-1).values.sum(-1)
+    allowed = torch.zeros_like(best).scatter(1, best.topk(self.topk_group, dim=-1).indices, 1.0).bool()
+    choice = choice.masked_fill(~allowed.repeat_interleave(per_group.shape[-1], dim=1), float("-inf"))
+    chosen = choice.topk(self.top_k, dim=-1).indices
+    weights = scores.gather(1, chosen)
+    if self.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return logits, weights * self.routed_scaling_factor, chosen
+
+
+def _routers_in_float64(twin, model) -> None:
+    """DeepSeek-V3's routers in float64 on both sides (the parallel ones: the inputs' precision)."""
+    for module in twin.modules():
+        if type(module).__name__ == "DeepseekV3TopkRouter":
+            module.forward = types.MethodType(_deepseek_router_in_float64, module)
+    for module in model.modules():
+        if isinstance(module, SparseMoE) and module.score == "sigmoid":
+            module.precision = None
 
 
 def _balance_loss(logits: tuple[torch.Tensor, ...], top_k: int) -> torch.Tensor:
@@ -106,6 +148,10 @@ def _on_meta(twin, family: str, grid):
     lm = par4d.parallelize(shell, grid)
     fill_parameters(lm, grid, {name: p.detach() for name, p in twin.named_parameters()})
     compute_buffers(lm, grid.device)
+    held = dict(lm.named_buffers())
+    for name, buffer in twin.state_dict().items():       # the persistent buffers a folder holds (DeepSeek-V3's bias)
+        if name in held and name not in dict(twin.named_parameters()):
+            held[name].copy_(buffer)
     return lm
 
 
@@ -119,7 +165,12 @@ def _matches(sizes: dict, family: str, recompute: bool = False, meta: bool = Fal
             model.lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         _norms_keep_float64(twin)
         _norms_keep_float64(model)
-        coef = twin.config.router_aux_loss_coef
+        _routers_in_float64(twin, model)
+        balanced = twin.config.output_router_logits          # DeepSeek-V3: balanced by its bias, no loss
+        picked: list[torch.Tensor] = []                      # each router's top-k, as transformers picks them
+        for module in twin.modules():
+            if type(module).__name__.endswith(("TopKRouter", "TopkRouter")):
+                module.register_forward_hook(lambda _m, _a, out: picked.append(out[2].detach()))
         opt_twin = torch.optim.AdamW(twin.parameters(), lr=1e-2, eps=1e-4, weight_decay=0.1)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4, weight_decay=0.1)
         gen = torch.Generator().manual_seed(1)
@@ -127,14 +178,17 @@ def _matches(sizes: dict, family: str, recompute: bool = False, meta: bool = Fal
         for step in range(STEPS):
             tokens = torch.randint(0, VOCAB, (8, 9), generator=gen)
             x, y = tokens[:, :-1], tokens[:, 1:]
-            out = twin(input_ids=x, use_cache=False, output_router_logits=True)
-            aux = _balance_loss(out.router_logits, twin.config.num_experts_per_tok)
-            if abs(aux.item() - out.aux_loss.item()) > 1e-6 * aux.item():     # its own sums in float32
-                far.append(f"step {step} transformers' aux loss {out.aux_loss.item()} vs {aux.item()}")
-            ref = F.cross_entropy(out.logits.flatten(0, 1), y.flatten()) + coef * aux
+            picked.clear()
+            out = twin(input_ids=x, use_cache=False, **({"output_router_logits": True} if balanced else {}))
+            ref = F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+            if balanced:
+                aux = _balance_loss(out.router_logits, twin.config.num_experts_per_tok)
+                if abs(aux.item() - out.aux_loss.item()) > 1e-6 * aux.item():     # its own sums in float32
+                    far.append(f"step {step} transformers' aux loss {out.aux_loss.item()} vs {aux.item()}")
+                ref = ref + twin.config.router_aux_loss_coef * aux
             ref.backward()
-            theirs = [torch.bincount(logits.softmax(-1).topk(2, dim=-1).indices.flatten(), minlength=4)
-                      for logits in out.router_logits]
+            experts = next(m.n_experts for m in model.modules() if isinstance(m, SparseMoE))
+            theirs = [torch.bincount(chosen.flatten(), minlength=experts) for chosen in picked]
             loss = model(shard_batch(grid, x), shard_batch(grid, y))
             loss.backward()
             sync_gradients(model, grid)
@@ -184,6 +238,18 @@ def test_qwen3_moe_and_olmoe_are_transformers_own(pool4, family, sizes):
     _check(found, 1 if family == "qwen3_moe" else 2)
     if "x" in sizes and family == "qwen3_moe":
         assert found[0]["kinds"]["model.layers.0.self_attn.q_proj"] == "normal"
+
+
+@pytest.mark.parametrize("sizes", [dict(data=4, expert=4), dict(x=2, data=2, expert=2), dict(y=2, data=2, expert=2)],
+                         ids=["d4e4", "x2d2e2", "y2d2e2"])
+def test_deepseek_v3_is_transformers_own(pool4, sizes):
+    """Sigmoid scores plus the correction bias choose the experts, in the 2 best of 4 groups; the weights
+    renormalised and scaled; shared experts beside; latent attention as lone layers; its first block dense.
+    Both routers in float64 here (transformers' takes float32 logits whatever the model's dtype; par4d's
+    DeepSeek-V3 router does too, outside this test)."""
+    found = pool4.run(_matches, sizes, "deepseek_v3", False, True)
+    _check(found, 2)
+    assert found[0]["kinds"]["model.layers.1.mlp"] == "experts"
 
 
 def test_mixtral_on_every_tensor_axis_with_experts(pool8):
@@ -257,7 +323,7 @@ def test_what_a_transformers_mixture_cannot_take_is_refused_before_any_rank_star
     assert not (tmp_path / "no").exists()
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe", "deepseek_v3"])
 def test_a_folder_keeps_experts_apart_and_par4d_reads_and_writes_them_so(tmp_path, family):
     """save_pretrained writes each expert's matrices apart (Mixtral's block_sparse_moe.experts.{e}.w1/w3/w2, the
     others' mlp.experts.{e}.gate_proj/up_proj/down_proj): read as the stacked tensors they are in memory, whole
@@ -290,6 +356,6 @@ def test_a_folder_keeps_experts_apart_and_par4d_reads_and_writes_them_so(tmp_pat
         odd[one] = (odd[one][0], odd[one][1] + 1)
         with pytest.raises(ValueError, match=f"{one} has shape"):            # every expert of a block alike
             stacked_view(handles, odd)
-    written = per_expert({n: p.detach() for n, p in model.named_parameters()}, model.config.model_type)
+    written = per_expert(model.state_dict(), model.config.model_type)    # (DeepSeek-V3's score bias: a buffer)
     assert sorted(written) == sorted(stored)
     assert all(torch.equal(written[k], stored[k]) for k in stored)

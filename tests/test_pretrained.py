@@ -163,6 +163,8 @@ BAD_FIELDS = [
     ("llama", {"hidden_act": "nonexistent_act"}, 'hidden_act is "nonexistent_act" (not one of gelu, '),
     ("llama", {"rms_norm_eps": -1e-06}, "rms_norm_eps is -1e-06 (not a finite number > 0)"),
     ("llama", {"rope_theta": -1}, "rope_theta is -1 (not a finite number > 0)"),
+    ("llama", {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+     "par4d reads bf16, fp16 or fp32 weights, not quantized ones"),
     ("llama", {"attention_bias": "no"}, 'attention_bias is "no" (a string, not true or false)'),
     ("llama", {"tie_word_embeddings": 1}, "tie_word_embeddings is 1 (int, not true or false)"),
     ("llama", {"rope_scaling": "yes"}, 'rope_scaling is "yes" (a string, not an object of rope_type'),

@@ -60,7 +60,7 @@ def test_bad_files_stop_par4d_train_before_anything_starts(tmp_path, capsys):
 
 @pytest.mark.parametrize("text, message", [
     ('[model]\nmodel = "bogus"\n', ":2: model = 'bogus': give one of gpt, hf-gpt2, hf-llama, hf-mixtral, "
-                                     "hf-qwen3-moe, hf-olmoe, unet (as its flag takes)"),
+                                     "hf-qwen3-moe, hf-olmoe, hf-deepseek-v3, unet (as its flag takes)"),
     ('[optimizer]\nprecision = "fp8"\n', ":2: precision = 'fp8': give one of fp32, bf16, fp16"),
     ('[grid]\nhierarchical = "yes"\n', ":2: hierarchical = 'yes': give one of auto, on, off"),
     ('[checkpoint]\nout = ""\n', ":2: out = '' names no file or folder (remove the key for the default)"),

@@ -18,7 +18,8 @@ import torch
 # model_type -> (the block's name in the files, its experts' gate, up and down matrices)
 STORED = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
           "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-          "olmoe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+          "olmoe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+          "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
 _APART = re.compile(r"^(?P<block>.*)\.experts\.(?P<expert>\d+)\.(?P<matrix>w1|w2|w3|gate_proj|up_proj|down_proj)"
                     r"\.weight$")
 _ROLES = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}

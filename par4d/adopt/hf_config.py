@@ -184,9 +184,15 @@ RULES: dict[str, dict[str, Rule]] = {
                   "mlp_only_layers": layer_list},
     "olmoe": {**_DECODER, **_MIXTURE, "attention_bias": boolean, "clip_qkv": optional(positive), "num_experts": count,
               "norm_topk_prob": boolean},
+    "deepseek_v3": {**_DECODER, **_MIXTURE, "attention_bias": boolean, "moe_intermediate_size": count,
+                    "n_routed_experts": count, "n_shared_experts": whole, "routed_scaling_factor": positive,
+                    "n_group": count, "topk_group": count, "first_k_dense_replace": whole, "norm_topk_prob": boolean,
+                    "q_lora_rank": optional(count), "kv_lora_rank": count, "qk_nope_head_dim": count,
+                    "qk_rope_head_dim": count, "v_head_dim": count, "rope_interleave": boolean},
 }
 # model_type -> the field of its experts per mixture
-EXPERTS_FIELD = {"mixtral": "num_local_experts", "qwen3_moe": "num_experts", "olmoe": "num_experts"}
+EXPERTS_FIELD = {"mixtral": "num_local_experts", "qwen3_moe": "num_experts", "olmoe": "num_experts",
+                 "deepseek_v3": "n_routed_experts"}
 
 
 def check_hf_config(config: dict, where: str | Path) -> None:
@@ -201,6 +207,9 @@ def check_hf_config(config: dict, where: str | Path) -> None:
     for field, rule in RULES[kind].items():
         if field in config and (why := rule(config[field])) is not None:
             raise ValueError(f"{where}: {field} is {_show(config[field])} ({why})")
+    if config.get("quantization_config") is not None:   # read as plain numbers, they would be wrong, silently
+        raise ValueError(f"{where}: quantization_config is {_show(config['quantization_config'])}: par4d reads "
+                         f"bf16, fp16 or fp32 weights, not quantized ones (convert the folder first)")
     sizes = _sizes(config)
     if sizes["hidden"] % sizes["heads"] and config.get("head_dim") is None:
         raise ValueError(f"{where}: {sizes['heads']} attention heads do not divide the hidden size "
@@ -245,6 +254,8 @@ def parameter_count(hf: object) -> int:
     q, kv = heads * head_dim, kv_heads * head_dim
     attention = width * q + 2 * width * kv + q * width
     mlp = 3 * width * hf.intermediate_size
+    if hf.model_type == "deepseek_v3":
+        return _deepseek_count(hf)
     if hf.model_type in EXPERTS_FIELD:
         return _mixture_count(hf, width, attention, q, kv, head_dim)
     if hf.model_type == "qwen2":
@@ -275,3 +286,25 @@ def _mixture_count(hf: object, width: int, attention: int, q: int, kv: int, head
         layers += attention + 2 * width + (mixture if sparse else 3 * width * hf.intermediate_size)
     vocab, tied = hf.vocab_size, hf.tie_word_embeddings
     return vocab * width + layers + width + (0 if tied else vocab * width)
+
+
+def _deepseek_count(hf: object) -> int:
+    """:func:`parameter_count` of DeepSeek-V3: multi-head latent attention (queries through a rank-q_lora
+    projection and its norm, or directly; keys and values through a rank-kv_lora one, the rotary key shared by
+    the heads), dense MLPs in the first blocks, then a router, routed experts and shared experts."""
+    d, heads = hf.hidden_size, hf.num_attention_heads
+    qk, v = hf.qk_nope_head_dim + hf.qk_rope_head_dim, hf.v_head_dim
+    bias = hf.attention_bias
+    if hf.q_lora_rank is None:
+        query = d * heads * qk
+    else:
+        query = d * hf.q_lora_rank + bias * hf.q_lora_rank + hf.q_lora_rank + hf.q_lora_rank * heads * qk
+    kv_a = hf.kv_lora_rank + hf.qk_rope_head_dim
+    attention = query + d * kv_a + bias * kv_a + hf.kv_lora_rank + hf.kv_lora_rank * heads * (hf.qk_nope_head_dim + v) \
+        + heads * v * d + bias * d
+    moe = hf.n_routed_experts * (d + 3 * d * hf.moe_intermediate_size) + 3 * d * hf.moe_intermediate_size * \
+        hf.n_shared_experts
+    dense = min(hf.first_k_dense_replace, hf.num_hidden_layers)
+    blocks = hf.num_hidden_layers * (attention + 2 * d) + dense * 3 * d * hf.intermediate_size \
+        + (hf.num_hidden_layers - dense) * moe
+    return hf.vocab_size * d + blocks + d + (0 if hf.tie_word_embeddings else hf.vocab_size * d)

@@ -30,18 +30,24 @@ from par4d.nn.collectives import GatherFeatures, SplitFeatures
 from par4d.nn.moe import ROUTER, ExpertMatmul, Mixture, check_expert_shape, expert_placement
 
 # transformers' sparse blocks par4d knows: the gate's top_k and (where the model has it) norm_topk_prob, the
-# experts' gate_up_proj, down_proj and act_fn; Mixtral's may add router jitter, which par4d refuses.
-MIXTURES = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "OlmoeSparseMoeBlock")
+# experts' gate_up_proj, down_proj and act_fn; Mixtral's may add router jitter, which par4d refuses;
+# DeepSeek-V3's router scores by sigmoid with a correction bias, in groups, scaled, and its block adds
+# shared experts.
+MIXTURES = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "OlmoeSparseMoeBlock", "DeepseekV3MoE")
 
 
 class Router(ShardedModule):
     """A block's ``gate``: its weight (E, D), the features cut over y (every rank of the batch's axes
-    holds it: its gradient is summed there)."""
+    holds it: its gradient is summed there); ``corrected``: with DeepSeek-V3's ``e_score_correction_bias``
+    (E,), a float32 buffer added to the scores to choose the experts (checkpoints and folders keep it)."""
 
-    def __init__(self, experts: int, dim: int, grid: Grid):
+    def __init__(self, experts: int, dim: int, grid: Grid, corrected: bool = False):
         super().__init__()
         self.grid = grid
         self.weight = place(nn.Parameter(torch.empty(experts, dim // grid.size("y"), device=grid.device)), ROUTER)
+        if corrected:
+            self.register_buffer("e_score_correction_bias", torch.zeros(experts, dtype=torch.float32,
+                                                                        device=grid.device))
 
 
 class Experts(ShardedModule):
@@ -77,19 +83,27 @@ class SparseMoE(Mixture):
                              f"(router_jitter_noise={jitter}), which par4d does not draw (the ranks holding a token "
                              f"would draw different noise); set router_jitter_noise to 0")
         renormalize = getattr(gate, "norm_topk_prob", True)       # Mixtral's router always renormalises
-        # transformers' routing: softmax, top k, dropless; no capacity, bias or group limit; balanced by
-        # router_aux_loss (the model's), not the layer's own losses
-        self._setup(grid=grid, name=name, experts=n_experts, top_k=gate.top_k, score="softmax",
-                    renormalize=renormalize, aux_weight=0.0, z_weight=0.0, capacity_factor=None, bias_rate=0.0,
-                    overlap=True, groups=(1, 1))
-        self.precision = torch.float32                   # transformers' routers score in float32
+        corrected = hasattr(gate, "e_score_correction_bias")     # DeepSeek-V3's
+        # transformers' routing, dropless, no capacity; balanced by router_aux_loss (the model's) or, DeepSeek-V3,
+        # by its correction bias, not by the layer's own losses
+        self._setup(grid=grid, name=name, experts=n_experts, top_k=gate.top_k,
+                    score="sigmoid" if corrected else "softmax", renormalize=renormalize, aux_weight=0.0,
+                    z_weight=0.0, capacity_factor=None, bias_rate=0.0, overlap=True,
+                    groups=(gate.num_group, gate.topk_group) if corrected else (1, 1))
+        # transformers' routers score in float32 whatever the model's dtype; DeepSeek-V3's logits too
+        self.precision = (torch.float32 if corrected else None, torch.float32)
+        self.route_scale = float(getattr(gate, "routed_scaling_factor", 1.0))
         self.last_mean_scores: torch.Tensor | None = None   # this rank's tokens' mean score per expert (E,)
         check_expert_shape(name, dim, inner, grid)
-        self.gate = Router(n_experts, dim, grid)
+        self.gate = Router(n_experts, dim, grid, corrected)
+        # DeepSeek-V3's shared experts: a gated MLP parallelize has made par4d's already (its layers' block)
+        self.shared_experts = getattr(block, "shared_experts", None)
         self.experts = Experts(n_experts, dim, inner, grid)
         self.act_fn = experts.act_fn
         self.stream = stream or grid.size("y") == 1
         self.up, self.down = ExpertMatmul(grid, transposed=False), ExpertMatmul(grid, transposed=True)
+        if corrected and not gate.e_score_correction_bias.is_meta:
+            self.gate.e_score_correction_bias.copy_(gate.e_score_correction_bias)
         if not gate.weight.is_meta:
             with torch.no_grad():
                 self.gate.load_full_state({"weight": gate.weight.to(grid.device, self.gate.weight.dtype)})
@@ -99,6 +113,9 @@ class SparseMoE(Mixture):
     def router_weight(self) -> torch.Tensor:
         return self.gate.weight
 
+    def _choice_bias(self) -> torch.Tensor | None:
+        return getattr(self.gate, "e_score_correction_bias", None)
+
     def _routed(self, scores: torch.Tensor, logits: torch.Tensor) -> None:
         """The mean scores transformers' balance loss takes (:func:`router_aux_loss`): the softmax of the logits
         at their own precision (float32 at least), not the router's float32 scores: equal in float32 and
@@ -107,8 +124,10 @@ class SparseMoE(Mixture):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if self.stream:
-            return super().forward(h)
-        return GatherFeatures.apply(super().forward(SplitFeatures.apply(h, self.grid, "y")), self.grid, "y")
+            routed = super().forward(h)
+        else:
+            routed = GatherFeatures.apply(super().forward(SplitFeatures.apply(h, self.grid, "y")), self.grid, "y")
+        return routed if self.shared_experts is None else routed + self.shared_experts(h)
 
     def _experts(self, rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
         """Each expert's gated MLP, ``down(act(gate(x)) * up(x))``, a GEMM pair on its run of rows."""

@@ -70,7 +70,7 @@ KEPT_WHOLE = "kept whole: the grid does not divide its sizes"   # the plan's why
 ELEMENTWISE = (nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Identity, nn.Dropout, nn.LeakyReLU)
 # Feed-forward blocks by class name: (the layers whose outputs meet elementwise, the layer after).
 PAIRED = {name: (("gate_proj", "up_proj"), "down_proj") for name in ("LlamaMLP", "MistralMLP", "Qwen2MLP",
-                                                                      "Qwen3MoeMLP")}
+                                                                      "Qwen3MoeMLP", "DeepseekV3MLP")}
 PAIRED["GPT2MLP"] = (("c_fc",), "c_proj")
 # Attention blocks by class name: (the q, k, v projections (one fused for GPT-2), the output projection).
 ATTENTION = {name: (("q_proj", "k_proj", "v_proj"), "o_proj") for name in ("LlamaAttention", "MistralAttention",

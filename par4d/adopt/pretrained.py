@@ -25,7 +25,7 @@ INDEX_FILE = "model.safetensors.index.json"
 PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 # par4d train --model -> the Hugging Face model types it starts from
 FAMILIES = {"hf-llama": ("llama", "mistral", "qwen2"), "hf-gpt2": ("gpt2",), "hf-mixtral": ("mixtral",),
-            "hf-qwen3-moe": ("qwen3_moe",), "hf-olmoe": ("olmoe",)}
+            "hf-qwen3-moe": ("qwen3_moe",), "hf-olmoe": ("olmoe",), "hf-deepseek-v3": ("deepseek_v3",)}
 
 
 def read_config(folder: Path) -> dict:

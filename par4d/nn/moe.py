@@ -103,20 +103,23 @@ class ExpertMatmul:
 
 def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, score: str, renormalize: bool,
           bias: torch.Tensor | None = None, grid: Grid | None = None, groups: tuple[int, int] = (1, 1),
-          precision: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+          precision: tuple[torch.dtype | None, torch.dtype] | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(experts (N, k), their weights (N, k), scores (N, E), logits (N, E)) of tokens ``x`` (N, D) under
     router ``weight`` (E, D), in fp32 or the inputs' wider dtype. Ties in top-k go to the lower index.
     ``bias`` (E,): added to the scores to choose the experts only (DeepSeek-V3's loss-free balancing); the
     weights are the scores themselves. ``grid``: ``x`` and ``weight`` hold their features' part over y.
     ``groups`` (G, M): group-limited routing (DeepSeek-V3's): the experts in G equal groups, a token's k
     chosen among the M groups whose two best choice scores sum highest (the best one, in groups of one).
-    ``precision``: the logits in the inputs' dtype and the scores in this one (transformers' routers: float32,
-    whatever the model's); None: both in fp32 or the inputs' wider dtype."""
-    dtype = torch.promote_types(x.dtype, torch.float32) if precision is None else x.dtype
+    ``precision`` (logits' dtype, scores' dtype): a fixed precision, as transformers' routers keep one whatever
+    the model's dtype (Mixtral's logits in the inputs' dtype, None, and scores in float32; DeepSeek-V3's both
+    in float32); None: both in fp32 or the inputs' wider dtype."""
+    dtype, scored = (torch.promote_types(x.dtype, torch.float32), None) if precision is None else \
+        (precision[0] or x.dtype, precision[1])
     logits = x.to(dtype) @ weight.to(dtype).t()
     if grid is not None:
         logits = SumFeatures.apply(logits, grid, "y")        # the features' parts, summed
-    at = logits if precision is None else logits.to(precision)
+    at = logits if scored is None else logits.to(scored)
     scores = at.softmax(-1) if score == "softmax" else at.sigmoid()
     choice = scores if bias is None else scores + bias.to(scores.dtype)
     count, kept = groups
@@ -164,7 +167,8 @@ class Mixture(ShardedModule):
         self.grid, self.name, self.top_k, self.score, self.renormalize = grid, name, top_k, score, renormalize
         self.n_experts, self.aux_weight, self.z_weight = experts, aux_weight, z_weight
         self.capacity_factor, self.groups, self.overlap = capacity_factor, groups, overlap
-        self.precision: torch.dtype | None = None      # the router's scores' dtype (None: see route)
+        self.precision: tuple[torch.dtype | None, torch.dtype] | None = None   # the router's (see route)
+        self.route_scale = 1.0       # the top-k weights times this (DeepSeek-V3's routed_scaling_factor)
         self.recomputing = False     # set while a recomputed segment runs it again (par4d.nn.recompute)
         _balancing(self, experts, bias_rate, grid.device)
         self.aux_loss: torch.Tensor | None = None     # the last forward's weighted balance losses (None: weighted 0)
@@ -180,6 +184,10 @@ class Mixture(ShardedModule):
     def _routed(self, scores: torch.Tensor, logits: torch.Tensor) -> None:
         """What a subclass keeps of this forward's routing besides the counts and losses (nothing here)."""
 
+    def _choice_bias(self) -> torch.Tensor | None:
+        """What is added to the scores to choose the experts (loss-free balancing's bias, where it is on)."""
+        return self.expert_bias if self.bias_rate else None
+
     def _experts(self, rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
         """This rank's experts on their runs of ``rows`` (expert-major)."""
         raise NotImplementedError
@@ -192,8 +200,9 @@ class Mixture(ShardedModule):
         shape = h.shape
         x = h.reshape(-1, shape[-1])
         experts, weights, scores, logits = route(x, self.router_weight(), self.top_k, self.score, self.renormalize,
-                                                 self.expert_bias if self.bias_rate else None, self.grid, self.groups,
-                                                 self.precision)
+                                                 self._choice_bias(), self.grid, self.groups, self.precision)
+        if self.route_scale != 1.0:
+            weights = weights * self.route_scale
         flat = experts.reshape(-1)
         limit = capacity(self.capacity_factor, x.shape[0], self.top_k, self.n_experts)
         routed = torch.bincount(flat, minlength=self.n_experts)

@@ -13,7 +13,14 @@ from typing import TYPE_CHECKING
 
 from par4d.train.recipes.base import Recipe, Settings
 from par4d.train.recipes.gpt import GPTRecipe
-from par4d.train.recipes.hf import GPT2Recipe, LlamaRecipe, MixtralRecipe, OlmoeRecipe, Qwen3MoeRecipe
+from par4d.train.recipes.hf import (
+    DeepseekV3Recipe,
+    GPT2Recipe,
+    LlamaRecipe,
+    MixtralRecipe,
+    OlmoeRecipe,
+    Qwen3MoeRecipe,
+)
 from par4d.train.recipes.unet import UNetRecipe
 
 if TYPE_CHECKING:
@@ -31,6 +38,7 @@ RECIPES: MappingProxyType[str, Recipe] = MappingProxyType({r.name: r for r in (
     MixtralRecipe("hf-mixtral"),
     Qwen3MoeRecipe("hf-qwen3-moe"),
     OlmoeRecipe("hf-olmoe"),
+    DeepseekV3Recipe("hf-deepseek-v3"),
     UNetRecipe(),
 )})
 MODELS = tuple(RECIPES)

@@ -103,4 +103,4 @@ class Recipe:
     def export_hf(self, chosen: Checkpoint, source: Path) -> tuple[dict[str, torch.Tensor], str]:
         """(state dict under ``transformers``' names, the ``config.json`` text) of the checkpoint ``chosen``."""
         raise ValueError(f"run {source} trained --model {self.name}: export is for par4d's GPT and the Hugging "
-                         f"Face models (--model gpt, hf-gpt2, hf-llama, hf-mixtral, hf-qwen3-moe, hf-olmoe)")
+                         f"Face models (--model gpt and hf-*)")

@@ -93,7 +93,7 @@ def pretrained_sizes(model: str, folder: str, chosen: dict) -> tuple[dict, dict]
         say(f"{where}: {', '.join(f'{k}={v}' for k, v in sorted(dropped.items()))} set to 0: par4d trains without "
             f"dropout (ranks holding the same activations would draw different masks)")
     hf_config = dict(hf_config, **{k: 0.0 for k in dropped})
-    if "experts" in dims and not hf_config.get("output_router_logits", False):
+    if "experts" in dims and hf_config["model_type"] != "deepseek_v3" and not hf_config.get("output_router_logits"):
         say(f"{where}: output_router_logits is false: the mixture trains without its load-balancing loss, as "
             f"transformers would (set it true in the folder's config.json to balance the experts)")
     return dict(chosen, **{k: dims[k] for k in shape}), hf_config
@@ -168,6 +168,10 @@ def lm_state(chosen: Checkpoint) -> tuple[dict[str, torch.Tensor], str]:
     except (AttributeError, KeyError, TypeError, ValueError) as error:
         raise ValueError(f"{where}: train_config does not make a {record.get('model')} model ({error})") from None
     shapes = {f"lm.{name}": tuple(p.shape) for name, p in lm.named_parameters()}   # a tied head once
+    # and the persistent buffers the checkpoint holds (DeepSeek-V3's score correction bias)
+    shapes.update({f"lm.{prefix}.{name}": tuple(b.shape) for prefix, module in lm.named_modules()
+                   for name, b in module.named_buffers(recurse=False)
+                   if name not in module._non_persistent_buffers_set and f"model/lm.{prefix}.{name}" in chosen.tensors})
     check_memory(where, sum(math.prod(s) for s in shapes.values()))
     full = full_tensors(chosen, shapes)
     tensors = {name.removeprefix("lm."): t.contiguous() for name, t in full.items()}
@@ -295,9 +299,11 @@ class LlamaRecipe(HFRecipe):
 class MixtureRecipe(HFRecipe):
     """A transformers mixture of experts (:mod:`par4d.adopt.moe`): ``--experts`` and ``--top-k`` at the
     run's sizes, every expert the width of a Llama MLP (4 * n_embd), trained with its own load-balancing
-    loss (``output_router_logits``) at its family's weight; or the pretrained folder's shape and loss
+    loss (``output_router_logits``) at its family's weight (DeepSeek-V3: its score correction bias instead);
+    or the pretrained folder's shape and loss
     settings (a folder's config that leaves the loss off trains without it, and par4d says so). Routed as
-    transformers routes it: dropless, no shared experts, no loss-free bias (those flags are refused).
+    transformers routes it, dropless; par4d's GPT's --shared-experts, --capacity-factor and --expert-bias-rate
+    are refused (DeepSeek-V3's correction bias is kept as loaded, not stepped).
     Recomputed as the dense models are (each decoder layer, its exchanges run again in backward); on the pipe
     axis only without its balance loss (which pools every layer's counts: refused by name with it)."""
 
@@ -346,8 +352,8 @@ class MixtureRecipe(HFRecipe):
         sizes = dict(vocab_size=config.vocab_size, hidden_size=config.n_embd, num_hidden_layers=config.n_layer,
                      num_attention_heads=config.n_head, num_key_value_heads=kv_heads(config.n_head),
                      max_position_embeddings=config.seq_len, num_experts_per_tok=config.top_k,
-                     output_router_logits=True, bos_token_id=0, eos_token_id=0, **self.expert_sizes(config))
-        return getattr(transformers, self.family)(**sizes)
+                     output_router_logits=True, bos_token_id=0, eos_token_id=0)
+        return getattr(transformers, self.family)(**{**sizes, **self.expert_sizes(config)})
 
     def expert_sizes(self, config: Settings) -> dict:
         """The family's names for the experts' count and width."""
@@ -374,3 +380,22 @@ class Qwen3MoeRecipe(MixtureRecipe):
 
 class OlmoeRecipe(MixtureRecipe):
     family, lm_name, model_type = "OlmoeConfig", "OlmoeForCausalLM", "olmoe"
+
+
+class DeepseekV3Recipe(MixtureRecipe):
+    """DeepSeek-V3: multi-head latent attention (its projections lone layers: their norms are over the
+    low-rank widths), the first block's MLP dense, then mixtures of sigmoid-scored experts in groups with a
+    score correction bias and shared experts. Fresh: one shared expert, the experts in as many groups as
+    --top-k with half of them open to a token, q and kv ranks of n_embd / 2 and / 4."""
+
+    family, lm_name, model_type = "DeepseekV3Config", "DeepseekV3ForCausalLM", "deepseek_v3"
+
+    def expert_sizes(self, config: Settings) -> dict:
+        head = config.n_embd // config.n_head
+        groups = config.top_k if config.experts % config.top_k == 0 else 1
+        return {"n_routed_experts": config.experts, "moe_intermediate_size": 4 * config.n_embd,
+                "intermediate_size": 4 * config.n_embd, "n_shared_experts": 1, "n_group": groups,
+                "topk_group": max(1, groups // 2), "first_k_dense_replace": 1 if config.n_layer > 1 else 0,
+                "q_lora_rank": config.n_embd // 2, "kv_lora_rank": config.n_embd // 4, "qk_nope_head_dim": head,
+                "qk_rope_head_dim": head // 2 if head % 4 == 0 else head, "v_head_dim": head,
+                "num_key_value_heads": config.n_head, "output_router_logits": False}   # balanced by its bias
