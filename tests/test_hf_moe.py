@@ -15,6 +15,7 @@ from par4d.adopt.causal_lm import CausalLM
 from par4d.adopt.moe import SparseMoE
 from par4d.layout import shard_batch
 from par4d.nn import full_state_dict
+from par4d.nn.moe import update_expert_bias
 from par4d.optim.data_parallel import global_mean, grad_norm, sync_gradients
 from tests import cases
 
@@ -81,8 +82,8 @@ def _model(family: str):
             else:
                 p.normal_(0, 0.2)
         for module in model.modules():           # DeepSeek-V3's score correction: a choice the scores alone differ from
-            if hasattr(module, "e_score_correction_bias"):
-                module.e_score_correction_bias.normal_(0, 0.1)
+            if hasattr(module, "e_score_correction_bias"):     # (float32 in any model, as transformers loads it)
+                module.e_score_correction_bias = module.e_score_correction_bias.float().normal_(0, 0.1)
     return model
 
 
@@ -155,7 +156,7 @@ def _on_meta(twin, family: str, grid):
     return lm
 
 
-def _matches(sizes: dict, family: str, recompute: bool = False, meta: bool = False) -> dict:
+def _matches(sizes: dict, family: str, recompute: bool = False, meta: bool = False, bias_rate: float = 0.0) -> dict:
     with cases.float64():
         grid = cases.grid(**sizes)
         twin = _model(family)
@@ -166,6 +167,11 @@ def _matches(sizes: dict, family: str, recompute: bool = False, meta: bool = Fal
         _norms_keep_float64(twin)
         _norms_keep_float64(model)
         _routers_in_float64(twin, model)
+        if bias_rate:        # DeepSeek-V3's correction bias stepped by par4d's loss-free balancing
+            for module in model.modules():
+                if isinstance(module, SparseMoE):
+                    module.step_correction(bias_rate)
+        routers = [m for m in twin.modules() if hasattr(m, "e_score_correction_bias")]
         balanced = twin.config.output_router_logits          # DeepSeek-V3: balanced by its bias, no loss
         picked: list[torch.Tensor] = []                      # each router's top-k, as transformers picks them
         for module in twin.modules():
@@ -202,6 +208,16 @@ def _matches(sizes: dict, family: str, recompute: bool = False, meta: bool = Fal
             norms.append((grad_norm(model, grid).item(),
                           torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in twin.parameters()])).item()))
             opt.step(), opt_twin.step(), opt.zero_grad(), opt_twin.zero_grad()
+            if bias_rate:     # the twin's bias by the rule, from transformers' own routes
+                update_expert_bias(model)
+                for router, chosen in zip(routers, picked):
+                    load = torch.bincount(chosen.flatten(), minlength=experts).to(torch.float32)
+                    router.e_score_correction_bias.add_(bias_rate * torch.sign(load.mean() - load))
+                mine = [m.gate.e_score_correction_bias for m in model.modules() if isinstance(m, SparseMoE)]
+                if not all(torch.equal(a, b.e_score_correction_bias) for a, b in zip(mine, routers)):
+                    far.append(f"step {step} correction bias")
+                if not any(bool(b.any()) for b in mine):
+                    far.append(f"step {step}: the correction bias did not move")
         after = full_state_dict(model.lm)
         far += [f"{n} after {STEPS} steps" for n, p in twin.named_parameters()
                 if not torch.allclose(after[n], p, rtol=1e-8, atol=1e-11)]
@@ -246,8 +262,9 @@ def test_deepseek_v3_is_transformers_own(pool4, sizes):
     """Sigmoid scores plus the correction bias choose the experts, in the 2 best of 4 groups; the weights
     renormalised and scaled; shared experts beside; latent attention as lone layers; its first block dense.
     Both routers in float64 here (transformers' takes float32 logits whatever the model's dtype; par4d's
-    DeepSeek-V3 router does too, outside this test)."""
-    found = pool4.run(_matches, sizes, "deepseek_v3", False, True)
+    DeepSeek-V3 router does too, outside this test). On data=4,expert=4 and y=2 the correction bias is
+    stepped (--expert-bias-rate): as the rule steps the twin's from transformers' own routes."""
+    found = pool4.run(_matches, sizes, "deepseek_v3", False, True, 0.01 if "x" not in sizes else 0.0)
     _check(found, 2)
     assert found[0]["kinds"]["model.layers.1.mlp"] == "experts"
 

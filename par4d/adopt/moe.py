@@ -20,6 +20,8 @@ batch.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 
@@ -115,6 +117,17 @@ class SparseMoE(Mixture):
 
     def _choice_bias(self) -> torch.Tensor | None:
         return getattr(self.gate, "e_score_correction_bias", None)
+
+    def step_correction(self, rate: float) -> None:
+        """Step DeepSeek-V3's score correction bias as par4d's loss-free balancing steps a bias
+        (:func:`par4d.nn.moe.step_bias`, after each optimizer step: ``rate`` towards the mean load): the one
+        buffer transformers keeps (and checkpoints and exports) is the one stepped."""
+        if not hasattr(self.gate, "e_score_correction_bias"):
+            raise ValueError(f"{self.name}: its router has no score correction bias to step (DeepSeek-V3's has)")
+        if not (math.isfinite(rate) and rate > 0):
+            raise ValueError(f"{self.name}: bias rate {rate} must be a finite number > 0")
+        self.bias_rate = rate
+        self.expert_bias = self.gate.e_score_correction_bias    # (non-persistent here: kept once, by the gate)
 
     def _routed(self, scores: torch.Tensor, logits: torch.Tensor) -> None:
         """The mean scores transformers' balance loss takes (:func:`router_aux_loss`): the softmax of the logits

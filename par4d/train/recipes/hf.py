@@ -121,6 +121,7 @@ def _hf_model(config: Settings, grid: Grid) -> CausalLM:
     from par4d.adopt import load_safetensors, parallelize
     from par4d.adopt.causal_lm import CausalLM
     from par4d.adopt.init import initialize
+    from par4d.adopt.moe import SparseMoE
     from par4d.adopt.stages import cut_stage, matmul_weights, tie_across_stages
 
     with torch.device("meta"):
@@ -133,6 +134,10 @@ def _hf_model(config: Settings, grid: Grid) -> CausalLM:
     lm = copy.deepcopy(twin)
     stage = cut_stage(lm, grid, config.seq_len)   # pipe > 1: this rank's decoder layers, names kept
     lm = parallelize(lm, grid)
+    if getattr(config, "expert_bias_rate", 0.0):    # DeepSeek-V3's correction bias, stepped (MixtureRecipe.check)
+        for module in lm.modules():
+            if isinstance(module, SparseMoE):
+                module.step_correction(config.expert_bias_rate)
     tie_across_stages(lm, stage)            # a head tied to the embeddings, on the first and last stage
     if grid.device.type != "meta" and config.init_from is not None and not config.resume:
         load_safetensors(lm, config.init_from, grid)
@@ -303,7 +308,8 @@ class MixtureRecipe(HFRecipe):
     or the pretrained folder's shape and loss
     settings (a folder's config that leaves the loss off trains without it, and par4d says so). Routed as
     transformers routes it, dropless; par4d's GPT's --shared-experts, --capacity-factor and --expert-bias-rate
-    are refused (DeepSeek-V3's correction bias is kept as loaded, not stepped).
+    are refused, but DeepSeek-V3's --expert-bias-rate, which steps its score correction bias (DeepSeek-V3's own
+    balancing), kept as loaded without it.
     Recomputed as the dense models are (each decoder layer, its exchanges run again in backward); on the pipe
     axis only without its balance loss (which pools every layer's counts: refused by name with it)."""
 
@@ -331,6 +337,8 @@ class MixtureRecipe(HFRecipe):
         for name, flag, what in (("shared_experts", "--shared-experts", "no shared experts"),
                                  ("capacity_factor", "--capacity-factor", "no capacity (dropless)"),
                                  ("expert_bias_rate", "--expert-bias-rate", "no loss-free bias")):
+            if name == "expert_bias_rate" and self.model_type == "deepseek_v3":
+                continue                  # its own score correction bias, stepped so (SparseMoE.step_correction)
             if getattr(config, name):
                 raise ValueError(f"{flag} {getattr(config, name)}: --model {self.name} routes as transformers "
                                  f"does, with {what}; that flag is for par4d's GPT (--model gpt --mlp moe)")
