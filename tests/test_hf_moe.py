@@ -23,33 +23,30 @@ STEPS = 3
 VOCAB = 64
 
 
-def _mixtral(layers: int = 2):
+# What every family's small model shares: 2 layers of width 32, 4 heads, top 2, transformers' balance loss
+SMALL = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_experts_per_tok=2,
+             max_position_embeddings=16, output_router_logits=True, router_aux_loss_coef=0.05)
+
+
+def _mixtral():
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    return MixtralForCausalLM(MixtralConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=16,
-        output_router_logits=True, router_aux_loss_coef=0.05))
+    return MixtralForCausalLM(MixtralConfig(**SMALL, intermediate_size=16, num_key_value_heads=2, num_local_experts=4))
 
 
-def _qwen3_moe(layers: int = 2):
+def _qwen3_moe():
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     # its second layer dense (mlp_only_layers): a Qwen3MoeMLP beside the mixtures
-    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
-        norm_topk_prob=True, mlp_only_layers=[1], max_position_embeddings=16, output_router_logits=True,
-        router_aux_loss_coef=0.05))
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**SMALL, intermediate_size=32, moe_intermediate_size=16,
+                                              num_key_value_heads=2, head_dim=8, num_experts=4, norm_topk_prob=True,
+                                              mlp_only_layers=[1]))
 
 
-def _olmoe(layers: int = 2):
+def _olmoe():
     from transformers import OlmoeConfig, OlmoeForCausalLM
 
-    return OlmoeForCausalLM(OlmoeConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=4, num_experts=4, num_experts_per_tok=2, max_position_embeddings=16,
-        output_router_logits=True, router_aux_loss_coef=0.05))
+    return OlmoeForCausalLM(OlmoeConfig(**SMALL, intermediate_size=16, num_key_value_heads=4, num_experts=4))
 
 
 def _deepseek_v3(layers: int = 3):

@@ -95,7 +95,7 @@ class SparseMoE(Mixture):
         # transformers' routers score in float32 whatever the model's dtype; DeepSeek-V3's logits too
         self.precision = (torch.float32 if corrected else None, torch.float32)
         self.route_scale = float(getattr(gate, "routed_scaling_factor", 1.0))
-        self.last_mean_scores: torch.Tensor | None = None   # this rank's tokens' mean score per expert (E,)
+        self.last_logits: torch.Tensor | None = None    # the last forward's router logits (router_aux_loss)
         check_expert_shape(name, dim, inner, grid)
         self.gate = Router(n_experts, dim, grid, corrected)
         # DeepSeek-V3's shared experts: a gated MLP parallelize has made par4d's already (its layers' block)
@@ -130,16 +130,17 @@ class SparseMoE(Mixture):
         self.expert_bias = self.gate.e_score_correction_bias    # (non-persistent here: kept once, by the gate)
 
     def _routed(self, scores: torch.Tensor, logits: torch.Tensor) -> None:
-        """The mean scores transformers' balance loss takes (:func:`router_aux_loss`): the softmax of the logits
-        at their own precision (float32 at least), not the router's float32 scores: equal in float32 and
-        float64; in bf16 transformers takes its softmax in bf16."""
-        self.last_mean_scores = logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(-1).mean(0)
+        self.last_logits = logits       # transformers' balance loss takes its scores from them, where it is on
+
+    def _shared(self):
+        """DeepSeek-V3's shared experts run while the rows travel, where they take the stream as the mixture
+        does (features over y, or y = 1); else on the whole input, after (:meth:`forward`)."""
+        return self.shared_experts if self.stream else None
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if self.stream:
-            routed = super().forward(h)
-        else:
-            routed = GatherFeatures.apply(super().forward(SplitFeatures.apply(h, self.grid, "y")), self.grid, "y")
+            return super().forward(h)
+        routed = GatherFeatures.apply(super().forward(SplitFeatures.apply(h, self.grid, "y")), self.grid, "y")
         return routed if self.shared_experts is None else routed + self.shared_experts(h)
 
     def _experts(self, rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
@@ -159,7 +160,10 @@ def router_aux_loss(model: nn.Module) -> torch.Tensor | None:
     layers = [m for m in model.modules() if isinstance(m, SparseMoE) and m.last_routed is not None]
     if not layers:
         return None
-    scores = torch.stack([m.last_mean_scores for m in layers]).mean(0)
+    # The softmax of the logits at their own precision (float32 at least), not the router's float32 scores:
+    # equal in float32 and float64 (in bf16 transformers takes this softmax in bf16)
+    scores = torch.stack([m.last_logits.to(torch.promote_types(m.last_logits.dtype, torch.float32))
+                          .softmax(-1).mean(0) for m in layers]).mean(0)
     routed = torch.stack([m.last_routed for m in layers]).sum(0).to(scores.dtype)
     tokens = layers[0].last_routed.sum().to(scores.dtype) / layers[0].top_k     # the whole batch's
     return layers[0].n_experts * (routed / (len(layers) * tokens) * scores).sum()

@@ -134,7 +134,7 @@ def _hf_model(config: Settings, grid: Grid) -> CausalLM:
     lm = copy.deepcopy(twin)
     stage = cut_stage(lm, grid, config.seq_len)   # pipe > 1: this rank's decoder layers, names kept
     lm = parallelize(lm, grid)
-    if getattr(config, "expert_bias_rate", 0.0):    # DeepSeek-V3's correction bias, stepped (MixtureRecipe.check)
+    if config.expert_bias_rate:             # DeepSeek-V3's correction bias, stepped (MixtureRecipe.check)
         for module in lm.modules():
             if isinstance(module, SparseMoE):
                 module.step_correction(config.expert_bias_rate)
