@@ -384,15 +384,17 @@ def test_shared_experts_join_every_token_as_the_twins(pool4, sizes):
 
 
 def _overlapped_and_not(sizes: dict) -> dict:
-    """The same layer with the shared experts' GEMMs run while the rows travel, and without: the same bits,
-    and the rows' all-to-all issued before them (in flight over them) and waited for after."""
+    """The same layer with the shared experts' GEMMs run while the rows travel (``--overlap ep``), and without
+    (``--overlap none``, through set_overlap, as par4d train sets it): the same bits, and the rows' all-to-all
+    issued before them (in flight over them) and waited for after."""
     from par4d.nn.moe import MoE
+    from par4d.overlap import Overlap, set_overlap
 
     grid = cases.grid(**sizes)
     results = []
-    for overlap in (True, False):
+    for settings in (Overlap.parse("ep"), Overlap.none()):
         torch.manual_seed(6)
-        layer = MoE(DIM, HIDDEN, 4, 2, grid, shared=1, overlap=overlap)
+        layer = set_overlap(MoE(DIM, HIDDEN, 4, 2, grid, shared=1, overlap=not settings.experts), settings)
         with torch.no_grad():
             for p in layer.parameters():
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))

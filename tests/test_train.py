@@ -508,7 +508,7 @@ def test_unet_trains_as_one_rank_and_resumes_on_another_grid(tmp_path, capsys, p
     assert run_losses(split) == pytest.approx(run_losses(alone), rel=1e-5)
     one = json.loads((alone / "summary.json").read_text())
     assert resumed["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5)
-    assert one["overlap"] == resumed["overlap"] == "oar,ors,oag,dp,xy"   # all but the cache (no recompute)
+    assert one["overlap"] == resumed["overlap"] == "oar,ors,oag,dp,xy,ep"   # all but the cache (no recompute)
     assert one["params"] == 19_220 and one["data"].startswith("generated images")
 
     for args, message in ((["--seq-len", "64"], "--model unet: --seq-len 64 does not apply (the U-Net's sizes"),

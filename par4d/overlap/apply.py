@@ -4,7 +4,7 @@ Every Algorithm 1 layer of the model (:class:`~par4d.nn.algorithm1.Algorithm1Lay
 Linear and Conv2d, whoever built them: par4d's GPT and U-Net, ``par4d.parallelize``, a user)
 gets one :class:`~par4d.overlap.runtime.LayerRuntime`, so the model's z all-gathers share one
 recorded order (OAG) and one cache, and its deferred reduce-scatters (ORS) one place where they
-are waited for. Both go into the model's :class:`~par4d.parallel.ParallelState`, where the
+are waited for; every mixture of experts (:class:`~par4d.nn.moe.Mixture`) its ``ep`` switch. Both go into the model's :class:`~par4d.parallel.ParallelState`, where the
 data-parallel overlap (``dp``) reads them when :func:`par4d.optim.data_parallel.gradient_sync`
 builds its buckets.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from par4d.nn.algorithm1 import Algorithm1Layer
+from par4d.nn.moe import Mixture
 from par4d.overlap.policy import Overlap
 from par4d.overlap.runtime import LayerRuntime
 from par4d.parallel import state
@@ -41,5 +42,7 @@ def set_overlap(model: nn.Module, settings: Overlap) -> nn.Module:
         runtime.hook = model.register_forward_pre_hook(lambda module, args: runtime.gathers.begin())
     for layer in layers:
         layer.runtime = runtime
+    for mixture in (m for m in model.modules() if isinstance(m, Mixture)):
+        mixture.overlap = settings.experts
     parallel.runtime, parallel.overlap = runtime, settings
     return model

@@ -22,6 +22,9 @@ every combination trains bit for bit as the synchronous path does (tested).
   sits in the message), so ``row_chunks`` is a setting of its own: ``--overlap`` with ``xy`` sets
   it to XY_CHUNKS, without ``xy`` to 1, and every combination trains bit for bit as the
   synchronous path with the same ``row_chunks`` does.
+* ``experts`` (``ep``): a mixture's dispatch all-to-all is waited for after its shared experts' GEMMs,
+  which need none of the rows that travel (par4d.nn.moe; a mixture without shared experts has nothing to
+  hide it behind).
 
 No torch here: the CLI parses and checks these before any rank starts.
 """
@@ -31,10 +34,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import cached_property
 
-NAMES = ("oar", "ors", "oag", "cache", "dp", "xy")
+NAMES = ("oar", "ors", "oag", "cache", "dp", "xy", "ep")
 """The switches of ``par4d train --overlap LIST``: the paper's Fig. 3 order, then par4d's own."""
 
-_FIELD = {"oar": "all_reduce", "ors": "reduce_scatter", "oag": "all_gather", "dp": "data_parallel", "xy": "xy"}
+_FIELD = {"oar": "all_reduce", "ors": "reduce_scatter", "oag": "all_gather", "dp": "data_parallel", "xy": "xy",
+          "ep": "experts"}
 XY_CHUNKS = 2      # row chunks of the x/y all-reduces under ``xy``
 BUCKET_MB = 25.0   # DDP's default bucket size
 
@@ -52,6 +56,7 @@ class Overlap:
     bucket_mb: float = BUCKET_MB
     xy: bool = True
     row_chunks: int = XY_CHUNKS
+    experts: bool = True
 
     def __post_init__(self) -> None:
         if self.prefetch < 1:
