@@ -124,3 +124,56 @@ def test_par4d_plan_prints_a_mixtures_ranking_and_refuses_what_it_does_not_price
         capsys.readouterr().err
     assert main(["plan", "--model", "gpt-20b", "--gpus", "8", "--imbalance", "1.5"]) == 2
     assert "--imbalance: a setting of a mixture of experts" in capsys.readouterr().err
+
+
+def test_the_gpts_mixture_is_counted_as_the_model_it_builds():
+    """par4d's GPT with --mlp moe as the planner's mixture: its parameters those of the single-device twin (GELU
+    experts, biases, LayerNorms, learned positions) and its FLOPs the model's own count."""
+    from par4d.models import ReferenceGPT
+    from par4d.models.config import GPTConfig
+    from par4d.plan.experts import gpt_spec
+
+    for shared in (0, 1):
+        config = GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_embd=24, n_head=4, mlp="moe", experts=4,
+                           top_k=2, shared_experts=shared)
+        spec = gpt_spec(config, global_batch=8)
+        assert spec.params() == sum(p.numel() for p in ReferenceGPT(config, init=False).parameters())
+        assert spec.flops_per_token() == config.flops_per_token()
+    with pytest.raises(ValueError, match="mlp='dense' is not a mixture"):
+        gpt_spec(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_embd=24, n_head=4), global_batch=8)
+
+
+def test_train_grid_auto_ranks_expert_sizes_for_the_gpts_mixture(tmp_path, capsys):
+    """--grid auto with --mlp moe: the mixture planner's fastest grid among those the model can be built on, the
+    expert axis chosen with x, z and data; recomputation where the activations do not fit, or as --recompute
+    says; it names the choice and the next."""
+    from par4d.cli import _parser
+    from par4d.cli.configure import configure
+    from par4d.measure.choose import planned_run
+    from par4d.models.config import GPTConfig
+    from par4d.plan.experts import gpt_spec
+    from par4d.plan.machines import Machine
+
+    # Slow links and enough memory for every grid: the exchange and the syncs decide
+    local = Machine("local", devices_per_node=4, peak_flops=50e9, memory_bytes=1e9, beta_intra=1e8, beta_inter=1e8,
+                    latency=5e-4, bytes_per_element=4)
+    profile = tmp_path / "local.toml"
+    profile.write_text(local.to_toml())
+    flags = ["train", "--grid", "auto", "--machine", str(profile), "--n-layer", "2", "--n-embd", "64", "--n-head",
+             "4", "--seq-len", "64", "--batch-size", "16", "--mlp", "moe", "--experts", "8", "--top-k", "2",
+             "--out", str(tmp_path / "run")]
+    config = configure(_parser().parse_args(flags), 4, inside=False, planner=planned_run)
+    model = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_embd=64, n_head=4, mlp="moe", experts=8, top_k=2)
+    ranked = [p for p in rank_grids(gpt_spec(model, 16), 4, local)[0]
+              if model.grid_problem({**p.sizes, "y": 1}) is None]
+    assert {**dict(x=1, z=1, data=1, expert=1), **config.grid} == ranked[0].sizes
+    assert {p.sizes["expert"] for p in ranked} == {1, 2, 4}           # ranked with the other axes
+    assert config.recompute == ("1" if ranked[0].recompute else "none") and config.overlap == "all"
+    out = capsys.readouterr().out
+    assert f"expert={ranked[0].sizes['expert']}" in out and "token exchange" in out and "next" in out
+    forced = configure(_parser().parse_args([*flags, "--recompute", "1"]), 4, inside=False, planner=planned_run)
+    assert forced.recompute == "1"
+    with pytest.raises(ValueError, match="--grid auto plans par4d's GPT, dense or with --mlp moe; give --grid for "
+                                         "--mlp phantom"):
+        configure(_parser().parse_args([*flags[:-8], "--mlp", "phantom", "--out", str(tmp_path / "p")]), 4,
+                  inside=False, planner=planned_run)

@@ -158,15 +158,17 @@ def _grid(args: argparse.Namespace, world: int, inside: bool, dims: dict, planne
 
     if args.grid != "auto":
         return (parse_grid(args.grid) if args.grid else default_grid(world)), None, {}
-    if dims["mlp"] != "dense" or not recipe(dims.get("model", "gpt")).plannable:
-        what = f"--model {dims.get('model', 'gpt')}" if dims["mlp"] == "dense" else f"--mlp {dims['mlp']}"
-        raise ValueError(f"--grid auto plans par4d's dense GPT only; give --grid for {what} (a mixture's grids: "
-                         f"par4d plan --model mixtral-8x7b and the other built-in mixtures)")
+    if dims["mlp"] == "phantom" or not recipe(dims.get("model", "gpt")).plannable:
+        what = f"--model {dims.get('model', 'gpt')}" if dims["mlp"] != "phantom" else "--mlp phantom"
+        raise ValueError(f"--grid auto plans par4d's GPT, dense or with --mlp moe; give --grid for {what} "
+                         f"(transformers' mixtures' grids: par4d plan --model mixtral-8x7b and the other built-in "
+                         f"mixtures)")
     if planner is None:
         raise ValueError("--grid auto needs the planner (par4d train passes par4d.measure.choose.planned_run)")
     plan = planner(world, machine=args.machine, inside=inside, report=say, microbatches=args.microbatches,
                    recompute=args.recompute, overlap=args.overlap, offload_bsize=args.offload_bsize,
-                   **{k: dims[k] for k in ("n_layer", "n_embd", "n_head", "seq_len", "batch_size")})
+                   **{k: dims[k] for k in ("n_layer", "n_embd", "n_head", "seq_len", "batch_size", "mlp")},
+                   **({k: dims[k] for k in ("experts", "top_k", "shared_experts")} if dims["mlp"] == "moe" else {}))
     # What no flag gave (microbatches None: the default, which the search timed)
     return plan.grid, plan.peak, {k: getattr(plan, k) for k in PLANNED if getattr(args, k) is None}
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from par4d.models.config import GPTConfig
 from par4d.overlap import Overlap
-from par4d.plan.machines import load_machine
+from par4d.plan.experts import gpt_spec, rank_grids
+from par4d.plan.machines import Machine, load_machine
 from par4d.plan.search import Space, search
 from par4d.plan.workload import GPTSpec
 from par4d.train.config import VOCAB_BYTES
@@ -32,9 +34,11 @@ class Plan:
 
 def planned_run(world: int, *, machine: str | None, inside: bool, n_layer: int, n_embd: int, n_head: int,
                 seq_len: int, batch_size: int, microbatches: int | None = None, recompute: str | None = None,
-                overlap: str | None = None, offload_bsize: int | None = None,
+                overlap: str | None = None, offload_bsize: int | None = None, mlp: str = "dense",
+                experts: int = 1, top_k: int = 1, shared_experts: int = 0,
                 report: Callable[[str], None] = print) -> Plan:
-    """The planner's first choice for training the dense GPT on ``world`` ranks. ``microbatches``, ``recompute``
+    """The planner's first choice for training par4d's GPT on ``world`` ranks: dense, or with ``mlp="moe"`` a
+    mixture of ``experts`` (:func:`planned_mixture`). ``microbatches``, ``recompute``
     (``none`` or a ``--recompute`` value), ``overlap`` (a ``--overlap`` value) and ``offload_bsize``: the choices
     the user made with flags (None: searched); the search keeps them. An overlap with the cache and no
     ``recompute`` given means recomputation (the cache keeps weights only for it; ``all`` includes it only under
@@ -46,6 +50,35 @@ def planned_run(world: int, *, machine: str | None, inside: bool, n_layer: int, 
     ``report`` gets one line before a calibration or a GPU's built-in, and one
     naming the choice and the runner-up with their predicted step times.
     """
+    profile, peak = _machine(world, machine, inside, report)
+    if mlp == "moe":
+        config = GPTConfig(vocab_size=VOCAB_BYTES, block_size=seq_len, n_layer=n_layer, n_embd=n_embd,
+                           n_head=n_head, mlp=mlp, experts=experts, top_k=top_k, shared_experts=shared_experts)
+        return planned_mixture(world, profile, config, batch_size, microbatches, recompute, peak, report)
+    spec = GPTSpec("train", n_layer=n_layer, hidden=n_embd, heads=n_head, seq_len=seq_len, global_batch=batch_size,
+                   vocab=VOCAB_BYTES)
+    settings = None if overlap is None else Overlap.parse(overlap)
+    checkpointing = None if recompute is None else recompute.strip().lower() != "none"
+    if settings is not None and settings.cache and overlap.strip().lower() != "all" and checkpointing is None:
+        checkpointing = True            # the cache named (not "all", which means it only under recomputation)
+    ranked, excluded = search(spec, world, profile, Space(microbatches=microbatches, checkpointing=checkpointing,
+                                                          overlap=settings, offload_bsize=offload_bsize))
+    if not ranked:
+        reasons = "; ".join(sorted({p.excluded for p in excluded}))
+        raise ValueError(f"--grid auto: no grid of {world} ranks runs this model ({reasons})")
+    ranked = settle_ties(ranked)
+    best = ranked[0]
+    report(f"--grid auto chose {describe(best)} on {profile.name}: " + why(ranked))
+    pipe = best.sizes.get("pipe", 1)
+    return Plan(grid={a: s for a, s in best.sizes.items() if s > 1} or {"x": 1},
+                # par4d train's default is one microbatch per step without a pipeline, P with one
+                microbatches=None if best.microbatches == (pipe if pipe > 1 else 1) else best.microbatches,
+                recompute="1" if best.checkpointing else "none", overlap=best.overlap or "none", peak=peak)
+
+
+def _machine(world: int, machine: str | None, inside: bool, report: Callable[[str], None]
+             ) -> tuple[Machine, float | None]:
+    """(the machine profile to plan for, its matmul peak where it was calibrated here): see :func:`planned_run`."""
     peak = None
     gpus = None if machine is not None else _this_gpu()
     if machine is not None:
@@ -66,25 +99,32 @@ def planned_run(world: int, *, machine: str | None, inside: bool, n_layer: int, 
         report(f"calibrating this machine on {world} ranks for --grid auto ...")
         calibration = calibrate(world, Path(tempfile.mkdtemp()) / "local.toml")
         profile, peak = calibration["machine"], calibration["peak_total"]
-    spec = GPTSpec("train", n_layer=n_layer, hidden=n_embd, heads=n_head, seq_len=seq_len, global_batch=batch_size,
-                   vocab=VOCAB_BYTES)
-    settings = None if overlap is None else Overlap.parse(overlap)
-    checkpointing = None if recompute is None else recompute.strip().lower() != "none"
-    if settings is not None and settings.cache and overlap.strip().lower() != "all" and checkpointing is None:
-        checkpointing = True            # the cache named (not "all", which means it only under recomputation)
-    ranked, excluded = search(spec, world, profile, Space(microbatches=microbatches, checkpointing=checkpointing,
-                                                          overlap=settings, offload_bsize=offload_bsize))
-    if not ranked:
-        reasons = "; ".join(sorted({p.excluded for p in excluded}))
-        raise ValueError(f"--grid auto: no grid of {world} ranks runs this model ({reasons})")
-    ranked = settle_ties(ranked)
-    best = ranked[0]
-    report(f"--grid auto chose {describe(best)} on {profile.name}: " + why(ranked))
-    pipe = best.sizes.get("pipe", 1)
-    return Plan(grid={a: s for a, s in best.sizes.items() if s > 1} or {"x": 1},
-                # par4d train's default is one microbatch per step without a pipeline, P with one
-                microbatches=None if best.microbatches == (pipe if pipe > 1 else 1) else best.microbatches,
-                recompute="1" if best.checkpointing else "none", overlap=best.overlap or "none", peak=peak)
+    return profile, peak
+
+
+def planned_mixture(world: int, profile: Machine, config: GPTConfig, batch_size: int, microbatches: int | None,
+                    recompute: str | None, peak: float | None, report: Callable[[str], None]) -> Plan:
+    """The mixture planner's first choice of x, z, data and expert (par4d.plan.experts: y and the pipe axis are
+    not priced for mixtures) among the grids the model can be built on, recomputing where the activations do
+    not fit unless ``recompute`` says; microbatches and overlaps as given, else the defaults."""
+    spec = gpt_spec(config, batch_size)
+    forced = None if recompute is None else recompute.strip().lower() != "none"
+    ranked, excluded = rank_grids(spec, world, profile, recompute=forced)
+    built = [p for p in ranked if config.grid_problem({**p.sizes, "y": 1}) is None]
+    if not built:
+        reasons = sorted({p.excluded for p in excluded} | {config.grid_problem({**p.sizes, "y": 1}) for p in ranked})
+        raise ValueError(f"--grid auto: no grid of {world} ranks runs this mixture ({'; '.join(reasons)})")
+    best = built[0]
+    line = (f"predicted {best.t_iter:.3f} s/step ({best.t_compute:.3f} s compute, {best.t_exchange:.3f} s token "
+            f"exchange, {best.t_tensor:.3f} s tensor-parallel traffic)")
+    named = [" ".join(f"{a}={p.sizes[a]}" for a in ("x", "z", "data", "expert")) for p in built[:2]]
+    if len(built) > 1:
+        line += f"; next {named[1]} at {built[1].t_iter:.3f} s/step"
+    report(f"--grid auto chose {named[0]}, recompute "
+           f"{'every block' if best.recompute else 'none'} on {profile.name}: {line}")
+    grid = {a: s for a, s in best.sizes.items() if s > 1} or {"x": 1}
+    return Plan(grid=grid, microbatches=microbatches, recompute="1" if best.recompute else "none", overlap="all",
+                peak=peak)
 
 
 def _this_gpu():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
@@ -200,10 +200,11 @@ class GPTConfig:
         The layers' own rules: heads split over x; embedding rows (V and T) over z; each
         Linear with ``(g_in, g_out) = (x, y)`` if transposed else ``(y, x)`` needs ``k % g_in``,
         ``n % (out_chunks g_out)`` and ``(n / g_out) % z``; the residual stream's d over y.
-        The batch is not part of the model (its rule is the workload's). Dense MLP only
-        (see :meth:`linear_layers`)."""
+        The batch is not part of the model (its rule is the workload's). A mixture's experts are cut as
+        the dense MLP (par4d.nn.moe.check_expert_shape); a phantom MLP has no rules here (see
+        :meth:`linear_layers`). The expert axis's rules are the mixture's (par4d.nn.moe.check_moe)."""
         gx, gy, gz = sizes["x"], sizes["y"], sizes["z"]
-        layers = self.linear_layers()
+        layers = (replace(self, mlp="dense") if self.mlp == "moe" else self).linear_layers()
         if self.n_head % gx:
             return f"heads={self.n_head} not divisible by x={gx}"
         if self.vocab_size % gz or self.block_size % gz:

@@ -25,6 +25,9 @@ rank of ``T = tokens / (z data)`` tokens:
 * the data-parallel sums, behind the backward: the dense gradients over data, each expert's over its replicas
   (``data / G``), exposed where they take longer than the backward.
 
+par4d's GPT with ``mlp="moe"`` is priced as the mixture it builds (:func:`gpt_spec`: GELU experts, its
+parameters and FLOPs the model's own); ``--grid auto`` ranks its grids here (par4d.measure.choose).
+
 Memory per rank: the parameters' training state (``state_bytes``: dense over x and z, experts over x, z and G),
 the weights gathered over z (every layer's for backward, or one layer's with recomputation) and the
 activations (a layer's inputs kept with recomputation, or an estimate of a layer's working set per token
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from par4d.models.config import GPTConfig
 from par4d.plan.collectives import ring_time
 from par4d.plan.cost import divisors
 from par4d.plan.machines import Machine
@@ -62,6 +66,8 @@ class MoESpec:
     dense_hidden: int = 0
     head_norms: bool = False                         # per-head q and k norms (Qwen3)
     mla: tuple[int, int, int, int, int] | None = None
+    gated: bool = True                               # gate, up and down per expert; else fc and proj (GELU)
+    extra: int = 0                                   # vectors the formulas leave out (par4d's GPT: gpt_spec)
     seq_len: int = 4096
     global_batch: int = 1024
 
@@ -84,14 +90,19 @@ class MoESpec:
 
     def expert_params(self) -> int:
         """Every routed expert's weights, every mixture's."""
-        return self.moe_layers * self.experts * 3 * self.hidden * self.expert_hidden
+        return self.moe_layers * self.experts * self.matrices * self.hidden * self.expert_hidden
+
+    @property
+    def matrices(self) -> int:
+        """An expert's weight matrices (each ``hidden x expert_hidden``)."""
+        return 3 if self.gated else 2
 
     def params(self) -> int:
         d = self.hidden
-        mixture = self.experts * d + 3 * d * self.expert_hidden * self.shared       # (DeepSeek's score bias: a buffer)
+        mixture = self.experts * d + self.matrices * d * self.expert_hidden * self.shared       # (DeepSeek's score bias: a buffer)
         blocks = self.n_layer * (self.attention_params() + 2 * d) + self.dense_layers * 3 * d * self.dense_hidden \
             + self.moe_layers * mixture
-        return self.expert_params() + blocks + 2 * self.vocab * d + d
+        return self.expert_params() + blocks + 2 * self.vocab * d + d + self.extra
 
     def active_matmul_params(self) -> int:
         """The matmul weights one token meets: attention's, the dense MLPs', the routers', its top-k experts' and
@@ -99,7 +110,7 @@ class MoESpec:
         d = self.hidden
         norms = (2 * self.head_dim if self.head_norms else 0) + (
             self.mla[0] + self.mla[1] if self.mla is not None else 0)
-        per_mixture = self.experts * d + 3 * d * self.expert_hidden * (self.top_k + self.shared)
+        per_mixture = self.experts * d + self.matrices * d * self.expert_hidden * (self.top_k + self.shared)
         return self.n_layer * (self.attention_params() - norms) + self.dense_layers * 3 * d * self.dense_hidden \
             + self.moe_layers * per_mixture + self.vocab * d
 
@@ -118,7 +129,7 @@ class MoESpec:
 
     def expert_flops_per_token(self) -> float:
         """The routed experts' share of :meth:`flops_per_token`."""
-        return 6 * self.moe_layers * self.top_k * 3 * self.hidden * self.expert_hidden
+        return 6 * self.moe_layers * self.top_k * self.matrices * self.hidden * self.expert_hidden
 
     def with_batch(self, global_batch: int, seq_len: int) -> MoESpec:
         return replace(self, global_batch=global_batch, seq_len=seq_len)
@@ -201,15 +212,16 @@ def memory_terms(spec: MoESpec, sizes: dict[str, int], b: int, recompute: bool) 
     the embedding and the head over x as Algorithm 1's) and the activations: with recomputation each layer's
     input (``T D``), plus one layer's working set; without, every layer's, estimated per token as attention's
     q, k, v, scores' log-sum-exp and output and the norms' inputs (``(4 D + 2 (qk + v)) / x``) and a mixture's
-    rows (``k (D + 3 I / x)``: the rows received, gate, up and their product)."""
+    rows (``k (D + 3 I / x)``: the rows received, gate, up and their product; ``2 I`` for GELU experts: fc's output
+    and its GELU)."""
     gx, gz, spread = sizes["x"], sizes["z"], sizes["expert"]
     dense = spec.params() - spec.expert_params()
     params = dense / (gx * gz) + spec.expert_params() / (gx * gz * spread)
-    layer = (spec.attention_params() + spec.experts / spread * 3 * spec.hidden * spec.expert_hidden) / gx
+    layer = (spec.attention_params() + spec.experts / spread * spec.matrices * spec.hidden * spec.expert_hidden) / gx
     gathered = 0.0 if gz == 1 else b * layer * (1 if recompute else spec.n_layer)
     tokens = spec.tokens / (sizes["data"] * gz)
     qk, v = spec.attention_dims()
-    per_layer = b * ((4 * spec.hidden + 2 * (qk + v)) / gx + spec.top_k * (spec.hidden + 3 * spec.expert_hidden / gx))
+    per_layer = b * ((4 * spec.hidden + 2 * (qk + v)) / gx + spec.top_k * (spec.hidden + spec.matrices * spec.expert_hidden / gx))
     activations = tokens * (spec.n_layer * b * spec.hidden + per_layer) if recompute \
         else tokens * spec.n_layer * per_layer
     return {"states": state_bytes(params, b), "gathered": gathered, "activations": activations}
@@ -277,18 +289,35 @@ def predict(spec: MoESpec, sizes: dict[str, int], machine: Machine, imbalance: f
     return pred
 
 
-def rank_grids(spec: MoESpec, world: int, machine: Machine, imbalance: float = 1.0
+def rank_grids(spec: MoESpec, world: int, machine: Machine, imbalance: float = 1.0, recompute: bool | None = None
                ) -> tuple[list[MoEPrediction], list[MoEPrediction]]:
-    """(every (x, z, data, expert) of ``world`` devices that fits, fastest first; the others, with why)."""
+    """(every (x, z, data, expert) of ``world`` devices that fits, fastest first; the others, with why);
+    ``recompute`` as :func:`predict` takes it."""
     fitting, excluded = [], []
     for gx in divisors(world):
         for gz in divisors(world // gx):
             data = world // (gx * gz)
             for spread in divisors(data):
-                pred = predict(spec, {"x": gx, "z": gz, "data": data, "expert": spread}, machine, imbalance)
+                pred = predict(spec, {"x": gx, "z": gz, "data": data, "expert": spread}, machine, imbalance,
+                               recompute)
                 (fitting if pred.fits else excluded).append(pred)
     fitting.sort(key=lambda p: p.t_iter)
     return fitting, excluded
+
+
+def gpt_spec(config: GPTConfig, global_batch: int) -> MoESpec:
+    """par4d's GPT with ``mlp="moe"`` as the planner's mixture: multi-head attention, GELU experts of the dense
+    MLP's shape (``4 n_embd`` wide), ``extra`` what the decoder's formulas leave out: per block the attention's
+    biases (4 d) and the LayerNorms' biases (2 d), the final LayerNorm's bias (d) and the learned positions
+    (T d)."""
+    if config.mlp != "moe":
+        raise ValueError(f"gpt_spec: GPTConfig.mlp={config.mlp!r} is not a mixture (the dense GPT's is GPTSpec)")
+    d = config.n_embd
+    return MoESpec("gpt", n_layer=config.n_layer, hidden=d, heads=config.n_head, kv_heads=config.n_head,
+                   head_dim=d // config.n_head, experts=config.experts, top_k=config.top_k, expert_hidden=4 * d,
+                   vocab=config.vocab_size, shared=config.shared_experts, gated=False,
+                   extra=(6 * config.n_layer + 1 + config.block_size) * d, seq_len=config.block_size,
+                   global_batch=global_batch)
 
 
 def moe_spec(name: str) -> MoESpec:
