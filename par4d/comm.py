@@ -91,6 +91,12 @@ def _issue(grid: Grid, kind: str, axes: tuple[str, ...], message: torch.Tensor, 
     return result
 
 
+def _present(grid: Grid, axes: tuple[str, ...]) -> tuple[str, ...]:
+    """``axes`` without a context axis of one rank: a collective over the batch's axes (z, context, data) on
+    a grid without one is the one it was before there was a context axis (its group, its ledger entry)."""
+    return tuple(a for a in axes if a != "context" or grid.size(a) > 1)
+
+
 def _nothing(grid: Grid, result: torch.Tensor, async_op: bool):
     return Handle(None, grid.ledger, None, result) if async_op else result
 
@@ -101,6 +107,7 @@ def all_reduce(grid: Grid, tensor: torch.Tensor, *axes: str, op=dist.ReduceOp.SU
     over those ranks only that share this rank's coordinate on it (an expert's replicas), flat."""
     if grid.size(*axes, within=within) == 1:
         return _nothing(grid, tensor, async_op)
+    axes = _present(grid, axes)
     if within is not None:
         group = grid.group(*axes, within=within)
         return _issue(grid, "all_reduce", tuple(axes), tensor,
@@ -164,6 +171,7 @@ def broadcast(grid: Grid, tensor: torch.Tensor, *axes: str) -> torch.Tensor:
     """Overwrite ``tensor`` in place with that of coordinate 0 along ``axes``; returns it."""
     if grid.size(*axes) == 1:
         return tensor
+    axes = _present(grid, axes)
     group, source = grid.group(*axes), grid.group_ranks(*axes)[0]
     return _issue(grid, "broadcast", tuple(axes), tensor,
                   lambda a: dist.broadcast(tensor, src=source, group=group, async_op=a), False, tensor)
@@ -177,25 +185,28 @@ def all_gather_dim(grid: Grid, shard: torch.Tensor, axis: str, dim: int) -> torc
     return all_gather(grid, moved, axis).movedim(0, dim)
 
 
-def neighbour(grid: Grid, axis: str, offset: int) -> int:
-    """Global rank of the rank ``offset`` steps along ``axis`` (same coordinates on the others)."""
+def neighbour(grid: Grid, axis: str, offset: int, ring: bool = False) -> int:
+    """Global rank of the rank ``offset`` steps along ``axis`` (same coordinates on the others); ``ring``: the
+    axis closed into a ring (the last rank's next is the first)."""
     coords = coords_of(grid.rank, grid.sizes)
     coords[axis] += offset
+    if ring:
+        coords[axis] %= grid.size(axis)
     if not 0 <= coords[axis] < grid.size(axis):
         raise ValueError(f"rank {grid.rank} has no neighbour {offset:+d} along {axis} (size {grid.size(axis)})")
     return rank_of(coords, grid.sizes)
 
 
-def send(grid: Grid, tensor: torch.Tensor, axis: str, offset: int, tag: int = 0) -> Handle:
+def send(grid: Grid, tensor: torch.Tensor, axis: str, offset: int, tag: int = 0, ring: bool = False) -> Handle:
     """Send ``tensor`` to the neighbour ``offset`` along ``axis`` (non-blocking; keep the
-    handle, and the tensor, until it is waited). Point-to-point entries (``send``, ``recv``)
-    carry the message's bytes on each side."""
+    handle, and the tensor, until it is waited; ``ring``: see :func:`neighbour`). Point-to-point entries
+    (``send``, ``recv``) carry the message's bytes on each side."""
     tensor = tensor.contiguous()
-    peer = neighbour(grid, axis, offset)
+    peer = neighbour(grid, axis, offset, ring)
     return _issue(grid, "send", (axis,), tensor, lambda a: dist.isend(tensor, dst=peer, tag=tag), True, tensor)
 
 
-def recv(grid: Grid, buffer: torch.Tensor, axis: str, offset: int, tag: int = 0) -> Handle:
+def recv(grid: Grid, buffer: torch.Tensor, axis: str, offset: int, tag: int = 0, ring: bool = False) -> Handle:
     """Receive into ``buffer`` from the neighbour ``offset`` along ``axis`` (non-blocking)."""
-    peer = neighbour(grid, axis, offset)
+    peer = neighbour(grid, axis, offset, ring)
     return _issue(grid, "recv", (axis,), buffer, lambda a: dist.irecv(buffer, src=peer, tag=tag), True, buffer)

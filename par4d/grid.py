@@ -2,10 +2,11 @@
 
 Rank layout, innermost first (docs/architecture.md, "The grid")::
 
-    rank = (((pipe * G_data + data) * G_z + z) * G_y + y) * G_x + x
+    rank = ((((pipe * G_data + data) * G_context + context) * G_z + z) * G_y + y) * G_x + x
 
-so ``x`` varies fastest. Single-axis groups come from torch's DeviceMesh; groups
-spanning several axes (e.g. ``("z", "data")`` for gradient sync) are built once at
+so ``x`` varies fastest; ``context`` (each sequence cut over its ranks) sits inside ``data``, where its
+ring's transfers stay close, and at size 1 changes no rank's place. Single-axis groups come from torch's
+DeviceMesh; groups spanning several axes (e.g. ``("z", "data")`` for gradient sync) are built once at
 construction, collectively, so nothing is created lazily behind a user's back.
 Joining the job is :mod:`par4d.launch`'s work; a Grid is built over a job already joined.
 """
@@ -34,6 +35,7 @@ class Axis(str, Enum):
     X = "x"
     Y = "y"
     Z = "z"
+    CONTEXT = "context"
     DATA = "data"
     PIPE = "pipe"
 
@@ -43,6 +45,9 @@ class Axis(str, Enum):
 
 AXES: tuple[str, ...] = tuple(a.value for a in Axis)
 """Axis names, innermost first."""
+
+SHOWN_ABOVE_ONE = ("context",)
+"""Axes a grid's description names only where they are > 1 (after the five of the papers' grids)."""
 
 TENSOR_AXES: tuple[str, ...] = ("x", "y", "z")
 """The axes of the 3D tensor-parallel grid inside one data replica."""
@@ -54,7 +59,9 @@ ranks of ``data`` (E consecutive data coordinates hold every expert between them
 
 # Multi-axis groups built at construction (each a tuple in AXES order).
 _COMBINED: tuple[tuple[str, ...], ...] = (("z", "data"), ("x", "y", "z"))
-STAGE = ("x", "y", "z", "data")      # every rank of a pipeline stage (grids with pipe > 1 build its group)
+# ... and with a context axis: what gradients and a batch's statistics are summed over
+_WITH_CONTEXT: tuple[tuple[str, ...], ...] = (("z", "context"), ("context", "data"), ("z", "context", "data"))
+STAGE = ("x", "y", "z", "context", "data")     # every rank of a pipeline stage (built on grids with pipe > 1)
 
 
 def check_axes(axes: Iterable[str]) -> tuple[str, ...]:
@@ -62,7 +69,8 @@ def check_axes(axes: Iterable[str]) -> tuple[str, ...]:
     axes = tuple(axes)
     unknown = [a for a in axes if a not in AXES and a not in FOLDED]
     if unknown:
-        raise ValueError(f"unknown grid axis {unknown[0]!r}; valid axes are {', '.join([*AXES, *FOLDED])}")
+        named = [a for a in AXES if a not in SHOWN_ABOVE_ONE] + [*FOLDED, *SHOWN_ABOVE_ONE]
+        raise ValueError(f"unknown grid axis {unknown[0]!r}; valid axes are {', '.join(named)}")
     return tuple(a for a in (*AXES, *FOLDED) if a in axes)
 
 
@@ -107,32 +115,40 @@ def validate_sizes(sizes: dict[str, int], world_size: int) -> dict[str, int]:
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"grid axis {axis}={size!r} must be an integer >= 1")
         full[axis] = size
+    if full["context"] > 1 and full.get("expert", 1) > 1:
+        raise ValueError(f"grid axes context={full['context']} and expert={full['expert']} together are not built "
+                         f"yet: give one of them")
     for axis, host in FOLDED.items():
         if full.get(axis, 1) > 1 and full[host] % full[axis]:
             raise ValueError(f"grid axis {axis}={full[axis]} folds over {host}={full[host]}, which it does not "
                              f"divide: give {host} a multiple of {full[axis]} ({axis} spreads over {host}'s ranks)")
     product = world_of(full)
     if product != world_size:
-        shape = " * ".join(f"{a}={full[a]}" for a in AXES)
+        shape = " * ".join(f"{a}={full[a]}" for a in AXES if a not in SHOWN_ABOVE_ONE or full[a] > 1)
         raise ValueError(
             f"grid {shape} = {product} ranks, but the job has world size {world_size}; "
             f"the product of the axis sizes must equal the world size"
         )
+    for axis in SHOWN_ABOVE_ONE:       # in a grid's sizes only where > 1: a grid without it is the grid it was
+        if full[axis] == 1:
+            del full[axis]
     return full
 
 
 def describe(sizes: dict[str, int]) -> str:
-    """``"x=2 y=1 z=2 data=1 pipe=1"``: every axis, in AXES order (then a folded one, where it is > 1)."""
+    """``"x=2 y=1 z=2 data=1 pipe=1"``: every axis, in AXES order (context, and then a folded one, only where
+    it is > 1)."""
     folded = [f"{a}={sizes[a]}" for a in FOLDED if sizes.get(a, 1) > 1]
-    return " ".join([*(f"{a}={sizes.get(a, 1)}" for a in AXES), *folded])
+    return " ".join([*(f"{a}={sizes.get(a, 1)}" for a in AXES if a not in SHOWN_ABOVE_ONE or sizes.get(a, 1) > 1),
+                     *folded])
 
 
 def coords_of(rank: int, sizes: dict[str, int]) -> dict[str, int]:
     """Coordinates of ``rank`` in a grid of ``sizes`` (the layout above)."""
     coords = {}
     for axis in AXES:
-        coords[axis] = rank % sizes[axis]
-        rank //= sizes[axis]
+        coords[axis] = rank % sizes.get(axis, 1)
+        rank //= sizes.get(axis, 1)
     for axis, host in FOLDED.items():      # the innermost factor of its host: consecutive host coordinates
         if axis in sizes:
             coords[axis] = coords[host] % sizes[axis]
@@ -143,7 +159,7 @@ def rank_of(coords: dict[str, int], sizes: dict[str, int]) -> int:
     """Inverse of :func:`coords_of`."""
     rank = 0
     for axis in reversed(AXES):
-        rank = rank * sizes[axis] + coords[axis]
+        rank = rank * sizes.get(axis, 1) + coords.get(axis, 0)
     return rank
 
 
@@ -254,7 +270,7 @@ class Grid:
             return next(g for g in folded_groups(self.sizes, key[0]) if self.rank in g) \
                 if self.sizes.get(key[0], 1) > 1 else [self.rank]
         mine = coords_of(self.rank, self.sizes)
-        ranges = [range(self.sizes[a]) if a in key else [mine[a]] for a in AXES]
+        ranges = [range(self.sizes.get(a, 1)) if a in key else [mine[a]] for a in AXES]
         return [rank_of(dict(zip(reversed(AXES), c)), self.sizes) for c in itertools.product(*reversed(ranges))]
 
     def close(self) -> None:
@@ -323,8 +339,8 @@ def build_grid(sizes: dict[str, int], device: torch.device, nodes: tuple[int, ..
     if hierarchical == "on" and device.type != "cpu":
         raise ValueError(f"hierarchical='on': staged collectives run on gloo (CPU) only; on {device.type} "
                          f"NCCL chooses its own topology-aware algorithms (use auto or off)")
-    names = tuple(reversed(AXES))  # outermost first: pipe, data, z, y, x
-    mesh = init_device_mesh(device.type, tuple(sizes[a] for a in names), mesh_dim_names=names)
+    names = tuple(reversed(AXES))  # outermost first: pipe, data, context, z, y, x
+    mesh = init_device_mesh(device.type, tuple(sizes.get(a, 1) for a in names), mesh_dim_names=names)
     grid = Grid(sizes=dict(sizes), rank=dist.get_rank(), device=device, mesh=mesh, nodes=nodes,
                 hierarchical=hierarchical)
     for axis in AXES:
@@ -334,10 +350,11 @@ def build_grid(sizes: dict[str, int], device: torch.device, nodes: tuple[int, ..
             grid._groups[(axis,)], _ = dist.new_subgroups_by_enumeration(folded_groups(sizes, axis))
             for key in ((FOLDED[axis],), ("z", FOLDED[axis])):    # what gradients are summed over, within it
                 grid._within[(key, axis)], _ = dist.new_subgroups_by_enumeration(within_groups(sizes, key, axis))
-    for combo in _COMBINED:
+    for combo in _COMBINED + (_WITH_CONTEXT if sizes.get("context", 1) > 1 else ()):
         grid._groups[combo] = _combined_group(grid, combo)
     if sizes.get("pipe", 1) > 1:     # a stage's ranks, all of them: where they agree on the pipeline's order
-        grid._groups[STAGE] = _combined_group(grid, STAGE)
+        stage = tuple(a for a in STAGE if a != "context" or sizes.get(a, 1) > 1)    # as comm names it
+        grid._groups[stage] = _combined_group(grid, stage)
     if nodes is not None and device.type == "cpu" and hierarchical != "off":
         made: dict[tuple, tuple[dist.ProcessGroup, ...]] = {}   # ("z",) and ("z", "data") at data=1 share groups
         for key, found in staged_splits(grid.sizes, nodes).items():
@@ -355,7 +372,8 @@ def build_grid(sizes: dict[str, int], device: torch.device, nodes: tuple[int, ..
 def staged_splits(sizes: dict[str, int], nodes: tuple[int, ...]) -> dict[tuple[str, ...], Split]:
     """The sets of axes with a process group whose groups span ``nodes`` in a way staging pays
     (par4d.hierarchy.split), and how: what build_grid builds stage groups for."""
-    keys, full = sorted([(a,) for a in AXES] + list(_COMBINED)), validate_sizes(sizes, len(nodes))
+    full = validate_sizes(sizes, len(nodes))
+    keys = sorted([(a,) for a in AXES] + list(_COMBINED) + list(_WITH_CONTEXT if full.get("context", 1) > 1 else ()))
     found = {key: split(groups_of(full, key), nodes) for key in keys}
     return {key: s for key, s in found.items() if s is not None}
 
@@ -365,10 +383,10 @@ def groups_of(sizes: dict[str, int], axes: tuple[str, ...]) -> list[list[int]]:
     (innermost axis fastest), the groups in order of their other coordinates."""
     others = [a for a in AXES if a not in axes]
     enumeration = []
-    for fixed in itertools.product(*(range(sizes[a]) for a in reversed(others))):
+    for fixed in itertools.product(*(range(sizes.get(a, 1)) for a in reversed(others))):
         base = dict(zip(reversed(others), fixed))
         members = []
-        for varying in itertools.product(*(range(sizes[a]) for a in reversed(axes))):
+        for varying in itertools.product(*(range(sizes.get(a, 1)) for a in reversed(axes))):
             coords = dict(base, **dict(zip(reversed(axes), varying)))
             members.append(rank_of(coords, sizes))
         enumeration.append(members)

@@ -26,9 +26,14 @@ import torch.nn as nn
 from par4d import comm
 from par4d.grid import TENSOR_AXES, Grid, check_axes
 
-BATCH_AXES = ("z", "data")
-"""The axes a batch's rows are split over: every rank of other samples (what a gradient of weights
-replicated over them is summed over, and a batch statistic's mean)."""
+BATCH_AXES = ("z", "context", "data")
+"""The axes a batch's tokens are split over: its samples over data and z, each sequence over context; every
+rank of other tokens (what a gradient of weights replicated over them is summed over, and a batch
+statistic's mean)."""
+
+REPLICAS = ("context", "data")
+"""The axes whose ranks hold the same shards of the weights and other tokens: what the gradient of a weight
+sharded over z is still a partial sum over."""
 
 
 @dataclass(frozen=True)
@@ -247,8 +252,36 @@ def batch_slice(grid: Grid, batch: int) -> slice:
 
 
 def shard_batch(grid: Grid, tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's samples (dim 0) of a global batch."""
-    return tensor[batch_slice(grid, tensor.shape[0])]
+    """This rank's samples (dim 0) of a global batch and, on a grid with a context axis, of each sample's
+    sequence (dim 1) its two chunks (:func:`sequence_chunks`)."""
+    return shard_sequence(grid, tensor[batch_slice(grid, tensor.shape[0])])
+
+
+def sequence_chunks(grid: Grid, length: int) -> tuple[slice, slice]:
+    """This rank's two chunks of a sequence of ``length`` tokens cut over ``context``: the sequence in 2C equal
+    chunks, rank i holding chunks i and 2C-1-i, so that every rank has as much causal attention to compute
+    (docs/architecture.md, "Long sequences")."""
+    parts = 2 * grid.size("context")
+    if length % parts:
+        raise ValueError(f"a sequence of {length} tokens does not cut into 2 * context = {parts} equal chunks")
+    i = grid.coord("context")
+    return block(length, parts, i), block(length, parts, parts - 1 - i)
+
+
+def shard_sequence(grid: Grid, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """This rank's two chunks (:func:`sequence_chunks`) of every sequence along ``dim``, in that order."""
+    if grid.size("context") == 1:
+        return tensor
+    first, second = sequence_chunks(grid, tensor.shape[dim])
+    return torch.cat([tensor.narrow(dim, c.start, c.stop - c.start) for c in (first, second)], dim)
+
+
+def positions(grid: Grid, local: int, device: torch.device | None = None) -> torch.Tensor:
+    """The global positions of this rank's ``local`` tokens of a sequence (its two chunks over context)."""
+    if grid.size("context") == 1:
+        return torch.arange(local, device=device)
+    first, second = sequence_chunks(grid, local * grid.size("context"))
+    return torch.cat([torch.arange(c.start, c.stop, device=device) for c in (first, second)])
 
 
 def shard_features(grid: Grid, tensor: torch.Tensor, axis: str) -> torch.Tensor:
@@ -267,5 +300,6 @@ def shard_activation(grid: Grid, tensor: torch.Tensor, axis: str) -> torch.Tenso
 
 
 __all__ = ["Box", "Placement", "Reader", "Split", "batch_slice", "boxes", "block", "fill", "gather_features",
-           "local_range", "overlap", "place", "placement_of", "shard", "shard_activation", "shard_batch",
-           "shard_features", "shard_name", "slice_reader", "unshard"]
+           "local_range", "overlap", "place", "placement_of", "positions", "sequence_chunks", "shard",
+           "shard_activation", "shard_batch", "shard_features", "shard_name", "shard_sequence", "slice_reader",
+           "unshard"]

@@ -17,17 +17,17 @@ _current: dict[tuple, Grid] = {}
 
 
 def grid(x: int = 1, y: int = 1, z: int = 1, data: int = 1, pipe: int = 1,
-         nodes: tuple[int, ...] | None = None, hierarchical: str = "auto", expert: int = 1) -> Grid:
+         nodes: tuple[int, ...] | None = None, hierarchical: str = "auto", expert: int = 1, context: int = 1) -> Grid:
     """The grid of this shape, reused while tests ask for the same shape (building
     groups costs); the previous shape's grid is closed, since idle groups slow the
     pool's ranks (docs/planner.md). ``nodes``: each rank's node, declared (the pool's ranks
     share one host): collectives over groups that span the declared nodes go in stages."""
-    key = (x, y, z, data, pipe, nodes, hierarchical, expert)
+    key = (x, y, z, data, pipe, nodes, hierarchical, expert, context)
     if key not in _current:
         for old in _current.values():
             old.close()
         _current.clear()
-        sizes = dict(x=x, y=y, z=z, data=data, pipe=pipe)
+        sizes = dict(x=x, y=y, z=z, data=data, pipe=pipe, **({"context": context} if context > 1 else {}))
         if nodes is None:
             _current[key] = par4d.init(**sizes, hierarchical=hierarchical, expert=expert)
         else:

@@ -12,12 +12,18 @@ from tests import cases
 
 
 def test_rank_layout_matches_design_formula():
-    sizes = dict(x=2, y=3, z=2, data=2, pipe=2)
-    for pipe, data, z, y, x in itertools.product(*(range(sizes[a]) for a in reversed(AXES))):
-        rank = (((pipe * sizes["data"] + data) * sizes["z"] + z) * sizes["y"] + y) * sizes["x"] + x
-        coords = dict(x=x, y=y, z=z, data=data, pipe=pipe)
+    sizes = dict(x=2, y=3, z=2, context=2, data=2, pipe=2)
+    for pipe, data, context, z, y, x in itertools.product(*(range(sizes[a]) for a in reversed(AXES))):
+        rank = ((((pipe * sizes["data"] + data) * sizes["context"] + context) * sizes["z"] + z) * sizes["y"] + y) \
+            * sizes["x"] + x
+        coords = dict(x=x, y=y, z=z, context=context, data=data, pipe=pipe)
         assert rank_of(coords, sizes) == rank
         assert coords_of(rank, sizes) == coords
+    # Without a context axis (size 1: not in a grid's sizes), every rank's place is what it was
+    del sizes["context"]
+    for pipe, data, z, y, x in itertools.product(*(range(sizes[a]) for a in ("pipe", "data", "z", "y", "x"))):
+        rank = (((pipe * sizes["data"] + data) * sizes["z"] + z) * sizes["y"] + y) * sizes["x"] + x
+        assert coords_of(rank, sizes) == dict(x=x, y=y, z=z, context=0, data=data, pipe=pipe)
 
 
 def _group_members(sizes: dict) -> dict:

@@ -534,9 +534,9 @@ def test_the_overlaps_asked_for_reach_every_model_and_a_pipeline_reports_what_ra
         model = build_model(config, Grid.virtual({"x": 1, "y": 1, "z": 1, "data": 1, "pipe": 1}))
         assert par4d.state(model).overlap == config.overlap_settings() and par4d.state(model).runtime is not None
         assert config.overlap_run() == config.overlap_settings()
-    # A pipeline's stages run outside the model's forward and the step's own backward: only OAR and xy act, and the run
-    # says so before it starts; what it reports is what ran.
+    # A pipeline's stages run outside the model's forward and the step's own backward: only OAR, xy and ep (inside a
+    # layer's forward) act, and the run says so before it starts; what it reports is what ran.
     piped = checked_config(*SMALL, "--n-layer", "2", "--grid", "pipe=2", "--overlap", "all", "--out", "unused", world=2)
-    assert piped.overlap_run().names == ("oar", "xy")
-    assert piped.overlap_settings().names == ("oar", "ors", "oag", "dp", "xy")
+    assert piped.overlap_run().names == ("oar", "xy", "ep")
+    assert piped.overlap_settings().names == ("oar", "ors", "oag", "dp", "xy", "ep")
     assert ("--grid pipe=2: --overlap ors,oag,dp do not act with a pipeline yet" in capsys.readouterr().out)

@@ -37,7 +37,7 @@ class CausalLM(nn.Module):
                              "no pipeline stage holds: cut it into stages without it, or on pipe=1")
         # The axes whose ranks join the same collectives inside a pipeline stage: a mixture's exchanges and
         # counts span data too (par4d.pipeline)
-        self.stage_axes = ("x", "y", "z", "data") if mixtures else ("x", "y", "z")
+        self.stage_axes = ("x", "y", "z", "context", "data") if mixtures else ("x", "y", "z")
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if not (self.first and self.last):

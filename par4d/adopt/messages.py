@@ -138,7 +138,7 @@ def sync_messages(model: nn.Module, sizes: dict[str, int]) -> list[Message]:
     groups: dict[tuple[str, ...], int] = defaultdict(int)
     for param in model.parameters():
         if param.requires_grad:
-            groups[tuple(a for a in placement_of(param).grad_sum if sizes[a] > 1)] += param.numel()
+            groups[tuple(a for a in placement_of(param).grad_sum if sizes.get(a, 1) > 1)] += param.numel()
     return [("all_reduce", axes, n) for axes, n in sorted(groups.items()) if axes]
 
 
@@ -147,5 +147,5 @@ def bytes_sent(message: Message, sizes: dict[str, int], bytes_per_element: int =
     kind, axes, elements = message
     ranks = 1
     for a in axes:
-        ranks *= sizes[a]
+        ranks *= sizes.get(a, 1)
     return ring_terms(kind, ranks)[1] * elements * bytes_per_element

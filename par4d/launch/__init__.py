@@ -30,9 +30,10 @@ __all__ = ["JOIN_TIMEOUT", "DistEnv", "Interrupted", "RankFailed", "children", "
 
 
 def init(x: int = 1, y: int = 1, z: int = 1, data: int = 1, pipe: int = 1, hierarchical: str = "auto",
-         expert: int = 1) -> Grid:
-    """Build the grid ``x * y * z * data * pipe`` over the current job, ``expert`` folded over ``data``
-    (a mixture's experts spread over that many of its ranks: par4d.nn.MoE). A model's overlaps are
+         expert: int = 1, context: int = 1) -> Grid:
+    """Build the grid ``x * y * z * context * data * pipe`` over the current job (``context``: each sequence
+    cut over that many ranks, par4d.nn.ring), ``expert`` folded over ``data`` (a mixture's experts spread
+    over that many of its ranks: par4d.nn.MoE). A model's overlaps are
     its own (``par4d.overlap.set_overlap``; par4d's GPT and U-Net take ``overlap=``).
 
     Joins an existing torch.distributed job or initializes one from the
@@ -47,7 +48,8 @@ def init(x: int = 1, y: int = 1, z: int = 1, data: int = 1, pipe: int = 1, hiera
     from par4d.hierarchy import check_mode, node_indices, node_key
 
     check_mode(hierarchical)
-    requested = {"x": x, "y": y, "z": z, "data": data, "pipe": pipe, **({"expert": expert} if expert != 1 else {})}
+    requested = {"x": x, "y": y, "z": z, "context": context, "data": data, "pipe": pipe,
+                 **({"expert": expert} if expert != 1 else {})}
     env = distributed_env()
     if dist.is_initialized():
         world = dist.get_world_size()

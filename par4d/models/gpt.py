@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from par4d.grid import Grid
+from par4d.layout import positions
 from par4d.models.config import GPTConfig, init_tensor
 from par4d.nn import CausalSelfAttention, Embedding, LayerNorm, Linear, MoE, vocab_parallel_cross_entropy
 from par4d.nn.base import ShardedModule, full_state_dict, load_full_state_dict
@@ -97,6 +98,9 @@ class GPT(nn.Module):
                 raise ValueError(f"GPTConfig.mlp={config.mlp!r} needs its MLP factory: pass "
                                  f"mlp=par4d.phantom.PhantomMLP, or build with par4d.train.recipes.gpt.build_gpt")
             mlp = moe_mlp if config.mlp == "moe" else DenseMLP
+        if grid.size("context") > 1 and grid.size("pipe") > 1:
+            raise ValueError(f"grid context={grid.size('context')} with pipe={grid.size('pipe')}: the pipeline with a "
+                             f"context axis is not built yet")
         stages = config.stage_blocks(grid.size("pipe"))
         for blocks in stages:
             if recompute < 0 or (recompute and len(blocks) % recompute):
@@ -106,7 +110,7 @@ class GPT(nn.Module):
         self.config, self.grid, self.recompute = config, grid, recompute
         # The axes whose ranks join the same collectives inside a pipeline stage during a step: a mixture's
         # exchanges and counts span data too, so every rank of a stage takes the pipeline's messages in one order
-        self.stage_axes = ("x", "y", "z", "data") if config.mlp == "moe" else ("x", "y", "z")
+        self.stage_axes = ("x", "y", "z", "context", "data") if config.mlp == "moe" else ("x", "y", "z")
         # This rank's pipeline stage: its blocks, the embeddings on the first, ln_f and the head on the last.
         stage = grid.coord("pipe")
         self.block_range = stages[stage]
@@ -146,10 +150,11 @@ class GPT(nn.Module):
         shard (B, T, V / G_x) or, with ``targets``, the mean cross-entropy over its tokens."""
         h = inputs
         if self.first:
-            seq = inputs.shape[1]
-            if seq > self.config.block_size:
-                raise ValueError(f"sequence length {seq} exceeds block_size={self.config.block_size}")
-            h = self.wte(inputs) + self.wpe(torch.arange(seq, device=inputs.device))   # (B, T, D/G_y)
+            seq = inputs.shape[1]          # this rank's tokens of each sequence (its two chunks over context)
+            if seq * self.grid.size("context") > self.config.block_size:
+                raise ValueError(f"sequence length {seq * self.grid.size('context')} exceeds "
+                                 f"block_size={self.config.block_size}")
+            h = self.wte(inputs) + self.wpe(positions(self.grid, seq, inputs.device))   # (B, T, D/G_y)
         parallel = state(self)
         h = run_blocks(list(self.blocks.values()), h, self.recompute, parallel.runtime, parallel.observe_recompute)
         if not self.last:

@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from par4d import comm
-from par4d.layout import Placement, Split, place
+from par4d.layout import BATCH_AXES, REPLICAS, Placement, Split, place
 from par4d.nn.base import ShardedModule
 from par4d.nn.collectives import GatherFeatures, SplitFeatures
 
@@ -218,14 +218,14 @@ def algorithm1_parameters(layer: Algorithm1Layer, out_features: int, in_features
     if layer.weight_layout == "in_out":     # (in, out): the same shards, transposed
         layer.weight = place(nn.Parameter(torch.empty(cols, rows, device=grid.device)),
                              Placement((Split(1, layer.out_axis, chunks=out_chunks), Split(0, layer.in_axis),
-                                        Split(1, "z")), grad_sum=("data",)))
+                                        Split(1, "z")), grad_sum=REPLICAS))
     else:
         layer.weight = place(nn.Parameter(torch.empty(rows, cols, *kernel, device=grid.device)),
-                             Placement((out_split, Split(1, layer.in_axis), Split(0, "z")), grad_sum=("data",)))
+                             Placement((out_split, Split(1, layer.in_axis), Split(0, "z")), grad_sum=REPLICAS))
     layer.bias = None
     if bias:
         layer.bias = place(nn.Parameter(torch.empty(out_features // g_out, device=grid.device)),
-                           Placement((out_split,), grad_sum=("z", "data")))
+                           Placement((out_split,), grad_sum=BATCH_AXES))
     if grid.device.type == "meta" or not initialize:
         return
     generator = torch.Generator().manual_seed(seed)

@@ -4,7 +4,8 @@ The fused QKV projection is a normal Linear with ``out_chunks=3``: its out-featu
 are split over x chunk by chunk, so rank i holds q, k and v of the same heads
 ``[i H/G_x, (i+1) H/G_x)`` and attention is local. The output projection is a
 transposed Linear (in-features over x), returning to the residual layout
-(features over y).
+(features over y). On a grid with a context axis each rank holds two chunks of every sequence and
+attention runs around the context group's ring (:mod:`par4d.nn.ring`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 
 from par4d.grid import Grid
 from par4d.nn.linear import Linear
+from par4d.nn.ring import ring_attention
 
 
 class CausalSelfAttention(torch.nn.Module):
@@ -25,6 +27,7 @@ class CausalSelfAttention(torch.nn.Module):
         if n_head % grid.size("x"):
             raise ValueError(f"{name}: n_head={n_head} is not divisible by x={grid.size('x')} "
                              f"(heads are split over x)")
+        self.grid = grid
         self.n_head_local = n_head // grid.size("x")
         self.head_dim = dim // n_head
         # Own seeds: with one seed, proj's weight would repeat the q rows of qkv's.
@@ -37,6 +40,9 @@ class CausalSelfAttention(torch.nn.Module):
         batch, seq, _ = h.shape                                       # h: (B, T, D/G_y)
         q, k, v = self.qkv(h).chunk(3, dim=-1)                        # each (B, T, D/G_x)
         q, k, v = (t.view(batch, seq, self.n_head_local, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H/G_x, T, hd)
+        if self.grid.size("context") > 1:                             # T: this rank's two chunks
+            att = ring_attention(q, k, v, self.grid)
+        else:
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H/G_x, T, hd)
         return self.proj(att.transpose(1, 2).reshape(batch, seq, -1))  # (B, T, D/G_y)
 

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from par4d.grid import Grid, Indivisible
-from par4d.layout import Placement, Split, place
+from par4d.layout import REPLICAS, Placement, Split, place
 from par4d.nn.algorithm1 import check_layout
 from par4d.nn.base import ShardedModule
 from par4d.nn.collectives import GatherFeatures, gather_shards
@@ -38,7 +38,7 @@ class Embedding(ShardedModule):
         self.grid, self.axis, self.num_embeddings, self.dim = grid, axis, num_embeddings, dim
         # Rows over z (gathered in forward like Ŵ, so z sums the gradient), features over axis.
         self.weight = place(nn.Parameter(torch.empty(num_embeddings // g_z, dim // g_axis, device=grid.device)),
-                            Placement((Split(1, axis), Split(0, "z")), grad_sum=("data",)))
+                            Placement((Split(1, axis), Split(0, "z")), grad_sum=REPLICAS))
         if grid.device.type == "meta" or not initialize:
             return  # shapes only (a virtual grid), or the caller loads full tensors next
         generator = torch.Generator().manual_seed(seed)

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from par4d import comm
 from par4d.grid import Grid, Indivisible
-from par4d.layout import BATCH_AXES, Placement, Split, place
+from par4d.layout import BATCH_AXES, REPLICAS, Placement, Split, place
 from par4d.nn.algorithm1 import Algorithm1
 from par4d.nn.base import ShardedModule
 from par4d.nn.collectives import SumFeatures, SumGradients
@@ -52,8 +52,8 @@ def expert_placement(transposed: bool, chunks: int = 1) -> Placement:
     ``transposed``, a transposed one's (out over y, in over x); each expert's gradient summed over its
     replicas on data."""
     if transposed:
-        return Placement((Split(0, "expert"), Split(1, "y"), Split(2, "x"), Split(1, "z")), ("data",))
-    return Placement((Split(0, "expert"), Split(1, "x", chunks=chunks), Split(2, "y"), Split(1, "z")), ("data",))
+        return Placement((Split(0, "expert"), Split(1, "y"), Split(2, "x"), Split(1, "z")), REPLICAS)
+    return Placement((Split(0, "expert"), Split(1, "x", chunks=chunks), Split(2, "y"), Split(1, "z")), REPLICAS)
 
 
 class Exchange(torch.autograd.Function):

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from par4d import comm
 from par4d.grid import Grid
-from par4d.layout import Placement, Split, place
+from par4d.layout import BATCH_AXES, Placement, Split, place
 from par4d.nn.base import ShardedModule
 from par4d.nn.collectives import SumGradients, SumOver
 
@@ -69,7 +69,7 @@ class LayerNorm(ShardedModule):
             raise ValueError(f"{name}(dim={dim}): dim is not divisible by {axis}={grid.size(axis)}")
         self.grid, self.axis, self.dim, self.eps = grid, axis, dim, eps
         local = dim // grid.size(axis)
-        placement = Placement((Split(0, axis),), grad_sum=("z", "data"))   # replicated over z: partial there
+        placement = Placement((Split(0, axis),), grad_sum=BATCH_AXES)   # replicated over z: partial there
         self.weight = place(nn.Parameter(torch.ones(local, device=grid.device)), placement)
         self.bias = place(nn.Parameter(torch.zeros(local, device=grid.device)), placement)
 
@@ -88,7 +88,7 @@ class RMSNorm(ShardedModule):
         if dim % grid.size(axis):
             raise ValueError(f"{name}(dim={dim}): dim is not divisible by {axis}={grid.size(axis)}")
         self.grid, self.axis, self.dim, self.eps = grid, axis, dim, eps
-        placement = Placement((Split(0, axis),), grad_sum=("z", "data"))   # replicated over z: partial there
+        placement = Placement((Split(0, axis),), grad_sum=BATCH_AXES)   # replicated over z: partial there
         self.weight = place(nn.Parameter(torch.ones(dim // grid.size(axis), device=grid.device)), placement)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from par4d import comm
 from par4d.grid import FOLDED, TENSOR_AXES, Grid
-from par4d.layout import Placement, placement_of
+from par4d.layout import BATCH_AXES, Placement, placement_of
 from par4d.overlap.policy import BUCKET_MB, Overlap
 from par4d.parallel import state
 
@@ -79,7 +79,7 @@ class _Bucket:
 
 class GradientSync:
     """The data-parallel sync of one model: gradients summed over their partial axes in
-    fixed buckets, then divided by G_data * G_z.
+    fixed buckets, then divided by G_data * G_z * G_context.
 
     Buckets are fixed when the sync is built: per group of partial axes, parameters in
     reverse registration order (roughly the order backward produces their gradients),
@@ -109,7 +109,7 @@ class GradientSync:
                 within = _within(placement, grid)
                 axes = tuple(a for a in placement.grad_sum if grid.size(a, within=within) > 1)
                 grouped[(axes, within if axes else None)].append(param)
-        self.scale = 1.0 / grid.size("z", "data")
+        self.scale = 1.0 / grid.size(*BATCH_AXES)      # each rank's loss a mean over as many tokens
         # Weights tied across pipeline stages: yielded last, once the other stage's gradient is added.
         self.tied = [p for p in model.parameters() if p.requires_grad and placement_of(p).pipe_peer]
         self.scaled_only = grouped.pop(((), None), [])
@@ -295,10 +295,10 @@ def sync_gradients(model: nn.Module, grid: Grid) -> None:
 
 @torch.no_grad()
 def global_mean(value: torch.Tensor, grid: Grid) -> torch.Tensor:
-    """Mean of a per-rank batch statistic over the batch shards (data x z)."""
+    """Mean of a per-rank batch statistic over the batch's shards (data x z x context)."""
     out = value.detach().clone().reshape(1)
-    comm.all_reduce(grid, out, "z", "data")
-    return out[0] / grid.size("z", "data")
+    comm.all_reduce(grid, out, *BATCH_AXES)
+    return out[0] / grid.size(*BATCH_AXES)
 
 
 @torch.no_grad()

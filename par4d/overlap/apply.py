@@ -4,9 +4,9 @@ Every Algorithm 1 layer of the model (:class:`~par4d.nn.algorithm1.Algorithm1Lay
 Linear and Conv2d, whoever built them: par4d's GPT and U-Net, ``par4d.parallelize``, a user)
 gets one :class:`~par4d.overlap.runtime.LayerRuntime`, so the model's z all-gathers share one
 recorded order (OAG) and one cache, and its deferred reduce-scatters (ORS) one place where they
-are waited for; every mixture of experts (:class:`~par4d.nn.moe.Mixture`) its ``ep`` switch. Both go into the model's :class:`~par4d.parallel.ParallelState`, where the
-data-parallel overlap (``dp``) reads them when :func:`par4d.optim.data_parallel.gradient_sync`
-builds its buckets.
+are waited for; every mixture of experts (:class:`~par4d.nn.moe.Mixture`) its ``ep`` switch. Both go
+into the model's :class:`~par4d.parallel.ParallelState`, where the data-parallel overlap (``dp``) reads
+them when :func:`par4d.optim.data_parallel.gradient_sync` builds its buckets.
 """
 
 from __future__ import annotations

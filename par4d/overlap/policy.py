@@ -99,7 +99,7 @@ class Overlap:
         return self.cache_layers != 0
 
     def in_pipeline(self) -> Overlap:
-        """The switches that act on a grid with pipe > 1: OAR, xy and the cache (inside each layer's own forward
+        """The switches that act on a grid with pipe > 1: OAR, xy, ep and the cache (inside each layer's own forward
         and backward). Pipeline stages run outside the model's forward (no recorded gather order: no OAG) and
         outside the training step's own backward (no ORS, no buckets launched during backward)."""
         return replace(self, reduce_scatter=False, all_gather=False, data_parallel=False)

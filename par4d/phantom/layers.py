@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from par4d.grid import Grid
-from par4d.layout import Placement, Split, place
+from par4d.layout import REPLICAS, Placement, Split, place
 from par4d.nn.base import ShardedModule
 from par4d.nn.collectives import gather_shards
 
@@ -71,11 +71,11 @@ class PhantomLinear(ShardedModule):
         # A rank's own blocks: the full state stacks every rank's along a leading dim (p is
         # part of a phantom model's shape); the bias is one n_out vector cut over the axis.
         # The ghosts' reduce-scatter already summed every gradient over the axis.
-        stacked = Placement((Split(0, axis, stacked=True),), grad_sum=("data",))
+        stacked = Placement((Split(0, axis, stacked=True),), grad_sum=REPLICAS)
         for pname, shape in params.items():
             setattr(self, pname, place(nn.Parameter(torch.empty(shape, device=grid.device)), stacked))
         self.bias = place(nn.Parameter(torch.zeros(local_out, device=grid.device)),
-                          Placement((Split(0, axis),), grad_sum=("data",))) if bias else None
+                          Placement((Split(0, axis),), grad_sum=REPLICAS)) if bias else None
         if grid.device.type != "meta" and initialize:
             self._init(seed)
 

@@ -99,7 +99,8 @@ class MoESpec:
 
     def params(self) -> int:
         d = self.hidden
-        mixture = self.experts * d + self.matrices * d * self.expert_hidden * self.shared       # (DeepSeek's score bias: a buffer)
+        # (DeepSeek's score bias: a buffer)
+        mixture = self.experts * d + self.matrices * d * self.expert_hidden * self.shared
         blocks = self.n_layer * (self.attention_params() + 2 * d) + self.dense_layers * 3 * d * self.dense_hidden \
             + self.moe_layers * mixture
         return self.expert_params() + blocks + 2 * self.vocab * d + d + self.extra
@@ -221,7 +222,8 @@ def memory_terms(spec: MoESpec, sizes: dict[str, int], b: int, recompute: bool) 
     gathered = 0.0 if gz == 1 else b * layer * (1 if recompute else spec.n_layer)
     tokens = spec.tokens / (sizes["data"] * gz)
     qk, v = spec.attention_dims()
-    per_layer = b * ((4 * spec.hidden + 2 * (qk + v)) / gx + spec.top_k * (spec.hidden + spec.matrices * spec.expert_hidden / gx))
+    per_layer = b * ((4 * spec.hidden + 2 * (qk + v)) / gx
+                     + spec.top_k * (spec.hidden + spec.matrices * spec.expert_hidden / gx))
     activations = tokens * (spec.n_layer * b * spec.hidden + per_layer) if recompute \
         else tokens * spec.n_layer * per_layer
     return {"states": state_bytes(params, b), "gathered": gathered, "activations": activations}

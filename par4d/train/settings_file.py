@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 
 from par4d.folder import Folder
-from par4d.grid import AXES, FOLDED
+from par4d.grid import AXES, FOLDED, SHOWN_ABOVE_ONE
 
 # What a run's config.toml leaves out: --grid auto (the grid it chose is there), the launch, its folder.
 NOT_KEPT = ("grid_auto", "nproc", "machine", "out", "max_restarts")
@@ -148,7 +148,7 @@ def resolved(config) -> str:
     def value(dest: str):
         if dest.startswith("axis_"):
             axis = dest.removeprefix("axis_")
-            return None if axis in FOLDED and axis not in config.grid else config.grid.get(axis, 1)
+            return None if axis in (*FOLDED, *SHOWN_ABOVE_ONE) and axis not in config.grid else config.grid.get(axis, 1)
         if dest in MOE and config.mlp != "moe":       # (given without --mlp moe, they are refused)
             return None
         return None if dest in NOT_KEPT else getattr(config, dest)

@@ -1,0 +1,139 @@
+"""Causal attention over a sequence cut over the ``context`` axis: ring attention (docs/architecture.md, "Long
+sequences").
+
+Each rank of a context group of C holds two of the sequence's 2C equal chunks, i and 2C-1-i
+(:func:`par4d.layout.sequence_chunks`), as its queries, keys and values. The keys and values travel around
+the group: at step s a rank holds those of rank i - s (mod C) and sends them on to rank i + 1 while it
+computes with them, so after C steps its queries have met every key. Between two chunks, query chunk a
+and key chunk b: b < a is attended in full, b = a causally, b > a not at all (skipped: no work, no
+transfer saved, as every rank's keys travel the whole ring). The two chunks per rank give every rank the
+same work: chunk i has i earlier chunks, chunk 2C-1-i the rest.
+
+Each block's output and log-sum-exp are merged into the running ones in fp32 (or the inputs' wider dtype):
+``lse = log(e^lse + e^lse_b)``, ``out = out e^(lse_old - lse) + out_b e^(lse_b - lse)``. The backward runs
+the ring again: the keys and values travel as in forward, each with its gradient's running sum; at each
+step a rank adds its queries' part of the gradient of the keys and values it holds, and after the last
+step every sum has come back to the rank it belongs to. With the final log-sum-exp the blocks need no
+second pass (as flash attention's backward). Every transfer is a point-to-point pair recorded in the
+ledger (``send``/``recv`` over ``context``), issued before the block's arithmetic and waited for after it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from par4d import comm
+from par4d.grid import Grid
+
+KEYS, GRADIENTS = 11, 12      # message tags: a block's keys and values, their gradients' running sum
+
+
+def chunk_ids(rank: int, ranks: int) -> tuple[int, int]:
+    """The global chunk indices the context rank ``rank`` of ``ranks`` holds."""
+    return rank, 2 * ranks - 1 - rank
+
+
+def _pairs(mine: tuple[int, int], theirs: tuple[int, int]):
+    """(query chunk, key chunk, causal) for every pair of a rank's chunks and a key block's that attend."""
+    for a, qa in enumerate(mine):
+        for b, kb in enumerate(theirs):
+            if kb <= qa:
+                yield a, b, kb == qa
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if causal:
+        n = scores.shape[-1]
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return scores
+
+
+class RingAttention(torch.autograd.Function):
+    """``(q, k, v)`` (B, H, 2c, hd), this rank's two chunks of c tokens each, to the causal attention output
+    of its queries over the whole sequence, in the inputs' dtype."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Grid) -> torch.Tensor:
+        ranks, rank = grid.size("context"), grid.coord("context")
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        qs = q.to(dtype).chunk(2, dim=-2)
+        held = torch.stack([k, v]).contiguous()                        # one message: (2, B, H, 2c, hd)
+        out = [torch.zeros_like(part) for part in qs]
+        lse = [torch.full(part.shape[:-1], float("-inf"), dtype=dtype, device=q.device) for part in qs]
+        for step in range(ranks):
+            if step < ranks - 1:     # the next block on its way while this one is computed
+                incoming = torch.empty_like(held)
+                moves = [comm.send(grid, held, "context", 1, KEYS, ring=True),
+                         comm.recv(grid, incoming, "context", -1, KEYS, ring=True)]
+            ks, vs = (t.to(dtype).chunk(2, dim=-2) for t in held)
+            for a, b, causal in _pairs(chunk_ids(rank, ranks), chunk_ids((rank - step) % ranks, ranks)):
+                scores = _scores(qs[a], ks[b], scale, causal)
+                block_lse = scores.logsumexp(-1)
+                block_out = (scores - block_lse.unsqueeze(-1)).exp() @ vs[b]
+                merged = torch.logaddexp(lse[a], block_lse)
+                out[a] = out[a] * (lse[a] - merged).exp().unsqueeze(-1) + \
+                    block_out * (block_lse - merged).exp().unsqueeze(-1)
+                lse[a] = merged
+            if step < ranks - 1:
+                for move in moves:
+                    move.wait()
+                held = incoming
+        out, lse = torch.cat(out, dim=-2), torch.cat(lse, dim=-1)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.grid, ctx.scale = grid, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        grid, scale = ctx.grid, ctx.scale
+        ranks, rank = grid.size("context"), grid.coord("context")
+        dtype = out.dtype
+        qs, dos = q.to(dtype).chunk(2, dim=-2), grad_out.to(dtype).chunk(2, dim=-2)
+        lses = lse.chunk(2, dim=-1)
+        deltas = [(d * o).sum(-1) for d, o in zip(dos, out.chunk(2, dim=-2))]     # rowsum(dO * O)
+        dq = [torch.zeros_like(part) for part in qs]
+        held = torch.stack([k, v]).contiguous()
+        summed = None              # the running gradient sum of the block held, from the rank before
+        for step in range(ranks):
+            if step < ranks - 1:
+                incoming = torch.empty_like(held)
+                moves = [comm.send(grid, held, "context", 1, KEYS, ring=True),
+                         comm.recv(grid, incoming, "context", -1, KEYS, ring=True)]
+            ks, vs = (t.to(dtype).chunk(2, dim=-2) for t in held)
+            dk, dv = [torch.zeros_like(t) for t in ks], [torch.zeros_like(t) for t in vs]
+            for a, b, causal in _pairs(chunk_ids(rank, ranks), chunk_ids((rank - step) % ranks, ranks)):
+                probs = (_scores(qs[a], ks[b], scale, causal) - lses[a].unsqueeze(-1)).exp()
+                dv[b] = dv[b] + probs.transpose(-1, -2) @ dos[a]
+                dscores = probs * (dos[a] @ vs[b].transpose(-1, -2) - deltas[a].unsqueeze(-1))
+                dq[a] = dq[a] + (dscores @ ks[b]) * scale
+                dk[b] = dk[b] + (dscores.transpose(-1, -2) @ qs[a]) * scale
+            mine = torch.stack([torch.cat(dk, dim=-2), torch.cat(dv, dim=-2)])
+            if summed is not None:
+                summed[1].wait()
+                mine = summed[0] + mine
+            # The sum goes on with the block: to the next rank, which holds this block at its next step (after
+            # the last step, the block's own rank)
+            back = torch.empty_like(mine)
+            summed = (back, comm.recv(grid, back, "context", -1, GRADIENTS, ring=True))
+            sent = comm.send(grid, mine, "context", 1, GRADIENTS, ring=True)
+            if step < ranks - 1:
+                for move in moves:
+                    move.wait()
+                held = incoming
+            sent.wait()
+        summed[1].wait()
+        dkv = summed[0]
+        return torch.cat(dq, dim=-2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """Causal attention of this rank's queries ``q`` (B, H, 2c, hd: its two chunks of every sequence over
+    ``context``) over the whole sequence's keys and values (see the module's docstring)."""
+    if q.shape[-2] % 2:
+        raise ValueError(f"ring attention: {q.shape[-2]} tokens here are not this rank's two equal chunks")
+    return RingAttention.apply(q, k, v, grid)

@@ -1,0 +1,81 @@
+"""The context axis (each sequence cut over its ranks, two chunks each) and ring attention (par4d.nn.ring):
+the axis's sizes, coordinates and chunks; ring attention against torch's causal attention in float64 (the
+output and the gradients of queries, keys and values) with the bytes its transfers move counted exactly;
+par4d's GPT on grids with a context axis against its single-device twin in float64."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from par4d.grid import Grid, coords_of, describe, validate_sizes
+from par4d.layout import positions, sequence_chunks, shard_sequence
+from tests import cases
+from tests.cases import GPT_CONFIG, compare_gpt_with_twin
+from tests.helpers import sizes_id
+
+
+def test_the_context_axis_sits_inside_data_and_cuts_sequences_in_balanced_chunks():
+    sizes = validate_sizes({"x": 2, "context": 2, "data": 2}, 8)
+    assert describe(sizes) == "x=2 y=1 z=1 context=2 data=2 pipe=1"
+    assert describe(validate_sizes({"data": 2}, 2)) == "x=1 y=1 z=1 data=2 pipe=1"     # at 1: not named
+    assert [coords_of(r, sizes)["context"] for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert Grid.virtual(sizes, 2).group_ranks("context") == [0, 2]
+    # 2C chunks, rank i holding i and 2C-1-i: the same causal work on each
+    chunks = [sequence_chunks(Grid.virtual({"context": 4}, r), 16) for r in range(4)]
+    assert [(a.start, b.start) for a, b in chunks] == [(0, 14), (2, 12), (4, 10), (6, 8)]
+    grid = Grid.virtual({"context": 4}, 1)
+    assert positions(grid, 4).tolist() == [2, 3, 12, 13]
+    assert shard_sequence(grid, torch.arange(32).view(2, 16)).tolist() == [[2, 3, 12, 13], [18, 19, 28, 29]]
+    with pytest.raises(ValueError, match=r"a sequence of 12 tokens does not cut into 2 \* context = 8 equal chunks"):
+        sequence_chunks(grid, 12)
+    with pytest.raises(ValueError, match="context=2 and expert=2 together are not built yet"):
+        validate_sizes({"context": 2, "data": 2, "expert": 2}, 4)
+
+
+def _ring_against_torch(sizes: dict) -> dict:
+    """Ring attention's output and the gradients of q, k and v against torch's causal attention over the whole
+    sequence, in float64; what the transfers moved."""
+    from par4d.nn.ring import ring_attention
+
+    grid = cases.grid(**sizes)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 3, 16, 4, generator=gen, dtype=torch.float64) for _ in range(3))
+    weights = torch.randn(2, 3, 16, 4, generator=gen, dtype=torch.float64)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    (F.scaled_dot_product_attention(*full, is_causal=True) * weights).sum().backward()
+    mine = [shard_sequence(grid, t, dim=2).requires_grad_() for t in (q, k, v)]
+    with grid.ledger.capture() as entries:
+        out = ring_attention(*mine, grid)
+        (out * shard_sequence(grid, weights, dim=2)).sum().backward()
+    expected = shard_sequence(grid, F.scaled_dot_product_attention(q, k, v, is_causal=True), dim=2)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    for name, got, whole in zip("qkv", mine, full):
+        torch.testing.assert_close(got.grad, shard_sequence(grid, whole.grad, dim=2), rtol=1e-11, atol=1e-12,
+                                   msg=lambda m, n=name: f"d{n}: {m}")
+    return {kind: sum(e.bytes for e in entries if e.kind == kind) for kind in ("send", "recv")}
+
+
+@pytest.mark.parametrize("sizes", [dict(context=4), dict(context=2, data=2)], ids=sizes_id)
+def test_ring_attention_is_causal_attention_over_the_whole_sequence(pool4, sizes):
+    ranks = sizes["context"]
+    block = 2 * 2 * 3 * (16 // ranks) * 4 * 8          # keys and values of this rank's chunks, float64
+    # forward: C - 1 blocks on; backward: C - 1 blocks on again, and C running gradient sums
+    expected = (ranks - 1) * block + (ranks - 1) * block + ranks * block
+    assert pool4.run(_ring_against_torch, sizes) == [{"send": expected, "recv": expected}] * 4
+
+
+def _gpt_matches_twin(sizes: dict) -> int:
+    with cases.float64():
+        return compare_gpt_with_twin(cases.grid(**sizes), sizes, GPT_CONFIG)
+
+
+@pytest.mark.parametrize("sizes", [dict(context=4), dict(context=2, data=2), dict(x=2, context=2),
+                                   dict(y=2, context=2), dict(z=2, context=2)], ids=sizes_id)
+def test_gpt_with_a_context_axis_matches_twin_4_ranks(pool4, sizes):
+    """The loss, every gradient and the parameters after 3 AdamW steps, in float64."""
+    assert len(set(pool4.run(_gpt_matches_twin, sizes))) == 1
+
+
+def test_gpt_with_a_context_axis_matches_twin_8_ranks(pool8):
+    """Three axes at once: heads over x, the batch over z, each sequence over context."""
+    assert len(set(pool8.run(_gpt_matches_twin, dict(x=2, z=2, context=2)))) == 1
