@@ -79,3 +79,30 @@ def test_gpt_with_a_context_axis_matches_twin_4_ranks(pool4, sizes):
 def test_gpt_with_a_context_axis_matches_twin_8_ranks(pool8):
     """Three axes at once: heads over x, the batch over z, each sequence over context."""
     assert len(set(pool8.run(_gpt_matches_twin, dict(x=2, z=2, context=2)))) == 1
+
+
+def test_batches_read_only_a_context_ranks_chunks():
+    """The run's batches: each rank reads its windows' own two chunks (and the token after each, its last
+    target), exactly what cutting the whole batch gives it."""
+    from par4d.layout import shard_batch
+    from par4d.train.data import Batches
+
+    batches = Batches(torch.arange(5000) % 251, seq_len=16, batch_size=4, seed=3)
+    for sizes, rank in ((dict(context=4), 2), (dict(context=2, data=2), 3), (dict(x=2, context=2), 1)):
+        grid = Grid.virtual(sizes, rank)
+        whole = batches.train_batch(7)
+        mine = batches.local_batch(grid, "train", 7)
+        assert all(torch.equal(got, shard_batch(grid, t)) for got, t in zip(mine, whole))
+
+
+def test_a_run_on_context_4_resumes_on_context_2_data_2_and_on_one_rank(tmp_path, pool4, pool2):
+    """par4d train on context=4 for 2 steps, resumed on context=2,data=2 to 4 and on one rank to 6: it
+    follows a one-rank run to fp32 rounding."""
+    from tests.helpers import SMALL, checked_config, run_losses, train_alone, train_pooled
+
+    run, alone = tmp_path / "cut", tmp_path / "alone"
+    train_alone(checked_config("--nproc", "1", *SMALL, "--steps", "6", "--out", str(alone), world=1))
+    train_pooled(pool4, "--grid", "context=4", *SMALL, "--steps", "2", "--out", str(run))
+    train_pooled(pool4, "--resume", str(run), "--grid", "context=2,data=2", "--steps", "4")
+    train_alone(checked_config("--resume", str(run), "--grid", "x=1", "--nproc", "1", "--steps", "6", world=1))
+    assert run_losses(run) == pytest.approx(run_losses(alone), rel=1e-5)

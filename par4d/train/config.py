@@ -90,6 +90,7 @@ class TrainConfig:
         if self.grad_reduce not in ("fp32", "compute"):
             raise ValueError(f"--grad-reduce {self.grad_reduce!r}: give fp32 or compute")
         pipe = self.grid.get("pipe", 1)
+        self._check_context(pipe)
         if self.microbatches is not None and pipe > 1 and self.microbatches < 1:
             raise ValueError(f"--microbatches {self.microbatches}: give a count >= 1, on a grid with pipe > 1 "
                              f"(this grid has pipe={pipe})")
@@ -113,6 +114,21 @@ class TrainConfig:
             raise ValueError(f"--overlap {self.overlap}: the cache keeps gathered weights for recomputation; "
                              f"add --recompute auto (or N), or leave cache out of --overlap "
                              f"(e.g. --overlap {','.join(n for n in settings.names if n != 'cache') or 'none'})")
+
+    def _check_context(self, pipe: int) -> None:
+        """--grid context=C: a model whose attention runs on a cut sequence, sequences of 2C equal chunks."""
+        context = self.grid.get("context", 1)
+        if context == 1:
+            return
+        if not recipe(self.model).context:
+            raise ValueError(f"--grid context={context}: --model {self.model}'s attention does not run on sequences "
+                             f"cut over a context axis yet (par4d's GPT's does: --model gpt)")
+        if self.seq_len % (2 * context):
+            raise ValueError(f"--seq-len {self.seq_len} does not cut into 2 * context = {2 * context} equal chunks "
+                             f"(context rank i holds chunks i and {2 * context - 1}-i)")
+        if pipe > 1:
+            raise ValueError(f"--grid context={context},pipe={pipe}: the pipeline with a context axis is not built "
+                             f"yet")
 
     def _check_accumulation(self) -> None:
         """--microbatches without a pipeline (gradient accumulation): 1 to a data x z shard's samples."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from par4d.layout import batch_slice, shard_batch
+from par4d.layout import batch_slice, sequence_chunks, shard_batch
 from par4d.models.unet import shard_images
 from par4d.train.config import VOCAB_BYTES, TrainConfig  # noqa: F401  (VOCAB_BYTES re-exported)
 from par4d.train.recipes import recipe
@@ -106,7 +106,7 @@ class Batches:
     split: a text's bytes or token ids (a 90/10 split of them), or a prepared dataset's memory-mapped
     splits. :meth:`local_batch` reads only this rank's rows; :meth:`train_batch` the whole batch."""
 
-    shard = staticmethod(shard_batch)      # a rank's samples (over data x z)
+    shard = staticmethod(shard_batch)      # a rank's samples (over data x z), its chunks of each (context)
 
     def __init__(self, data: torch.Tensor, seq_len: int, batch_size: int, seed: int):
         if len(data) < min_bytes(seq_len):
@@ -132,12 +132,18 @@ class Batches:
             return self.train, self.seed * 1_000_003 + index
         return self.val, -(self.seed * 1_000_003 + index + 1)
 
-    def _draw(self, source, key: int, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+    def _draw(self, source, key: int, rows: slice = slice(None), spans: tuple[slice, ...] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of the windows ``rows`` of a batch; ``spans``: only these positions of each window
+        (a context rank's two chunks, concatenated), each read with the one token after it (its last target)."""
         generator = torch.Generator().manual_seed(key)
         starts = torch.randint(0, len(source) - self.seq_len - 1, (self.batch_size,), generator=generator)
-        windows = torch.stack([torch.as_tensor(source[s:s + self.seq_len + 1])
-                               for s in starts[rows].tolist()]).long()
-        return windows[:, :-1], windows[:, 1:]
+        spans = spans or (slice(0, self.seq_len),)
+        pieces = [[torch.as_tensor(source[s + span.start:s + span.stop + 1]).long() for span in spans]
+                  for s in starts[rows].tolist()]
+        inputs = torch.stack([torch.cat([piece[:-1] for piece in window]) for window in pieces])
+        targets = torch.stack([torch.cat([piece[1:] for piece in window]) for window in pieces])
+        return inputs, targets
 
     def train_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Global (inputs, targets) of step ``step``, each (batch_size, seq_len)."""
@@ -147,9 +153,11 @@ class Batches:
         return self._draw(*self._source("val", index))
 
     def local_batch(self, grid, split: str, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's rows (over data x z) of the global batch ``index`` of ``split`` (train or val): the
-        same starts are drawn on every rank, and each reads only its own windows."""
-        return self._draw(*self._source(split, index), batch_slice(grid, self.batch_size))
+        """This rank's rows (over data x z) of the global batch ``index`` of ``split`` (train or val), and of each
+        its two chunks over context: the same starts are drawn on every rank, and each reads only its own
+        windows' own chunks."""
+        spans = sequence_chunks(grid, self.seq_len) if grid.size("context") > 1 else None
+        return self._draw(*self._source(split, index), batch_slice(grid, self.batch_size), spans)
 
 
 class Images:

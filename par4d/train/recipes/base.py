@@ -37,7 +37,8 @@ class Recipe:
     windows: the corpus, a dataset, a tokenizer) or ``"images"`` (generated from the seed). ``samples``: what
     a batch's rows are, in messages. ``loss_unit``: the training loss's unit, for the plot. ``unused``: the
     settings it has no use for (refused by name when given), ``unused_why`` says why. ``plannable``:
-    ``--grid auto`` plans it. ``mixture``: a mixture of experts by construction (its ``--mlp`` is ``moe``)."""
+    ``--grid auto`` plans it. ``mixture``: a mixture of experts by construction (its ``--mlp`` is ``moe``).
+    ``context``: it trains on a grid with a context axis."""
 
     name: str
     describe: str
@@ -48,6 +49,7 @@ class Recipe:
     unused_why = "it is for unet"
     plannable = False
     mixture = False     # its blocks are mixtures of experts whatever --mlp says (--mlp moe is implied)
+    context = False     # its attention runs on sequences cut over a context axis (par4d.nn.ring)
 
     def check(self, config: Settings) -> None:
         """Refuse the settings this model cannot train with (run when the config is built; no torch)."""

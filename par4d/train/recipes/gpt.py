@@ -43,6 +43,7 @@ class GPTRecipe(Recipe):
     name = "gpt"
     describe = "par4d's GPT"
     plannable = True
+    context = True
 
     def pretrained_settings(self, folder: str, chosen: dict) -> tuple[dict, dict | None]:
         from par4d.adopt.gpt2 import gpt_dims
