@@ -61,6 +61,7 @@ ranks of ``data`` (E consecutive data coordinates hold every expert between them
 _COMBINED: tuple[tuple[str, ...], ...] = (("z", "data"), ("x", "y", "z"))
 # ... and with a context axis: what gradients and a batch's statistics are summed over
 _WITH_CONTEXT: tuple[tuple[str, ...], ...] = (("z", "context"), ("context", "data"), ("z", "context", "data"))
+SHARING = ("x", "y", "z", "context")    # a pipeline stage's ranks that share attention's collectives
 STAGE = ("x", "y", "z", "context", "data")     # every rank of a pipeline stage (built on grids with pipe > 1)
 
 
@@ -353,8 +354,9 @@ def build_grid(sizes: dict[str, int], device: torch.device, nodes: tuple[int, ..
     for combo in _COMBINED + (_WITH_CONTEXT if sizes.get("context", 1) > 1 else ()):
         grid._groups[combo] = _combined_group(grid, combo)
     if sizes.get("pipe", 1) > 1:     # a stage's ranks, all of them: where they agree on the pipeline's order
-        stage = tuple(a for a in STAGE if a != "context" or sizes.get(a, 1) > 1)    # as comm names it
-        grid._groups[stage] = _combined_group(grid, stage)
+        for axes in (STAGE, SHARING) if sizes.get("context", 1) > 1 else (STAGE,):
+            stage = tuple(a for a in axes if a != "context" or sizes.get(a, 1) > 1)    # as comm names it
+            grid._groups[stage] = _combined_group(grid, stage)
     if nodes is not None and device.type == "cpu" and hierarchical != "off":
         made: dict[tuple, tuple[dist.ProcessGroup, ...]] = {}   # ("z",) and ("z", "data") at data=1 share groups
         for key, found in staged_splits(grid.sizes, nodes).items():

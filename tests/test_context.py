@@ -106,3 +106,19 @@ def test_a_run_on_context_4_resumes_on_context_2_data_2_and_on_one_rank(tmp_path
     train_pooled(pool4, "--resume", str(run), "--grid", "context=2,data=2", "--steps", "4")
     train_alone(checked_config("--resume", str(run), "--grid", "x=1", "--nproc", "1", "--steps", "6", world=1))
     assert run_losses(run) == pytest.approx(run_losses(alone), rel=1e-5)
+
+
+def _pipeline_matches_twin(sizes: dict) -> dict:
+    from tests.test_pipeline import _compare
+
+    with cases.float64():
+        return _compare(cases.grid(**sizes), sizes, batch=4, microbatches=2, recompute=0, limit=None)
+
+
+def test_the_pipeline_with_a_context_axis_matches_twin(pool4):
+    """pipe=2, context=2: each stage's context ranks take the pipeline's messages in one order (their layers'
+    rings pair the same microbatch); loss, gradients and parameters after 3 AdamW steps, in float64."""
+    results = pool4.run(_pipeline_matches_twin, dict(pipe=2, context=2))
+    for stage in (0, 1):
+        orders = [r["orders"] for r in results if r["stage"] == stage]
+        assert len(orders) == 2 and orders[0] == orders[1]

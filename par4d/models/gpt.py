@@ -98,9 +98,6 @@ class GPT(nn.Module):
                 raise ValueError(f"GPTConfig.mlp={config.mlp!r} needs its MLP factory: pass "
                                  f"mlp=par4d.phantom.PhantomMLP, or build with par4d.train.recipes.gpt.build_gpt")
             mlp = moe_mlp if config.mlp == "moe" else DenseMLP
-        if grid.size("context") > 1 and grid.size("pipe") > 1:
-            raise ValueError(f"grid context={grid.size('context')} with pipe={grid.size('pipe')}: the pipeline with a "
-                             f"context axis is not built yet")
         stages = config.stage_blocks(grid.size("pipe"))
         for blocks in stages:
             if recompute < 0 or (recompute and len(blocks) % recompute):
@@ -108,9 +105,10 @@ class GPT(nn.Module):
                 raise ValueError(f"recompute={recompute}: give 0 (none) or a divisor of every pipeline stage's block "
                                  f"count ({counts} of n_layer={config.n_layer})")
         self.config, self.grid, self.recompute = config, grid, recompute
-        # The axes whose ranks join the same collectives inside a pipeline stage during a step: a mixture's
-        # exchanges and counts span data too, so every rank of a stage takes the pipeline's messages in one order
-        self.stage_axes = ("x", "y", "z", "context", "data") if config.mlp == "moe" else ("x", "y", "z")
+        # The axes whose ranks join the same collectives inside a pipeline stage during a step (attention's ring
+        # spans context; a mixture's exchanges and counts span data too), so every rank of a stage that shares
+        # them takes the pipeline's messages in one order
+        self.stage_axes = ("x", "y", "z", "context", "data") if config.mlp == "moe" else ("x", "y", "z", "context")
         # This rank's pipeline stage: its blocks, the embeddings on the first, ln_f and the head on the last.
         stage = grid.coord("pipe")
         self.block_range = stages[stage]

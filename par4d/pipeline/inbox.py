@@ -29,7 +29,8 @@ class Inbox:
     """The messages a stage expects in one step, per kind (``FORWARD`` activations from the
     stage before, ``BACKWARD`` gradients from the stage after), each kind in microbatch order.
 
-    The ranks of one stage that share collectives during a step (``sharing``: its x, y, z group; with a
+    The ranks of one stage that share collectives during a step (``sharing``: its x, y, z and context group,
+    attention's ring spanning context; with a
     mixture of experts every rank of the stage, data's too: the experts' exchanges and counts) must take
     the kinds in one order, or their layers' collectives would pair different microbatches. So one of
     them, the leader (coordinate 0 of those axes), looks at what has arrived and broadcasts the kind it

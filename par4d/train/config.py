@@ -126,9 +126,6 @@ class TrainConfig:
         if self.seq_len % (2 * context):
             raise ValueError(f"--seq-len {self.seq_len} does not cut into 2 * context = {2 * context} equal chunks "
                              f"(context rank i holds chunks i and {2 * context - 1}-i)")
-        if pipe > 1:
-            raise ValueError(f"--grid context={context},pipe={pipe}: the pipeline with a context axis is not built "
-                             f"yet")
 
     def _check_accumulation(self) -> None:
         """--microbatches without a pipeline (gradient accumulation): 1 to a data x z shard's samples."""
