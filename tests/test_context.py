@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from par4d.grid import Grid, coords_of, describe, validate_sizes
-from par4d.layout import positions, sequence_chunks, shard_sequence
+from par4d.layout import positions, sequence_chunks, shard_batch, shard_sequence
 from tests import cases
 from tests.cases import GPT_CONFIG, compare_gpt_with_twin
 from tests.helpers import sizes_id
@@ -122,3 +122,84 @@ def test_the_pipeline_with_a_context_axis_matches_twin(pool4):
     for stage in (0, 1):
         orders = [r["orders"] for r in results if r["stage"] == stage]
         assert len(orders) == 2 and orders[0] == orders[1]
+
+
+def _hf(which: str):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=16)
+    model = LlamaForCausalLM(LlamaConfig(**shape)) if which == "llama" else Qwen2ForCausalLM(Qwen2Config(**shape))
+    return model.to(torch.get_default_dtype())
+
+
+def _hf_matches(sizes: dict, which: str) -> list[str]:
+    """transformers' model made parallel on a grid with a context axis against the model itself, in float64:
+    the loss, every gradient and the parameters after 3 AdamW steps (what differs, named)."""
+    import copy
+
+    import par4d
+    from par4d.adopt.causal_lm import CausalLM
+    from par4d.adopt.stages import cut_stage, tie_across_stages
+    from par4d.nn import full_state_dict
+    from par4d.optim.data_parallel import global_mean, sync_gradients
+    from par4d.pipeline import run_pipeline
+
+    with cases.float64():
+        grid = cases.grid(**sizes)
+        twin = _hf(which)
+        lm = copy.deepcopy(twin)
+        stage = cut_stage(lm, grid)
+        lm = par4d.parallelize(lm, grid)
+        tie_across_stages(lm, stage)
+        model, reference = CausalLM(lm, 0.0, 0, stage, grid), CausalLM(twin, 0.0, 0)
+        mine = {n for n, _ in model.lm.named_parameters()}
+        opt_twin = torch.optim.AdamW(twin.parameters(), lr=1e-2, eps=1e-4, weight_decay=0.1)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4, weight_decay=0.1)
+        gen = torch.Generator().manual_seed(1)
+        far = []
+        for step in range(3):
+            tokens = torch.randint(0, 64, (8, 17), generator=gen)
+            x, y = tokens[:, :-1], tokens[:, 1:]
+            ref = reference(x, y)
+            ref.backward()
+            if grid.size("pipe") > 1:
+                loss, _ = run_pipeline(model, grid, shard_batch(grid, x), shard_batch(grid, y), 2)
+            else:
+                loss = model(shard_batch(grid, x), shard_batch(grid, y))
+                loss.backward()
+            sync_gradients(model, grid)
+            if abs(global_mean(loss, grid).item() - ref.item()) > 1e-9 * abs(ref.item()):
+                far.append(f"step {step} loss {global_mean(loss, grid).item()} vs {ref.item()}")
+            grads = full_state_dict(model.lm, grad=True)
+            far += [f"step {step} grad {n}" for n, p in twin.named_parameters()
+                    if n in mine and not torch.allclose(grads[n], p.grad, rtol=1e-8, atol=1e-10)]
+            opt.step(), opt_twin.step(), opt.zero_grad(), opt_twin.zero_grad()
+        after = full_state_dict(model.lm)
+        far += [f"{n} after 3 steps" for n, p in twin.named_parameters()
+                if n in mine and not torch.allclose(after[n], p, rtol=1e-8, atol=1e-10)]
+        return far
+
+
+@pytest.mark.parametrize("sizes, which", [(dict(context=4), "llama"), (dict(x=2, context=2), "llama"),
+                                          (dict(context=2, data=2), "qwen2"), (dict(pipe=2, context=2), "llama")],
+                         ids=["context4-llama", "x2-context2-llama", "context2-data2-qwen2", "pipe2-context2-llama"])
+def test_transformers_models_on_a_context_axis_are_the_model_itself(pool4, sizes, which):
+    """Grouped-query attention (4 query heads, 2 key/value heads), rotary positions from the global index,
+    through transformers' attention interface: exact in float64 against transformers' own model."""
+    assert pool4.run(_hf_matches, sizes, which, timeout=240) == [[]] * 4
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--grid", "context=2", "--seq-len", "10"], "--seq-len 10 does not cut into 2 * context = 4 equal chunks"),
+    (["--grid", "context=2", "--model", "hf-gpt2"], "--grid context=2: --model hf-gpt2's attention does not run on "
+                                                    "sequences cut over a context axis yet"),
+    (["--grid", "context=2,data=2,expert=2", "--mlp", "moe", "--experts", "2"],
+     "context=2 and expert=2 together are not built yet")])
+def test_what_a_context_axis_cannot_run_is_refused_before_any_rank_starts(args, said):
+    from tests.helpers import checked_config
+
+    with pytest.raises(ValueError, match=said.replace("*", r"\*")):
+        checked_config("--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--batch-size", "8", *args,
+                       "--out", "unused", world=4 if "data=2" in args[1] else 2)

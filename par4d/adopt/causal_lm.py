@@ -8,6 +8,8 @@ import torch.nn.functional as F
 
 from par4d.adopt.moe import SparseMoE, router_aux_loss
 from par4d.adopt.stages import Stage
+from par4d.grid import Grid
+from par4d.layout import positions
 from par4d.parallel import state
 
 
@@ -19,12 +21,15 @@ class CausalLM(nn.Module):
     without targets the logits. ``flops_per_token`` and
     ``num_params`` are the whole model's (counted before it was parallelized).
 
-    On a grid with pipe > 1, ``lm`` is this rank's stage (:mod:`par4d.adopt.stages`) and the pipeline
+    ``grid``: the grid ``lm`` was made parallel on, where it has a context axis (each sequence's two chunks
+    here, given their global positions). On a grid with pipe > 1, ``lm`` is this rank's stage (:mod:`par4d.adopt.stages`) and the pipeline
     runs it (``stage_forward``, ``stream_shape``, ``first``, ``last``: as par4d's GPT)."""
 
-    def __init__(self, lm: nn.Module, flops_per_token: float, num_params: int, stage: Stage | None = None):
+    def __init__(self, lm: nn.Module, flops_per_token: float, num_params: int, stage: Stage | None = None,
+                 grid: Grid | None = None):
         super().__init__()
         self.lm, self.flops_per_token, self.num_params = lm, flops_per_token, num_params
+        self.grid = grid     # with a context axis: each sequence's chunks here, positioned by their global index
         self.stage = stage or Stage(0, 1, range(lm.config.num_hidden_layers))
         self.first, self.last = self.stage.first, self.stage.last
         # A mixture of experts trained with transformers' load-balancing loss (output_router_logits): par4d's
@@ -37,7 +42,7 @@ class CausalLM(nn.Module):
                              "no pipeline stage holds: cut it into stages without it, or on pipe=1")
         # The axes whose ranks join the same collectives inside a pipeline stage: a mixture's exchanges and
         # counts span data too (par4d.pipeline)
-        self.stage_axes = ("x", "y", "z", "context", "data") if mixtures else ("x", "y", "z")
+        self.stage_axes = ("x", "y", "z", "context", "data") if mixtures else ("x", "y", "z", "context")
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if not (self.first and self.last):
@@ -50,6 +55,8 @@ class CausalLM(nn.Module):
         the stage before (:meth:`stream_shape`); the stream out, or on the last stage the logits or, with
         ``targets``, the mean cross-entropy over its tokens."""
         given = {"input_ids": inputs} if self.first else {"inputs_embeds": inputs}
+        if self.grid is not None and self.grid.size("context") > 1:
+            given["position_ids"] = positions(self.grid, inputs.shape[1], inputs.device).expand(inputs.shape[0], -1)
         if not self.last:                   # its final norm is the identity (par4d.adopt.stages)
             return self.lm.base_model(**given, use_cache=False).last_hidden_state
         if self.balanced:

@@ -54,6 +54,7 @@ from par4d.adopt.messages import (
     record,
     sync_messages,
 )
+from par4d.adopt.context import cut_sequences
 from par4d.adopt.moe import MIXTURES, SparseMoE
 from par4d.adopt.stream import gather_input, is_norm, split_output, stream_norm, stream_problem
 from par4d.grid import Grid, Indivisible
@@ -81,6 +82,9 @@ ATTENTION = {name: (("q_proj", "k_proj", "v_proj"), "o_proj") for name in ("Llam
 # sums them over x).
 HEAD_NORMS = ("q_norm", "k_norm")
 ATTENTION["GPT2Attention"] = (("c_attn",), "c_proj")
+# Attention that runs on sequences cut over a context axis (par4d.adopt.context: through transformers' attention
+# interface, rotary positions from the global position_ids)
+CONTEXT_ATTENTION = ("LlamaAttention", "MistralAttention", "Qwen2Attention")
 REPLICATED = Placement((), grad_sum=BATCH_AXES)
 NORM_WHY = "a norm over features, which are whole between blocks: kept whole (its gradient summed over z and data)"
 STREAM_NORM_WHY = ("a norm over the residual stream, whose features are split over y between blocks: its weight "
@@ -431,6 +435,8 @@ def parallelize(model: nn.Module, grid: Grid, *, force: dict[str, str] | None = 
         plan.append(Treatment(name, "sharded", STREAM_NORM_WHY, tuple(norm.weight.shape), messages))
     plan += _mixtures(model, grid, stream)
     _per_head_norms(model, grid, roles)
+    if grid.size("context") > 1:      # each sequence cut over context: attention runs around its ring
+        cut_sequences(model, grid, CONTEXT_ATTENTION)
     plan += batch_norms
     for param in model.parameters():
         if placement_of(param) is None:        # whole on every rank: its gradient is summed over z and data

@@ -56,10 +56,9 @@ class RingAttention(torch.autograd.Function):
     of its queries over the whole sequence, in the inputs' dtype."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Grid) -> torch.Tensor:
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Grid, scale: float) -> torch.Tensor:
         ranks, rank = grid.size("context"), grid.coord("context")
         dtype = torch.promote_types(q.dtype, torch.float32)
-        scale = 1.0 / math.sqrt(q.shape[-1])
         qs = q.to(dtype).chunk(2, dim=-2)
         held = torch.stack([k, v]).contiguous()                        # one message: (2, B, H, 2c, hd)
         out = [torch.zeros_like(part) for part in qs]
@@ -128,12 +127,14 @@ class RingAttention(torch.autograd.Function):
             sent.wait()
         summed[1].wait()
         dkv = summed[0]
-        return torch.cat(dq, dim=-2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+        return torch.cat(dq, dim=-2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Grid) -> torch.Tensor:
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Grid,
+                   scale: float | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries ``q`` (B, H, 2c, hd: its two chunks of every sequence over
-    ``context``) over the whole sequence's keys and values (see the module's docstring)."""
+    ``context``) over the whole sequence's keys and values (see the module's docstring); the scores scaled by
+    ``scale`` (None: 1 / sqrt(hd))."""
     if q.shape[-2] % 2:
         raise ValueError(f"ring attention: {q.shape[-2]} tokens here are not this rank's two equal chunks")
-    return RingAttention.apply(q, k, v, grid)
+    return RingAttention.apply(q, k, v, grid, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)

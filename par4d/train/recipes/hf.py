@@ -143,7 +143,7 @@ def _hf_model(config: Settings, grid: Grid) -> CausalLM:
         load_safetensors(lm, config.init_from, grid)
     elif grid.device.type != "meta":        # (a resume's checkpoint overwrites these values next)
         initialize(lm, twin, grid, config.seed)
-    return CausalLM(lm, flops, params, stage)
+    return CausalLM(lm, flops, params, stage, grid)
 
 
 def lm_state(chosen: Checkpoint) -> tuple[dict[str, torch.Tensor], str]:
@@ -286,6 +286,23 @@ class GPT2Recipe(HFRecipe):
 
 
 class LlamaRecipe(HFRecipe):
+    context = True          # Llama, Mistral and Qwen2 (a folder's) run ring attention on a context axis
+
+    def check(self, config: Settings) -> None:
+        super().check(config)
+        context = config.grid.get("context", 1)
+        if context == 1 or config.hf_config is None:
+            return
+        kind = config.hf_config.get("model_type")
+        if kind not in ("llama", "mistral", "qwen2"):
+            raise ValueError(f"--grid context={context}: --init-from hf {config.init_from} is a {kind} model, whose "
+                             f"attention par4d does not run on a context axis yet (Llama, Mistral and Qwen2 do)")
+        window = config.hf_config.get("sliding_window")
+        if window is not None and config.hf_config.get("use_sliding_window", True) and config.seq_len > window:
+            raise ValueError(f"--grid context={context}: --init-from hf {config.init_from} attends within a sliding "
+                             f"window of {window} tokens, shorter than --seq-len {config.seq_len} (ring attention "
+                             f"attends over the whole sequence: give --seq-len {window} or less)")
+
     def lm_class(self) -> type:
         from transformers import LlamaForCausalLM
 
