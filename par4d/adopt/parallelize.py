@@ -45,6 +45,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 
+from par4d.adopt.context import cut_sequences
 from par4d.adopt.messages import (
     Message,
     bytes_sent,
@@ -54,7 +55,6 @@ from par4d.adopt.messages import (
     record,
     sync_messages,
 )
-from par4d.adopt.context import cut_sequences
 from par4d.adopt.moe import MIXTURES, SparseMoE
 from par4d.adopt.stream import gather_input, is_norm, split_output, stream_norm, stream_problem
 from par4d.grid import Grid, Indivisible
