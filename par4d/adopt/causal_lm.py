@@ -22,8 +22,9 @@ class CausalLM(nn.Module):
     ``num_params`` are the whole model's (counted before it was parallelized).
 
     ``grid``: the grid ``lm`` was made parallel on, where it has a context axis (each sequence's two chunks
-    here, given their global positions). On a grid with pipe > 1, ``lm`` is this rank's stage (:mod:`par4d.adopt.stages`) and the pipeline
-    runs it (``stage_forward``, ``stream_shape``, ``first``, ``last``: as par4d's GPT)."""
+    here, given their global positions). On a grid with pipe > 1, ``lm`` is this rank's stage
+    (:mod:`par4d.adopt.stages`) and the pipeline runs it (``stage_forward``, ``stream_shape``, ``first``,
+    ``last``: as par4d's GPT)."""
 
     def __init__(self, lm: nn.Module, flops_per_token: float, num_params: int, stage: Stage | None = None,
                  grid: Grid | None = None):
