@@ -49,6 +49,13 @@ def _expected(tok, share: float) -> dict[str, list[int]]:
     return out
 
 
+def _expected_documents(tok) -> np.ndarray:
+    """The train split's document of every token: the paragraph (of those in it) it came from."""
+    lengths = [len(ids) + 1 for paragraph, ids in zip(PARAGRAPHS, tok.encode(PARAGRAPHS))
+               if not prep.in_validation(paragraph, 0.05)]
+    return np.repeat(np.arange(len(lengths)), lengths)
+
+
 def _split_tokens(folder: Path, split: str) -> list[int]:
     index = json.loads((folder / "index.json").read_text())
     return np.concatenate([np.fromfile(folder / s["name"], dtype="<u2")
@@ -87,6 +94,35 @@ def test_prepare_lays_out_every_document_in_order_in_shards(inputs, tmp_path):
     assert verify(tmp_path / "ds") == [f"shard {shards[1]['name']}: its SHA-256 is not the index's"]
 
 
+def test_a_dataset_knows_where_every_document_starts(inputs, tmp_path):
+    """Every shard's .ends: a token's document (the documents ended at or before it) is the paragraph it came
+    from, across shard boundaries and in windows read anywhere; a damaged ends file is named by verify; a
+    dataset an earlier par4d made (no ends) trains but cannot mask documents."""
+    tok_path, folder = inputs
+    tok = load_tokenizer(tok_path)
+    prep.prepare([str(folder)], tok, tmp_path / "ds", shard_tokens=700, progress=False)
+    dataset = open_dataset(tmp_path / "ds", 16)
+    assert dataset.documents_marked
+    train = dataset.splits["train"]
+    want = _expected_documents(tok)
+    assert train.documents(slice(0, len(train))).tolist() == want.tolist()
+    for start in (0, 695, 1234, len(train) - 40):        # windows across shard ends too
+        assert train.documents(slice(start, start + 40)).tolist() == want[start:start + 40].tolist()
+    index = json.loads((tmp_path / "ds" / "index.json").read_text())
+    shard = index["splits"]["train"]["shards"][1]
+    ends = tmp_path / "ds" / shard["name"].replace(".bin", ".ends")
+    ends.write_bytes(ends.read_bytes()[:-8] + np.array([3], dtype="<u8").tobytes())
+    assert verify(tmp_path / "ds") == [f"{ends.name}: its SHA-256 is not the index's"]
+    for split in ("train", "val"):                       # as an earlier par4d wrote it
+        for record in index["splits"][split]["shards"]:
+            del record["ends"], record["ends_sha256"]
+    (tmp_path / "ds" / "index.json").write_text(json.dumps(index))
+    old = open_dataset(tmp_path / "ds", 16)
+    assert not old.documents_marked and len(old.splits["train"][0:16]) == 16
+    with pytest.raises(ValueError, match="records no document ends .an earlier par4d prepared it"):
+        old.splits["train"].documents(slice(0, 16))
+
+
 def test_an_interrupted_prepare_goes_on_to_the_same_bytes_and_is_never_taken_for_finished(inputs, tmp_path):
     tok_path, folder = inputs
     tok = load_tokenizer(tok_path)
@@ -121,6 +157,8 @@ def test_an_interrupted_prepare_goes_on_to_the_same_bytes_and_is_never_taken_for
     assert len(lines) == 1 and re.match(r"going on from a\.txt, document [1-9]\d* \([\d,]+ tokens already in ",
                                         lines[0])
     assert {s: _split_tokens(tmp_path / "ds", s) for s in ("train", "val")} == _expected(tok, 0.05)
+    train = open_dataset(tmp_path / "ds", 16).splits["train"]             # its documents' ends too
+    assert train.documents(slice(0, len(train))).tolist() == _expected_documents(tok).tolist()
     assert not (tmp_path / "ds" / "progress.json").exists()
     with pytest.raises(ValueError, match="holds a dataset already"):
         prep.prepare([str(folder)], tok, tmp_path / "ds", progress=False)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from par4d.data.prepare import INDEX, SPLITS, TOKENIZER, read_index
+from par4d.data.prepare import INDEX, SPLITS, TOKENIZER, ends_name, read_index
 from par4d.data.tokenizer import Tokenizer, parse_tokenizer
 from par4d.folder import Folder, FolderError
 
@@ -40,12 +40,20 @@ class Tokens:
     descriptor), the least recently read unmapped first. Every id read is checked to be below ``vocab``
     (a damaged shard would fail a rank's step with an IndexError)."""
 
-    def __init__(self, folder: Folder, shards: list[tuple[str, int]], dtype: np.dtype, vocab: int):
+    def __init__(self, folder: Folder, shards: list[tuple[str, int]], dtype: np.dtype, vocab: int,
+                 ends: list[int] | None = None):
+        """``ends``: each shard's count of document ends (its ``.ends`` file's), where the dataset records
+        them (None: an earlier par4d's dataset, which does not)."""
         self.folder, self.names, self.dtype, self.vocab = folder, [name for name, _ in shards], dtype, vocab
         self.starts = [0]
         for _, tokens in shards:
             self.starts.append(self.starts[-1] + tokens)
         self.mapped: OrderedDict[int, np.ndarray] = OrderedDict()
+        self.ends = ends
+        self.ended = [0]                  # documents ended before each shard
+        for count in ends or ():
+            self.ended.append(self.ended[-1] + count)
+        self.ends_mapped: OrderedDict[int, np.ndarray] = OrderedDict()
 
     def __len__(self) -> int:
         return self.starts[-1]
@@ -66,6 +74,43 @@ class Tokens:
         while len(self.mapped) > MAPPED:  # slices are copied out, so the mapping closes once dropped
             self.mapped.popitem(last=False)
         return self.mapped[index]
+
+    def _ends(self, index: int) -> np.ndarray:
+        """Shard ``index``'s document ends (offsets into it), memory-mapped as the shards are."""
+        if index in self.ends_mapped:
+            self.ends_mapped.move_to_end(index)
+            return self.ends_mapped[index]
+        name, count = ends_name(self.names[index]), self.ends[index]
+        if count == 0:
+            self.ends_mapped[index] = np.zeros(0, dtype="<u8")
+        else:
+            fd = self.folder.open_fd(name)
+            try:
+                if os.fstat(fd).st_size != count * 8:
+                    raise ValueError(f"--data {self.folder.path()}: {name} changed size while the run read it")
+                self.ends_mapped[index] = np.frombuffer(mmap.mmap(fd, count * 8, prot=mmap.PROT_READ), dtype="<u8")
+            finally:
+                os.close(fd)
+        while len(self.ends_mapped) > MAPPED:
+            self.ends_mapped.popitem(last=False)
+        return self.ends_mapped[index]
+
+    def documents(self, window: slice) -> np.ndarray:
+        """The document of every token of ``window`` (int64): how many documents of the split end at or before
+        it, so two tokens share a document exactly when they share this number. Reads only the ends of the
+        shards the window touches (a binary search in each)."""
+        if self.ends is None:
+            raise ValueError(f"--data {self.folder.path()} records no document ends (an earlier par4d prepared it: "
+                             f"prepare it again for --document-mask)")
+        start, stop, _ = window.indices(len(self))
+        parts, at = [], start
+        while at < stop:
+            shard = bisect.bisect_right(self.starts, at) - 1
+            end = min(stop, self.starts[shard + 1])
+            offsets = np.arange(at - self.starts[shard], end - self.starts[shard], dtype=np.uint64)
+            parts.append(self.ended[shard] + np.searchsorted(self._ends(shard), offsets, side="right"))
+            at = end
+        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
 
     def __getitem__(self, window: slice) -> np.ndarray:
         start, stop, _ = window.indices(len(self))
@@ -96,6 +141,11 @@ class Dataset:
     @property
     def vocab(self) -> int:
         return self.index["tokenizer"]["vocab"]
+
+    @property
+    def documents_marked(self) -> bool:
+        """Whether the dataset records where its documents end (every shard's ``.ends``)."""
+        return all(split.ends is not None for split in self.splits.values())
 
     @property
     def tokenizer_sha256(self) -> str:
@@ -167,7 +217,18 @@ def open_dataset(path: str | Path, seq_len: int, tokenizer_sha256: str | None = 
             if size != tokens * dtype.itemsize:
                 raise ValueError(f"--data {folder.path()}: shard {name} has {size:,} bytes, the index says "
                                  f"{tokens:,} tokens of {dtype.itemsize} bytes")
-        splits[split] = Tokens(folder, shards, dtype, index["tokenizer"]["vocab"])
+        records = index["splits"][split]["shards"]
+        ends = [shard["ends"] for shard in records] if all("ends" in shard for shard in records) else None
+        for shard in records if ends is not None else ():
+            name = ends_name(shard["name"])
+            try:
+                size = folder.size(name) if shard["ends"] else 0
+            except (FolderError, OSError) as error:
+                raise ValueError(f"--data {folder.path()}: {name!r}: {error}") from None
+            if size != shard["ends"] * 8:
+                raise ValueError(f"--data {folder.path()}: {name} has {size:,} bytes, the index says "
+                                 f"{shard['ends']:,} document ends of 8 bytes")
+        splits[split] = Tokens(folder, shards, dtype, index["tokenizer"]["vocab"], ends)
         if len(splits[split]) < seq_len + 2:
             raise ValueError(f"--data {folder.path()}: the {split} split has {len(splits[split]):,} tokens; "
                              f"--seq-len {seq_len} needs at least {seq_len + 2}")
@@ -217,7 +278,16 @@ def _shard_problem(folder: Folder, shard: dict, dtype: np.dtype, vocab: int) -> 
         os.close(fd)
     if bad is not None:
         return bad
-    return None if digest.hexdigest() == shard.get("sha256") else f"shard {name}: its SHA-256 is not the index's"
+    if digest.hexdigest() != shard.get("sha256"):
+        return f"shard {name}: its SHA-256 is not the index's"
+    if "ends" in shard:
+        try:
+            ends = folder.read_bytes(ends_name(name)) if shard["ends"] else b""
+        except (FolderError, OSError) as error:
+            return f"{ends_name(name)}: {error}"
+        if hashlib.sha256(ends).hexdigest() != shard.get("ends_sha256"):
+            return f"{ends_name(name)}: its SHA-256 is not the index's"
+    return None
 
 
 def sha256_of_index(path: str | Path) -> str:

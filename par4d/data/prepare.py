@@ -19,10 +19,14 @@ The folder (docs/data.md):
 * ``train-00000.bin``, ``val-00000.bin``, ...: token ids, raw little-endian ``uint16`` (a vocabulary of
   at most 65,536) or ``uint32``, each shard up to ``shard_tokens`` and ending at a document's end, or at
   a piece's end inside a document of several pieces;
+* ``train-00000.ends``, ...: beside each shard, where its documents end: raw little-endian ``uint64``
+  offsets into the shard's tokens (each a document's end, exclusive: its end-of-text id included), so a
+  window knows where each of its documents starts (``--document-mask``);
 * ``tokenizer.json``: a copy of the tokenizer, so the folder says what its ids mean;
 * ``index.json``, written last: the format, the tokenizer's SHA-256, vocabulary and end-of-text id, the
-  dtype, the inputs, and per split its documents, tokens and shards (name, tokens, SHA-256). A folder
-  without it is not a dataset: training refuses it.
+  dtype, the inputs, and per split its documents, tokens and shards (name, tokens, SHA-256; its ends'
+  count and SHA-256). A folder without it is not a dataset: training refuses it. A dataset an earlier
+  par4d made has no ends: it trains, but not with ``--document-mask``.
 
 Restartable: ``progress.json`` is written first, so a folder holding one is par4d's unfinished dataset;
 shards are written whole (a temporary, then a rename), and after each flush of both splits
@@ -116,11 +120,14 @@ class _Writer:
         self.buffers: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
         self.pending: dict[str, int] = {s: 0 for s in SPLITS}        # tokens buffered per split
         self.docs: dict[str, int] = {s: 0 for s in SPLITS}           # documents ended in them per split
+        self.ends: dict[str, list[int]] = {s: [] for s in SPLITS}    # where, in the pending shard
 
     def add(self, split: str, ids: np.ndarray, last: bool) -> None:
         self.buffers[split].append(ids.astype(self.dtype, copy=False))
         self.pending[split] += len(ids)
         self.docs[split] += last
+        if last:
+            self.ends[split].append(self.pending[split])
 
     def full(self) -> bool:
         return self.pending["train"] >= self.shard_tokens or self.pending["val"] >= self.shard_tokens
@@ -134,9 +141,12 @@ class _Writer:
             for part in parts:
                 digest.update(part)
             _write(self.folder, name, parts)          # the buffers as they are: no copy of a shard's worth
-            self.shards[split].append({"name": name, "tokens": self.pending[split], "sha256": digest.hexdigest()})
+            ends = np.array(self.ends[split], dtype="<u8")
+            _write(self.folder, ends_name(name), [ends])
+            self.shards[split].append({"name": name, "tokens": self.pending[split], "sha256": digest.hexdigest(),
+                                       "ends": len(ends), "ends_sha256": hashlib.sha256(ends).hexdigest()})
             self.counts[split] += self.docs[split]
-            self.buffers[split], self.pending[split], self.docs[split] = [], 0, 0
+            self.buffers[split], self.pending[split], self.docs[split], self.ends[split] = [], 0, 0, []
 
 
 def prepare(inputs: list[str], tokenizer: Tokenizer, out: str | Path, field: str = "text",
@@ -314,7 +324,8 @@ def _resume_point(folder: Folder, settings: Settings, made_from: list[dict], tok
         if not force:
             raise ValueError(f"--out {folder.path()} holds a dataset already (its {INDEX}); give another folder, "
                              f"or --force to replace it")
-        _clear(folder, names, {h["name"] for s in SPLITS for h in index["splits"][s]["shards"]})
+        listed = [h["name"] for s in SPLITS for h in index["splits"][s]["shards"]]
+        _clear(folder, names, {*listed, *(ends_name(name) for name in listed)})
         return fresh
     if PROGRESS not in names:
         # a first run that failed before its record (an earlier par4d's) leaves only the tokenizer it was given
@@ -381,7 +392,8 @@ def _refuse_strays(folder: Folder, names: list[str], ours: set[str]) -> None:
 def _unfinished(listed: list[str]) -> set[str]:
     """The shards of an unfinished dataset: those its record lists, and the next of each split (the flush
     that was writing them when it stopped had not recorded them yet: they are written again)."""
-    return {*listed, *(shard_name(s, sum(name.startswith(s + "-") for name in listed)) for s in SPLITS)}
+    shards = {*listed, *(shard_name(s, sum(name.startswith(s + "-") for name in listed)) for s in SPLITS)}
+    return shards | {ends_name(name) for name in shards}
 
 
 def _clear(folder: Folder, names: list[str], ours: set[str]) -> None:
@@ -402,5 +414,11 @@ def shard_name(split: str, number: int) -> str:
     return f"{split}-{number:05d}.bin"
 
 
+def ends_name(shard: str) -> str:
+    """The file of where shard ``shard``'s documents end."""
+    return shard.removesuffix(".bin") + ".ends"
+
+
 def _is_shard(name: str) -> bool:
-    return re.fullmatch(r"(train|val)-\d{5,}\.bin", name) is not None
+    """A shard's name, or its ends' (a file a run writes: never a user's)."""
+    return re.fullmatch(r"(train|val)-\d{5,}\.(bin|ends)", name) is not None
