@@ -276,6 +276,18 @@ def shard_sequence(grid: Grid, tensor: torch.Tensor, dim: int = 1) -> torch.Tens
     return torch.cat([tensor.narrow(dim, c.start, c.stop - c.start) for c in (first, second)], dim)
 
 
+def gather_sequence(grid: Grid, local: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """Every rank's chunks of ``local`` (this rank's two, :func:`shard_sequence`) along ``dim``, in the sequence's
+    order (collective over context: an all-gather; not differentiable)."""
+    ranks = grid.size("context")
+    if ranks == 1:
+        return local
+    pieces = comm.all_gather_dim(grid, local.contiguous(), "context", dim).chunk(2 * ranks, dim)
+    # rank r's two chunks are pieces 2r (chunk r) and 2r+1 (chunk 2C-1-r)
+    order = [2 * c if c < ranks else 2 * (2 * ranks - 1 - c) + 1 for c in range(2 * ranks)]
+    return torch.cat([pieces[i] for i in order], dim)
+
+
 def positions(grid: Grid, local: int, device: torch.device | None = None) -> torch.Tensor:
     """The global positions of this rank's ``local`` tokens of a sequence (its two chunks over context)."""
     if grid.size("context") == 1:
@@ -299,7 +311,7 @@ def shard_activation(grid: Grid, tensor: torch.Tensor, axis: str) -> torch.Tenso
     return shard_features(grid, shard_batch(grid, tensor), axis)
 
 
-__all__ = ["Box", "Placement", "Reader", "Split", "batch_slice", "boxes", "block", "fill", "gather_features",
-           "local_range", "overlap", "place", "placement_of", "positions", "sequence_chunks", "shard",
-           "shard_activation", "shard_batch", "shard_features", "shard_name", "shard_sequence", "slice_reader",
-           "unshard"]
+__all__ = ["BATCH_AXES", "Box", "Placement", "REPLICAS", "Reader", "Split", "batch_slice", "boxes", "block", "fill",
+           "gather_features", "gather_sequence", "local_range", "overlap", "place", "placement_of", "positions",
+           "sequence_chunks", "shard", "shard_activation", "shard_batch", "shard_features", "shard_name",
+           "shard_sequence", "slice_reader", "unshard"]

@@ -82,9 +82,11 @@ GPT_CONFIG = GPTConfig(vocab_size=36, block_size=8, n_layer=2, n_head=4, n_embd=
 GPT_BATCH, GPT_STEPS = 4, 3
 
 
-def compare_gpt_with_twin(grid: Grid, sizes: dict, config: GPTConfig) -> int:
+def compare_gpt_with_twin(grid: Grid, sizes: dict, config: GPTConfig, documents: bool = False) -> int:
     """par4d's GPT on ``grid`` against its single-device twin: the same initial parameters, then for each of
-    GPT_STEPS AdamW steps the loss and every gradient, and the parameters after them; returns how many there are."""
+    GPT_STEPS AdamW steps the loss and every gradient, and the parameters after them; returns how many there are.
+    ``documents``: each window packs documents of random lengths (one of them across a chunk boundary, one
+    token long, ...), attention kept inside them (the twin given the explicit block-diagonal causal mask)."""
     from par4d.layout import shard_batch
     from par4d.optim.data_parallel import global_mean, sync_gradients
     from par4d.train.recipes.gpt import build_gpt, build_reference
@@ -105,9 +107,13 @@ def compare_gpt_with_twin(grid: Grid, sizes: dict, config: GPTConfig) -> int:
     for step in range(GPT_STEPS):
         tokens = torch.randint(0, config.vocab_size, (GPT_BATCH, config.block_size + 1), generator=gen)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        ref_loss = twin(inputs, targets)
+        packed = ()
+        if documents:        # a document starts at a token with chance 1/3 (the first: always)
+            starts = torch.rand(inputs.shape, generator=gen) < 1 / 3
+            packed = (torch.cumsum(starts, dim=1) + 10 * torch.arange(inputs.shape[0]).unsqueeze(1),)
+        ref_loss = twin(inputs, targets, *packed)
         ref_loss.backward()
-        loss = model(shard_batch(grid, inputs), shard_batch(grid, targets))
+        loss = model(shard_batch(grid, inputs), shard_batch(grid, targets), *(shard_batch(grid, d) for d in packed))
         loss.backward()
         sync_gradients(model, grid)
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from par4d.grid import Grid, coords_of, describe, validate_sizes
 from par4d.layout import positions, sequence_chunks, shard_batch, shard_sequence
+from par4d.models import GPTConfig
 from tests import cases
 from tests.cases import GPT_CONFIG, compare_gpt_with_twin
 from tests.helpers import sizes_id
@@ -203,3 +204,49 @@ def test_what_a_context_axis_cannot_run_is_refused_before_any_rank_starts(args, 
     with pytest.raises(ValueError, match=said.replace("*", r"\*")):
         checked_config("--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--batch-size", "8", *args,
                        "--out", "unused", world=4 if "data=2" in args[1] else 2)
+
+
+def _documents_match_twin(sizes: dict) -> int:
+    config = GPTConfig(vocab_size=36, block_size=16, n_layer=2, n_head=4, n_embd=24, seed=3)
+    with cases.float64():
+        return compare_gpt_with_twin(cases.grid(**sizes), sizes, config, documents=True)
+
+
+@pytest.mark.parametrize("sizes", [dict(x=2, z=2), dict(context=4), dict(context=2, data=2), dict(x=2, context=2)],
+                         ids=sizes_id)
+def test_document_masks_keep_attention_inside_documents_as_the_twin(pool4, sizes):
+    """Packed windows of documents: with and without a context axis, the loss, every gradient and the parameters
+    after 3 AdamW steps equal the twin's given the explicit block-diagonal causal mask, in float64."""
+    assert len(set(pool4.run(_documents_match_twin, sizes))) == 1
+
+
+def test_a_prepared_dataset_trains_with_document_masks_on_a_context_axis_as_on_one_rank(tmp_path, pool4):
+    """par4d data prepare, then par4d train --document-mask on context=2,data=2 and on one rank: the same losses
+    (to fp32 rounding); each context rank's batch holds its chunks' documents, what cutting the whole gives."""
+    from par4d.data.dataset import open_dataset
+    from par4d.data.prepare import prepare
+    from par4d.data.tokenizer import load_tokenizer
+    from par4d.train.data import Batches
+    from tests.helpers import PARAGRAPHS, bpe_tokenizer, checked_config, run_losses, train_alone, train_pooled
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n\n".join(PARAGRAPHS) + "\n")
+    prepare([str(text)], load_tokenizer(bpe_tokenizer(tmp_path / "tok")), tmp_path / "ds", progress=False)
+    dataset = open_dataset(tmp_path / "ds", 32)
+    batches = Batches.from_splits(dataset.splits["train"], dataset.splits["val"], 32, 8, 0, documents=True)
+    whole = batches.train_batch(3)
+    assert len(whole) == 3 and whole[2].unique().numel() > 8        # several documents in each window
+    grid = Grid.virtual(dict(context=2, data=2), 2)
+    assert all(torch.equal(got, shard_batch(grid, t)) for got, t in zip(batches.local_batch(grid, "train", 3), whole))
+    common = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--batch-size", "8", "--seq-len", "32",
+              "--no-progress", "--data", str(tmp_path / "ds"), "--document-mask", "--steps", "3"]
+    run, alone = tmp_path / "cut", tmp_path / "alone"
+    train_alone(checked_config("--nproc", "1", *common, "--out", str(alone), world=1))
+    train_pooled(pool4, "--grid", "context=2,data=2", *common, "--out", str(run))
+    assert run_losses(run) == pytest.approx(run_losses(alone), rel=1e-5)
+    with pytest.raises(ValueError, match="--document-mask: give --data a dataset folder of par4d data prepare"):
+        checked_config(*common[:-5], "--document-mask", "--data", str(text), "--out", "unused", world=1)
+    with pytest.raises(ValueError, match="--document-mask: --model hf-llama's attention does not keep inside"):
+        checked_config(*common, "--model", "hf-llama", "--out", "unused", world=1)
+    with pytest.raises(ValueError, match="--document-mask with --grid pipe=2: the pipeline does not carry"):
+        checked_config(*common, "--grid", "pipe=2", "--out", "unused", world=2)

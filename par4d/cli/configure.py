@@ -17,8 +17,8 @@ from par4d.train.recipes.base import MOE_SETTINGS
 from par4d.train.say import say
 
 # A resumed run keeps these (they decide the model and its batches); it takes HONOURED ones when given.
-FIXED = ("model", "batch_size", "seq_len", "n_layer", "n_embd", "n_head", "mlp", "phantom_k", *MOE_SETTINGS,
-         "image_size", "seed")
+FIXED = ("model", "batch_size", "seq_len", "document_mask", "n_layer", "n_embd", "n_head", "mlp", "phantom_k",
+         *MOE_SETTINGS, "image_size", "seed")
 HONOURED = ("lr", "grad_clip", "save_every", "keep", "overlap", "hierarchical", "recompute", "microbatches",
             "pipeline_limit", "precision", "grad_reduce", "offload_bsize", "eval_every", "tensorboard")
 Planner = Callable[..., object]   # par4d.measure.choose.planned_run (returns its Plan)
@@ -229,6 +229,9 @@ def _tokens(args: argparse.Namespace, config):
         from par4d.data.dataset import open_dataset, sha256_of_index
 
         dataset = open_dataset(data, config.seq_len)
+        if config.document_mask and not dataset.documents_marked:
+            raise ValueError(f"--document-mask: --data {dataset.path} records no document ends (an earlier par4d "
+                             f"prepared it): run par4d data prepare again")
         if given is not None and given.sha256 != dataset.tokenizer_sha256:
             raise ValueError(f"--data {dataset.path} was prepared with another tokenizer than --tokenizer "
                              f"{given.path} (SHA-256 {dataset.tokenizer_sha256[:12]}... against "
@@ -245,6 +248,9 @@ def _tokens(args: argparse.Namespace, config):
         tokenizer = given or load_tokenizer(config.tokenizer, config.tokenizer_sha256)   # a resume's: unchanged
         config = replace(config, tokenizer=tokenizer.path, tokenizer_sha256=tokenizer.sha256,
                          vocab_size=tokenizer.vocab)
+    if config.document_mask and not (data is not None and Path(data).is_dir()):
+        raise ValueError(f"--document-mask: give --data a dataset folder of par4d data prepare (it records where "
+                         f"documents end; {'--data ' + str(data) if data else 'the default text'} does not)")
     vocab = (config.hf_config or {}).get("vocab_size")
     if isinstance(vocab, int) and vocab < config.vocab_size:
         raise ValueError(f"--init-from hf {config.init_from}: the model's vocab_size {vocab} is below the "

@@ -62,6 +62,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     model.add_argument("--batch-size", type=int, default=None,
                        help=_help("batch_size", "global batch, in sequences (unet: images)"))
     model.add_argument("--seq-len", type=int, default=None, help=_help("seq_len"))
+    model.add_argument("--document-mask", action="store_const", const=True, default=None,
+                       help="attention inside each document of a packed window (a dataset folder of par4d data "
+                            "prepare: it records where documents end; par4d's GPT)")
     model.add_argument("--n-layer", type=int, default=None, help=_help("n_layer", "blocks (unet: levels)"))
     model.add_argument("--n-embd", type=int, default=None,
                        help=_help("n_embd", "embedding width (unet: channels inside)"))

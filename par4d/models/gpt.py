@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from par4d.grid import Grid
-from par4d.layout import positions
+from par4d.layout import gather_sequence, positions
 from par4d.models.config import GPTConfig, init_tensor
 from par4d.nn import CausalSelfAttention, Embedding, LayerNorm, Linear, MoE, vocab_parallel_cross_entropy
 from par4d.nn.base import ShardedModule, full_state_dict, load_full_state_dict
@@ -68,8 +68,8 @@ class _Block(nn.Module):
         self.ln2 = LayerNorm(config.n_embd, grid=grid, name=f"{name}.ln2")
         self.mlp = mlp(config, grid, f"{name}.mlp")
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.attn(self.ln1(h))
+    def forward(self, h: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        h = h + self.attn(self.ln1(h), documents)
         return h + self.mlp(self.ln2(h))
 
 
@@ -136,16 +136,20 @@ class GPT(nn.Module):
                            for name, shape in module.full_shapes().items()]
         return shapes
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         if not (self.first and self.last):
             raise ValueError(f"this GPT is pipeline stage {self.grid.coord('pipe')} of {self.grid.size('pipe')}: "
                              f"train it with par4d.train.step.train_step (the pipeline runs its stages)")
-        return self.stage_forward(idx, targets)
+        return self.stage_forward(idx, targets, documents)
 
-    def stage_forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def stage_forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None,
+                      documents: torch.Tensor | None = None) -> torch.Tensor:
         """This stage's part of the forward: token ids in on the first stage, else the residual
         stream from the stage before; the residual stream out, or on the last stage the logits
-        shard (B, T, V / G_x) or, with ``targets``, the mean cross-entropy over its tokens."""
+        shard (B, T, V / G_x) or, with ``targets``, the mean cross-entropy over its tokens.
+        ``documents``: this rank's tokens' documents (as ``inputs``, a packed window's): attention stays
+        inside documents."""
         h = inputs
         if self.first:
             seq = inputs.shape[1]          # this rank's tokens of each sequence (its two chunks over context)
@@ -154,7 +158,9 @@ class GPT(nn.Module):
                                  f"block_size={self.config.block_size}")
             h = self.wte(inputs) + self.wpe(positions(self.grid, seq, inputs.device))   # (B, T, D/G_y)
         parallel = state(self)
-        h = run_blocks(list(self.blocks.values()), h, self.recompute, parallel.runtime, parallel.observe_recompute)
+        extra = () if documents is None else (gather_sequence(self.grid, documents),)     # every chunk's
+        h = run_blocks(list(self.blocks.values()), h, self.recompute, parallel.runtime, parallel.observe_recompute,
+                       extra)
         if not self.last:
             return h
         logits = self.head(self.ln_f(h))                                              # (B, T, V/G_x)

@@ -22,11 +22,19 @@ class _Attention(nn.Module):
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.proj = nn.Linear(config.n_embd, config.n_embd)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         batch, seq, dim = h.shape
         q, k, v = self.qkv(h).split(dim, dim=-1)
         q, k, v = (t.view(batch, seq, self.n_head, dim // self.n_head).transpose(1, 2) for t in (q, k, v))
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if documents is None:
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:        # the block-diagonal causal mask, written out: a token sees its own document's earlier tokens
+            mask = torch.zeros(batch, 1, seq, seq, dtype=torch.bool)
+            for row in range(batch):
+                for i in range(seq):
+                    for j in range(i + 1):
+                        mask[row, 0, i, j] = bool(documents[row, i] == documents[row, j])
+            att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.proj(att.transpose(1, 2).reshape(batch, seq, dim))
 
 
@@ -53,8 +61,8 @@ class _Block(nn.Module):
         self.ln2 = nn.LayerNorm(config.n_embd)
         self.mlp = mlp(config)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.attn(self.ln1(h))
+    def forward(self, h: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        h = h + self.attn(self.ln1(h), documents)
         return h + self.mlp(self.ln2(h))
 
 
@@ -84,12 +92,13 @@ class ReferenceGPT(nn.Module):
             for name, param in self.named_parameters():
                 param.copy_(init_tensor(config, name, tuple(param.shape)))
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        """Logits (B, T, V); with ``targets``, the mean cross-entropy instead."""
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, documents: torch.Tensor | None = None):
+        """Logits (B, T, V); with ``targets``, the mean cross-entropy instead. ``documents`` (B, T): each token's
+        document (a packed window's): attention stays inside documents."""
         seq = idx.shape[1]
         h = self.wte(idx) + self.wpe(torch.arange(seq, device=idx.device))
         for block in self.blocks:
-            h = block(h)
+            h = block(h, documents)
         logits = self.head(self.ln_f(h))
         if targets is None:
             return logits

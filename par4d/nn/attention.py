@@ -18,6 +18,14 @@ from par4d.nn.linear import Linear
 from par4d.nn.ring import ring_attention
 
 
+def document_mask(documents: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T): which keys each query attends to, causally and within its document (``documents`` (B, T):
+    each token's)."""
+    seq = documents.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=documents.device).tril()
+    return ((documents.unsqueeze(-1) == documents.unsqueeze(-2)) & causal).unsqueeze(1)
+
+
 class CausalSelfAttention(torch.nn.Module):
     def __init__(self, dim: int, n_head: int, *, grid: Grid, name: str = "attn", seed: int = 0,
                  initialize: bool = True):
@@ -36,13 +44,17 @@ class CausalSelfAttention(torch.nn.Module):
         self.proj = Linear(dim, dim, transposed=True, grid=grid, seed=seed + 1, name=f"{name}.proj",
                            initialize=initialize)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """``documents`` (B, whole sequence): every token's document, in order (a packed window's): attention
+        stays inside documents."""
         batch, seq, _ = h.shape                                       # h: (B, T, D/G_y)
         q, k, v = self.qkv(h).chunk(3, dim=-1)                        # each (B, T, D/G_x)
         q, k, v = (t.view(batch, seq, self.n_head_local, self.head_dim).transpose(1, 2) for t in (q, k, v))
         if self.grid.size("context") > 1:                             # T: this rank's two chunks
-            att = ring_attention(q, k, v, self.grid)
-        else:
+            att = ring_attention(q, k, v, self.grid, documents=documents)
+        elif documents is None:
             att = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H/G_x, T, hd)
+        else:
+            att = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(documents))
         return self.proj(att.transpose(1, 2).reshape(batch, seq, -1))  # (B, T, D/G_y)
 

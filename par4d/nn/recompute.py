@@ -18,9 +18,9 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 
-def _run(blocks: Sequence[nn.Module], h: torch.Tensor) -> torch.Tensor:
+def _run(blocks: Sequence[nn.Module], h: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:
     for block in blocks:
-        h = block(h)
+        h = block(h, *extra)
     return h
 
 
@@ -46,13 +46,15 @@ def flag_recomputation(blocks: Sequence[nn.Module]):
 
 
 def run_blocks(blocks: Sequence[nn.Module], h: torch.Tensor, every: int, runtime=None,
-               observe: Callable[[], contextlib.AbstractContextManager] | None = None) -> torch.Tensor:
-    """``h`` through ``blocks`` in order; with ``every`` > 0, each run of ``every`` blocks is one
+               observe: Callable[[], contextlib.AbstractContextManager] | None = None,
+               extra: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+    """``h`` through ``blocks`` in order (each given ``extra`` besides: a packed window's documents); with
+    ``every`` > 0, each run of ``every`` blocks is one
     recomputed segment (its weights gathered again or taken from the cache of ``runtime``, the
     model's ``par4d.overlap`` LayerRuntime, if it has one). ``observe()``: a context entered around
     each segment's recomputation, inside torch's (``par4d.train.footprint`` counts what it keeps)."""
     if every <= 0:
-        return _run(blocks, h)
+        return _run(blocks, h, *extra)
     if len(blocks) % every:
         raise ValueError(f"recompute every {every} blocks: {len(blocks)} blocks do not split into such segments")
     base = runtime.gathers.checkpoint_contexts if runtime is not None else noop_context_fn
@@ -63,5 +65,5 @@ def run_blocks(blocks: Sequence[nn.Module], h: torch.Tensor, every: int, runtime
             forward, recompute = base()
             recompute = _within(recompute, lambda: flag_recomputation(segment))
             return forward, recompute if observe is None else _within(recompute, observe)
-        h = checkpoint(_run, segment, h, use_reentrant=False, context_fn=contexts)
+        h = checkpoint(_run, segment, h, *extra, use_reentrant=False, context_fn=contexts)
     return h

@@ -7,7 +7,8 @@ the group: at step s a rank holds those of rank i - s (mod C) and sends them on 
 computes with them, so after C steps its queries have met every key. Between two chunks, query chunk a
 and key chunk b: b < a is attended in full, b = a causally, b > a not at all (skipped: no work, no
 transfer saved, as every rank's keys travel the whole ring). The two chunks per rank give every rank the
-same work: chunk i has i earlier chunks, chunk 2C-1-i the rest.
+same work: chunk i has i earlier chunks, chunk 2C-1-i the rest. With documents (a packed window's), a query
+attends only to keys of its own document, and a block in which none does is skipped too.
 
 Each block's output and log-sum-exp are merged into the running ones in fp32 (or the inputs' wider dtype):
 ``lse = log(e^lse + e^lse_b)``, ``out = out e^(lse_old - lse) + out_b e^(lse_b - lse)``. The backward runs
@@ -43,12 +44,34 @@ def _pairs(mine: tuple[int, int], theirs: tuple[int, int]):
                 yield a, b, kb == qa
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+def _allowed(causal: bool, n: int, documents: tuple[torch.Tensor, torch.Tensor] | None,
+             device: torch.device) -> torch.Tensor | None:
+    """Which keys each query of a block attends to, (B, 1, n, n) or (n, n); None: every one. ``documents``:
+    the query chunk's and the key chunk's tokens' documents, (B, n) each."""
+    allowed = torch.ones(n, n, dtype=torch.bool, device=device).tril() if causal else None
+    if documents is not None:
+        same = (documents[0].unsqueeze(-1) == documents[1].unsqueeze(-2)).unsqueeze(1)
+        allowed = same if allowed is None else same & allowed
+    return allowed
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, allowed: torch.Tensor | None) -> torch.Tensor:
     scores = (q @ k.transpose(-1, -2)) * scale
-    if causal:
-        n = scores.shape[-1]
-        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    return scores
+    return scores if allowed is None else scores.masked_fill(~allowed, float("-inf"))
+
+
+def _blocks(rank: int, ranks: int, step: int, documents: torch.Tensor | None, n: int, device: torch.device):
+    """(query chunk, key chunk, which keys each query attends to) of every pair of this rank's chunks and the
+    block it holds at ``step`` that has one query attending to one key: a key chunk after the query chunk, or
+    in other documents only, is skipped."""
+    for a, b, causal in _pairs(chunk_ids(rank, ranks), chunk_ids((rank - step) % ranks, ranks)):
+        pair = None
+        if documents is not None:
+            qa, kb = chunk_ids(rank, ranks)[a], chunk_ids((rank - step) % ranks, ranks)[b]
+            pair = (documents[:, qa * n:(qa + 1) * n], documents[:, kb * n:(kb + 1) * n])
+        allowed = _allowed(causal, n, pair, device)
+        if allowed is None or bool(allowed.any()):
+            yield a, b, allowed
 
 
 class RingAttention(torch.autograd.Function):
@@ -56,7 +79,8 @@ class RingAttention(torch.autograd.Function):
     of its queries over the whole sequence, in the inputs' dtype."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Grid, scale: float) -> torch.Tensor:
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Grid, scale: float,
+                documents: torch.Tensor | None) -> torch.Tensor:
         ranks, rank = grid.size("context"), grid.coord("context")
         dtype = torch.promote_types(q.dtype, torch.float32)
         qs = q.to(dtype).chunk(2, dim=-2)
@@ -69,13 +93,15 @@ class RingAttention(torch.autograd.Function):
                 moves = [comm.send(grid, held, "context", 1, KEYS, ring=True),
                          comm.recv(grid, incoming, "context", -1, KEYS, ring=True)]
             ks, vs = (t.to(dtype).chunk(2, dim=-2) for t in held)
-            for a, b, causal in _pairs(chunk_ids(rank, ranks), chunk_ids((rank - step) % ranks, ranks)):
-                scores = _scores(qs[a], ks[b], scale, causal)
+            for a, b, allowed in _blocks(rank, ranks, step, documents, qs[0].shape[-2], q.device):
+                scores = _scores(qs[a], ks[b], scale, allowed)
                 block_lse = scores.logsumexp(-1)
-                block_out = (scores - block_lse.unsqueeze(-1)).exp() @ vs[b]
                 merged = torch.logaddexp(lse[a], block_lse)
-                out[a] = out[a] * (lse[a] - merged).exp().unsqueeze(-1) + \
-                    block_out * (block_lse - merged).exp().unsqueeze(-1)
+                weights = [(lse[a] - merged).exp(), (block_lse - merged).exp()]
+                block_out = (scores - block_lse.unsqueeze(-1)).exp()
+                if documents is not None:   # a query with no key of its document here (yet): weight 0, not NaN
+                    block_out, weights = block_out.nan_to_num(0.0), [w.nan_to_num(0.0) for w in weights]
+                out[a] = out[a] * weights[0].unsqueeze(-1) + (block_out @ vs[b]) * weights[1].unsqueeze(-1)
                 lse[a] = merged
             if step < ranks - 1:
                 for move in moves:
@@ -83,13 +109,13 @@ class RingAttention(torch.autograd.Function):
                 held = incoming
         out, lse = torch.cat(out, dim=-2), torch.cat(lse, dim=-1)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.grid, ctx.scale = grid, scale
+        ctx.grid, ctx.scale, ctx.documents = grid, scale, documents
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         q, k, v, out, lse = ctx.saved_tensors
-        grid, scale = ctx.grid, ctx.scale
+        grid, scale, documents = ctx.grid, ctx.scale, ctx.documents
         ranks, rank = grid.size("context"), grid.coord("context")
         dtype = out.dtype
         qs, dos = q.to(dtype).chunk(2, dim=-2), grad_out.to(dtype).chunk(2, dim=-2)
@@ -105,8 +131,8 @@ class RingAttention(torch.autograd.Function):
                          comm.recv(grid, incoming, "context", -1, KEYS, ring=True)]
             ks, vs = (t.to(dtype).chunk(2, dim=-2) for t in held)
             dk, dv = [torch.zeros_like(t) for t in ks], [torch.zeros_like(t) for t in vs]
-            for a, b, causal in _pairs(chunk_ids(rank, ranks), chunk_ids((rank - step) % ranks, ranks)):
-                probs = (_scores(qs[a], ks[b], scale, causal) - lses[a].unsqueeze(-1)).exp()
+            for a, b, allowed in _blocks(rank, ranks, step, documents, qs[0].shape[-2], q.device):
+                probs = (_scores(qs[a], ks[b], scale, allowed) - lses[a].unsqueeze(-1)).exp()
                 dv[b] = dv[b] + probs.transpose(-1, -2) @ dos[a]
                 dscores = probs * (dos[a] @ vs[b].transpose(-1, -2) - deltas[a].unsqueeze(-1))
                 dq[a] = dq[a] + (dscores @ ks[b]) * scale
@@ -127,14 +153,15 @@ class RingAttention(torch.autograd.Function):
             sent.wait()
         summed[1].wait()
         dkv = summed[0]
-        return torch.cat(dq, dim=-2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return torch.cat(dq, dim=-2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Grid,
-                   scale: float | None = None) -> torch.Tensor:
+                   scale: float | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries ``q`` (B, H, 2c, hd: its two chunks of every sequence over
     ``context``) over the whole sequence's keys and values (see the module's docstring); the scores scaled by
-    ``scale`` (None: 1 / sqrt(hd))."""
+    ``scale`` (None: 1 / sqrt(hd)). ``documents`` (B, 2Cc): the document of every token of the whole sequences,
+    in order: a query attends only to keys of its own document."""
     if q.shape[-2] % 2:
         raise ValueError(f"ring attention: {q.shape[-2]} tokens here are not this rank's two equal chunks")
-    return RingAttention.apply(q, k, v, grid, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    return RingAttention.apply(q, k, v, grid, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale, documents)

@@ -30,6 +30,7 @@ class TrainConfig:
     steps: int = 300
     batch_size: int = 32
     seq_len: int = 128
+    document_mask: bool = False      # --document-mask: attention inside a packed window's documents
     n_layer: int = 4
     n_embd: int = 128
     n_head: int = 4
@@ -91,6 +92,11 @@ class TrainConfig:
             raise ValueError(f"--grad-reduce {self.grad_reduce!r}: give fp32 or compute")
         pipe = self.grid.get("pipe", 1)
         self._check_context(pipe)
+        if self.document_mask and not recipe(self.model).documents:
+            raise ValueError(f"--document-mask: --model {self.model}'s attention does not keep inside documents yet "
+                             f"(par4d's GPT's does: --model gpt)")
+        if self.document_mask and pipe > 1:
+            raise ValueError(f"--document-mask with --grid pipe={pipe}: the pipeline does not carry documents yet")
         if self.microbatches is not None and pipe > 1 and self.microbatches < 1:
             raise ValueError(f"--microbatches {self.microbatches}: give a count >= 1, on a grid with pipe > 1 "
                              f"(this grid has pipe={pipe})")

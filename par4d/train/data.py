@@ -89,8 +89,11 @@ def training_data(config: TrainConfig) -> tuple[Batches | Images, str]:
 
         dataset = open_dataset(config.data, config.seq_len, config.tokenizer_sha256)
         train, val = dataset.splits["train"], dataset.splits["val"]
-        return (Batches.from_splits(train, val, config.seq_len, config.batch_size, config.seed),
-                f"{dataset.path} (a prepared dataset: {len(train):,} train and {len(val):,} validation tokens)")
+        batches = Batches.from_splits(train, val, config.seq_len, config.batch_size, config.seed,
+                                      documents=config.document_mask)
+        masked = ", attention inside its documents" if config.document_mask else ""
+        return batches, (f"{dataset.path} (a prepared dataset: {len(train):,} train and {len(val):,} validation "
+                         f"tokens{masked})")
     corpus = read_corpus(config.data, config.seq_len, config.data_sha256)
     if config.tokenizer is None:
         return Batches(as_tokens(corpus), config.seq_len, config.batch_size, config.seed), corpus.source
@@ -116,16 +119,20 @@ class Batches:
         self._set(data[:split], data[split:], seq_len, batch_size, seed)
 
     @classmethod
-    def from_splits(cls, train, val, seq_len: int, batch_size: int, seed: int) -> Batches:
-        """Over given splits: anything with ``len`` and slices of token ids (:class:`par4d.data.dataset.Tokens`)."""
+    def from_splits(cls, train, val, seq_len: int, batch_size: int, seed: int, documents: bool = False) -> Batches:
+        """Over given splits: anything with ``len`` and slices of token ids (:class:`par4d.data.dataset.Tokens`).
+        ``documents``: each batch also gives every input token's document (the splits' ``documents``), a
+        third tensor."""
         batches = cls.__new__(cls)
         batches._set(train, val, seq_len, batch_size, seed)
+        batches.documents = documents
         return batches
 
     def _set(self, train, val, seq_len: int, batch_size: int, seed: int) -> None:
         self.train, self.val = train, val
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
         self.tokens_per_step = batch_size * seq_len
+        self.documents = False
 
     def _source(self, split: str, index: int):
         if split == "train":
@@ -133,9 +140,10 @@ class Batches:
         return self.val, -(self.seed * 1_000_003 + index + 1)
 
     def _draw(self, source, key: int, rows: slice = slice(None), spans: tuple[slice, ...] | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets) of the windows ``rows`` of a batch; ``spans``: only these positions of each window
-        (a context rank's two chunks, concatenated), each read with the one token after it (its last target)."""
+              ) -> tuple[torch.Tensor, ...]:
+        """(inputs, targets) of the windows ``rows`` of a batch, and with :attr:`documents` every input's
+        document; ``spans``: only these positions of each window (a context rank's two chunks, concatenated),
+        each read with the one token after it (its last target)."""
         generator = torch.Generator().manual_seed(key)
         starts = torch.randint(0, len(source) - self.seq_len - 1, (self.batch_size,), generator=generator)
         spans = spans or (slice(0, self.seq_len),)
@@ -143,16 +151,20 @@ class Batches:
                   for s in starts[rows].tolist()]
         inputs = torch.stack([torch.cat([piece[:-1] for piece in window]) for window in pieces])
         targets = torch.stack([torch.cat([piece[1:] for piece in window]) for window in pieces])
-        return inputs, targets
+        if not self.documents:
+            return inputs, targets
+        documents = torch.stack([torch.cat([torch.as_tensor(source.documents(slice(s + span.start, s + span.stop)))
+                                            for span in spans]) for s in starts[rows].tolist()])
+        return inputs, targets, documents
 
-    def train_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Global (inputs, targets) of step ``step``, each (batch_size, seq_len)."""
+    def train_batch(self, step: int) -> tuple[torch.Tensor, ...]:
+        """Global (inputs, targets) of step ``step``, each (batch_size, seq_len) (and documents: see _draw)."""
         return self._draw(*self._source("train", step))
 
-    def val_batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def val_batch(self, index: int) -> tuple[torch.Tensor, ...]:
         return self._draw(*self._source("val", index))
 
-    def local_batch(self, grid, split: str, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def local_batch(self, grid, split: str, index: int) -> tuple[torch.Tensor, ...]:
         """This rank's rows (over data x z) of the global batch ``index`` of ``split`` (train or val), and of each
         its two chunks over context: the same starts are drawn on every rank, and each reads only its own
         windows' own chunks."""

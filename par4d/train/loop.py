@@ -184,11 +184,11 @@ def _train(job: _Job, grid, stop: StopRequest, metrics, out: Path, board: Board 
             lr = config.learning_rate(step)
             for group in precision.param_groups:
                 group["lr"] = lr
-            x, y = _local(grid, batches.local_batch(grid, "train", step), precision)
+            batch = _local(grid, batches.local_batch(grid, "train", step), precision)   # (x, y[, documents])
             report: dict = {}
 
-            def run_step(x=x, y=y, report=report) -> torch.Tensor:
-                return train_step(job.model, precision, grid, (x, y), grad_clip=config.grad_clip,
+            def run_step(batch=batch, report=report) -> torch.Tensor:
+                return train_step(job.model, precision, grid, batch, grad_clip=config.grad_clip,
                                   microbatches=config.microbatches, pipeline_limit=config.pipeline_limit,
                                   report=report)
 
@@ -332,8 +332,8 @@ def _progress_bar(config: TrainConfig, grid, start_step: int):
                 dynamic_ncols=True, mininterval=1.0)
 
 
-def _local(grid, batch: tuple[torch.Tensor, torch.Tensor], precision: Precision) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's (inputs, targets) on its device; images in the compute dtype."""
+def _local(grid, batch: tuple[torch.Tensor, ...], precision: Precision) -> tuple[torch.Tensor, ...]:
+    """This rank's (inputs, targets[, documents]) on its device; images in the compute dtype."""
     return tuple(t.to(grid.device, precision.dtype if t.is_floating_point() else None) for t in batch)
 
 
@@ -342,8 +342,8 @@ def _evaluate(model: torch.nn.Module, grid, batches: Batches | Images, count: in
               precision: Precision) -> float:
     total = 0.0
     for index in range(count):
-        x, y = _local(grid, batches.local_batch(grid, "val", index), precision)
-        loss = evaluate_pipeline(model, grid, x, y) if grid.size("pipe") > 1 else model(x, y)
+        batch = _local(grid, batches.local_batch(grid, "val", index), precision)
+        loss = evaluate_pipeline(model, grid, *batch) if grid.size("pipe") > 1 else model(*batch)
         total += global_mean(loss, grid).item()
     return total / max(1, count)
 

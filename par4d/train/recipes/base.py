@@ -38,7 +38,7 @@ class Recipe:
     a batch's rows are, in messages. ``loss_unit``: the training loss's unit, for the plot. ``unused``: the
     settings it has no use for (refused by name when given), ``unused_why`` says why. ``plannable``:
     ``--grid auto`` plans it. ``mixture``: a mixture of experts by construction (its ``--mlp`` is ``moe``).
-    ``context``: it trains on a grid with a context axis."""
+    ``context``: it trains on a grid with a context axis. ``documents``: it trains with ``--document-mask``."""
 
     name: str
     describe: str
@@ -50,6 +50,7 @@ class Recipe:
     plannable = False
     mixture = False     # its blocks are mixtures of experts whatever --mlp says (--mlp moe is implied)
     context = False     # its attention runs on sequences cut over a context axis (par4d.nn.ring)
+    documents = False   # its attention stays inside a packed window's documents (--document-mask)
 
     def check(self, config: Settings) -> None:
         """Refuse the settings this model cannot train with (run when the config is built; no torch)."""

@@ -44,6 +44,7 @@ class GPTRecipe(Recipe):
     describe = "par4d's GPT"
     plannable = True
     context = True
+    documents = True
 
     def pretrained_settings(self, folder: str, chosen: dict) -> tuple[dict, dict | None]:
         from par4d.adopt.gpt2 import gpt_dims
