@@ -220,8 +220,8 @@ class Grid:
         if self.mesh is None:
             state = "closed" if self._closed else "virtual"
             raise RuntimeError(f"{self!r} is {state}: it has no process groups")
-        if key == AXES:       # every axis: the whole job
-            return dist.group.WORLD
+        if key == AXES or key == tuple(a for a in AXES if a not in SHOWN_ABOVE_ONE or self.size(a) > 1):
+            return dist.group.WORLD         # every axis (as comm names them): the whole job
         if key not in self._groups:
             raise ValueError(f"no process group for axes {key}; available: {sorted(self._groups)}")
         return self._groups[key]
