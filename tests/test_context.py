@@ -250,3 +250,28 @@ def test_a_prepared_dataset_trains_with_document_masks_on_a_context_axis_as_on_o
         checked_config(*common, "--model", "hf-llama", "--out", "unused", world=1)
     with pytest.raises(ValueError, match="--document-mask with --grid pipe=2: the pipeline does not carry"):
         checked_config(*common, "--grid", "pipe=2", "--out", "unused", world=2)
+
+
+def _bench_rows() -> list[dict]:
+    from par4d.bench.context import ContextSettings, context_worker
+
+    return context_worker(ContextSettings(nproc=4, iters=1, n_embd=32, n_head=4, lengths=(64, 128), timed=64,
+                                          budget_mb=1.0))
+
+
+def test_bench_context_measures_each_grids_activations_and_says_what_stops_torchs(pool4):
+    """Per grid (context=4, and x=4, y=4, x=2,y=2 without one) the activations a rank holds at each length,
+    twice as many at twice the length; the context axis holds the fewest; torch's context parallel timed or
+    its error said (on CPUs: no sharding rule for the CPU attention kernel)."""
+    rows = pool4.run(_bench_rows, timeout=240)[0]
+    ours = [r for r in rows if r["framework"] == "par4d"]
+    held = {(r["grid"], r["seq_len"]): r["activation_bytes_per_rank"] for r in ours}
+    grids = sorted({g for g, _ in held})
+    assert len(grids) == 4 and all((g, 64) in held and (g, 128) in held for g in grids)
+    for g in grids:
+        assert 1.8 < held[(g, 128)] / held[(g, 64)] < 2.2
+    cut = next(g for g in grids if "context=4" in g)
+    assert all(held[(cut, 128)] < held[(g, 128)] for g in grids if g != cut)
+    assert all((r["s_per_iter"] is not None) == (r["seq_len"] == 64) for r in ours)
+    theirs = rows[-1]
+    assert theirs["name"] == "torch context_parallel" and (theirs["s_per_iter"] is not None or theirs["error"])

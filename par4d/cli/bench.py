@@ -1,5 +1,5 @@
-"""``par4d bench grid|peers|moe|overlap|pipeline|offload|checkpoint|data|gemm``: the GPT on every valid grid against
-PyTorch DDP and FSDP2, par4d against DDP, FSDP2, HSDP and FSDP2+TP on two workloads (locally or on an emulated
+"""``par4d bench grid|peers|moe|context|overlap|pipeline|offload|checkpoint|data|gemm``: the GPT on every valid
+grid against PyTorch DDP and FSDP2, par4d against DDP, FSDP2, HSDP and FSDP2+TP on two workloads (locally or on an emulated
 cluster), each overlap's gain (Fig. 3's rows), par4d's message-driven pipeline against
 torch.distributed.pipelining's schedules on the same stages, the offloaded optimizer against FSDP2's CPU offload,
 a resharding checkpoint load against torch.distributed.checkpoint, and the gain of GEMM tuning per
@@ -139,6 +139,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                           "(default gpt)")
     moe.add_argument("--iters", type=int, default=8, help="timed iterations per row (after 2 warm-up)")
     _output(moe)
+    context = sub.add_parser("context", help="long sequences: the longest a fixed GPT trains at with a context axis "
+                                             "vs without, activations per rank against length, and torch's "
+                                             "context parallel")
+    context.add_argument("--nproc", type=int, default=DEFAULT_NPROC)
+    context.add_argument("--iters", type=int, default=3, help="timed steps per grid at --timed (after 2 warm-up)")
+    context.add_argument("--n-layer", type=int, default=2)
+    context.add_argument("--n-embd", type=int, default=128)
+    context.add_argument("--n-head", type=int, default=4)
+    context.add_argument("--lengths", default="1024,2048,4096,8192,16384",
+                         help="sequence lengths measured, shortest first (each a multiple of 2 x --nproc)")
+    context.add_argument("--budget-mb", type=float, default=48.0,
+                         help="activations a rank may hold: the longest length within it is each grid's reach")
+    context.add_argument("--timed", type=int, default=2048, help="the length at which steps are timed")
+    _output(context)
     gemm = sub.add_parser("gemm", help="gain of GEMM tuning per matmul shape and pass")
     gemm.add_argument("--json", action="store_true", help="one JSON object per row")
 
@@ -176,6 +190,20 @@ def run(args: argparse.Namespace) -> int:
         from par4d.bench.checkpoint import run_bench_checkpoint
 
         return run_bench_checkpoint(args)
+    if args.bench == "context":
+        from par4d.bench.common import emit
+        from par4d.bench.context import ContextSettings, run_bench_context, table
+
+        try:
+            lengths = tuple(int(n) for n in args.lengths.split(","))
+        except ValueError:
+            raise ValueError(f"--lengths {args.lengths!r}: give a comma list of token counts") from None
+        settings = ContextSettings(args.nproc, args.iters, args.n_layer, args.n_embd, args.n_head, lengths,
+                                   args.budget_mb, args.timed)
+        rows = run_bench_context(settings)
+        if not emit(rows, args.out, args.json):
+            print(table(rows, settings.budget_mb))
+        return 0
     if args.bench == "moe" or (args.bench == "peers" and args.model == "hf-mixtral"):   # a mixture's peers
         from par4d.bench.common import emit
         from par4d.bench.moe import run_bench_moe, table
