@@ -5,12 +5,13 @@ context_parallel``) on the same model, where it runs.
 
 The model: par4d's GPT of ``n_layer`` blocks of width ``n_embd`` (``n_head`` heads), trained on one sequence
 per step (a batch no data or z axis can split further: what a long sequence is), fp32, AdamW. Its grids on
-``nproc`` ranks: ``context`` = every rank, and the grids without a context axis that cut one sequence's
-work otherwise: heads over x, features over y, and both. For each grid and each length of ``lengths``:
-the activations one training step holds on the rank holding the most (what autograd keeps at once,
-``par4d.train.footprint``: the quantity a sequence's length multiplies), and the longest of the lengths
-whose activations stay within ``budget`` bytes a rank. At ``timed`` tokens, the median seconds a step takes
-on each grid that fits, and torch's context parallel on the single-device twin over every rank.
+``nproc`` ranks: ``context`` = every rank, and half of them with heads over x; and the grids without a
+context axis that cut one sequence's work otherwise: heads over x, features over y, and both. For each grid
+and each length of ``lengths``: the activations one training step holds on the rank holding the most (what
+autograd keeps at once, ``par4d.train.footprint``: the quantity a sequence's length multiplies), and the
+longest of the lengths whose activations stay within ``budget`` bytes a rank. At ``timed`` tokens, the
+median seconds a step takes on each grid that fits, and torch's context parallel on the single-device twin
+over every rank.
 """
 
 from __future__ import annotations
@@ -49,10 +50,11 @@ class ContextSettings:
 
 
 def grids(settings: ContextSettings) -> list[dict[str, int]]:
-    """Every rank on context, then the grids without a context axis that split one sequence's work: heads over
-    x, features over y, both (those the model's sizes divide)."""
+    """Every rank on context, half of them with heads over x, then the grids without a context axis that split
+    one sequence's work: heads over x, features over y, both (those the model's sizes divide)."""
     n, found = settings.nproc, [dict(context=settings.nproc)]
-    for sizes in [dict(x=n), dict(y=n)] + ([dict(x=2, y=n // 2)] if n % 2 == 0 and n > 2 else []):
+    halves = [dict(x=2, context=n // 2), dict(x=2, y=n // 2)] if n % 2 == 0 and n > 2 else []
+    for sizes in [*halves[:1], dict(x=n), dict(y=n), *halves[1:]]:
         full = {"x": sizes.get("x", 1), "y": sizes.get("y", 1), "z": 1}
         if settings.config(settings.lengths[0]).grid_problem(full) is None:
             found.append(sizes)

@@ -1,6 +1,7 @@
 """``par4d bench grid|peers|moe|context|overlap|pipeline|offload|checkpoint|data|gemm``: the GPT on every valid
-grid against PyTorch DDP and FSDP2, par4d against DDP, FSDP2, HSDP and FSDP2+TP on two workloads (locally or on an emulated
-cluster), each overlap's gain (Fig. 3's rows), par4d's message-driven pipeline against
+grid against PyTorch DDP and FSDP2, par4d against DDP, FSDP2, HSDP and FSDP2+TP on two workloads (locally or on
+an emulated cluster), a long sequence on a context axis against the grids without one and torch's context
+parallel, each overlap's gain (Fig. 3's rows), par4d's message-driven pipeline against
 torch.distributed.pipelining's schedules on the same stages, the offloaded optimizer against FSDP2's CPU offload,
 a resharding checkpoint load against torch.distributed.checkpoint, and the gain of GEMM tuning per
 matmul shape; the benchmarks themselves live in ``par4d.bench``."""

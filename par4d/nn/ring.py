@@ -10,7 +10,10 @@ transfer saved, as every rank's keys travel the whole ring). The two chunks per 
 same work: chunk i has i earlier chunks, chunk 2C-1-i the rest. With documents (a packed window's), a query
 attends only to keys of its own document, and a block in which none does is skipped too.
 
-Each block's output and log-sum-exp are merged into the running ones in fp32 (or the inputs' wider dtype):
+A block runs through torch's own attention kernel where it can (on CPUs, its flash kernel: it gives the
+block's log-sum-exp and its backward takes the whole output's), else written out here (a document mask; the
+GPU's kernels are not used yet). Each block's output and log-sum-exp are merged into the running ones in
+fp32 (or the inputs' wider dtype):
 ``lse = log(e^lse + e^lse_b)``, ``out = out e^(lse_old - lse) + out_b e^(lse_b - lse)``. The backward runs
 the ring again: the keys and values travel as in forward, each with its gradient's running sum; at each
 step a rank adds its queries' part of the gradient of the keys and values it holds, and after the last
@@ -61,9 +64,9 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, allowed: torch.Tenso
 
 
 def _blocks(rank: int, ranks: int, step: int, documents: torch.Tensor | None, n: int, device: torch.device):
-    """(query chunk, key chunk, which keys each query attends to) of every pair of this rank's chunks and the
-    block it holds at ``step`` that has one query attending to one key: a key chunk after the query chunk, or
-    in other documents only, is skipped."""
+    """(query chunk, key chunk, causal, which keys each query attends to) of every pair of this rank's chunks
+    and the block it holds at ``step`` that has one query attending to one key: a key chunk after the query
+    chunk, or in other documents only, is skipped."""
     for a, b, causal in _pairs(chunk_ids(rank, ranks), chunk_ids((rank - step) % ranks, ranks)):
         pair = None
         if documents is not None:
@@ -71,7 +74,15 @@ def _blocks(rank: int, ranks: int, step: int, documents: torch.Tensor | None, n:
             pair = (documents[:, qa * n:(qa + 1) * n], documents[:, kb * n:(kb + 1) * n])
         allowed = _allowed(causal, n, pair, device)
         if allowed is None or bool(allowed.any()):
-            yield a, b, allowed
+            yield a, b, causal, allowed
+
+
+def _fused(q: torch.Tensor, documents: torch.Tensor | None) -> bool:
+    """Whether a block runs through torch's own attention kernel (on CPUs: its flash kernel, which gives the
+    log-sum-exp the merge needs and takes it back for the backward) rather than written out here: a CPU tensor
+    and no document mask (the kernel takes none). Elsewhere the blocks are written out (the GPU's kernels are
+    not used yet)."""
+    return q.device.type == "cpu" and documents is None
 
 
 class RingAttention(torch.autograd.Function):
@@ -83,8 +94,9 @@ class RingAttention(torch.autograd.Function):
                 documents: torch.Tensor | None) -> torch.Tensor:
         ranks, rank = grid.size("context"), grid.coord("context")
         dtype = torch.promote_types(q.dtype, torch.float32)
-        qs = q.to(dtype).chunk(2, dim=-2)
+        qs = [part.contiguous() for part in q.to(dtype).chunk(2, dim=-2)]
         held = torch.stack([k, v]).contiguous()                        # one message: (2, B, H, 2c, hd)
+        fused = _fused(q, documents)
         out = [torch.zeros_like(part) for part in qs]
         lse = [torch.full(part.shape[:-1], float("-inf"), dtype=dtype, device=q.device) for part in qs]
         for step in range(ranks):
@@ -93,15 +105,21 @@ class RingAttention(torch.autograd.Function):
                 moves = [comm.send(grid, held, "context", 1, KEYS, ring=True),
                          comm.recv(grid, incoming, "context", -1, KEYS, ring=True)]
             ks, vs = (t.to(dtype).chunk(2, dim=-2) for t in held)
-            for a, b, allowed in _blocks(rank, ranks, step, documents, qs[0].shape[-2], q.device):
-                scores = _scores(qs[a], ks[b], scale, allowed)
-                block_lse = scores.logsumexp(-1)
+            for a, b, causal, allowed in _blocks(rank, ranks, step, documents, qs[0].shape[-2], q.device):
+                if fused:
+                    attended, block_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                        qs[a], ks[b], vs[b], 0.0, causal, scale=scale)
+                else:
+                    scores = _scores(qs[a], ks[b], scale, allowed)
+                    block_lse = scores.logsumexp(-1)
+                    attended = (scores - block_lse.unsqueeze(-1)).exp()
                 merged = torch.logaddexp(lse[a], block_lse)
                 weights = [(lse[a] - merged).exp(), (block_lse - merged).exp()]
-                block_out = (scores - block_lse.unsqueeze(-1)).exp()
                 if documents is not None:   # a query with no key of its document here (yet): weight 0, not NaN
-                    block_out, weights = block_out.nan_to_num(0.0), [w.nan_to_num(0.0) for w in weights]
-                out[a] = out[a] * weights[0].unsqueeze(-1) + (block_out @ vs[b]) * weights[1].unsqueeze(-1)
+                    attended, weights = attended.nan_to_num(0.0), [w.nan_to_num(0.0) for w in weights]
+                if not fused:
+                    attended = attended @ vs[b]
+                out[a] = out[a] * weights[0].unsqueeze(-1) + attended * weights[1].unsqueeze(-1)
                 lse[a] = merged
             if step < ranks - 1:
                 for move in moves:
@@ -118,9 +136,11 @@ class RingAttention(torch.autograd.Function):
         grid, scale, documents = ctx.grid, ctx.scale, ctx.documents
         ranks, rank = grid.size("context"), grid.coord("context")
         dtype = out.dtype
-        qs, dos = q.to(dtype).chunk(2, dim=-2), grad_out.to(dtype).chunk(2, dim=-2)
-        lses = lse.chunk(2, dim=-1)
-        deltas = [(d * o).sum(-1) for d, o in zip(dos, out.chunk(2, dim=-2))]     # rowsum(dO * O)
+        qs, dos = ([part.contiguous() for part in t.to(dtype).chunk(2, dim=-2)] for t in (q, grad_out))
+        lses = [part.contiguous() for part in lse.chunk(2, dim=-1)]
+        outs = [part.contiguous() for part in out.chunk(2, dim=-2)]
+        deltas = [(d * o).sum(-1) for d, o in zip(dos, outs)]     # rowsum(dO * O)
+        fused = _fused(q, documents)
         dq = [torch.zeros_like(part) for part in qs]
         held = torch.stack([k, v]).contiguous()
         summed = None              # the running gradient sum of the block held, from the rank before
@@ -129,9 +149,14 @@ class RingAttention(torch.autograd.Function):
                 incoming = torch.empty_like(held)
                 moves = [comm.send(grid, held, "context", 1, KEYS, ring=True),
                          comm.recv(grid, incoming, "context", -1, KEYS, ring=True)]
-            ks, vs = (t.to(dtype).chunk(2, dim=-2) for t in held)
+            ks, vs = ([part.contiguous() for part in t.to(dtype).chunk(2, dim=-2)] for t in held)
             dk, dv = [torch.zeros_like(t) for t in ks], [torch.zeros_like(t) for t in vs]
-            for a, b, allowed in _blocks(rank, ranks, step, documents, qs[0].shape[-2], q.device):
+            for a, b, causal, allowed in _blocks(rank, ranks, step, documents, qs[0].shape[-2], q.device):
+                if fused:      # the kernel's backward, given the whole output and log-sum-exp of these queries
+                    dqa, dkb, dvb = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                        dos[a], qs[a], ks[b], vs[b], outs[a], lses[a], 0.0, causal, scale=scale)
+                    dq[a], dk[b], dv[b] = dq[a] + dqa, dk[b] + dkb, dv[b] + dvb
+                    continue
                 probs = (_scores(qs[a], ks[b], scale, allowed) - lses[a].unsqueeze(-1)).exp()
                 dv[b] = dv[b] + probs.transpose(-1, -2) @ dos[a]
                 dscores = probs * (dos[a] @ vs[b].transpose(-1, -2) - deltas[a].unsqueeze(-1))
