@@ -275,3 +275,28 @@ def test_bench_context_measures_each_grids_activations_and_says_what_stops_torch
     assert all((r["s_per_iter"] is not None) == (r["seq_len"] == 64) for r in ours)
     theirs = rows[-1]
     assert theirs["name"] == "torch context_parallel" and (theirs["s_per_iter"] is not None or theirs["error"])
+
+
+def _grouped_ring(sizes: dict) -> dict:
+    """Grouped-query attention (4 query heads, 2 key/value heads): against torch's with the heads repeated; only
+    the 2 key/value heads travel."""
+    from par4d.nn.ring import ring_attention
+
+    grid = cases.grid(**sizes)
+    gen = torch.Generator().manual_seed(8)
+    q = torch.randn(2, 4, 16, 4, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 16, 4, generator=gen, dtype=torch.float64) for _ in range(2))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    wide = [full[0], *(t.repeat_interleave(2, dim=1) for t in full[1:])]
+    F.scaled_dot_product_attention(*wide, is_causal=True).square().sum().backward()
+    mine = [shard_sequence(grid, t, dim=2).requires_grad_() for t in (q, k, v)]
+    with grid.ledger.capture() as entries:
+        ring_attention(*mine, grid).square().sum().backward()
+    for got, whole in zip(mine, full):
+        torch.testing.assert_close(got.grad, shard_sequence(grid, whole.grad, dim=2), rtol=1e-11, atol=1e-12)
+    return sum(e.bytes for e in entries if e.kind == "send")
+
+
+def test_grouped_query_keys_travel_as_they_are(pool4):
+    block = 2 * 2 * 2 * 4 * 4 * 8          # keys and values of 2 heads, this rank's 4 tokens, float64
+    assert pool4.run(_grouped_ring, dict(context=4)) == [(3 + 3 + 4) * block] * 4

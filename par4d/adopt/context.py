@@ -4,8 +4,8 @@ transformers' decoder layers call their attention through its attention interfac
 ``attn_implementation`` names). par4d registers its ring attention there (:data:`NAME`); a model made parallel
 on a grid with context > 1 takes it, its attention modules knowing the grid. The queries, keys and values
 arrive as transformers made them (rotary positions applied from the ``position_ids`` par4d gives: the tokens'
-global indices), grouped-query attention's key/value heads repeated to the query heads, and the ring runs
-causal attention over the whole sequence. transformers then builds no mask (an implementation without a mask
+global indices), and the ring runs causal attention over the whole sequence, grouped-query attention's
+key/value heads travelling as they are (a block's repeated to the query heads where it is computed). transformers then builds no mask (an implementation without a mask
 function of its own): causality is the ring's.
 
 Refused, naming the numbers: a sliding window shorter than the sequence (the ring attends over all of it),
@@ -38,9 +38,7 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     if dropout:
         raise ValueError(f"{type(module).__name__}: attention dropout {dropout} on a context axis (ring attention "
                          f"has none): set the config's attention_dropout to 0")
-    repeats = query.shape[1] // key.shape[1]
-    key, value = (t.repeat_interleave(repeats, dim=1) if repeats > 1 else t for t in (key, value))
-    out = ring_attention(query, key, value, grid, scale=scaling)
+    out = ring_attention(query, key, value, grid, scale=scaling)     # grouped-query keys travel as they are
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -85,15 +85,27 @@ def _fused(q: torch.Tensor, documents: torch.Tensor | None) -> bool:
     return q.device.type == "cpu" and documents is None
 
 
+def _widen(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """Grouped-query attention's key or value heads, each repeated for the ``groups`` query heads it serves."""
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def _narrow(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of :func:`_widen`'s input: each key or value head's, summed over the query heads it served."""
+    return t if groups == 1 else t.unflatten(1, (t.shape[1] // groups, groups)).sum(2)
+
+
 class RingAttention(torch.autograd.Function):
-    """``(q, k, v)`` (B, H, 2c, hd), this rank's two chunks of c tokens each, to the causal attention output
-    of its queries over the whole sequence, in the inputs' dtype."""
+    """``(q, k, v)``: (B, H, 2c, hd) queries, (B, H_kv, 2c, hd) keys and values (grouped-query attention: H_kv
+    dividing H, each serving H / H_kv query heads; only they travel), this rank's two chunks of c tokens each,
+    to the causal attention output of its queries over the whole sequence, in the inputs' dtype."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Grid, scale: float,
                 documents: torch.Tensor | None) -> torch.Tensor:
         ranks, rank = grid.size("context"), grid.coord("context")
         dtype = torch.promote_types(q.dtype, torch.float32)
+        groups = q.shape[1] // k.shape[1]
         qs = [part.contiguous() for part in q.to(dtype).chunk(2, dim=-2)]
         held = torch.stack([k, v]).contiguous()                        # one message: (2, B, H, 2c, hd)
         fused = _fused(q, documents)
@@ -104,7 +116,7 @@ class RingAttention(torch.autograd.Function):
                 incoming = torch.empty_like(held)
                 moves = [comm.send(grid, held, "context", 1, KEYS, ring=True),
                          comm.recv(grid, incoming, "context", -1, KEYS, ring=True)]
-            ks, vs = (t.to(dtype).chunk(2, dim=-2) for t in held)
+            ks, vs = ([_widen(part, groups) for part in t.to(dtype).chunk(2, dim=-2)] for t in held)
             for a, b, causal, allowed in _blocks(rank, ranks, step, documents, qs[0].shape[-2], q.device):
                 if fused:
                     attended, block_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -136,6 +148,7 @@ class RingAttention(torch.autograd.Function):
         grid, scale, documents = ctx.grid, ctx.scale, ctx.documents
         ranks, rank = grid.size("context"), grid.coord("context")
         dtype = out.dtype
+        groups = q.shape[1] // k.shape[1]
         qs, dos = ([part.contiguous() for part in t.to(dtype).chunk(2, dim=-2)] for t in (q, grad_out))
         lses = [part.contiguous() for part in lse.chunk(2, dim=-1)]
         outs = [part.contiguous() for part in out.chunk(2, dim=-2)]
@@ -149,7 +162,7 @@ class RingAttention(torch.autograd.Function):
                 incoming = torch.empty_like(held)
                 moves = [comm.send(grid, held, "context", 1, KEYS, ring=True),
                          comm.recv(grid, incoming, "context", -1, KEYS, ring=True)]
-            ks, vs = ([part.contiguous() for part in t.to(dtype).chunk(2, dim=-2)] for t in held)
+            ks, vs = ([_widen(part, groups).contiguous() for part in t.to(dtype).chunk(2, dim=-2)] for t in held)
             dk, dv = [torch.zeros_like(t) for t in ks], [torch.zeros_like(t) for t in vs]
             for a, b, causal, allowed in _blocks(rank, ranks, step, documents, qs[0].shape[-2], q.device):
                 if fused:      # the kernel's backward, given the whole output and log-sum-exp of these queries
@@ -162,7 +175,7 @@ class RingAttention(torch.autograd.Function):
                 dscores = probs * (dos[a] @ vs[b].transpose(-1, -2) - deltas[a].unsqueeze(-1))
                 dq[a] = dq[a] + (dscores @ ks[b]) * scale
                 dk[b] = dk[b] + (dscores.transpose(-1, -2) @ qs[a]) * scale
-            mine = torch.stack([torch.cat(dk, dim=-2), torch.cat(dv, dim=-2)])
+            mine = torch.stack([_narrow(torch.cat(dk, dim=-2), groups), _narrow(torch.cat(dv, dim=-2), groups)])
             if summed is not None:
                 summed[1].wait()
                 mine = summed[0] + mine
@@ -189,4 +202,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Grid
     in order: a query attends only to keys of its own document."""
     if q.shape[-2] % 2:
         raise ValueError(f"ring attention: {q.shape[-2]} tokens here are not this rank's two equal chunks")
+    if q.shape[1] % k.shape[1] or k.shape != v.shape:
+        raise ValueError(f"ring attention: {q.shape[1]} query heads and keys {tuple(k.shape)}, values "
+                         f"{tuple(v.shape)}: give as many key as value heads, dividing the query heads")
     return RingAttention.apply(q, k, v, grid, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale, documents)
