@@ -5,8 +5,9 @@ transformers' decoder layers call their attention through its attention interfac
 on a grid with context > 1 takes it, its attention modules knowing the grid. The queries, keys and values
 arrive as transformers made them (rotary positions applied from the ``position_ids`` par4d gives: the tokens'
 global indices), and the ring runs causal attention over the whole sequence, grouped-query attention's
-key/value heads travelling as they are (a block's repeated to the query heads where it is computed). transformers then builds no mask (an implementation without a mask
-function of its own): causality is the ring's.
+key/value heads travelling as they are (a block's repeated to the query heads where it is computed).
+transformers then builds no mask (an implementation without a mask function of its own): causality is the
+ring's.
 
 Refused, naming the numbers: a sliding window shorter than the sequence (the ring attends over all of it),
 attention dropout (the ring has none), and attention the interface does not reach.
