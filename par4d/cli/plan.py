@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from par4d.cli.files import check_new_file
 from par4d.cli.values import number
+from par4d.plan import context as long_sequences
 from par4d.plan.cost import VARIANTS, rank_configurations
 from par4d.plan.experts import MOE_MODELS, batch_of, moe_spec, rank_grids
 from par4d.plan.machines import BUILTIN, load_machine
@@ -30,7 +31,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "(GEMMs by shape, attention, memory bandwidth, one-rank GPT steps beside plain PyTorch) "
                         "against what --machine predicts (default: the built-in machine of this GPU)")
     p.add_argument("--model", default="gpt-20b", help=f"built-in GPT: {', '.join(GPT_MODELS)}; or mixture of experts: "
-                                                       f"{', '.join(MOE_MODELS)} (ranks x, z, data and expert)")
+                                                       f"{', '.join(MOE_MODELS)} (ranks x, z, data and expert); or "
+                                                       f"long sequences: {', '.join(long_sequences.LONG_MODELS)} "
+                                                       f"(ranks x, z, context and data)")
     p.add_argument("--imbalance", type=number(1, above=False), default=None,
                    help="a mixture's busiest rank's load over the mean (default 1: balanced; ranking of mixtures)")
     p.add_argument("--gpus", type=int, default=None, help="number of devices (ranking)")
@@ -184,6 +187,8 @@ def run(args: argparse.Namespace) -> int:
         machine = replace(machine, devices_per_node=args.gpus_per_node)
     if args.model in MOE_MODELS:
         return _mixture(args, machine)
+    if args.model in long_sequences.LONG_MODELS:
+        return _long(args, machine)
     if args.imbalance is not None:
         raise ValueError(f"--imbalance: a setting of a mixture of experts ({', '.join(MOE_MODELS)}); --model "
                          f"{args.model} has none")
@@ -284,6 +289,45 @@ def _mixture(args: argparse.Namespace, machine) -> int:
               f"{p.exchange_bytes / 1e9:>7.2f} {p.t_exchange:>7.3f} {p.t_tensor:>7.3f} {p.t_sync:>7.3f} "
               f"{p.t_compute:>9.3f} {p.t_iter:>7.3f}  {p.mem_bytes / 1e9:>6.1f} {p.tokens_per_s_per_device:>9.0f} "
               f"{p.mfu:>5.1%}")
+    print(f"{len(ranked)} of {len(ranked) + len(excluded)} grids fit; showing the top {min(args.top, len(ranked))}")
+    if excluded:
+        reasons = Counter(_reason_kind(p.excluded) for p in excluded)
+        print("excluded: " + "; ".join(f"{count} {kind}" for kind, count in reasons.most_common()))
+    if not ranked:
+        print(f"par4d plan: no grid of {args.gpus:,} devices runs {spec.name} with this batch; see the reasons "
+              f"above", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _long(args: argparse.Namespace, machine) -> int:
+    """Rank the (x, z, context, data) grids of a built-in long-sequence model (par4d.plan.context)."""
+    given = [f"--{name.replace('_', '-')}" for name, default in (("pipe", "auto"), ("microbatches", "auto"),
+                                                                  ("recompute", "auto"), ("overlap", None),
+                                                                  ("offload_bsize", None), ("variant", "full"),
+                                                                  ("train_tokens", None), ("imbalance", None))
+             if getattr(args, name) != default]
+    if given:
+        raise ValueError(f"{given[0]}: the planner ranks a long sequence's x, z, context and data sizes only (its "
+                         f"pipeline, overlaps and offloading are not priced yet); leave it out")
+    spec = long_sequences.long_spec(args.model).with_batch(args.batch_tokens // args.seq_len, args.seq_len)
+    ranked, excluded = long_sequences.rank_grids(spec, args.gpus, machine)
+    if args.json:
+        for position, pred in enumerate(ranked, 1):
+            print(json.dumps({"rank": position, **pred.row()}))
+        for pred in excluded:
+            print(json.dumps({"rank": None, **pred.row()}))
+        return 0 if ranked else 1
+    print(f"{spec.name}: {spec.params() / 1e9:.2f}B parameters, batch {spec.tokens:,} tokens ({spec.global_batch} x "
+          f"{spec.seq_len}), {args.gpus} x {machine.name} ({machine.devices_per_node} per node)")
+    print(f"{'#':>3}  {'x':>4} {'z':>4} {'ctx':>4} {'data':>5} {'rc':>3}  {'ring GB':>8} {'ring s':>7} {'x,z s':>7} "
+          f"{'sync s':>7} {'compute s':>9} {'iter s':>7}  {'mem GB':>6} {'tok/s/dev':>9} {'MFU':>5}")
+    for position, p in enumerate(ranked[:args.top], 1):
+        g = p.sizes
+        print(f"{position:>3}  {g['x']:>4} {g['z']:>4} {g['context']:>4} {g['data']:>5} "
+              f"{'on' if p.recompute else 'off':>3}  {p.ring_bytes / 1e9:>8.2f} {p.t_ring:>7.3f} {p.t_tensor:>7.3f} "
+              f"{p.t_sync:>7.3f} {p.t_compute:>9.3f} {p.t_iter:>7.3f}  {p.mem_bytes / 1e9:>6.1f} "
+              f"{p.tokens_per_s_per_device:>9.0f} {p.mfu:>5.1%}")
     print(f"{len(ranked)} of {len(ranked) + len(excluded)} grids fit; showing the top {min(args.top, len(ranked))}")
     if excluded:
         reasons = Counter(_reason_kind(p.excluded) for p in excluded)
