@@ -21,6 +21,15 @@ if TYPE_CHECKING:
 
 _KEY = "_parallel_state"     # the module's own __dict__: copied with it, gone with it
 
+CONTEXT_FORMS = ("ring", "gather")
+"""How attention runs on a context axis (par4d.nn.ring): keys and values around the ring, or gathered once."""
+
+
+def check_context_form(form: str) -> None:
+    """Refuse a form not in :data:`CONTEXT_FORMS`, naming the flag (no torch: the CLI checks it first)."""
+    if form not in CONTEXT_FORMS:
+        raise ValueError(f"--context-form {form!r}: give one of {', '.join(CONTEXT_FORMS)}")
+
 
 @dataclass(eq=False)
 class ParallelState:

@@ -82,17 +82,20 @@ GPT_CONFIG = GPTConfig(vocab_size=36, block_size=8, n_layer=2, n_head=4, n_embd=
 GPT_BATCH, GPT_STEPS = 4, 3
 
 
-def compare_gpt_with_twin(grid: Grid, sizes: dict, config: GPTConfig, documents: bool = False) -> int:
+def compare_gpt_with_twin(grid: Grid, sizes: dict, config: GPTConfig, documents: bool = False,
+                          form: str = "ring") -> int:
     """par4d's GPT on ``grid`` against its single-device twin: the same initial parameters, then for each of
     GPT_STEPS AdamW steps the loss and every gradient, and the parameters after them; returns how many there are.
     ``documents``: each window packs documents of random lengths (one of them across a chunk boundary, one
-    token long, ...), attention kept inside them (the twin given the explicit block-diagonal causal mask)."""
+    token long, ...), attention kept inside them (the twin given the explicit block-diagonal causal mask).
+    ``form``: how attention runs on a context axis (``par4d.nn.ring.set_context_form``)."""
     from par4d.layout import shard_batch
+    from par4d.nn.ring import set_context_form
     from par4d.optim.data_parallel import global_mean, sync_gradients
     from par4d.train.recipes.gpt import build_gpt, build_reference
 
     twin = build_reference(config)
-    model = build_gpt(config, grid)
+    model = set_context_form(build_gpt(config, grid), form)
     start = model.reference_state()
     for name, param in twin.named_parameters():
         assert torch.equal(start[name], param.detach()), f"{sizes}: initial {name} differs from the twin"

@@ -206,18 +206,21 @@ def test_what_a_context_axis_cannot_run_is_refused_before_any_rank_starts(args, 
                        "--out", "unused", world=4 if "data=2" in args[1] else 2)
 
 
-def _documents_match_twin(sizes: dict) -> int:
+def _documents_match_twin(sizes: dict, form: str) -> int:
     config = GPTConfig(vocab_size=36, block_size=16, n_layer=2, n_head=4, n_embd=24, seed=3)
     with cases.float64():
-        return compare_gpt_with_twin(cases.grid(**sizes), sizes, config, documents=True)
+        return compare_gpt_with_twin(cases.grid(**sizes), sizes, config, documents=True, form=form)
 
 
-@pytest.mark.parametrize("sizes", [dict(x=2, z=2), dict(context=4), dict(context=2, data=2), dict(x=2, context=2)],
-                         ids=sizes_id)
-def test_document_masks_keep_attention_inside_documents_as_the_twin(pool4, sizes):
-    """Packed windows of documents: with and without a context axis, the loss, every gradient and the parameters
-    after 3 AdamW steps equal the twin's given the explicit block-diagonal causal mask, in float64."""
-    assert len(set(pool4.run(_documents_match_twin, sizes))) == 1
+@pytest.mark.parametrize("sizes, form", [(dict(x=2, z=2), "ring"), (dict(context=4), "ring"),
+                                         (dict(context=2, data=2), "ring"), (dict(x=2, context=2), "ring"),
+                                         (dict(context=4), "gather")],
+                         ids=["x2-z2", "context4", "context2-data2", "x2-context2", "context4-gather"])
+def test_document_masks_keep_attention_inside_documents_as_the_twin(pool4, sizes, form):
+    """Packed windows of documents: with and without a context axis (in both forms), the loss, every gradient
+    and the parameters after 3 AdamW steps equal the twin's given the explicit block-diagonal causal mask, in
+    float64."""
+    assert len(set(pool4.run(_documents_match_twin, sizes, form))) == 1
 
 
 def test_a_prepared_dataset_trains_with_document_masks_on_a_context_axis_as_on_one_rank(tmp_path, pool4):
@@ -300,3 +303,42 @@ def _grouped_ring(sizes: dict) -> dict:
 def test_grouped_query_keys_travel_as_they_are(pool4):
     block = 2 * 2 * 2 * 4 * 4 * 8          # keys and values of 2 heads, this rank's 4 tokens, float64
     assert pool4.run(_grouped_ring, dict(context=4)) == [(3 + 3 + 4) * block] * 4
+
+
+def _gathered_against_torch(sizes: dict) -> int:
+    """The all-gather form against torch's attention over the whole sequence (grouped-query heads, a document
+    mask too), in float64; what its collectives moved."""
+    from par4d.nn.ring import ring_attention
+
+    grid = cases.grid(**sizes)
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(2, 4, 16, 4, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 16, 4, generator=gen, dtype=torch.float64) for _ in range(2))
+    documents = torch.cumsum(torch.rand(2, 16, generator=gen) < 0.3, dim=1)
+    for packed in (None, documents):
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        wide = [full[0], *(t.repeat_interleave(2, dim=1) for t in full[1:])]
+        mask = None if packed is None else \
+            (torch.ones(16, 16, dtype=torch.bool).tril() & (packed.unsqueeze(-1) == packed.unsqueeze(-2))).unsqueeze(1)
+        F.scaled_dot_product_attention(*wide, attn_mask=mask, is_causal=packed is None).square().sum().backward()
+        mine = [shard_sequence(grid, t, dim=2).requires_grad_() for t in (q, k, v)]
+        with grid.ledger.capture() as entries:
+            ring_attention(*mine, grid, documents=packed, form="gather").square().sum().backward()
+        for got, whole in zip(mine, full):
+            torch.testing.assert_close(got.grad, shard_sequence(grid, whole.grad, dim=2), rtol=1e-11, atol=1e-12)
+    return sum(e.bytes for e in entries if e.kind in ("all_gather", "reduce_scatter"))
+
+
+def test_the_all_gather_form_is_causal_attention_over_the_whole_sequence(pool4):
+    # keys and values of 2 heads, this rank's 4 tokens, float64: gathered, and their gradients reduce-scattered
+    mine = 2 * 2 * 2 * 4 * 4 * 8
+    assert pool4.run(_gathered_against_torch, dict(context=4)) == [mine + 4 * mine] * 4
+
+
+def _gathered_gpt_matches_twin(sizes: dict) -> int:
+    with cases.float64():
+        return compare_gpt_with_twin(cases.grid(**sizes), sizes, GPT_CONFIG, form="gather")
+
+
+def test_gpt_with_the_all_gather_form_matches_twin(pool4):
+    assert len(set(pool4.run(_gathered_gpt_matches_twin, dict(x=2, context=2)))) == 1

@@ -27,9 +27,11 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from par4d import comm
 from par4d.grid import Grid
+from par4d.parallel import check_context_form
 
 KEYS, GRADIENTS = 11, 12      # message tags: a block's keys and values, their gradients' running sum
 
@@ -194,15 +196,61 @@ class RingAttention(torch.autograd.Function):
         return torch.cat(dq, dim=-2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
+def set_context_form(model: torch.nn.Module, form: str) -> torch.nn.Module:
+    """Run every attention of ``model`` on a context axis in ``form`` (``ring`` or ``gather``): each module
+    that has a ``context_form`` (par4d's attention, transformers' made parallel on a context axis)."""
+    check_context_form(form)
+    for module in model.modules():
+        if hasattr(module, "context_form"):
+            module.context_form = form
+    return model
+
+
+def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Grid, scale: float,
+                       documents: torch.Tensor | None = None) -> torch.Tensor:
+    """The all-gather form: every rank's keys and values gathered over context once (grouped-query attention's
+    heads as they are: small), then each of this rank's query chunks attends causally to the keys up to its
+    own (torch's attention with the mask of global positions, and of documents where given); the backward
+    reduce-scatters the keys' and values' gradients. Autograd through torch's ops: exact as the ring. A rank
+    holds the whole sequence's keys and values, and torch's attention with a mask keeps the scores of a query
+    chunk against them (no fused kernel on CPUs): for short or few key heads, where one collective beats
+    2C - 1 steps."""
+    from par4d.nn.collectives import gather_shards
+
+    ranks, rank = grid.size("context"), grid.coord("context")
+    n, groups = q.shape[-2] // 2, q.shape[1] // k.shape[1]
+    mine = torch.stack([k, v]).movedim(3, 0)                                   # (2c, 2, B, H_kv, hd)
+    every = gather_shards(mine.contiguous(), grid, "context").chunk(2 * ranks)  # rank r: chunks r, 2C-1-r
+    order = [2 * c if c < ranks else 2 * (2 * ranks - 1 - c) + 1 for c in range(2 * ranks)]
+    keys, values = torch.cat([every[i] for i in order]).movedim(0, 3)         # (B, H_kv, T, hd) each
+    keys, values = _widen(keys, groups), _widen(values, groups)
+    outs = []
+    for a, chunk in enumerate(chunk_ids(rank, ranks)):
+        end = (chunk + 1) * n
+        allowed = torch.arange(end, device=q.device) <= torch.arange(chunk * n, end, device=q.device).unsqueeze(1)
+        if documents is not None:
+            same = documents[:, chunk * n:end].unsqueeze(-1) == documents[:, :end].unsqueeze(-2)
+            allowed = (allowed & same).unsqueeze(1)
+        outs.append(F.scaled_dot_product_attention(q[..., a * n:(a + 1) * n, :], keys[..., :end, :],
+                                                   values[..., :end, :], attn_mask=allowed, scale=scale))
+    return torch.cat(outs, dim=-2)
+
+
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Grid,
-                   scale: float | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
+                   scale: float | None = None, documents: torch.Tensor | None = None,
+                   form: str = "ring") -> torch.Tensor:
     """Causal attention of this rank's queries ``q`` (B, H, 2c, hd: its two chunks of every sequence over
     ``context``) over the whole sequence's keys and values (see the module's docstring); the scores scaled by
     ``scale`` (None: 1 / sqrt(hd)). ``documents`` (B, 2Cc): the document of every token of the whole sequences,
-    in order: a query attends only to keys of its own document."""
+    in order: a query attends only to keys of its own document. ``form``: ``ring`` (keys and values around the
+    ring, each block hidden behind the one before's attention) or ``gather`` (:func:`gathered_attention`)."""
     if q.shape[-2] % 2:
         raise ValueError(f"ring attention: {q.shape[-2]} tokens here are not this rank's two equal chunks")
     if q.shape[1] % k.shape[1] or k.shape != v.shape:
         raise ValueError(f"ring attention: {q.shape[1]} query heads and keys {tuple(k.shape)}, values "
                          f"{tuple(v.shape)}: give as many key as value heads, dividing the query heads")
-    return RingAttention.apply(q, k, v, grid, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale, documents)
+    check_context_form(form)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if form == "gather":
+        return gathered_attention(q, k, v, grid, scale, documents)
+    return RingAttention.apply(q, k, v, grid, scale, documents)

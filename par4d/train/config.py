@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from par4d.folder import ABSURD_BYTES, is_count
 from par4d.hierarchy import MODES
 from par4d.overlap import Overlap
+from par4d.parallel import check_context_form
 from par4d.train.recipes import recipe
 
 if TYPE_CHECKING:
@@ -31,6 +32,7 @@ class TrainConfig:
     batch_size: int = 32
     seq_len: int = 128
     document_mask: bool = False      # --document-mask: attention inside a packed window's documents
+    context_form: str = "ring"       # --context-form: attention on a context axis, ring or gather
     n_layer: int = 4
     n_embd: int = 128
     n_head: int = 4
@@ -92,6 +94,7 @@ class TrainConfig:
             raise ValueError(f"--grad-reduce {self.grad_reduce!r}: give fp32 or compute")
         pipe = self.grid.get("pipe", 1)
         self._check_context(pipe)
+        check_context_form(self.context_form)
         if self.document_mask and not recipe(self.model).documents:
             raise ValueError(f"--document-mask: --model {self.model}'s attention does not keep inside documents yet "
                              f"(par4d's GPT's does: --model gpt)")

@@ -57,7 +57,10 @@ class GPTRecipe(Recipe):
         check_hf(Path(config.init_from), config.model_config())    # names the file and every number that differs
 
     def build(self, config: Settings, grid: Grid) -> nn.Module:
-        return build_gpt(config.model_config(), grid, config.recompute_every(), config.overlap_settings())
+        from par4d.nn.ring import set_context_form
+
+        return set_context_form(build_gpt(config.model_config(), grid, config.recompute_every(),
+                                          config.overlap_settings()), config.context_form)
 
     def load_pretrained(self, config: Settings, grid: Grid, model: nn.Module) -> None:
         from par4d.adopt.gpt2 import load_hf

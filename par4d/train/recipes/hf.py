@@ -256,10 +256,11 @@ class HFRecipe(Recipe):
     def build(self, config: Settings, grid: Grid) -> nn.Module:
         """Made parallel, then its overlaps; recomputed, every decoder layer with its gathered weights cached
         by the runtime (the cache)."""
+        from par4d.nn.ring import set_context_form
         from par4d.overlap import set_overlap
         from par4d.parallel import state
 
-        model = set_overlap(_hf_model(config, grid), config.overlap_run())
+        model = set_context_form(set_overlap(_hf_model(config, grid), config.overlap_run()), config.context_form)
         if config.recompute_every():
             runtime = state(model).runtime
             context = {"context_fn": runtime.gathers.checkpoint_contexts} if runtime is not None else {}
