@@ -66,3 +66,15 @@ def test_plan_ranks_context_sizes_with_the_other_axes(capsys):
     assert "llama3-8b: 8.03B parameters" in out and " ctx " in out
     assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--pipe", "2"]) == 2
     assert "--pipe: the planner ranks a long sequence's x, z, context and data sizes only" in capsys.readouterr().err
+
+
+def test_each_grid_takes_the_faster_of_the_ring_and_the_all_gather_form():
+    """Where attention is too short to hide a block's transfer, the all-gather form's one collective each way
+    (2 (C - 1) steps) beats the ring's 3C - 2 exposed steps; a long sequence hides the ring entirely."""
+    h100 = BUILTIN["h100"]
+    tiny = LongSpec("tiny", n_layer=2, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=256, seq_len=64,
+                    global_batch=1)
+    short = predict(tiny, dict(context=8), h100)
+    assert short.form == "gather" and short.t_ring > 0
+    long = predict(tiny.with_batch(1, 1 << 20), dict(context=8), h100)
+    assert long.form == "ring" and long.t_ring == 0.0

@@ -320,12 +320,14 @@ def _long(args: argparse.Namespace, machine) -> int:
         return 0 if ranked else 1
     print(f"{spec.name}: {spec.params() / 1e9:.2f}B parameters, batch {spec.tokens:,} tokens ({spec.global_batch} x "
           f"{spec.seq_len}), {args.gpus} x {machine.name} ({machine.devices_per_node} per node)")
-    print(f"{'#':>3}  {'x':>4} {'z':>4} {'ctx':>4} {'data':>5} {'rc':>3}  {'ring GB':>8} {'ring s':>7} {'x,z s':>7} "
+    print(f"{'#':>3}  {'x':>4} {'z':>4} {'ctx':>4} {'data':>5} {'rc':>3} {'form':>6}  {'ring GB':>8} {'ring s':>7} "
+          f"{'x,z s':>7} "
           f"{'sync s':>7} {'compute s':>9} {'iter s':>7}  {'mem GB':>6} {'tok/s/dev':>9} {'MFU':>5}")
     for position, p in enumerate(ranked[:args.top], 1):
         g = p.sizes
         print(f"{position:>3}  {g['x']:>4} {g['z']:>4} {g['context']:>4} {g['data']:>5} "
-              f"{'on' if p.recompute else 'off':>3}  {p.ring_bytes / 1e9:>8.2f} {p.t_ring:>7.3f} {p.t_tensor:>7.3f} "
+              f"{'on' if p.recompute else 'off':>3} {p.form:>6}  {p.ring_bytes / 1e9:>8.2f} {p.t_ring:>7.3f} "
+              f"{p.t_tensor:>7.3f} "
               f"{p.t_sync:>7.3f} {p.t_compute:>9.3f} {p.t_iter:>7.3f}  {p.mem_bytes / 1e9:>6.1f} "
               f"{p.tokens_per_s_per_device:>9.0f} {p.mfu:>5.1%}")
     print(f"{len(ranked)} of {len(ranked) + len(excluded)} grids fit; showing the top {min(args.top, len(ranked))}")

@@ -19,8 +19,10 @@ data; context inside data in the rank layout, as par4d's grid) is priced per ran
 * memory: the training state (over x and z) and the activations of a rank's tokens (a C-th of the
   sequence), every layer's or, recomputed, each layer's input plus one layer's.
 
-The all-gather form (keys and values gathered once per layer) is not built, so not priced; y and the pipe
-axis are not priced here.
+The all-gather form (``--context-form gather``: a layer's keys and values all-gathered over context once,
+their gradients reduce-scattered; the same bytes as the ring, in one collective each, not hidden) is priced
+beside it, and each grid takes the faster form (few key heads and short sequences favour it: its latency is
+one collective's, the ring's 2C - 1 steps'). y and the pipe axis are not priced here.
 """
 
 from __future__ import annotations
@@ -103,7 +105,8 @@ class LongPrediction:
     excluded: str | None = None
     recompute: bool = False
     t_compute: float = 0.0
-    t_ring: float = 0.0           # the ring's transfers beyond the attention they travel behind
+    t_ring: float = 0.0           # the ring's transfers beyond the attention they travel behind (or the gathers)
+    form: str = "ring"            # the faster: ring or gather
     t_tensor: float = 0.0         # x's all-reduces, z's gathers and reduce-scatters
     t_sync: float = 0.0           # the data-parallel sums (behind the backward)
     t_iter: float = 0.0
@@ -114,6 +117,7 @@ class LongPrediction:
 
     def row(self) -> dict:
         return {**self.sizes, "fits": self.fits, "excluded": self.excluded, "recompute": self.recompute,
+                "form": self.form,
                 "t_compute": self.t_compute, "t_ring": self.t_ring, "t_tensor": self.t_tensor, "t_sync": self.t_sync,
                 "t_iter": self.t_iter, "ring_bytes": self.ring_bytes, "mem_bytes": self.mem_bytes,
                 "tokens_per_s_per_device": self.tokens_per_s_per_device, "mfu": self.mfu}
@@ -182,7 +186,11 @@ def predict(spec: LongSpec, sizes: dict[str, int], machine: Machine, recompute: 
         transfers = spec.n_layer * ((spread - 1) * (2 if recompute else 1) * max(0.0, block / beta + latency
                                                                                   - per_step)
                                     + (2 * spread - 1) * max(0.0, block / beta + latency - 2 * per_step))
-        pred.t_ring = transfers
+        # The all-gather form: per layer a gather of the rank's keys and values (again when recomputed) and a
+        # reduce-scatter of the whole sequence's gradients, waited for where issued
+        gathered = spec.n_layer * ((2 if recompute else 1) * ring_time("all_gather", spread, block, beta, latency)
+                                   + ring_time("reduce_scatter", spread, block * spread, beta, latency))
+        pred.t_ring, pred.form = min((transfers, "ring"), (gathered, "gather"))
     # x: attention's and the MLP's outputs summed, forward and backward
     beta_x = machine.beta_intra if gx <= dpn else machine.beta_inter / dpn
     passes = 3 if recompute else 2
