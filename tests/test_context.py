@@ -264,10 +264,12 @@ def _bench_rows() -> list[dict]:
 
 def test_bench_context_measures_each_grids_activations_and_says_what_stops_torchs(pool4):
     """Per grid (context=4, x=2,context=2, and x=4, y=4, x=2,y=2 without one) the activations a rank holds at
-    each length, twice as many at twice the length; the context axis holds the fewest; torch's context parallel timed or
-    its error said (on CPUs: no sharding rule for the CPU attention kernel)."""
+    each length, twice as many at twice the length; the context axis holds the fewest; each grid timed with a
+    document mask too; torch's context parallel timed or its error said (on CPUs: no sharding rule for the CPU
+    attention kernel)."""
     rows = pool4.run(_bench_rows, timeout=240)[0]
-    ours = [r for r in rows if r["framework"] == "par4d"]
+    ours = [r for r in rows if r["name"] == "par4d"]
+    masked = [r for r in rows if r["name"] == "par4d --document-mask"]
     held = {(r["grid"], r["seq_len"]): r["activation_bytes_per_rank"] for r in ours}
     grids = sorted({g for g, _ in held})
     assert len(grids) == 5 and all((g, 64) in held and (g, 128) in held for g in grids)
@@ -276,6 +278,7 @@ def test_bench_context_measures_each_grids_activations_and_says_what_stops_torch
     cut = next(g for g in grids if "context=4" in g)
     assert all(held[(cut, 128)] < held[(g, 128)] for g in grids if g != cut)
     assert all((r["s_per_iter"] is not None) == (r["seq_len"] == 64) for r in ours)
+    assert sorted(r["grid"] for r in masked) == grids and all(r["s_per_iter"] > 0 for r in masked)
     theirs = rows[-1]
     assert theirs["name"] == "torch context_parallel" and (theirs["s_per_iter"] is not None or theirs["error"])
 

@@ -10,8 +10,8 @@ context axis that cut one sequence's work otherwise: heads over x, features over
 and each length of ``lengths``: the activations one training step holds on the rank holding the most (what
 autograd keeps at once, ``par4d.train.footprint``: the quantity a sequence's length multiplies), and the
 longest of the lengths whose activations stay within ``budget`` bytes a rank. At ``timed`` tokens, the
-median seconds a step takes on each grid that fits, and torch's context parallel on the single-device twin
-over every rank.
+median seconds a step takes on each grid that fits, with and without a document mask (documents of 512
+tokens on average), and torch's context parallel on the single-device twin over every rank.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from par4d.measure.grids import time_iterations
 from par4d.models import GPTConfig
 
 LENGTHS = (1024, 2048, 4096, 8192, 16384)
+DOCUMENT = 512                  # tokens a packed window's document has on average (--document-mask's rows)
 BUDGET_MB = 48.0
 
 
@@ -59,6 +60,13 @@ def grids(settings: ContextSettings) -> list[dict[str, int]]:
         if settings.config(settings.lengths[0]).grid_problem(full) is None:
             found.append(sizes)
     return found
+
+
+def _documents(seq_len: int) -> torch.Tensor:
+    """Each token's document in a packed window: documents of :data:`DOCUMENT` tokens on average (a start at
+    each token with chance 1 / DOCUMENT), the same on every rank."""
+    starts = torch.rand(1, seq_len, generator=torch.Generator().manual_seed(1)) < 1 / DOCUMENT
+    return torch.cumsum(starts, dim=1)
 
 
 def _tokens(seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,6 +102,16 @@ def _par4d(sizes: dict[str, int], settings: ContextSettings) -> list[dict]:
         rows.append({"framework": "par4d", "name": "par4d", "grid": describe(grid.sizes), "seq_len": seq_len,
                      "activation_bytes_per_rank": int(most.item()),
                      "s_per_iter": statistics.median(times) if times else None, "times": times})
+        if seq_len == settings.timed:     # what keeping attention inside documents costs: the same step, masked
+            masked = (*batch, shard_batch(grid, _documents(seq_len)))
+
+            def step_masked(model=model, precision=precision, batch=masked) -> None:
+                train_step(model, precision, grid, batch)
+
+            times = time_iterations(step_masked, settings.iters)
+            rows.append({"framework": "par4d", "name": "par4d --document-mask", "grid": describe(grid.sizes),
+                         "seq_len": seq_len, "s_per_iter": statistics.median(times), "times": times,
+                         "documents": int(_documents(seq_len).max()) + 1})
         del model, precision
         if most.item() > settings.budget_mb * 2**20:
             break                          # longer ones hold more still
@@ -141,7 +159,7 @@ def longest(rows: list[dict], budget: float) -> dict[str, int]:
     """Per par4d grid, the longest sequence whose activations stayed within ``budget`` bytes a rank."""
     out: dict[str, int] = {}
     for row in rows:
-        if row["framework"] == "par4d" and row["activation_bytes_per_rank"] <= budget:
+        if "activation_bytes_per_rank" in row and row["activation_bytes_per_rank"] <= budget:
             out[row["grid"]] = max(out.get(row["grid"], 0), row["seq_len"])
     return out
 
