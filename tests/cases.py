@@ -83,12 +83,13 @@ GPT_BATCH, GPT_STEPS = 4, 3
 
 
 def compare_gpt_with_twin(grid: Grid, sizes: dict, config: GPTConfig, documents: bool = False,
-                          form: str = "ring") -> int:
+                          form: str = "ring", restart: bool = False) -> int:
     """par4d's GPT on ``grid`` against its single-device twin: the same initial parameters, then for each of
     GPT_STEPS AdamW steps the loss and every gradient, and the parameters after them; returns how many there are.
     ``documents``: each window packs documents of random lengths (one of them across a chunk boundary, one
     token long, ...), attention kept inside them (the twin given the explicit block-diagonal causal mask).
-    ``form``: how attention runs on a context axis (``par4d.nn.ring.set_context_form``)."""
+    ``form``: how attention runs on a context axis (``par4d.nn.ring.set_context_form``); ``restart``: with
+    documents, each token's position counted from its document's start."""
     from par4d.layout import shard_batch
     from par4d.nn.ring import set_context_form
     from par4d.optim.data_parallel import global_mean, sync_gradients
@@ -114,6 +115,10 @@ def compare_gpt_with_twin(grid: Grid, sizes: dict, config: GPTConfig, documents:
         if documents:        # a document starts at a token with chance 1/3 (the first: always)
             starts = torch.rand(inputs.shape, generator=gen) < 1 / 3
             packed = (torch.cumsum(starts, dim=1) + 10 * torch.arange(inputs.shape[0]).unsqueeze(1),)
+            if restart:      # a token's place: its index less its document's first token's
+                index = torch.arange(inputs.shape[1]).expand(inputs.shape)
+                first = torch.where(starts, index, 0).cummax(dim=1).values
+                packed = (*packed, index - first)
         ref_loss = twin(inputs, targets, *packed)
         ref_loss.backward()
         loss = model(shard_batch(grid, inputs), shard_batch(grid, targets), *(shard_batch(grid, d) for d in packed))

@@ -206,21 +206,21 @@ def test_what_a_context_axis_cannot_run_is_refused_before_any_rank_starts(args, 
                        "--out", "unused", world=4 if "data=2" in args[1] else 2)
 
 
-def _documents_match_twin(sizes: dict, form: str) -> int:
+def _documents_match_twin(sizes: dict, form: str, restart: bool) -> int:
     config = GPTConfig(vocab_size=36, block_size=16, n_layer=2, n_head=4, n_embd=24, seed=3)
     with cases.float64():
-        return compare_gpt_with_twin(cases.grid(**sizes), sizes, config, documents=True, form=form)
+        return compare_gpt_with_twin(cases.grid(**sizes), sizes, config, documents=True, form=form, restart=restart)
 
 
-@pytest.mark.parametrize("sizes, form", [(dict(x=2, z=2), "ring"), (dict(context=4), "ring"),
-                                         (dict(context=2, data=2), "ring"), (dict(x=2, context=2), "ring"),
-                                         (dict(context=4), "gather")],
-                         ids=["x2-z2", "context4", "context2-data2", "x2-context2", "context4-gather"])
-def test_document_masks_keep_attention_inside_documents_as_the_twin(pool4, sizes, form):
-    """Packed windows of documents: with and without a context axis (in both forms), the loss, every gradient
-    and the parameters after 3 AdamW steps equal the twin's given the explicit block-diagonal causal mask, in
-    float64."""
-    assert len(set(pool4.run(_documents_match_twin, sizes, form))) == 1
+@pytest.mark.parametrize("sizes, form, restart", [
+    (dict(x=2, z=2), "ring", False), (dict(context=4), "ring", False), (dict(context=2, data=2), "ring", True),
+    (dict(x=2, context=2), "ring", False), (dict(context=4), "gather", True)],
+    ids=["x2-z2", "context4", "context2-data2-restart", "x2-context2", "context4-gather-restart"])
+def test_document_masks_keep_attention_inside_documents_as_the_twin(pool4, sizes, form, restart):
+    """Packed windows of documents: with and without a context axis (in both forms), positions from the window's
+    start or restarting at each document's, the loss, every gradient and the parameters after 3 AdamW steps
+    equal the twin's given the explicit block-diagonal causal mask, in float64."""
+    assert len(set(pool4.run(_documents_match_twin, sizes, form, restart))) == 1
 
 
 def test_a_prepared_dataset_trains_with_document_masks_on_a_context_axis_as_on_one_rank(tmp_path, pool4):
@@ -236,21 +236,27 @@ def test_a_prepared_dataset_trains_with_document_masks_on_a_context_axis_as_on_o
     text.write_text("\n\n".join(PARAGRAPHS) + "\n")
     prepare([str(text)], load_tokenizer(bpe_tokenizer(tmp_path / "tok")), tmp_path / "ds", progress=False)
     dataset = open_dataset(tmp_path / "ds", 32)
-    batches = Batches.from_splits(dataset.splits["train"], dataset.splits["val"], 32, 8, 0, documents=True)
+    batches = Batches.from_splits(dataset.splits["train"], dataset.splits["val"], 32, 8, 0, documents=True,
+                                  restart=True)
     whole = batches.train_batch(3)
-    assert len(whole) == 3 and whole[2].unique().numel() > 8        # several documents in each window
+    assert len(whole) == 4 and whole[2].unique().numel() > 8        # several documents in each window
+    first = torch.cat([torch.ones(8, 1, dtype=torch.bool), whole[2][:, 1:] != whole[2][:, :-1]], dim=1)
+    assert torch.equal(whole[3] == 0, first)                        # positions restart where documents do
     grid = Grid.virtual(dict(context=2, data=2), 2)
     assert all(torch.equal(got, shard_batch(grid, t)) for got, t in zip(batches.local_batch(grid, "train", 3), whole))
     common = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--batch-size", "8", "--seq-len", "32",
               "--no-progress", "--data", str(tmp_path / "ds"), "--document-mask", "--steps", "3"]
     run, alone = tmp_path / "cut", tmp_path / "alone"
-    train_alone(checked_config("--nproc", "1", *common, "--out", str(alone), world=1))
-    train_pooled(pool4, "--grid", "context=2,data=2", *common, "--out", str(run))
+    train_alone(checked_config("--nproc", "1", *common, "--restart-positions", "--out", str(alone), world=1))
+    train_pooled(pool4, "--grid", "context=2,data=2", *common, "--restart-positions", "--out", str(run))
     assert run_losses(run) == pytest.approx(run_losses(alone), rel=1e-5)
     with pytest.raises(ValueError, match="--document-mask: give --data a dataset folder of par4d data prepare"):
         checked_config(*common[:-5], "--document-mask", "--data", str(text), "--out", "unused", world=1)
     with pytest.raises(ValueError, match="--document-mask: --model hf-llama's attention does not keep inside"):
         checked_config(*common, "--model", "hf-llama", "--out", "unused", world=1)
+    with pytest.raises(ValueError, match="--restart-positions: positions restart at each document's start"):
+        checked_config(*common[:-5], "--restart-positions", "--data", str(tmp_path / "ds"), "--out", "unused",
+                       world=1)
     with pytest.raises(ValueError, match="--document-mask with --grid pipe=2: the pipeline does not carry"):
         checked_config(*common, "--grid", "pipe=2", "--out", "unused", world=2)
 

@@ -106,8 +106,10 @@ def test_a_dataset_knows_where_every_document_starts(inputs, tmp_path):
     train = dataset.splits["train"]
     want = _expected_documents(tok)
     assert train.documents(slice(0, len(train))).tolist() == want.tolist()
+    begins = np.searchsorted(want, want, side="left")     # each token's document's first token
     for start in (0, 695, 1234, len(train) - 40):        # windows across shard ends too
         assert train.documents(slice(start, start + 40)).tolist() == want[start:start + 40].tolist()
+        assert train.document_starts(slice(start, start + 40)).tolist() == begins[start:start + 40].tolist()
     index = json.loads((tmp_path / "ds" / "index.json").read_text())
     shard = index["splits"]["train"]["shards"][1]
     ends = tmp_path / "ds" / shard["name"].replace(".bin", ".ends")

@@ -67,6 +67,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     model.add_argument("--document-mask", action="store_const", const=True, default=None,
                        help="attention inside each document of a packed window (a dataset folder of par4d data "
                             "prepare: it records where documents end; par4d's GPT)")
+    model.add_argument("--restart-positions", action="store_const", const=True, default=None,
+                       help="with --document-mask: each token's position counted from its document's start (or "
+                            "the window's, where the document began before it)")
     model.add_argument("--n-layer", type=int, default=None, help=_help("n_layer", "blocks (unet: levels)"))
     model.add_argument("--n-embd", type=int, default=None,
                        help=_help("n_embd", "embedding width (unet: channels inside)"))

@@ -112,6 +112,17 @@ class Tokens:
             at = end
         return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
 
+    def document_starts(self, window: slice) -> np.ndarray:
+        """Where each token of ``window``'s document starts in the split (int64): the end of the document before
+        it (0 for the first); reads the ends of the shards those documents end in."""
+        documents = self.documents(window)
+        starts = np.zeros_like(documents)
+        for document in np.unique(documents[documents > 0]).tolist():    # its start: document - 1's end
+            shard = bisect.bisect_right(self.ended, document - 1) - 1
+            end = int(self._ends(shard)[document - 1 - self.ended[shard]])
+            starts[documents == document] = self.starts[shard] + end
+        return starts
+
     def __getitem__(self, window: slice) -> np.ndarray:
         start, stop, _ = window.indices(len(self))
         parts, at = [], start

@@ -137,26 +137,28 @@ class GPT(nn.Module):
         return shapes
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
+                documents: torch.Tensor | None = None, places: torch.Tensor | None = None) -> torch.Tensor:
         if not (self.first and self.last):
             raise ValueError(f"this GPT is pipeline stage {self.grid.coord('pipe')} of {self.grid.size('pipe')}: "
                              f"train it with par4d.train.step.train_step (the pipeline runs its stages)")
-        return self.stage_forward(idx, targets, documents)
+        return self.stage_forward(idx, targets, documents, places)
 
     def stage_forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None,
-                      documents: torch.Tensor | None = None) -> torch.Tensor:
+                      documents: torch.Tensor | None = None, places: torch.Tensor | None = None) -> torch.Tensor:
         """This stage's part of the forward: token ids in on the first stage, else the residual
         stream from the stage before; the residual stream out, or on the last stage the logits
         shard (B, T, V / G_x) or, with ``targets``, the mean cross-entropy over its tokens.
         ``documents``: this rank's tokens' documents (as ``inputs``, a packed window's): attention stays
-        inside documents."""
+        inside documents. ``places``: this rank's tokens' positions (as ``inputs``; default: their index in the
+        sequence), e.g. counted from each document's start."""
         h = inputs
         if self.first:
             seq = inputs.shape[1]          # this rank's tokens of each sequence (its two chunks over context)
             if seq * self.grid.size("context") > self.config.block_size:
                 raise ValueError(f"sequence length {seq * self.grid.size('context')} exceeds "
                                  f"block_size={self.config.block_size}")
-            h = self.wte(inputs) + self.wpe(positions(self.grid, seq, inputs.device))   # (B, T, D/G_y)
+            where = positions(self.grid, seq, inputs.device) if places is None else places
+            h = self.wte(inputs) + self.wpe(where)                                      # (B, T, D/G_y)
         parallel = state(self)
         extra = () if documents is None else (gather_sequence(self.grid, documents),)     # every chunk's
         h = run_blocks(list(self.blocks.values()), h, self.recompute, parallel.runtime, parallel.observe_recompute,

@@ -92,11 +92,13 @@ class ReferenceGPT(nn.Module):
             for name, param in self.named_parameters():
                 param.copy_(init_tensor(config, name, tuple(param.shape)))
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, documents: torch.Tensor | None = None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, documents: torch.Tensor | None = None,
+                places: torch.Tensor | None = None):
         """Logits (B, T, V); with ``targets``, the mean cross-entropy instead. ``documents`` (B, T): each token's
-        document (a packed window's): attention stays inside documents."""
+        document (a packed window's): attention stays inside documents. ``places`` (B, T): each token's position
+        (default: its index)."""
         seq = idx.shape[1]
-        h = self.wte(idx) + self.wpe(torch.arange(seq, device=idx.device))
+        h = self.wte(idx) + self.wpe(torch.arange(seq, device=idx.device) if places is None else places)
         for block in self.blocks:
             h = block(h, documents)
         logits = self.head(self.ln_f(h))

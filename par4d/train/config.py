@@ -32,6 +32,7 @@ class TrainConfig:
     batch_size: int = 32
     seq_len: int = 128
     document_mask: bool = False      # --document-mask: attention inside a packed window's documents
+    restart_positions: bool = False  # --restart-positions: positions from each document's start
     context_form: str = "ring"       # --context-form: attention on a context axis, ring or gather
     n_layer: int = 4
     n_embd: int = 128
@@ -98,6 +99,9 @@ class TrainConfig:
         if self.document_mask and not recipe(self.model).documents:
             raise ValueError(f"--document-mask: --model {self.model}'s attention does not keep inside documents yet "
                              f"(par4d's GPT's does: --model gpt)")
+        if self.restart_positions and not self.document_mask:
+            raise ValueError("--restart-positions: positions restart at each document's start, which only "
+                             "--document-mask knows: give both")
         if self.document_mask and pipe > 1:
             raise ValueError(f"--document-mask with --grid pipe={pipe}: the pipeline does not carry documents yet")
         if self.microbatches is not None and pipe > 1 and self.microbatches < 1:

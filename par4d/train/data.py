@@ -90,7 +90,7 @@ def training_data(config: TrainConfig) -> tuple[Batches | Images, str]:
         dataset = open_dataset(config.data, config.seq_len, config.tokenizer_sha256)
         train, val = dataset.splits["train"], dataset.splits["val"]
         batches = Batches.from_splits(train, val, config.seq_len, config.batch_size, config.seed,
-                                      documents=config.document_mask)
+                                      documents=config.document_mask, restart=config.restart_positions)
         masked = ", attention inside its documents" if config.document_mask else ""
         return batches, (f"{dataset.path} (a prepared dataset: {len(train):,} train and {len(val):,} validation "
                          f"tokens{masked})")
@@ -119,20 +119,22 @@ class Batches:
         self._set(data[:split], data[split:], seq_len, batch_size, seed)
 
     @classmethod
-    def from_splits(cls, train, val, seq_len: int, batch_size: int, seed: int, documents: bool = False) -> Batches:
+    def from_splits(cls, train, val, seq_len: int, batch_size: int, seed: int, documents: bool = False,
+                    restart: bool = False) -> Batches:
         """Over given splits: anything with ``len`` and slices of token ids (:class:`par4d.data.dataset.Tokens`).
         ``documents``: each batch also gives every input token's document (the splits' ``documents``), a
-        third tensor."""
+        third tensor; ``restart``: and a fourth, every input token's position from its document's start (or
+        the window's, where the document started before it)."""
         batches = cls.__new__(cls)
         batches._set(train, val, seq_len, batch_size, seed)
-        batches.documents = documents
+        batches.documents, batches.restart = documents, restart
         return batches
 
     def _set(self, train, val, seq_len: int, batch_size: int, seed: int) -> None:
         self.train, self.val = train, val
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
         self.tokens_per_step = batch_size * seq_len
-        self.documents = False
+        self.documents = self.restart = False
 
     def _source(self, split: str, index: int):
         if split == "train":
@@ -155,7 +157,13 @@ class Batches:
             return inputs, targets
         documents = torch.stack([torch.cat([torch.as_tensor(source.documents(slice(s + span.start, s + span.stop)))
                                             for span in spans]) for s in starts[rows].tolist()])
-        return inputs, targets, documents
+        if not self.restart:
+            return inputs, targets, documents
+        positions = torch.stack([torch.cat([
+            s + torch.arange(span.start, span.stop)
+            - torch.as_tensor(source.document_starts(slice(s + span.start, s + span.stop))).clamp(min=s)
+            for span in spans]) for s in starts[rows].tolist()])
+        return inputs, targets, documents, positions
 
     def train_batch(self, step: int) -> tuple[torch.Tensor, ...]:
         """Global (inputs, targets) of step ``step``, each (batch_size, seq_len) (and documents: see _draw)."""

@@ -29,7 +29,7 @@ SECTIONS: dict[str, dict[str, tuple[str, tuple]]] = {
               "capacity_factor": ("capacity_factor", FLOAT), "expert_bias_rate": ("expert_bias_rate", FLOAT),
               "image_size": ("image_size", INT), "init_from": ("init_from", STR)},
     "data": {"data": ("data", STR), "tokenizer": ("tokenizer", STR), "seq_len": ("seq_len", INT),
-             "document_mask": ("document_mask", BOOL),
+             "document_mask": ("document_mask", BOOL), "restart_positions": ("restart_positions", BOOL),
              "batch_size": ("batch_size", INT), "seed": ("seed", INT)},
     "grid": {**{axis: (f"axis_{axis}", INT) for axis in (*AXES, *FOLDED)}, "auto": ("grid_auto", BOOL),
              "nproc": ("nproc", INT), "machine": ("machine", STR), "hierarchical": ("hierarchical", STR),
