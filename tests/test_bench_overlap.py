@@ -10,7 +10,7 @@ from par4d.overlap import NAMES
 
 def test_rows_add_one_switch_each_in_the_papers_order():
     assert [name for name, _ in ROWS] == ["none", "+oar", "+ors", "+oag", "+cache", "+dp", "all"]
-    dense = tuple(n for n in NAMES if n != "ep")     # the bench's GPT has no mixture for ep to act on
+    dense = tuple(n for n in NAMES if n not in ("ep", "cp"))   # the bench's GPT: no mixture, no context axis
     assert [switches for _, switches in ROWS] == [dense[:i] for i in range(len(dense) + 1)]
 
 

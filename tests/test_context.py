@@ -351,3 +351,24 @@ def _gathered_gpt_matches_twin(sizes: dict) -> int:
 
 def test_gpt_with_the_all_gather_form_matches_twin(pool4):
     assert len(set(pool4.run(_gathered_gpt_matches_twin, dict(x=2, context=2)))) == 1
+
+
+def _overlapped_and_not(sizes: dict) -> list[bool]:
+    """par4d's GPT with the ring's transfers behind attention (--overlap cp) and without (none): the same bits."""
+    from par4d.layout import shard_batch as cut
+    from par4d.overlap import Overlap, set_overlap
+    from par4d.train.recipes.gpt import build_gpt
+
+    grid = cases.grid(**sizes)
+    tokens = torch.randint(0, 36, (4, 9), generator=torch.Generator().manual_seed(2))
+    results = []
+    for settings in (Overlap.parse("cp"), Overlap.none()):
+        model = set_overlap(build_gpt(GPT_CONFIG, grid), settings)
+        model(cut(grid, tokens[:, :-1]), cut(grid, tokens[:, 1:])).backward()
+        results.append([p.grad.clone() for p in model.parameters()])
+    return [torch.equal(a, b) for a, b in zip(*results)]
+
+
+def test_the_rings_overlap_changes_no_bit(pool4):
+    found = pool4.run(_overlapped_and_not, dict(context=4))
+    assert all(all(r) and len(r) > 10 for r in found)

@@ -24,7 +24,7 @@ from tests import cases
 
 CONFIG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=4, n_embd=16, seed=7)
 BATCH, STEPS = 20, 2      # 10 or 5 rows per data x z shard here: M=4 cuts 3, 3, 2, 2 or 2, 1, 1, 1
-OVERLAPPED = {0: "oar,ors,oag,dp,xy,ep", 1: "all"}     # recompute -> the overlaps that run with it
+OVERLAPPED = {0: "oar,ors,oag,dp,xy,ep,cp", 1: "all"}     # recompute -> the overlaps that run with it
 SCALE = 2.0 ** 10   # fp16's loss scale here (its first, 2 ** 16, overflows this model's one-pass gradients)
 
 

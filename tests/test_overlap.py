@@ -34,7 +34,7 @@ from tests import cases
 
 CONFIG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=4, n_embd=16, seed=7)
 BATCH, STEPS = 8, 3
-DENSE = tuple(n for n in NAMES if n != "ep")      # ep acts on mixtures only: tests/test_moe.py holds it
+DENSE = tuple(n for n in NAMES if n not in ("ep", "cp"))   # mixtures' and the ring's: test_moe, test_context
 EVERY_COMBINATION = [names for r in range(len(DENSE) + 1) for names in itertools.combinations(DENSE, r)]
 SINGLES = [(), *((name,) for name in NAMES), NAMES]
 PAIRS = [names for names in EVERY_COMBINATION if len(names) <= 2] + [NAMES]

@@ -508,7 +508,7 @@ def test_unet_trains_as_one_rank_and_resumes_on_another_grid(tmp_path, capsys, p
     assert run_losses(split) == pytest.approx(run_losses(alone), rel=1e-5)
     one = json.loads((alone / "summary.json").read_text())
     assert resumed["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5)
-    assert one["overlap"] == resumed["overlap"] == "oar,ors,oag,dp,xy,ep"   # all but the cache (no recompute)
+    assert one["overlap"] == resumed["overlap"] == "oar,ors,oag,dp,xy,ep,cp"   # all but the cache (no recompute)
     assert one["params"] == 19_220 and one["data"].startswith("generated images")
 
     for args, message in ((["--seq-len", "64"], "--model unet: --seq-len 64 does not apply (the U-Net's sizes"),
@@ -537,6 +537,6 @@ def test_the_overlaps_asked_for_reach_every_model_and_a_pipeline_reports_what_ra
     # A pipeline's stages run outside the model's forward and the step's own backward: only OAR, xy and ep (inside a
     # layer's forward) act, and the run says so before it starts; what it reports is what ran.
     piped = checked_config(*SMALL, "--n-layer", "2", "--grid", "pipe=2", "--overlap", "all", "--out", "unused", world=2)
-    assert piped.overlap_run().names == ("oar", "xy", "ep")
-    assert piped.overlap_settings().names == ("oar", "ors", "oag", "dp", "xy", "ep")
+    assert piped.overlap_run().names == ("oar", "xy", "ep", "cp")
+    assert piped.overlap_settings().names == ("oar", "ors", "oag", "dp", "xy", "ep", "cp")
     assert ("--grid pipe=2: --overlap ors,oag,dp do not act with a pipeline yet" in capsys.readouterr().out)

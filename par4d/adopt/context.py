@@ -39,7 +39,8 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     if dropout:
         raise ValueError(f"{type(module).__name__}: attention dropout {dropout} on a context axis (ring attention "
                          f"has none): set the config's attention_dropout to 0")
-    out = ring_attention(query, key, value, grid, scale=scaling, form=module.context_form)   # kv heads as they are
+    out = ring_attention(query, key, value, grid, scale=scaling, form=module.context_form,   # kv heads as they are
+                         overlap=module.context_overlap)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -54,4 +55,4 @@ def cut_sequences(model: nn.Module, grid: Grid, attention: tuple[str, ...]) -> N
     AttentionInterface.register(NAME, _attention)      # the same function under the same name: idempotent
     model.set_attn_implementation(NAME)
     for module in modules:
-        module.par4d_grid, module.context_form = grid, "ring"
+        module.par4d_grid, module.context_form, module.context_overlap = grid, "ring", True

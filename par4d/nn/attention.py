@@ -37,6 +37,7 @@ class CausalSelfAttention(torch.nn.Module):
                              f"(heads are split over x)")
         self.grid = grid
         self.context_form = "ring"     # on a context axis: ring or gather (par4d.nn.ring.set_context_form)
+        self.context_overlap = True    # the ring's transfers behind attention (--overlap cp, par4d.set_overlap)
         self.n_head_local = n_head // grid.size("x")
         self.head_dim = dim // n_head
         # Own seeds: with one seed, proj's weight would repeat the q rows of qkv's.
@@ -52,7 +53,8 @@ class CausalSelfAttention(torch.nn.Module):
         q, k, v = self.qkv(h).chunk(3, dim=-1)                        # each (B, T, D/G_x)
         q, k, v = (t.view(batch, seq, self.n_head_local, self.head_dim).transpose(1, 2) for t in (q, k, v))
         if self.grid.size("context") > 1:                             # T: this rank's two chunks
-            att = ring_attention(q, k, v, self.grid, documents=documents, form=self.context_form)
+            att = ring_attention(q, k, v, self.grid, documents=documents, form=self.context_form,
+                                 overlap=self.context_overlap)
         elif documents is None:
             att = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H/G_x, T, hd)
         else:

@@ -87,6 +87,19 @@ def _fused(q: torch.Tensor, documents: torch.Tensor | None) -> bool:
     return q.device.type == "cpu" and documents is None
 
 
+def _pass_on(grid: Grid, message: torch.Tensor, into: torch.Tensor, tag: int, overlap: bool,
+             order: tuple[str, str] = ("send", "recv")) -> list:
+    """``message`` sent to the next context rank and ``into`` received from the one before (handles in
+    ``order``); without ``overlap`` both are waited for here (their handles then return at once)."""
+    moves = {"send": lambda: comm.send(grid, message, "context", 1, tag, ring=True),
+             "recv": lambda: comm.recv(grid, into, "context", -1, tag, ring=True)}
+    handles = {kind: moves[kind]() for kind in ("send", "recv") if kind in order}
+    if not overlap:
+        for handle in handles.values():
+            handle.wait()
+    return [handles[kind] for kind in order]
+
+
 def _widen(t: torch.Tensor, groups: int) -> torch.Tensor:
     """Grouped-query attention's key or value heads, each repeated for the ``groups`` query heads it serves."""
     return t if groups == 1 else t.repeat_interleave(groups, dim=1)
@@ -104,7 +117,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Grid, scale: float,
-                documents: torch.Tensor | None) -> torch.Tensor:
+                documents: torch.Tensor | None, overlap: bool) -> torch.Tensor:
         ranks, rank = grid.size("context"), grid.coord("context")
         dtype = torch.promote_types(q.dtype, torch.float32)
         groups = q.shape[1] // k.shape[1]
@@ -116,8 +129,7 @@ class RingAttention(torch.autograd.Function):
         for step in range(ranks):
             if step < ranks - 1:     # the next block on its way while this one is computed
                 incoming = torch.empty_like(held)
-                moves = [comm.send(grid, held, "context", 1, KEYS, ring=True),
-                         comm.recv(grid, incoming, "context", -1, KEYS, ring=True)]
+                moves = _pass_on(grid, held, incoming, KEYS, overlap)
             ks, vs = ([_widen(part, groups) for part in t.to(dtype).chunk(2, dim=-2)] for t in held)
             for a, b, causal, allowed in _blocks(rank, ranks, step, documents, qs[0].shape[-2], q.device):
                 if fused:
@@ -141,13 +153,13 @@ class RingAttention(torch.autograd.Function):
                 held = incoming
         out, lse = torch.cat(out, dim=-2), torch.cat(lse, dim=-1)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.grid, ctx.scale, ctx.documents = grid, scale, documents
+        ctx.grid, ctx.scale, ctx.documents, ctx.overlap = grid, scale, documents, overlap
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         q, k, v, out, lse = ctx.saved_tensors
-        grid, scale, documents = ctx.grid, ctx.scale, ctx.documents
+        grid, scale, documents, overlap = ctx.grid, ctx.scale, ctx.documents, ctx.overlap
         ranks, rank = grid.size("context"), grid.coord("context")
         dtype = out.dtype
         groups = q.shape[1] // k.shape[1]
@@ -162,8 +174,7 @@ class RingAttention(torch.autograd.Function):
         for step in range(ranks):
             if step < ranks - 1:
                 incoming = torch.empty_like(held)
-                moves = [comm.send(grid, held, "context", 1, KEYS, ring=True),
-                         comm.recv(grid, incoming, "context", -1, KEYS, ring=True)]
+                moves = _pass_on(grid, held, incoming, KEYS, overlap)
             ks, vs = ([_widen(part, groups).contiguous() for part in t.to(dtype).chunk(2, dim=-2)] for t in held)
             dk, dv = [torch.zeros_like(t) for t in ks], [torch.zeros_like(t) for t in vs]
             for a, b, causal, allowed in _blocks(rank, ranks, step, documents, qs[0].shape[-2], q.device):
@@ -184,8 +195,8 @@ class RingAttention(torch.autograd.Function):
             # The sum goes on with the block: to the next rank, which holds this block at its next step (after
             # the last step, the block's own rank)
             back = torch.empty_like(mine)
-            summed = (back, comm.recv(grid, back, "context", -1, GRADIENTS, ring=True))
-            sent = comm.send(grid, mine, "context", 1, GRADIENTS, ring=True)
+            receive, sent = _pass_on(grid, mine, back, GRADIENTS, overlap, order=("recv", "send"))
+            summed = (back, receive)
             if step < ranks - 1:
                 for move in moves:
                     move.wait()
@@ -193,7 +204,7 @@ class RingAttention(torch.autograd.Function):
             sent.wait()
         summed[1].wait()
         dkv = summed[0]
-        return torch.cat(dq, dim=-2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return torch.cat(dq, dim=-2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
 def set_context_form(model: torch.nn.Module, form: str) -> torch.nn.Module:
@@ -238,12 +249,14 @@ def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Grid,
                    scale: float | None = None, documents: torch.Tensor | None = None,
-                   form: str = "ring") -> torch.Tensor:
+                   form: str = "ring", overlap: bool = True) -> torch.Tensor:
     """Causal attention of this rank's queries ``q`` (B, H, 2c, hd: its two chunks of every sequence over
     ``context``) over the whole sequence's keys and values (see the module's docstring); the scores scaled by
     ``scale`` (None: 1 / sqrt(hd)). ``documents`` (B, 2Cc): the document of every token of the whole sequences,
     in order: a query attends only to keys of its own document. ``form``: ``ring`` (keys and values around the
-    ring, each block hidden behind the one before's attention) or ``gather`` (:func:`gathered_attention`)."""
+    ring, each block hidden behind the one before's attention) or ``gather`` (:func:`gathered_attention`);
+    ``overlap`` False: every transfer of the ring waited for where it is issued (``--overlap`` without
+    ``cp``)."""
     if q.shape[-2] % 2:
         raise ValueError(f"ring attention: {q.shape[-2]} tokens here are not this rank's two equal chunks")
     if q.shape[1] % k.shape[1] or k.shape != v.shape:
@@ -253,4 +266,4 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Grid
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if form == "gather":
         return gathered_attention(q, k, v, grid, scale, documents)
-    return RingAttention.apply(q, k, v, grid, scale, documents)
+    return RingAttention.apply(q, k, v, grid, scale, documents, overlap)

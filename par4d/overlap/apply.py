@@ -4,7 +4,8 @@ Every Algorithm 1 layer of the model (:class:`~par4d.nn.algorithm1.Algorithm1Lay
 Linear and Conv2d, whoever built them: par4d's GPT and U-Net, ``par4d.parallelize``, a user)
 gets one :class:`~par4d.overlap.runtime.LayerRuntime`, so the model's z all-gathers share one
 recorded order (OAG) and one cache, and its deferred reduce-scatters (ORS) one place where they
-are waited for; every mixture of experts (:class:`~par4d.nn.moe.Mixture`) its ``ep`` switch. Both go
+are waited for; every mixture of experts (:class:`~par4d.nn.moe.Mixture`) its ``ep`` switch, every attention
+on a context axis its ``cp`` switch. Both go
 into the model's :class:`~par4d.parallel.ParallelState`, where the data-parallel overlap (``dp``) reads
 them when :func:`par4d.optim.data_parallel.gradient_sync` builds its buckets.
 """
@@ -44,5 +45,7 @@ def set_overlap(model: nn.Module, settings: Overlap) -> nn.Module:
         layer.runtime = runtime
     for mixture in (m for m in model.modules() if isinstance(m, Mixture)):
         mixture.overlap = settings.experts
+    for attention in (m for m in model.modules() if hasattr(m, "context_form")):    # par4d.nn.ring's users
+        attention.context_overlap = settings.context
     parallel.runtime, parallel.overlap = runtime, settings
     return model

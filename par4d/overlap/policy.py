@@ -25,6 +25,9 @@ every combination trains bit for bit as the synchronous path does (tested).
 * ``experts`` (``ep``): a mixture's dispatch all-to-all is waited for after its shared experts' GEMMs,
   which need none of the rows that travel (par4d.nn.moe; a mixture without shared experts has nothing to
   hide it behind).
+* ``context`` (``cp``): on a context axis, each block of keys and values travels around the ring while the
+  attention of the block before is computed (par4d.nn.ring); without it every transfer is waited for where
+  it is issued.
 
 No torch here: the CLI parses and checks these before any rank starts.
 """
@@ -34,11 +37,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import cached_property
 
-NAMES = ("oar", "ors", "oag", "cache", "dp", "xy", "ep")
+NAMES = ("oar", "ors", "oag", "cache", "dp", "xy", "ep", "cp")
 """The switches of ``par4d train --overlap LIST``: the paper's Fig. 3 order, then par4d's own."""
 
 _FIELD = {"oar": "all_reduce", "ors": "reduce_scatter", "oag": "all_gather", "dp": "data_parallel", "xy": "xy",
-          "ep": "experts"}
+          "ep": "experts", "cp": "context"}
 XY_CHUNKS = 2      # row chunks of the x/y all-reduces under ``xy``
 BUCKET_MB = 25.0   # DDP's default bucket size
 
@@ -57,6 +60,7 @@ class Overlap:
     xy: bool = True
     row_chunks: int = XY_CHUNKS
     experts: bool = True
+    context: bool = True
 
     def __post_init__(self) -> None:
         if self.prefetch < 1:
@@ -99,7 +103,7 @@ class Overlap:
         return self.cache_layers != 0
 
     def in_pipeline(self) -> Overlap:
-        """The switches that act on a grid with pipe > 1: OAR, xy, ep and the cache (inside each layer's own forward
+        """The switches that act on a grid with pipe > 1: OAR, xy, ep, cp and the cache (inside each layer's own forward
         and backward). Pipeline stages run outside the model's forward (no recorded gather order: no OAG) and
         outside the training step's own backward (no ORS, no buckets launched during backward)."""
         return replace(self, reduce_scatter=False, all_gather=False, data_parallel=False)

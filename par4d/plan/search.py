@@ -46,9 +46,9 @@ from par4d.plan.machines import Machine
 from par4d.plan.workload import GPTSpec, ModuleWorkload
 
 # The overlap sets the search tries, fastest first (the cache needs recomputation).
-WITH_RECOMPUTE = (Overlap.parse("oar,ors,oag,dp,cache,xy,ep"), Overlap.parse("oar,ors,oag,dp,xy,ep"),
-                  Overlap.parse("oar,ors,dp,xy,ep"))
-WITHOUT_RECOMPUTE = (Overlap.parse("oar,ors,oag,dp,xy,ep"),)
+WITH_RECOMPUTE = (Overlap.parse("oar,ors,oag,dp,cache,xy,ep,cp"), Overlap.parse("oar,ors,oag,dp,xy,ep,cp"),
+                  Overlap.parse("oar,ors,dp,xy,ep,cp"))
+WITHOUT_RECOMPUTE = (Overlap.parse("oar,ors,oag,dp,xy,ep,cp"),)
 # What acts in a pipeline (par4d.train.config.TrainConfig.overlap_run): the same sets, fewer switches.
 IN_PIPELINE = {sets: tuple(dict.fromkeys(overlap.in_pipeline() for overlap in sets))
                for sets in (WITH_RECOMPUTE, WITHOUT_RECOMPUTE)}
