@@ -252,8 +252,8 @@ def test_a_prepared_dataset_trains_with_document_masks_on_a_context_axis_as_on_o
     assert run_losses(run) == pytest.approx(run_losses(alone), rel=1e-5)
     with pytest.raises(ValueError, match="--document-mask: give --data a dataset folder of par4d data prepare"):
         checked_config(*common[:-5], "--document-mask", "--data", str(text), "--out", "unused", world=1)
-    with pytest.raises(ValueError, match="--document-mask: --model hf-llama's attention does not keep inside"):
-        checked_config(*common, "--model", "hf-llama", "--out", "unused", world=1)
+    with pytest.raises(ValueError, match="--document-mask: --model hf-gpt2's attention does not keep inside"):
+        checked_config(*common, "--model", "hf-gpt2", "--out", "unused", world=1)
     with pytest.raises(ValueError, match="--restart-positions: positions restart at each document's start"):
         checked_config(*common[:-5], "--restart-positions", "--data", str(tmp_path / "ds"), "--out", "unused",
                        world=1)
@@ -372,3 +372,47 @@ def _overlapped_and_not(sizes: dict) -> list[bool]:
 def test_the_rings_overlap_changes_no_bit(pool4):
     found = pool4.run(_overlapped_and_not, dict(context=4))
     assert all(all(r) and len(r) > 10 for r in found)
+
+
+def _hf_documents_match(sizes: dict) -> list[str]:
+    """transformers' Llama made parallel, with packed documents (positions restarting at each), against the model
+    itself given the explicit block-diagonal causal mask (a 4-D mask) and those position_ids, in float64: the
+    loss and every gradient (what differs, named)."""
+    import copy
+
+    import par4d
+    from par4d.adopt.causal_lm import CausalLM
+    from par4d.nn import full_state_dict
+    from par4d.optim.data_parallel import global_mean, sync_gradients
+
+    with cases.float64():
+        grid = cases.grid(**sizes)
+        twin = _hf("llama")
+        model = CausalLM(par4d.parallelize(copy.deepcopy(twin), grid), 0.0, 0, grid=grid)
+        gen = torch.Generator().manual_seed(4)
+        tokens = torch.randint(0, 64, (8, 17), generator=gen)
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        starts = torch.rand(x.shape, generator=gen) < 0.25
+        documents = torch.cumsum(starts, dim=1)
+        index = torch.arange(16).expand(x.shape)
+        places = index - torch.where(starts, index, 0).cummax(dim=1).values
+        mask = torch.zeros(8, 1, 16, 16, dtype=torch.bool)
+        for row in range(8):
+            for i in range(16):
+                for j in range(i + 1):
+                    mask[row, 0, i, j] = bool(documents[row, i] == documents[row, j])
+        logits = twin(input_ids=x, attention_mask=mask, position_ids=places, use_cache=False).logits
+        ref = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+        ref.backward()
+        loss = model(*(shard_batch(grid, t) for t in (x, y, documents, places)))
+        loss.backward()
+        sync_gradients(model, grid)
+        far = [] if abs(global_mean(loss, grid).item() - ref.item()) <= 1e-9 * ref.item() else ["loss"]
+        grads = full_state_dict(model.lm, grad=True)
+        return far + [n for n, p in twin.named_parameters() if not torch.allclose(grads[n], p.grad, rtol=1e-8,
+                                                                                   atol=1e-10)]
+
+
+@pytest.mark.parametrize("sizes", [dict(context=2, data=2), dict(x=2, z=2)], ids=sizes_id)
+def test_transformers_models_keep_attention_inside_documents(pool4, sizes):
+    assert pool4.run(_hf_documents_match, sizes, timeout=240) == [[]] * 4

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from par4d.adopt.moe import SparseMoE, router_aux_loss
 from par4d.adopt.stages import Stage
 from par4d.grid import Grid
-from par4d.layout import positions
+from par4d.layout import gather_sequence, positions
+from par4d.nn.attention import document_mask
 from par4d.parallel import state
 
 
@@ -45,19 +46,31 @@ class CausalLM(nn.Module):
         # counts span data too (par4d.pipeline)
         self.stage_axes = ("x", "y", "z", "context", "data") if mixtures else ("x", "y", "z", "context")
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, documents: torch.Tensor | None = None,
+                places: torch.Tensor | None = None) -> torch.Tensor:
         if not (self.first and self.last):
             raise ValueError(f"this model is pipeline stage {self.stage.index} of {self.stage.stages}: train it "
                              f"with par4d.train_step (the pipeline runs its stages)")
-        return self.stage_forward(idx, targets)
+        return self.stage_forward(idx, targets, documents, places)
 
-    def stage_forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def stage_forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None,
+                      documents: torch.Tensor | None = None, places: torch.Tensor | None = None) -> torch.Tensor:
         """This stage's part of the forward: token ids in on the first stage, else the residual stream from
         the stage before (:meth:`stream_shape`); the stream out, or on the last stage the logits or, with
-        ``targets``, the mean cross-entropy over its tokens."""
+        ``targets``, the mean cross-entropy over its tokens. ``documents``: this rank's tokens' documents (a
+        packed window's): attention stays inside them (on a context axis the ring's mask; else transformers'
+        attention given the block-diagonal causal mask, a 4-D mask it takes as it is). ``places``: this rank's
+        tokens' positions (``position_ids``; default their index in the whole sequence)."""
         given = {"input_ids": inputs} if self.first else {"inputs_embeds": inputs}
-        if self.grid is not None and self.grid.size("context") > 1:
+        cut = self.grid is not None and self.grid.size("context") > 1
+        if places is not None:
+            given["position_ids"] = places
+        elif cut:
             given["position_ids"] = positions(self.grid, inputs.shape[1], inputs.device).expand(inputs.shape[0], -1)
+        if documents is not None and cut:      # every chunk's, for the ring (par4d.adopt.context)
+            given["par4d_documents"] = gather_sequence(self.grid, documents)
+        elif documents is not None:
+            given["attention_mask"] = document_mask(documents)
         if not self.last:                   # its final norm is the identity (par4d.adopt.stages)
             return self.lm.base_model(**given, use_cache=False).last_hidden_state
         if self.balanced:

@@ -26,10 +26,12 @@ NAME = "par4d_ring"
 
 def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-               sliding_window: int | None = None, **_ignored) -> tuple[torch.Tensor, None]:
+               sliding_window: int | None = None, par4d_documents: torch.Tensor | None = None,
+               **_ignored) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: (B, H, T, hd) queries, (B, H_kv, T, hd) keys and values, to
-    the (B, T, H, hd) output. ``_ignored``: what else transformers passes every implementation (cache
-    positions and the like, unused in training)."""
+    the (B, T, H, hd) output. ``par4d_documents``: the whole sequences' documents (par4d.adopt.causal_lm
+    passes them through the model's keyword arguments). ``_ignored``: what else transformers passes every
+    implementation (cache positions and the like, unused in training)."""
     grid = module.par4d_grid
     length = query.shape[-2] * grid.size("context")
     if sliding_window is not None and length > sliding_window:
@@ -39,8 +41,8 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     if dropout:
         raise ValueError(f"{type(module).__name__}: attention dropout {dropout} on a context axis (ring attention "
                          f"has none): set the config's attention_dropout to 0")
-    out = ring_attention(query, key, value, grid, scale=scaling, form=module.context_form,   # kv heads as they are
-                         overlap=module.context_overlap)
+    out = ring_attention(query, key, value, grid, scale=scaling, documents=par4d_documents,  # kv heads as they are
+                         form=module.context_form, overlap=module.context_overlap)
     return out.transpose(1, 2).contiguous(), None
 
 

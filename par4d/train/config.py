@@ -98,7 +98,7 @@ class TrainConfig:
         check_context_form(self.context_form)
         if self.document_mask and not recipe(self.model).documents:
             raise ValueError(f"--document-mask: --model {self.model}'s attention does not keep inside documents yet "
-                             f"(par4d's GPT's does: --model gpt)")
+                             f"(par4d's GPT's and transformers' Llama's do: --model gpt or hf-llama)")
         if self.restart_positions and not self.document_mask:
             raise ValueError("--restart-positions: positions restart at each document's start, which only "
                              "--document-mask knows: give both")

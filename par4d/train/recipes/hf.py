@@ -288,6 +288,7 @@ class GPT2Recipe(HFRecipe):
 
 class LlamaRecipe(HFRecipe):
     context = True          # Llama, Mistral and Qwen2 (a folder's) run ring attention on a context axis
+    documents = True        # ... and keep attention inside documents (a 4-D mask, or the ring's)
 
     def check(self, config: Settings) -> None:
         super().check(config)
