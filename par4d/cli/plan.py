@@ -272,11 +272,7 @@ def _mixture(args: argparse.Namespace, machine) -> int:
     imbalance = 1.0 if args.imbalance is None else args.imbalance
     ranked, excluded = rank_grids(spec, args.gpus, machine, imbalance)
     if args.json:
-        for position, pred in enumerate(ranked, 1):
-            print(json.dumps({"rank": position, **pred.row()}))
-        for pred in excluded:
-            print(json.dumps({"rank": None, **pred.row()}))
-        return 0 if ranked else 1
+        return _json_rows(ranked, excluded)
     print(f"{spec.name}: {spec.params() / 1e9:.1f}B parameters ({spec.active_matmul_params() / 1e9:.1f}B matmul "
           f"weights a token meets), batch {spec.tokens:,} tokens ({spec.global_batch} x {spec.seq_len}), "
           f"{args.gpus} x {machine.name} ({machine.devices_per_node} per node), imbalance {imbalance:g}")
@@ -289,15 +285,7 @@ def _mixture(args: argparse.Namespace, machine) -> int:
               f"{p.exchange_bytes / 1e9:>7.2f} {p.t_exchange:>7.3f} {p.t_tensor:>7.3f} {p.t_sync:>7.3f} "
               f"{p.t_compute:>9.3f} {p.t_iter:>7.3f}  {p.mem_bytes / 1e9:>6.1f} {p.tokens_per_s_per_device:>9.0f} "
               f"{p.mfu:>5.1%}")
-    print(f"{len(ranked)} of {len(ranked) + len(excluded)} grids fit; showing the top {min(args.top, len(ranked))}")
-    if excluded:
-        reasons = Counter(_reason_kind(p.excluded) for p in excluded)
-        print("excluded: " + "; ".join(f"{count} {kind}" for kind, count in reasons.most_common()))
-    if not ranked:
-        print(f"par4d plan: no grid of {args.gpus:,} devices runs {spec.name} with this batch; see the reasons "
-              f"above", file=sys.stderr)
-        return 1
-    return 0
+    return _said(ranked, excluded, args, spec.name)
 
 
 def _long(args: argparse.Namespace, machine) -> int:
@@ -313,11 +301,7 @@ def _long(args: argparse.Namespace, machine) -> int:
     spec = long_sequences.long_spec(args.model).with_batch(args.batch_tokens // args.seq_len, args.seq_len)
     ranked, excluded = long_sequences.rank_grids(spec, args.gpus, machine)
     if args.json:
-        for position, pred in enumerate(ranked, 1):
-            print(json.dumps({"rank": position, **pred.row()}))
-        for pred in excluded:
-            print(json.dumps({"rank": None, **pred.row()}))
-        return 0 if ranked else 1
+        return _json_rows(ranked, excluded)
     print(f"{spec.name}: {spec.params() / 1e9:.2f}B parameters, batch {spec.tokens:,} tokens ({spec.global_batch} x "
           f"{spec.seq_len}), {args.gpus} x {machine.name} ({machine.devices_per_node} per node)")
     print(f"{'#':>3}  {'x':>4} {'z':>4} {'ctx':>4} {'data':>5} {'rc':>3} {'form':>6}  {'ring GB':>8} {'ring s':>7} "
@@ -330,13 +314,27 @@ def _long(args: argparse.Namespace, machine) -> int:
               f"{p.t_tensor:>7.3f} "
               f"{p.t_sync:>7.3f} {p.t_compute:>9.3f} {p.t_iter:>7.3f}  {p.mem_bytes / 1e9:>6.1f} "
               f"{p.tokens_per_s_per_device:>9.0f} {p.mfu:>5.1%}")
+    return _said(ranked, excluded, args, spec.name)
+
+
+def _json_rows(ranked: list, excluded: list) -> int:
+    """A mixture's or long sequence's ranking as JSON lines (the excluded ones last, rank null)."""
+    for position, pred in enumerate(ranked, 1):
+        print(json.dumps({"rank": position, **pred.row()}))
+    for pred in excluded:
+        print(json.dumps({"rank": None, **pred.row()}))
+    return 0 if ranked else 1
+
+
+def _said(ranked: list, excluded: list, args: argparse.Namespace, name: str) -> int:
+    """A ranking's last lines (how many fit, why the others do not) and its exit status (1: none fits)."""
     print(f"{len(ranked)} of {len(ranked) + len(excluded)} grids fit; showing the top {min(args.top, len(ranked))}")
     if excluded:
         reasons = Counter(_reason_kind(p.excluded) for p in excluded)
         print("excluded: " + "; ".join(f"{count} {kind}" for kind, count in reasons.most_common()))
     if not ranked:
-        print(f"par4d plan: no grid of {args.gpus:,} devices runs {spec.name} with this batch; see the reasons "
-              f"above", file=sys.stderr)
+        print(f"par4d plan: no grid of {args.gpus:,} devices runs {name} with this batch; see the reasons above",
+              file=sys.stderr)
         return 1
     return 0
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from par4d.plan.collectives import ring_time
 from par4d.plan.cost import divisors
 from par4d.plan.machines import Machine
-from par4d.plan.workload import state_bytes
+from par4d.plan.workload import fit_memory, state_bytes
 
 
 @dataclass(frozen=True)
@@ -161,14 +161,7 @@ def predict(spec: LongSpec, sizes: dict[str, int], machine: Machine, recompute: 
         pred.fits, pred.excluded = False, reason
         return pred
     b, gx, gz, spread, data = (machine.bytes_per_element, sizes["x"], sizes["z"], sizes["context"], sizes["data"])
-    if recompute is None:
-        recompute = sum(memory_terms(spec, sizes, b, False).values()) > machine.memory_bytes
-    pred.recompute = recompute
-    pred.mem_bytes = sum(memory_terms(spec, sizes, b, recompute).values())
-    if pred.mem_bytes > machine.memory_bytes:
-        pred.fits = False
-        pred.excluded = f"needs {pred.mem_bytes / 1e9:.1f} GB per device, {machine.name} has " \
-                        f"{machine.memory_bytes / 1e9:.0f} GB"
+    recompute = fit_memory(pred, lambda again: memory_terms(spec, sizes, b, again), machine, recompute)
     speed = machine.peak_flops * machine.efficiency
     tokens = spec.tokens / (gz * data * spread)
     again = 4 / 3 if recompute else 1.0

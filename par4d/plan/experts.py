@@ -42,7 +42,7 @@ from par4d.models.config import GPTConfig
 from par4d.plan.collectives import ring_time
 from par4d.plan.cost import divisors
 from par4d.plan.machines import Machine
-from par4d.plan.workload import state_bytes
+from par4d.plan.workload import fit_memory, state_bytes
 
 
 @dataclass(frozen=True)
@@ -240,14 +240,7 @@ def predict(spec: MoESpec, sizes: dict[str, int], machine: Machine, imbalance: f
         pred.fits, pred.excluded = False, reason
         return pred
     b, gx, gz, data, spread = (machine.bytes_per_element, sizes["x"], sizes["z"], sizes["data"], sizes["expert"])
-    if recompute is None:
-        recompute = sum(memory_terms(spec, sizes, b, False).values()) > machine.memory_bytes
-    pred.recompute = recompute
-    pred.mem_bytes = sum(memory_terms(spec, sizes, b, recompute).values())
-    if pred.mem_bytes > machine.memory_bytes:
-        pred.fits = False
-        pred.excluded = f"needs {pred.mem_bytes / 1e9:.1f} GB per device, {machine.name} has " \
-                        f"{machine.memory_bytes / 1e9:.0f} GB"
+    recompute = fit_memory(pred, lambda again: memory_terms(spec, sizes, b, again), machine, recompute)
     tokens = spec.tokens / (gz * data)
     expert = spec.expert_flops_per_token()
     wait = imbalance if spread > 1 else 1.0           # every expert on each rank: its own tokens, no one to wait for

@@ -52,6 +52,21 @@ def state_bytes(params: float, bytes_per_element: int, offload_bsize: int | None
     return params * (2 * bytes_per_element + (12 if bytes_per_element < 4 else 8))
 
 
+def fit_memory(pred, footprint, machine, recompute: bool | None) -> bool:
+    """Set ``pred``'s ``recompute`` (None: off where the activations fit, else on), ``mem_bytes`` (the sum of
+    ``footprint(recompute)``'s terms) and, where they exceed the device, ``fits`` and ``excluded``; returns
+    ``recompute``. For the mixture and long-sequence planners' predictions."""
+    if recompute is None:
+        recompute = sum(footprint(False).values()) > machine.memory_bytes
+    pred.recompute = recompute
+    pred.mem_bytes = sum(footprint(recompute).values())
+    if pred.mem_bytes > machine.memory_bytes:
+        pred.fits = False
+        pred.excluded = f"needs {pred.mem_bytes / 1e9:.1f} GB per device, {machine.name} has " \
+                        f"{machine.memory_bytes / 1e9:.0f} GB"
+    return recompute
+
+
 def gathered_bytes(blocks: list[float], counts: list[int], checkpointing: bool, overlap: Overlap | None) -> float:
     """Device bytes of the z-gathered weights Ŵ (``blocks``: one layer's bytes, ``counts`` of
     each). Without recomputation every layer's Ŵ is kept for backward; with it, one layer's,
