@@ -4,8 +4,9 @@ Every combination of the overlap switches (OAR, ORS, OAG, cache, data-parallel s
 with recomputation off and on, trains bit for bit as the synchronous path (with the same
 row chunks: xy cuts the rows of the x/y all-reduces, which is arithmetic) does:
 losses, every gradient after the data-parallel sync, every parameter after 2 AdamW
-steps (``torch.equal``, no tolerance; the second steps with the first's moments). All 64 combinations on x=2,z=2; every pair of
-switches on z=2,data=2; each switch alone and all together on x=2,y=2,z=2 and
+steps (``torch.equal``, no tolerance; the second steps with the first's moments). All 64
+combinations of the dense switches on x=2,z=2 (ep and cp act on mixtures and context axes:
+tests/test_moe.py, tests/test_context.py); every pair of switches on z=2,data=2; each switch alone and all together on x=2,y=2,z=2 and
 x=2,z=2,data=2 (8 ranks). (Every collective pays gloo's latency: the suite stays fast
 by covering pairs, where switches interact, on the rest.)
 Each run also proves the switch did something (prefetched gathers, cache hits,
