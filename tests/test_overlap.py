@@ -6,9 +6,9 @@ row chunks: xy cuts the rows of the x/y all-reduces, which is arithmetic) does:
 losses, every gradient after the data-parallel sync, every parameter after 2 AdamW
 steps (``torch.equal``, no tolerance; the second steps with the first's moments). All 64
 combinations of the dense switches on x=2,z=2 (ep and cp act on mixtures and context axes:
-tests/test_moe.py, tests/test_context.py); every pair of switches on z=2,data=2; each switch alone and all together on x=2,y=2,z=2 and
-x=2,z=2,data=2 (8 ranks). (Every collective pays gloo's latency: the suite stays fast
-by covering pairs, where switches interact, on the rest.)
+tests/test_moe.py, tests/test_context.py); every pair of switches on z=2,data=2; each switch
+alone and all together on x=2,y=2,z=2 and x=2,z=2,data=2 (8 ranks). (Every collective pays
+gloo's latency: the suite stays fast by covering pairs, where switches interact, on the rest.)
 Each run also proves the switch did something (prefetched gathers, cache hits,
 deferred reduce-scatters, buckets launched during backward), and the ledger's bytes
 are exact: overlap moves the same bytes; the cache removes exactly the recomputed
