@@ -265,7 +265,7 @@ def _bench_rows() -> list[dict]:
     from par4d.bench.context import ContextSettings, context_worker
 
     return context_worker(ContextSettings(nproc=4, iters=1, n_embd=32, n_head=4, lengths=(64, 128), timed=64,
-                                          budget_mb=1.0))
+                                          budget_mb=1.0, warmup=0))
 
 
 def test_bench_context_measures_each_grids_activations_and_says_what_stops_torchs(pool4):

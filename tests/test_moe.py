@@ -419,7 +419,7 @@ def test_the_exchange_is_hidden_behind_the_shared_experts_bit_for_bit(pool4):
 def _bench_rows() -> list[dict]:
     from par4d.bench.moe import MoESettings, moe_worker
 
-    return moe_worker(MoESettings(nproc=4, iters=1))
+    return moe_worker(MoESettings(nproc=4, iters=1, warmup=0))
 
 
 def test_bench_moe_rows_count_what_each_rank_holds(pool4):

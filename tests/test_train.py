@@ -168,7 +168,7 @@ def test_bench_grid_rows_and_exact_bytes(pool4):
     from par4d.bench.grid import BenchSettings, bench_rows
     from par4d.measure.grids import CONFIG, grids
 
-    rows = pool4.run(bench_rows, BenchSettings(nproc=4, iters=1, peak_flops=1e9), timeout=240)[0]
+    rows = pool4.run(bench_rows, BenchSettings(nproc=4, iters=1, peak_flops=1e9, warmup=0), timeout=240)[0]
     par4d_rows = [r for r in rows if r["name"] == "par4d"]
     assert len(par4d_rows) == len(grids(4)) == 10
     for row in rows:

@@ -26,7 +26,7 @@ from par4d.bench.common import launch
 from par4d.launch import distributed_env, init, join
 from par4d.launch.host import threads_per_rank
 from par4d.layout import shard_batch
-from par4d.measure.grids import time_iterations
+from par4d.measure.grids import WARMUP, time_iterations
 from par4d.models import GPTConfig
 
 LENGTHS = (1024, 2048, 4096, 8192, 16384)
@@ -44,6 +44,7 @@ class ContextSettings:
     lengths: tuple[int, ...] = LENGTHS
     budget_mb: float = BUDGET_MB
     timed: int = 2048
+    warmup: int = WARMUP          # untimed steps before each timing (a test's rows need none)
 
     def config(self, seq_len: int) -> GPTConfig:
         return GPTConfig(vocab_size=256, block_size=seq_len, n_layer=self.n_layer, n_embd=self.n_embd,
@@ -98,7 +99,7 @@ def _par4d(sizes: dict[str, int], settings: ContextSettings) -> list[dict]:
         held = measure_footprint(model, precision, step).activations
         most = torch.tensor([float(held)])
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
-        times = time_iterations(step, settings.iters) if seq_len == settings.timed else None
+        times = time_iterations(step, settings.iters, settings.warmup) if seq_len == settings.timed else None
         rows.append({"framework": "par4d", "name": "par4d", "grid": describe(grid.sizes), "seq_len": seq_len,
                      "activation_bytes_per_rank": int(most.item()),
                      "s_per_iter": statistics.median(times) if times else None, "times": times})
@@ -108,7 +109,7 @@ def _par4d(sizes: dict[str, int], settings: ContextSettings) -> list[dict]:
             def step_masked(model=model, precision=precision, batch=masked) -> None:
                 train_step(model, precision, grid, batch)
 
-            times = time_iterations(step_masked, settings.iters)
+            times = time_iterations(step_masked, settings.iters, settings.warmup)
             rows.append({"framework": "par4d", "name": "par4d --document-mask", "grid": describe(grid.sizes),
                          "seq_len": seq_len, "s_per_iter": statistics.median(times), "times": times,
                          "documents": int(_documents(seq_len).max()) + 1})
@@ -141,7 +142,7 @@ def _torch_context_parallel(settings: ContextSettings) -> dict:
     row = {"framework": "torch", "name": "torch context_parallel", "grid": f"context={dist.get_world_size()}",
            "seq_len": settings.timed, "s_per_iter": None}
     try:
-        times = time_iterations(step, settings.iters)
+        times = time_iterations(step, settings.iters, settings.warmup)
     except Exception as error:           # what stops it, said as torch says it (the rank's own: no collective)
         return {**row, "error": f"{type(error).__name__}: {str(error).splitlines()[0]}"}
     return {**row, "s_per_iter": statistics.median(times), "times": times}

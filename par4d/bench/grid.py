@@ -26,7 +26,7 @@ from par4d.launch import launch_local
 from par4d.launch.host import cpu_cores, threads_per_rank
 from par4d.launch.peak import measure_matmul_peak
 from par4d.layout import block
-from par4d.measure.grids import BATCH, CONFIG, batch, grids, held_most, measure_grid, time_iterations
+from par4d.measure.grids import BATCH, CONFIG, WARMUP, batch, grids, held_most, measure_grid, time_iterations
 from par4d.models import ReferenceGPT
 
 
@@ -35,10 +35,11 @@ class BenchSettings:
     nproc: int
     iters: int
     peak_flops: float
+    warmup: int = WARMUP          # untimed steps before each row's (a test's rows need none)
 
 
 def _bench_par4d(sizes: dict[str, int], settings: BenchSettings) -> dict:
-    times, per_rank, held = measure_grid(sizes, settings.iters, then=held_most)
+    times, per_rank, held = measure_grid(sizes, settings.iters, then=held_most, warmup=settings.warmup)
     row = grid_row("par4d", sizes, times, sum_over_ranks(per_rank), settings.peak_flops, "ledger")
     # What a step holds (par4d.train.footprint), the most of any rank. The peers' rows leave it out: their
     # buffers (DDP's reducer buckets, FSDP2's unsharded parameters) are outside what the footprint sees.
@@ -72,7 +73,7 @@ def _bench_torch(kind: str, settings: BenchSettings) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    times = time_iterations(step, settings.iters)
+    times = time_iterations(step, settings.iters, settings.warmup)
     if kind == "ddp":
         per_rank, source = sum(p.numel() * p.element_size() for p in twin.parameters()), "gradient bytes"
         name = "torch DDP"

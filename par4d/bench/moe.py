@@ -25,7 +25,7 @@ from par4d.bench.common import check_cluster, launch, link_bytes
 from par4d.launch import distributed_env, init, join
 from par4d.launch.host import threads_per_rank
 from par4d.layout import placement_of, shard_batch
-from par4d.measure.grids import time_iterations
+from par4d.measure.grids import WARMUP, time_iterations
 from par4d.models import GPTConfig
 
 # Experts hold 16 d^2 each per block against attention's 4 d^2: with 8 of them, 97% of the blocks' weights
@@ -47,6 +47,7 @@ class MoESettings:
     model: str = "gpt"
     nodes: int | None = None      # emulated nodes of nproc ranks each (None: local ranks)
     link: str = "1gbit"
+    warmup: int = WARMUP          # untimed steps before each row's (a test's rows need none)
 
     @property
     def world(self) -> int:
@@ -116,7 +117,7 @@ def _par4d(sizes: dict[str, int], settings: MoESettings) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    times = time_iterations(step, settings.iters)
+    times = time_iterations(step, settings.iters, settings.warmup)
     before = grid.ledger.total_bytes()
     step()
     comm = grid.ledger.total_bytes() - before
@@ -163,7 +164,7 @@ def _torch(kind: str, settings: MoESettings) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    times = time_iterations(step, settings.iters)
+    times = time_iterations(step, settings.iters, settings.warmup)
     link = link_bytes(step) if settings.nodes else None
     params = sum(p.to_local().numel() * p.element_size() if hasattr(p, "to_local") else p.numel() * p.element_size()
                  for p in model.parameters())

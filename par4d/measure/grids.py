@@ -115,9 +115,9 @@ def step_collectives(grid: Grid, step: Callable[[], object]) -> list[tuple[str, 
     return [(e.kind, e.axes, e.elements) for e in entries]
 
 
-def time_iterations(step: Callable[[], object], iters: int) -> list[float]:
-    """Seconds of ``iters`` calls of ``step`` after WARMUP untimed ones, each between barriers."""
-    for _ in range(WARMUP):
+def time_iterations(step: Callable[[], object], iters: int, warmup: int = WARMUP) -> list[float]:
+    """Seconds of ``iters`` calls of ``step`` after ``warmup`` untimed ones, each between barriers."""
+    for _ in range(warmup):
         step()
     times = []
     for _ in range(iters):
@@ -132,7 +132,7 @@ def time_iterations(step: Callable[[], object], iters: int) -> list[float]:
 def measure_grid(sizes: dict[str, int], iters: int, batch_size: int = BATCH, seq_len: int = CONFIG.block_size,
                  overlap: Overlap | None = None, hierarchical: str = "auto",
                  then: Callable[[Grid, TrainingStep], object] | None = None, microbatches: int | None = None,
-                 recompute: bool = False) -> tuple[list[float], float, object]:
+                 recompute: bool = False, warmup: int = WARMUP) -> tuple[list[float], float, object]:
     """Seconds of ``iters`` training steps on grid ``sizes`` (global batch of ``batch_size`` sequences of
     ``seq_len`` tokens) and the ledger bytes per step of this rank, on a grid built with ``hierarchical``, and
     what ``then(grid, step)`` returns after the timing (None without it: a benchmark's own look at the grid).
@@ -141,8 +141,8 @@ def measure_grid(sizes: dict[str, int], iters: int, batch_size: int = BATCH, seq
     # overlap None: par4d.Overlap(), every overlap on
     step = TrainingStep(grid, batch_size, seq_len, overlap, microbatches, recompute)
     before = grid.ledger.total_bytes()
-    times = time_iterations(step, iters)
-    per_rank = (grid.ledger.total_bytes() - before) / (WARMUP + iters)
+    times = time_iterations(step, iters, warmup)
+    per_rank = (grid.ledger.total_bytes() - before) / (warmup + iters)
     extra = then(grid, step) if then is not None else None
     grid.close()
     return times, per_rank, extra
