@@ -65,7 +65,8 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, allowed: torch.Tenso
     return scores if allowed is None else scores.masked_fill(~allowed, float("-inf"))
 
 
-def _blocks(rank: int, ranks: int, step: int, documents: torch.Tensor | None, n: int, device: torch.device):
+def _blocks(rank: int, ranks: int, step: int, documents: torch.Tensor | None, n: int, device: torch.device,
+            fused: bool):
     """(query chunk, key chunk, causal, which keys each query attends to) of every pair of this rank's chunks
     and the block it holds at ``step`` that has one query attending to one key: a key chunk after the query
     chunk, or in other documents only, is skipped."""
@@ -74,6 +75,9 @@ def _blocks(rank: int, ranks: int, step: int, documents: torch.Tensor | None, n:
         if documents is not None:
             qa, kb = chunk_ids(rank, ranks)[a], chunk_ids((rank - step) % ranks, ranks)[b]
             pair = (documents[:, qa * n:(qa + 1) * n], documents[:, kb * n:(kb + 1) * n])
+        if fused:                    # the kernel masks causally itself: no mask built, every pair has a key
+            yield a, b, causal, None
+            continue
         allowed = _allowed(causal, n, pair, device)
         if allowed is None or bool(allowed.any()):
             yield a, b, causal, allowed
@@ -131,7 +135,7 @@ class RingAttention(torch.autograd.Function):
                 incoming = torch.empty_like(held)
                 moves = _pass_on(grid, held, incoming, KEYS, overlap)
             ks, vs = ([_widen(part, groups) for part in t.to(dtype).chunk(2, dim=-2)] for t in held)
-            for a, b, causal, allowed in _blocks(rank, ranks, step, documents, qs[0].shape[-2], q.device):
+            for a, b, causal, allowed in _blocks(rank, ranks, step, documents, qs[0].shape[-2], q.device, fused):
                 if fused:
                     attended, block_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                         qs[a], ks[b], vs[b], 0.0, causal, scale=scale)
@@ -177,7 +181,7 @@ class RingAttention(torch.autograd.Function):
                 moves = _pass_on(grid, held, incoming, KEYS, overlap)
             ks, vs = ([_widen(part, groups).contiguous() for part in t.to(dtype).chunk(2, dim=-2)] for t in held)
             dk, dv = [torch.zeros_like(t) for t in ks], [torch.zeros_like(t) for t in vs]
-            for a, b, causal, allowed in _blocks(rank, ranks, step, documents, qs[0].shape[-2], q.device):
+            for a, b, causal, allowed in _blocks(rank, ranks, step, documents, qs[0].shape[-2], q.device, fused):
                 if fused:      # the kernel's backward, given the whole output and log-sum-exp of these queries
                     dqa, dkb, dvb = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                         dos[a], qs[a], ks[b], vs[b], outs[a], lses[a], 0.0, causal, scale=scale)
