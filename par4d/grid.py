@@ -116,9 +116,6 @@ def validate_sizes(sizes: dict[str, int], world_size: int) -> dict[str, int]:
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"grid axis {axis}={size!r} must be an integer >= 1")
         full[axis] = size
-    if full["context"] > 1 and full.get("expert", 1) > 1:
-        raise ValueError(f"grid axes context={full['context']} and expert={full['expert']} together are not built "
-                         f"yet: give one of them")
     for axis, host in FOLDED.items():
         if full.get(axis, 1) > 1 and full[host] % full[axis]:
             raise ValueError(f"grid axis {axis}={full[axis]} folds over {host}={full[host]}, which it does not "
@@ -349,7 +346,7 @@ def build_grid(sizes: dict[str, int], device: torch.device, nodes: tuple[int, ..
     for axis in FOLDED:
         if sizes.get(axis, 1) > 1:
             grid._groups[(axis,)], _ = dist.new_subgroups_by_enumeration(folded_groups(sizes, axis))
-            for key in ((FOLDED[axis],), ("z", FOLDED[axis])):    # what gradients are summed over, within it
+            for key in within_keys(sizes, FOLDED[axis]):       # what gradients are summed over, within it
                 grid._within[(key, axis)], _ = dist.new_subgroups_by_enumeration(within_groups(sizes, key, axis))
     for combo in _COMBINED + (_WITH_CONTEXT if sizes.get("context", 1) > 1 else ()):
         grid._groups[combo] = _combined_group(grid, combo)
@@ -401,6 +398,13 @@ def folded_groups(sizes: dict[str, int], axis: str) -> list[list[int]]:
     size = sizes[axis]
     return [members[start:start + size] for members in groups_of(sizes, (FOLDED[axis],))
             for start in range(0, len(members), size)]
+
+
+def within_keys(sizes: dict[str, int], host: str) -> list[tuple[str, ...]]:
+    """The sets of axes with ``host`` that an expert's gradient is summed over, cut by the folded axis: the host
+    and z with it, and the same with a context axis where it has ranks."""
+    keys = [(host,), ("z", host)]
+    return keys + [("context", host), ("z", "context", host)] if sizes.get("context", 1) > 1 else keys
 
 
 def within_groups(sizes: dict[str, int], axes: tuple[str, ...], folded: str) -> list[list[int]]:

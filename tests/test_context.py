@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from par4d.grid import Grid, coords_of, describe, validate_sizes
+from par4d.grid import Grid, coords_of, describe, folded_groups, validate_sizes, within_groups
 from par4d.layout import positions, sequence_chunks, shard_batch, shard_sequence
 from par4d.models import GPTConfig
 from tests import cases
@@ -29,8 +29,11 @@ def test_the_context_axis_sits_inside_data_and_cuts_sequences_in_balanced_chunks
     assert shard_sequence(grid, torch.arange(32).view(2, 16)).tolist() == [[2, 3, 12, 13], [18, 19, 28, 29]]
     with pytest.raises(ValueError, match=r"a sequence of 12 tokens does not cut into 2 \* context = 8 equal chunks"):
         sequence_chunks(grid, 12)
-    with pytest.raises(ValueError, match="context=2 and expert=2 together are not built yet"):
-        validate_sizes({"context": 2, "data": 2, "expert": 2}, 4)
+    # with experts folded over data: an expert's gradient summed over the context and data ranks holding it
+    sizes = validate_sizes({"context": 2, "data": 4, "expert": 2}, 8)
+    assert describe(sizes) == "x=1 y=1 z=1 context=2 data=4 pipe=1 expert=2"
+    assert folded_groups(sizes, "expert") == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert within_groups(sizes, ("context", "data"), "expert") == [[0, 1, 4, 5], [2, 3, 6, 7]]
 
 
 def _ring_against_torch(sizes: dict) -> dict:
@@ -195,9 +198,7 @@ def test_transformers_models_on_a_context_axis_are_the_model_itself(pool4, sizes
 @pytest.mark.parametrize("args, said", [
     (["--grid", "context=2", "--seq-len", "10"], "--seq-len 10 does not cut into 2 * context = 4 equal chunks"),
     (["--grid", "context=2", "--model", "hf-gpt2"], "--grid context=2: --model hf-gpt2's attention does not run on "
-                                                    "sequences cut over a context axis yet"),
-    (["--grid", "context=2,data=2,expert=2", "--mlp", "moe", "--experts", "2"],
-     "context=2 and expert=2 together are not built yet")])
+                                                    "sequences cut over a context axis yet")])
 def test_what_a_context_axis_cannot_run_is_refused_before_any_rank_starts(args, said):
     from tests.helpers import checked_config
 

@@ -158,7 +158,7 @@ def _matches(sizes: dict, family: str, recompute: bool = False, meta: bool = Fal
         grid = cases.grid(**sizes)
         twin = _model(family)
         lm = _on_meta(twin, family, grid) if meta else par4d.parallelize(copy.deepcopy(twin), grid)
-        model = CausalLM(lm, 0.0, 0)
+        model = CausalLM(lm, 0.0, 0, grid=grid)       # (on a context axis: the chunks' global positions)
         if recompute:       # transformers' own checkpointing of each decoder layer (par4d's --recompute)
             model.lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         _norms_keep_float64(twin)
@@ -233,8 +233,11 @@ def _check(results: list[dict], layers: int) -> None:
 
 
 @pytest.mark.parametrize("sizes", [dict(data=4, expert=4), dict(x=2, data=2, expert=2), dict(y=2, data=2, expert=2),
-                                   dict(z=2, data=2, expert=2)], ids=["d4e4", "x2d2e2", "y2d2e2", "z2d2e2"])
+                                   dict(z=2, data=2, expert=2), dict(context=2, data=2, expert=2)],
+                         ids=["d4e4", "x2d2e2", "y2d2e2", "z2d2e2", "c2d2e2"])
 def test_mixtral_is_transformers_own(pool4, sizes):
+    """On c2d2e2 each sequence is cut over the context axis too (par4d's ring attention, through transformers'
+    attention interface), the balance loss counting every chunk's tokens."""
     results = pool4.run(_matches, sizes, "mixtral")
     _check(results, 2)
     assert results[0]["kinds"]["model.layers.0.mlp"] == "experts"
@@ -251,6 +254,12 @@ def test_qwen3_moe_and_olmoe_are_transformers_own(pool4, family, sizes):
     _check(found, 1 if family == "qwen3_moe" else 2)
     if "x" in sizes and family == "qwen3_moe":
         assert found[0]["kinds"]["model.layers.0.self_attn.q_proj"] == "normal"
+
+
+def test_qwen3_moe_on_a_context_axis_is_transformers_own(pool4):
+    """Its q and k normalised per head before transformers' attention function: par4d's ring takes them as
+    Llama's, the heads over x and each sequence over context."""
+    _check(pool4.run(_matches, dict(x=2, context=2), "qwen3_moe"), 1)
 
 
 @pytest.mark.parametrize("sizes", [dict(data=4, expert=4), dict(x=2, data=2, expert=2), dict(y=2, data=2, expert=2)],

@@ -300,7 +300,8 @@ def _gpt_with_experts(sizes: dict, shared: int = 0) -> int:
 
 
 @pytest.mark.parametrize("sizes", [dict(data=4, expert=4), dict(data=4, expert=2), dict(x=2, data=2, expert=2),
-                                   dict(y=2, data=2, expert=2), dict(z=2, data=2, expert=2)], ids=describe)
+                                   dict(y=2, data=2, expert=2), dict(z=2, data=2, expert=2),
+                                   dict(context=2, data=2, expert=2)], ids=describe)
 def test_the_gpt_with_experts_is_its_twin(pool4, sizes):
     """par4d's GPT with a mixture in every block (--mlp moe): its loss (the balance losses in it), every
     gradient and the parameters after AdamW steps, against the single-device twin, in float64; and the

@@ -84,7 +84,7 @@ HEAD_NORMS = ("q_norm", "k_norm")
 ATTENTION["GPT2Attention"] = (("c_attn",), "c_proj")
 # Attention that runs on sequences cut over a context axis (par4d.adopt.context: through transformers' attention
 # interface, rotary positions from the global position_ids)
-CONTEXT_ATTENTION = ("LlamaAttention", "MistralAttention", "Qwen2Attention")
+CONTEXT_ATTENTION = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "MixtralAttention", "Qwen3MoeAttention")
 REPLICATED = Placement((), grad_sum=BATCH_AXES)
 NORM_WHY = "a norm over features, which are whole between blocks: kept whole (its gradient summed over z and data)"
 STREAM_NORM_WHY = ("a norm over the residual stream, whose features are split over y between blocks: its weight "

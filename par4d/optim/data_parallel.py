@@ -108,7 +108,7 @@ class GradientSync:
                 # gradient is summed over the ranks that hold that expert only (within "expert").
                 within = _within(placement, grid)
                 axes = tuple(a for a in placement.grad_sum if grid.size(a, within=within) > 1)
-                grouped[(axes, within if axes else None)].append(param)
+                grouped[(axes, within if FOLDED.get(within) in axes else None)].append(param)
         self.scale = 1.0 / grid.size(*BATCH_AXES)      # each rank's loss a mean over as many tokens
         # Weights tied across pipeline stages: yielded last, once the other stage's gradient is added.
         self.tied = [p for p in model.parameters() if p.requires_grad and placement_of(p).pipe_peer]

@@ -272,6 +272,23 @@ class HFRecipe(Recipe):
         return lm_state(chosen)
 
 
+    def check_context(self, config: Settings, kinds: tuple[str, ...]) -> None:
+        """On a context axis: a pretrained folder of one of the ``kinds`` (model_type) whose attention par4d runs
+        there, without a sliding window shorter than the sequence."""
+        context = config.grid.get("context", 1)
+        if context == 1 or config.hf_config is None:
+            return
+        kind = config.hf_config.get("model_type")
+        if kind not in kinds:
+            raise ValueError(f"--grid context={context}: --init-from hf {config.init_from} is a {kind} model, whose "
+                             f"attention par4d does not run on a context axis yet ({', '.join(kinds)} do)")
+        window = config.hf_config.get("sliding_window")
+        if window is not None and config.hf_config.get("use_sliding_window", True) and config.seq_len > window:
+            raise ValueError(f"--grid context={context}: --init-from hf {config.init_from} attends within a sliding "
+                             f"window of {window} tokens, shorter than --seq-len {config.seq_len} (ring attention "
+                             f"attends over the whole sequence: give --seq-len {window} or less)")
+
+
 class GPT2Recipe(HFRecipe):
     def lm_class(self) -> type:
         from transformers import GPT2LMHeadModel
@@ -292,18 +309,7 @@ class LlamaRecipe(HFRecipe):
 
     def check(self, config: Settings) -> None:
         super().check(config)
-        context = config.grid.get("context", 1)
-        if context == 1 or config.hf_config is None:
-            return
-        kind = config.hf_config.get("model_type")
-        if kind not in ("llama", "mistral", "qwen2"):
-            raise ValueError(f"--grid context={context}: --init-from hf {config.init_from} is a {kind} model, whose "
-                             f"attention par4d does not run on a context axis yet (Llama, Mistral and Qwen2 do)")
-        window = config.hf_config.get("sliding_window")
-        if window is not None and config.hf_config.get("use_sliding_window", True) and config.seq_len > window:
-            raise ValueError(f"--grid context={context}: --init-from hf {config.init_from} attends within a sliding "
-                             f"window of {window} tokens, shorter than --seq-len {config.seq_len} (ring attention "
-                             f"attends over the whole sequence: give --seq-len {window} or less)")
+        self.check_context(config, ("llama", "mistral", "qwen2"))
 
     def lm_class(self) -> type:
         from transformers import LlamaForCausalLM
@@ -361,6 +367,8 @@ class MixtureRecipe(HFRecipe):
             if getattr(config, name):
                 raise ValueError(f"{flag} {getattr(config, name)}: --model {self.name} routes as transformers "
                                  f"does, with {what}; that flag is for par4d's GPT (--model gpt --mlp moe)")
+        if self.context:
+            self.check_context(config, (self.model_type,))
         balanced = config.hf_config is None or config.hf_config.get("output_router_logits", False)
         if config.grid.get("pipe", 1) > 1 and balanced:
             raise ValueError(f"--model {self.name} on pipe={config.grid['pipe']}: its load-balancing loss pools every "
@@ -389,6 +397,7 @@ class MixtureRecipe(HFRecipe):
 
 class MixtralRecipe(MixtureRecipe):
     family, lm_name, model_type = "MixtralConfig", "MixtralForCausalLM", "mixtral"
+    context = True          # its attention is Mistral's: ring attention on a context axis
 
     def expert_sizes(self, config: Settings) -> dict:
         return {"num_local_experts": config.experts, "intermediate_size": 4 * config.n_embd}
@@ -398,6 +407,7 @@ class Qwen3MoeRecipe(MixtureRecipe):
     """Every layer a mixture, its top-k weights renormalised (Qwen3-30B-A3B's norm_topk_prob)."""
 
     family, lm_name, model_type = "Qwen3MoeConfig", "Qwen3MoeForCausalLM", "qwen3_moe"
+    context = True          # q and k normalised per head before the attention function: ring attention too
 
     def expert_sizes(self, config: Settings) -> dict:
         return {"num_experts": config.experts, "moe_intermediate_size": 4 * config.n_embd,
