@@ -147,7 +147,10 @@ class TPAttention(nn.Module):
             self.qkv.weight.copy_(self.qkv.weight[order])
             self.qkv.bias.copy_(self.qkv.bias[order])
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """As the twin's block calls its attention (``documents``: the benchmarks train without them)."""
+        if documents is not None:
+            raise ValueError("TPAttention keeps no document mask: the peers' benchmarks train without one")
         batch_, seq, _ = h.shape
         q, k, v = self.qkv(h).chunk(3, dim=-1)     # this rank's heads: q, k, v of width dim / tp each
         width = q.shape[-1]
