@@ -73,7 +73,7 @@ class _Bucket:
         self.params = params
         self.ready: set[int] = set()
         self.flat: torch.Tensor | None = None
-        self.grads: list[torch.Tensor] = []
+        self.held: list[torch.Tensor] = []     # the parameters with a gradient this step, in bucket order
         self.handle: comm.Handle | None = None
 
 
@@ -150,7 +150,7 @@ class GradientSync:
                 if bucket.handle is not None:
                     bucket.handle.wait()
                 bucket.ready.clear()
-                bucket.flat, bucket.grads, bucket.handle = None, [], None
+                bucket.flat, bucket.held, bucket.handle = None, [], None
         self._armed = self.overlap and last
         try:
             with self.deferred.collecting() if self.deferred is not None else nullcontext():
@@ -161,7 +161,11 @@ class GradientSync:
     def _on_grad(self, param: torch.Tensor) -> None:
         if not self._armed or (self.deferred is not None and self.deferred.owes(param)):
             return                           # not this step's, or its gradient is a deferred reduce-scatter
-        self._ready([param])
+        key, index = self._where[id(param)]  # (every hooked parameter is in a bucket)
+        bucket = self.groups[key][index]
+        bucket.ready.add(id(param))
+        if len(bucket.ready) == len(bucket.params):     # only a full bucket can start a launch (in order)
+            self.early_launches += self._launch_ready(key)
 
     def _on_deferred(self, params: list[torch.Tensor]) -> None:
         if self._armed:
@@ -189,11 +193,11 @@ class GradientSync:
         return launched
 
     def _launch(self, key: tuple[tuple[str, ...], str | None], bucket: _Bucket) -> None:
-        bucket.grads = [p.grad for p in bucket.params if p.grad is not None]
-        if not bucket.grads:
+        bucket.held = [p for p in bucket.params if p.grad is not None]
+        if not bucket.held:
             bucket.flat = torch.empty(0)     # nothing to sum (no gradients at all): done
             return
-        bucket.flat = _flatten_dense_tensors(bucket.grads)
+        bucket.flat = _flatten_dense_tensors([p.grad for p in bucket.held])
         if self.reduce_dtype is not None:   # mixed precision may sum half gradients in fp32 (par4d.optim.precision)
             bucket.flat = bucket.flat.to(self.reduce_dtype)
         in_flight = sum(b.flat.nbytes for buckets in self.groups.values() for b in buckets if b.flat is not None)
@@ -232,11 +236,10 @@ class GradientSync:
                 if bucket.handle is not None:
                     bucket.handle.wait()
                     bucket.flat.mul_(self.scale)
-                    for grad, synced in zip(bucket.grads, _unflatten_dense_tensors(bucket.flat, bucket.grads)):
-                        grad.copy_(synced)
+                    _write_back(bucket.held, bucket.flat)
                 done = [p for p in bucket.params if p.grad is not None and id(p) not in tied]
                 bucket.ready.clear()
-                bucket.flat, bucket.grads, bucket.handle = None, [], None
+                bucket.flat, bucket.held, bucket.handle = None, [], None
                 if done:
                     yield done
         if self.tied:
@@ -262,6 +265,18 @@ class GradientSync:
         for param, other in zip(self.tied, received):
             param.grad.add_(other)
         return self.tied
+
+
+def _write_back(params: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """The summed gradients into ``params``: each ``.grad`` becomes its piece of ``flat`` where the dtypes agree
+    (no copy: what DDP's ``gradient_as_bucket_view`` saves, with a new ``flat`` every step, so a gradient kept
+    past the next step is never written over), else a copy into it (mixed precision's half gradients summed in
+    fp32)."""
+    for param, synced in zip(params, _unflatten_dense_tensors(flat, [p.grad for p in params])):
+        if synced.dtype == param.grad.dtype:
+            param.grad = synced
+        else:
+            param.grad.copy_(synced)
 
 
 def gradient_sync(model: nn.Module, grid: Grid) -> GradientSync:
