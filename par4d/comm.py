@@ -51,10 +51,12 @@ class Handle:
     def _completed(self, _future) -> None:
         self._done_at = time.perf_counter()
 
+    @torch.compiler.disable
     def done(self) -> bool:
         """Whether it completed (never blocks): for code that acts on whichever message comes first."""
         return self._work is None or self._work.is_completed()
 
+    @torch.compiler.disable
     def block(self) -> None:
         """Wait for completion without booking it (for a thread that watches arrivals; the
         owner still calls :meth:`wait`, which then returns at once: a gloo receive's ``wait``
@@ -63,6 +65,7 @@ class Handle:
             self._work.wait()
             self._blocked, self._done_at = True, time.perf_counter()
 
+    @torch.compiler.disable
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             start = time.perf_counter()
@@ -75,6 +78,7 @@ class Handle:
         return self.result
 
 
+@torch.compiler.disable      # a graph break in a compiled block (par4d.compiled): the collective runs eagerly
 def _issue(grid: Grid, kind: str, axes: tuple[str, ...], message: torch.Tensor, run, async_op: bool, result,
            elements: int | None = None):
     """Record ``kind`` (its per-rank message: ``message``, or ``elements`` of its dtype), run it, and book the

@@ -188,7 +188,9 @@ class Grid:
     def size(self, *axes: str, within: str | None = None) -> int:
         """Number of ranks along the given axes (their product); ``within`` a folded axis: those of them
         that share this rank's coordinate on it (the data ranks holding the same experts)."""
-        size = math.prod(self.sizes.get(a, 1) for a in check_axes(axes))
+        size = 1
+        for axis in check_axes(axes):        # a loop, not math.prod over a generator: dynamo traces it (--compile)
+            size *= self.sizes.get(axis, 1)
         return size // self.size(within) if within is not None and FOLDED[within] in axes else size
 
     def coord(self, axis: str) -> int:

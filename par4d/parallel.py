@@ -31,6 +31,17 @@ def check_context_form(form: str) -> None:
         raise ValueError(f"--context-form {form!r}: give one of {', '.join(CONTEXT_FORMS)}")
 
 
+COMPILE_BACKENDS = ("inductor", "aot_eager")
+"""What ``--compile`` compiles each block with (par4d.compiled): Inductor's fused kernels, or AOTAutograd's
+graphs run eagerly (no C++ compiler needed: what the tests check exactness with)."""
+
+
+def check_compile(backend: str) -> None:
+    """Refuse a backend not in :data:`COMPILE_BACKENDS` (or ``none``), naming the flag (no torch, as above)."""
+    if backend != "none" and backend not in COMPILE_BACKENDS:
+        raise ValueError(f"--compile {backend!r}: give one of {', '.join(COMPILE_BACKENDS)} or none")
+
+
 @dataclass(eq=False)
 class ParallelState:
     """One parallel model's set-up.

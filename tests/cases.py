@@ -83,13 +83,14 @@ GPT_BATCH, GPT_STEPS = 4, 3
 
 
 def compare_gpt_with_twin(grid: Grid, sizes: dict, config: GPTConfig, documents: bool = False,
-                          form: str = "ring", restart: bool = False) -> int:
+                          form: str = "ring", restart: bool = False, compile: str = "none") -> int:
     """par4d's GPT on ``grid`` against its single-device twin: the same initial parameters, then for each of
     GPT_STEPS AdamW steps the loss and every gradient, and the parameters after them; returns how many there are.
     ``documents``: each window packs documents of random lengths (one of them across a chunk boundary, one
     token long, ...), attention kept inside them (the twin given the explicit block-diagonal causal mask).
     ``form``: how attention runs on a context axis (``par4d.nn.ring.set_context_form``); ``restart``: with
-    documents, each token's position counted from its document's start."""
+    documents, each token's position counted from its document's start. ``compile``: a backend compiling the
+    model's blocks (par4d.compiled), or none."""
     from par4d.layout import shard_batch
     from par4d.nn.ring import set_context_form
     from par4d.optim.data_parallel import global_mean, sync_gradients
@@ -97,6 +98,10 @@ def compare_gpt_with_twin(grid: Grid, sizes: dict, config: GPTConfig, documents:
 
     twin = build_reference(config)
     model = set_context_form(build_gpt(config, grid), form)
+    if compile != "none":
+        from par4d.compiled import compile_blocks
+
+        compile_blocks(model, compile)
     start = model.reference_state()
     for name, param in twin.named_parameters():
         assert torch.equal(start[name], param.detach()), f"{sizes}: initial {name} differs from the twin"

@@ -50,6 +50,14 @@ def _memory(rss: list[dict]) -> str:
             f"{files:,.0f} MiB)")
 
 
+def _compiled(made: dict) -> str:
+    """What --compile made (par4d.compiled.Compiled.made), and what it cost on the first step."""
+    again = f", {made['recompiled_graphs']} compiled again after the first step" if made["recompiled_graphs"] else ""
+    return (f"{made['blocks']} blocks by {made['backend']}: {made['graphs']} graphs, "
+            f"{made['graph_breaks_per_block']:g} graph breaks per block{again}; the first step took "
+            f"{made['first_step_extra_s']:.1f} s more than a later one (compiling)")
+
+
 FOOTPRINT = ("parameters", "gradients", "optimizer", "activations", "buffers", "cached")
 
 
@@ -83,6 +91,7 @@ def print_summary(summary: dict) -> None:
         ("% of peak", f"{summary['percent_of_peak']:.1f}%"),
         ("overlap", f"{summary['overlap']}, recompute {_every(summary['recompute_every'])}"),
         ("optimizer", summary["optimizer"]),
+        *([("compiled", _compiled(summary["compiled"]))] if summary.get("compiled") else []),
         ("communication", _communication(summary)),
         *([("memory", _memory(summary["rss_per_rank"]))] if summary.get("rss_per_rank") else []),
         *([("step holds", _held(summary["footprint_per_rank"]))] if summary.get("footprint_per_rank") else []),

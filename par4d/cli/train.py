@@ -8,7 +8,7 @@ import signal
 from pathlib import Path
 
 from par4d.hierarchy import MODES
-from par4d.parallel import CONTEXT_FORMS
+from par4d.parallel import COMPILE_BACKENDS, CONTEXT_FORMS
 from par4d.train.config import DEFAULT_NPROC, default
 from par4d.train.recipes import MODELS
 from par4d.train.recipes.unet import IMAGE_CHANNELS
@@ -16,7 +16,8 @@ from par4d.train.say import say
 
 # The flags with a fixed set of values; a --config file's values are held to the same sets.
 CHOICES = {"model": MODELS, "mlp": ("dense", "phantom", "moe"), "hierarchical": MODES,
-           "precision": ("fp32", "bf16", "fp16"), "grad_reduce": ("fp32", "compute"), "context_form": CONTEXT_FORMS}
+           "precision": ("fp32", "bf16", "fp16"), "grad_reduce": ("fp32", "compute"), "context_form": CONTEXT_FORMS,
+           "compile": (*COMPILE_BACKENDS, "none")}
 
 
 def _help(name: str, text: str = "") -> str:
@@ -109,6 +110,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                        help=_help("context_form", "attention on a context axis: ring (keys and values around the "
                                                   "context ranks, hidden behind the attention) or gather (gathered "
                                                   "once per layer: for few key heads or short sequences)"))
+    steps.add_argument("--compile", nargs="?", const="inductor", choices=CHOICES["compile"], default=None,
+                       help=_help("compile", "compile each block as a region with torch.compile: inductor (the "
+                                             "default backend), aot_eager (its graphs run eagerly: no C++ compiler) "
+                                             "or none; par4d's collectives stay eager, between fused regions"))
     steps.add_argument("--hierarchical", choices=CHOICES["hierarchical"], default=None,
                        help=_help("hierarchical", "collectives over groups that span nodes in stages (inside the node, "
                                                   "across the link once, inside again; gloo): auto where a probe at "

@@ -60,6 +60,8 @@ def moe_mlp(config: GPTConfig, grid: Grid, name: str) -> MoE:
 
 
 class _Block(nn.Module):
+    compile_region = True        # what --compile compiles (par4d.compiled)
+
     def __init__(self, config: GPTConfig, grid: Grid, name: str, mlp: MLPFactory):
         super().__init__()
         self.ln1 = LayerNorm(config.n_embd, grid=grid, name=f"{name}.ln1")

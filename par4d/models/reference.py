@@ -54,6 +54,8 @@ def _moe(config: GPTConfig) -> ReferenceMoE:
 
 
 class _Block(nn.Module):
+    compile_region = True        # the peers' compiled blocks (par4d.compiled), as par4d's
+
     def __init__(self, config: GPTConfig, mlp: TwinMLPFactory):
         super().__init__()
         self.ln1 = nn.LayerNorm(config.n_embd)

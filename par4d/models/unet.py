@@ -98,6 +98,8 @@ def shard_images(grid: Grid, images: torch.Tensor) -> torch.Tensor:
 
 
 class _Block(nn.Module):
+    compile_region = True        # what --compile compiles (par4d.compiled)
+
     def __init__(self, convs: dict, name: str):
         super().__init__()
         self.conv1, self.conv2 = convs[f"{name}.conv1"], convs[f"{name}.conv2"]

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from par4d.folder import ABSURD_BYTES, is_count
 from par4d.hierarchy import MODES
 from par4d.overlap import Overlap
-from par4d.parallel import check_context_form
+from par4d.parallel import check_compile, check_context_form
 from par4d.train.recipes import recipe
 
 if TYPE_CHECKING:
@@ -34,6 +34,7 @@ class TrainConfig:
     document_mask: bool = False      # --document-mask: attention inside a packed window's documents
     restart_positions: bool = False  # --restart-positions: positions from each document's start
     context_form: str = "ring"       # --context-form: attention on a context axis, ring or gather
+    compile: str = "none"            # --compile: each block compiled as a region by this backend (par4d.compiled)
     n_layer: int = 4
     n_embd: int = 128
     n_head: int = 4
@@ -96,6 +97,7 @@ class TrainConfig:
         pipe = self.grid.get("pipe", 1)
         self._check_context(pipe)
         check_context_form(self.context_form)
+        check_compile(self.compile)
         if self.document_mask and not recipe(self.model).documents:
             raise ValueError(f"--document-mask: --model {self.model}'s attention does not keep inside documents yet "
                              f"(par4d's GPT's and transformers' Llama's do: --model gpt or hf-llama)")

@@ -117,7 +117,8 @@ class _Saved:
         self.tensor, self.pointer, self.owner = tensor, pointer, owner
 
     def __del__(self) -> None:
-        self.owner._release(self.pointer)
+        if hasattr(self, "owner"):      # (a compiled block's tracing makes some without calling __init__)
+            self.owner._release(self.pointer)
 
 
 def measure_footprint(model: nn.Module, precision: Precision, step: Callable[[], object]) -> Footprint:

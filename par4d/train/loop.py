@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from par4d import checkpoint
+from par4d.compiled import Compiled, compile_blocks, counted
 from par4d.folder import Folder
 from par4d.launch import distributed_env, init
 from par4d.launch.host import threads_per_rank
@@ -76,6 +77,7 @@ class _Job:
     start_step: int
     resumed_from: dict | None        # the step and grid of the checkpoint resumed from
     restart: int                     # the elastic agent's attempt
+    compiled: Compiled | None = None     # --compile: its blocks compiled (and dynamo's counts before)
 
 
 def _run(config: TrainConfig, stop: StopRequest, grid, out: Path) -> dict:
@@ -128,6 +130,7 @@ def _setup(config: TrainConfig, grid, out: Path) -> _Job:
     model = build_model(config, grid)
     if config.init_from and not config.resume:       # each rank reads its shards (where the build did not)
         recipe(config.model).load_pretrained(config, grid, model)
+    compiled = compile_blocks(model, config.compile) if config.compile != "none" else None   # in place: names kept
 
     fused = fused_adamw(grid.device, offloaded=config.offload_bsize is not None)
 
@@ -151,7 +154,7 @@ def _setup(config: TrainConfig, grid, out: Path) -> _Job:
         where = f"from step {start_step}, its newest intact checkpoint" if resumed else "from the start (no checkpoint)"
         on_rank0(lambda: say(f"restart {restart}: resuming {out} {where}"))
     resumed_from = None if resumed is None else {"step": resumed["step"], "grid": resumed["grid"]}
-    return _Job(config, model, precision, batches, source, start_step, resumed_from, restart)
+    return _Job(config, model, precision, batches, source, start_step, resumed_from, restart, compiled)
 
 
 @dataclass
@@ -162,6 +165,7 @@ class _Measured:
     rates: list[float]
     comm: list[tuple[float, float, float]]
     rss: list[dict[str, int]] = field(default_factory=list)
+    compiled: dict | None = None     # --compile: graphs, graph breaks and recompilations (Compiled.made)
     footprint: dict[str, int] = field(default_factory=dict)      # this rank's, on the first step (footprint.py)
     footprints: list[dict] = field(default_factory=list)         # every rank's, at the end
 
@@ -198,6 +202,7 @@ def _train(job: _Job, grid, stop: StopRequest, metrics, out: Path, board: Board 
                     measured.footprint = measure_footprint(job.model, precision,
                                                            lambda out=losses: out.append(run_step())).row()
                     loss = losses[0]
+                    after_first = counted()     # (dynamo's: what compiling the blocks made)
                 else:
                     loss = run_step()
                 mean_loss = global_mean(loss, grid).item()
@@ -243,6 +248,8 @@ def _train(job: _Job, grid, stop: StopRequest, metrics, out: Path, board: Board 
             progress.close()
     checkpoint.save(out, config.steps, grid, precision.masters, precision.optimizer, _meta(config),
                     config.keep)   # kept if saved
+    if job.compiled is not None and job.start_step < config.steps:
+        measured.compiled = job.compiled.made(after_first, counted())
     return measured
 
 
@@ -296,6 +303,10 @@ def _summarize(job: _Job, grid, run: Folder, measured: _Measured, peak: float, p
         "val_loss": val_loss, "data": job.source, "rss_per_rank": measured.rss,
         "footprint_per_rank": measured.footprints, "config": asdict(config),
         **({"expert_imbalance": history[-1]["expert_imbalance"]} if "expert_imbalance" in history[-1] else {}),
+        # The first step's seconds beyond a steady one's: compiling the blocks, besides the warm-up eager runs have
+        **({"compiled": dict(measured.compiled,
+                             first_step_extra_s=job.batches.tokens_per_step / measured.rates[0] - step_s)}
+           if measured.compiled else {}),
     }
     run.write_text(SUMMARY, text=json.dumps(summary, indent=2))
     _plot(run, history, kind.loss_unit)

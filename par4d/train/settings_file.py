@@ -34,6 +34,7 @@ SECTIONS: dict[str, dict[str, tuple[str, tuple]]] = {
     "grid": {**{axis: (f"axis_{axis}", INT) for axis in (*AXES, *FOLDED)}, "auto": ("grid_auto", BOOL),
              "nproc": ("nproc", INT), "machine": ("machine", STR), "hierarchical": ("hierarchical", STR),
              "overlap": ("overlap", STR), "context_form": ("context_form", STR), "recompute": ("recompute", STR),
+             "compile": ("compile", STR),
              "microbatches": ("microbatches", INT),
              "pipeline_limit": ("pipeline_limit", INT)},
     "optimizer": {"lr": ("lr", FLOAT), "grad_clip": ("grad_clip", FLOAT), "precision": ("precision", STR),

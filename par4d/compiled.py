@@ -1,0 +1,72 @@
+"""Compiled blocks (``--compile``, :func:`compile_blocks`): each block of a model compiled as a region.
+
+A block is what a model repeats: par4d's GPT and U-Net blocks (their classes say ``compile_region``), and a
+Hugging Face model's decoder layers (the classes its ``_no_split_modules`` names, transformers' own list of
+what must not be cut). Each is compiled in place (``nn.Module.compile``): its parameters, their names and
+checkpoints are the eager model's, and the embeddings, the head and the loss stay eager.
+
+par4d's collectives are graph breaks, not traced: a layer's all-gathers, all-reduces and reduce-scatters
+(Algorithm 1), the ring's transfers and a mixture's exchanges run where they run eagerly, issued and waited
+for by the same Python, so the overlaps are unchanged and the ledger counts the same bytes. A block on a
+grid where its layers hold whole weights (data, pipe) issues none and compiles to one graph; on x, y or z each
+collective cuts it into fused regions between them (:func:`graph_breaks` counts them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from par4d.parallel import COMPILE_BACKENDS, check_compile
+
+
+@dataclass
+class Compiled:
+    """What compiling did: the blocks compiled and with what, and dynamo's counts at the start (:func:`counted`)
+    to tell what the steps since made."""
+
+    blocks: int
+    backend: str
+    start: tuple[int, int] = (0, 0)
+
+    def made(self, after_first: tuple[int, int], now: tuple[int, int]) -> dict:
+        """The run's record: graphs and graph breaks per block from the first step (``after_first``: the counts
+        then), and the graphs compiled again after it (``now``: the counts at the end; 0 unless a guard failed)."""
+        graphs, breaks = (after_first[i] - self.start[i] for i in range(2))
+        return {"blocks": self.blocks, "backend": self.backend, "graphs": graphs,
+                "graph_breaks_per_block": breaks / self.blocks, "recompiled_graphs": now[0] - after_first[0]}
+
+
+def regions(model: nn.Module) -> list[nn.Module]:
+    """The blocks of ``model`` a compiler takes as regions, in module order."""
+    named: set[str] = set()
+    for module in model.modules():
+        named.update(getattr(module, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if getattr(type(m), "compile_region", False) or type(m).__name__ in named]
+
+
+def compile_blocks(model: nn.Module, backend: str = "inductor") -> Compiled:
+    """Compile every block of ``model`` (:func:`regions`) in place with ``backend``; raises ``ValueError``
+    naming the model where it has none (compiling nothing would be a silent eager run)."""
+    check_compile(backend)
+    if backend == "none":
+        raise ValueError(f"compile_blocks(backend='none'): give one of {', '.join(COMPILE_BACKENDS)}")
+    blocks = regions(model)
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} has no block par4d knows to compile (par4d's GPT and U-Net, "
+                         f"or a transformers model's decoder layers)")
+    start = counted()
+    for block in blocks:
+        block.compile(backend=backend, dynamic=False)
+    return Compiled(len(blocks), backend, start)
+
+
+def counted() -> tuple[int, int]:
+    """dynamo's graphs and graph breaks so far in this process (its counters, which only grow)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+__all__ = ["Compiled", "compile_blocks", "counted", "regions"]
