@@ -146,6 +146,11 @@ def test_a_rank_that_exits_on_its_own_is_named_with_its_status():
     assert first_failure(echoed) == (0, echoed[0])
     raised = {0: at(5, "RuntimeError: a"), 1: at(4, "ValueError: b")}
     assert first_failure(raised) == (1, raised[1])
+    # Rank 0 exiting in the same second as rank 2 (ties go by rank), only to say its collective found a peer gone
+    gone = {0: at(4, "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:2435"),
+            2: at(4, "RuntimeError: fault injected")}
+    assert first_failure(gone) == (2, gone[2])
+    assert first_failure({0: gone[0]}) == (0, gone[0])      # the only one there is
 
 
 def test_the_public_api_names_what_it_was_given(tmp_path):

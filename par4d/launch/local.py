@@ -116,12 +116,23 @@ def wait_for_children(limit: float = 30.0, pids: list[int] | None = None) -> Non
         pass
 
 
+# What a rank's collective raises when a peer's process is gone (gloo's words): an echo of the peer's failure.
+# Such a rank waits ECHO_GRACE_S before it exits (par4d.train.loop.worker), so that the agent, which reports
+# the first rank to exit and stops the others, finds the peer's own failure first.
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
+ECHO_GRACE_S = 2.0
+
+
 def first_failure(failures: dict[int, object]) -> tuple[int, object]:
-    """(rank, failure) to report: the first to fail, unless it only echoes rank 0's failure
-    (``par4d.rank0.Rank0Failed``, raised on the others when rank 0's own work fails): then rank 0's."""
+    """(rank, failure) to report: the first to fail (torch's timestamps are whole seconds: ties by rank), unless
+    it only echoes rank 0's failure (``par4d.rank0.Rank0Failed``, raised on the others when rank 0's own work
+    fails): then rank 0's; and not a rank whose collective only found a peer gone (:data:`PEER_GONE`) where
+    another failed of its own."""
     from par4d.rank0 import Rank0Failed
 
-    rank, failure = min(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    ordered = sorted(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    rank, failure = next(((r, f) for r, f in ordered if not any(w in (_message(f) or "") for w in PEER_GONE)),
+                         ordered[0])
     echo = (_message(failure) or "").startswith(Rank0Failed.__name__)
     return (0, failures[0]) if echo and 0 in failures else (rank, failure)
 

@@ -20,6 +20,7 @@ from par4d.compiled import Compiled, compile_blocks, counted
 from par4d.folder import Folder
 from par4d.launch import distributed_env, init
 from par4d.launch.host import threads_per_rank
+from par4d.launch.local import ECHO_GRACE_S, PEER_GONE
 from par4d.launch.peak import job_peak
 from par4d.ledger import in_flight_seconds
 from par4d.nn.moe import expert_metrics
@@ -427,8 +428,10 @@ def worker(config: TrainConfig, exit_on_stop: bool = False) -> dict:
     try:
         with StopRequest() as stop:
             summary = run(config, stop)
-    except Exception:
+    except Exception as error:
         _log_failure(config)
+        if any(words in str(error) for words in PEER_GONE):
+            time.sleep(ECHO_GRACE_S)    # an echo of a peer's failure: the peer's own goes first (launch.local)
         raise
     finally:
         if dist.is_initialized():
