@@ -58,7 +58,7 @@ def compile_blocks(model: nn.Module, backend: str = "inductor") -> Compiled:
                          f"or a transformers model's decoder layers)")
     start = counted()
     for block in blocks:
-        block.compile(backend=backend, dynamic=False)
+        block.compile(backend=backend)      # shapes static until one changes (a mixture's loads): then dynamic
     return Compiled(len(blocks), backend, start)
 
 
