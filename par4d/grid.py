@@ -67,12 +67,18 @@ STAGE = ("x", "y", "z", "context", "data")     # every rank of a pipeline stage 
 
 def check_axes(axes: Iterable[str]) -> tuple[str, ...]:
     """``axes`` in AXES order, then the folded ones; an unknown name raises ``ValueError`` listing the valid ones."""
+    # Loops, not comprehensions: on Python 3.11 each comprehension is a frame of its own, which dynamo compiles
+    # apart (and again for every new tuple of axes) where a compiled block calls this eagerly (par4d.compiled).
     axes = tuple(axes)
-    unknown = [a for a in axes if a not in AXES and a not in FOLDED]
-    if unknown:
-        named = [a for a in AXES if a not in SHOWN_ABOVE_ONE] + [*FOLDED, *SHOWN_ABOVE_ONE]
-        raise ValueError(f"unknown grid axis {unknown[0]!r}; valid axes are {', '.join(named)}")
-    return tuple(a for a in (*AXES, *FOLDED) if a in axes)
+    for axis in axes:
+        if axis not in AXES and axis not in FOLDED:
+            named = [a for a in AXES if a not in SHOWN_ABOVE_ONE] + [*FOLDED, *SHOWN_ABOVE_ONE]
+            raise ValueError(f"unknown grid axis {axis!r}; valid axes are {', '.join(named)}")
+    ordered = []
+    for axis in (*AXES, *FOLDED):
+        if axis in axes:
+            ordered.append(axis)
+    return tuple(ordered)
 
 
 def world_of(sizes: dict[str, int]) -> int:

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from par4d.bench.common import check_cluster, emit, grid_row, launch, link_bytes, sum_over_ranks, where
 from par4d.bench.torch_peers import KINDS, C10dBytes, destroy_groups, peer_mesh, tp_shape
+from par4d.compiled import compile_blocks
 from par4d.grid import staged_splits, validate_sizes
 from par4d.launch import distributed_env, join
 from par4d.launch.cluster import link_bits_per_second
@@ -76,6 +77,7 @@ class PeersSettings:
     peak_flops: float
     link: str = "1gbit"
     rounds: int = 1         # par4d's rows and DDP's timed this many times, in alternating order, times pooled
+    compile: str = "none"   # every model's blocks compiled by this backend (par4d.compiled), par4d's and the peers'
 
     @property
     def world(self) -> int:
@@ -229,12 +231,15 @@ def _for_workload(row: dict, workload: Workload, peak_flops: float) -> dict:
 
 
 def _bench_par4d(sizes: dict[str, int], workload: Workload, settings: PeersSettings, hierarchical: str) -> dict:
-    times, per_rank, (link, staged) = measure_grid(
+    times, per_rank, (link, staged, compiling) = measure_grid(
         sizes, settings.iters, workload.sequences, workload.seq_len, hierarchical=hierarchical,
-        then=lambda grid, step: (link_bytes(step), [",".join(axes) for axes in grid.staged_axes()]))
+        compile=settings.compile,
+        then=lambda grid, step: (link_bytes(step), [",".join(axes) for axes in grid.staged_axes()],
+                                 step.compile_seconds))
     name = "par4d" if hierarchical == "off" else "par4d +hierarchical"   # staged_axes: what auto kept staged
     row = grid_row(name, sizes, times, sum_over_ranks(per_rank), settings.peak_flops, "ledger")
-    row.update(hierarchical=hierarchical, staged_axes=staged, link_bytes_per_iter=link, times=times)
+    row.update(hierarchical=hierarchical, staged_axes=staged, link_bytes_per_iter=link, times=times,
+               compile=settings.compile, compile_s=compiling)
     return _for_workload(row, workload, settings.peak_flops)
 
 
@@ -260,6 +265,9 @@ def _in_turns(steps: list[Callable[[], object]], iters: int) -> list[list[float]
 def _bench_torch(kind: str, knob: dict, mesh: DeviceMesh | None, workload: Workload, settings: PeersSettings) -> dict:
     peer = _build(kind, knob, mesh, settings)
     model = peer.model
+    if settings.compile != "none":       # the twin's blocks, as par4d's (after FSDP2 wraps them, as DDP)
+        torch._dynamo.reset()            # (one process measures every row: no row inherits another's graphs)
+        compile_blocks(model, settings.compile)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     inputs, targets = batch(workload.sequences, workload.seq_len)
     rows = block(workload.sequences, peer.data_parts, peer.data_index)
@@ -274,14 +282,15 @@ def _bench_torch(kind: str, knob: dict, mesh: DeviceMesh | None, workload: Workl
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    extra: dict[str, float] = {}
+    extra: dict = {"compile": settings.compile,
+                   "compile_s": time_iterations(step, 1, 0)[0] if settings.compile != "none" else None}
     if kind == "ddp":
         # DDP's reducer all-reduces below Python: count its gradient bytes, all-reduced once per step.
         per_rank, source = sum(p.numel() * p.element_size() for p in model.parameters()), "gradient bytes"
         times, local = _in_turns([step, lambda: step(sync=False)], settings.iters)
         exposed = statistics.median(times) - statistics.median(local)
-        extra = {"exposed_comm_s": exposed, "exposed_comm_share": exposed / statistics.median(times),
-                 "compute_s": statistics.median(local), "local_times": local}
+        extra.update(exposed_comm_s=exposed, exposed_comm_share=exposed / statistics.median(times),
+                     compute_s=statistics.median(local), local_times=local)
     else:
         times = time_iterations(step, settings.iters)
         counter = PeerBytes()   # one more, untimed iteration: the dispatch hook costs time
@@ -396,14 +405,14 @@ def markdown(rows: list[dict]) -> str:
         return "" if value is None else f"{value / 1e6:.2f}"
 
     lines = ["| name | grid (x y z data) | s/iter (median) | x best peer | x floor | tokens/s | % of peak | MB/iter | "
-             "bytes from | link MB/iter | DDP exposed comm s |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
+             "bytes from | link MB/iter | DDP exposed comm s | compiling s |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
     for r in rows:
         floor = r["s_per_iter"] / r["floor_s_per_iter"] if r.get("floor_s_per_iter") else None
         lines.append(f"| {r['name']} | {r['grid']} | {r['s_per_iter']:.3f} | {fmt(r['ratio_to_best_peer'], '.2f')} | "
                      f"{fmt(floor, '.2f')} | {r['tokens_per_s']:,.0f} | {r['percent_of_peak']:.1f} | "
                      f"{r['bytes_per_iter'] / 1e6:.2f} | {r['bytes_source']} | {mb(r.get('link_bytes_per_iter'))} | "
-                     f"{fmt(r.get('exposed_comm_s'), '.3f')} |")
+                     f"{fmt(r.get('exposed_comm_s'), '.3f')} | {fmt(r.get('compile_s'), '.1f')} |")
     return "\n".join(lines)
 
 
@@ -412,14 +421,16 @@ def run_bench_peers(args: argparse.Namespace) -> int:
     check_cluster(args.nproc, args.nodes, args.link)
     # The peak is measured before the ranks exist, so nothing competes for the cores.
     settings = PeersSettings(args.nproc, args.nodes, args.iters, measure_matmul_peak(threads=cpu_cores()), args.link,
-                             args.rounds)
+                             args.rounds, args.compile)
     rows = add_ratios(launch(peers_worker, (settings,), args.nproc, args.nodes, args.link, "par4d-bench-peers"))
     if emit(rows, args.out, args.json):
         sys.stdout.flush()
         return 0
     print(f"GPT {CONFIG.n_layer} layers x {CONFIG.n_embd} wide, {CONFIG.num_params():,} params, "
           f"{where(args.nproc, args.nodes, args.link)}, median of {args.iters} iterations (par4d's rows and DDP's: "
-          f"x {args.rounds} rounds); matmul peak {rows[0]['matmul_peak_gflops']:.0f} GFLOP/s fp32")
+          f"x {args.rounds} rounds); matmul peak {rows[0]['matmul_peak_gflops']:.0f} GFLOP/s fp32"
+          + (f"; every model's blocks compiled ({args.compile}), the compiling step timed apart"
+             if args.compile != "none" else ""))
     for w in workloads(settings.world):
         mine = [r for r in rows if r["workload"] == w.name]
         print(f"\n### {w.name}: global batch {w.sequences} x {w.seq_len} tokens\n")

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from par4d.compiled import compile_blocks
 from par4d.grid import Grid
 from par4d.launch import init
 from par4d.layout import shard_batch
@@ -73,13 +74,19 @@ class TrainingStep:
     """One training step of the GPT on ``grid`` (forward, backward, gradient sync, AdamW) on a global batch of
     ``batch_size`` sequences of ``seq_len`` tokens, to call repeatedly; ``overlap``: the GPT's (None: every
     overlap on; with a pipeline, those that act there), ``microbatches`` per step (None: the default),
-    ``recompute``: every block recomputed in backward. Its ``model`` and ``optimizer`` are there to look at."""
+    ``recompute``: every block recomputed in backward; ``compile``: a backend compiling each block
+    (par4d.compiled), or none. Its ``model`` and ``optimizer`` are there to look at."""
 
     def __init__(self, grid: Grid, batch_size: int = BATCH, seq_len: int = CONFIG.block_size,
-                 overlap: Overlap | None = None, microbatches: int | None = None, recompute: bool = False):
+                 overlap: Overlap | None = None, microbatches: int | None = None, recompute: bool = False,
+                 compile: str = "none"):
         if grid.size("pipe") > 1:
             overlap = (overlap or Overlap()).in_pipeline()
         self.model = GPT(CONFIG, grid=grid, overlap=overlap, recompute=1 if recompute else 0)
+        if compile != "none":
+            torch._dynamo.reset()        # (a benchmark builds many models in one process: none inherits others' graphs)
+            compile_blocks(self.model, compile)
+        self.compile_seconds: float | None = None     # the first step's, where it compiled (measure_grid)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.precision = FullPrecision(self.model, grid, self.optimizer)
         self.grid, self.microbatches = grid, microbatches
@@ -132,17 +139,22 @@ def time_iterations(step: Callable[[], object], iters: int, warmup: int = WARMUP
 def measure_grid(sizes: dict[str, int], iters: int, batch_size: int = BATCH, seq_len: int = CONFIG.block_size,
                  overlap: Overlap | None = None, hierarchical: str = "auto",
                  then: Callable[[Grid, TrainingStep], object] | None = None, microbatches: int | None = None,
-                 recompute: bool = False, warmup: int = WARMUP) -> tuple[list[float], float, object]:
+                 recompute: bool = False, warmup: int = WARMUP, compile: str = "none"
+                 ) -> tuple[list[float], float, object]:
     """Seconds of ``iters`` training steps on grid ``sizes`` (global batch of ``batch_size`` sequences of
     ``seq_len`` tokens) and the ledger bytes per step of this rank, on a grid built with ``hierarchical``, and
     what ``then(grid, step)`` returns after the timing (None without it: a benchmark's own look at the grid).
+    ``compile``: each block compiled by this backend, the first step (compiling) timed apart, before the
+    warm-up (``step.compile_seconds``).
     Closes the grid: idle groups of earlier grids would slow the grids measured after them."""
     grid = init(**sizes, hierarchical=hierarchical)
     # overlap None: par4d.Overlap(), every overlap on
-    step = TrainingStep(grid, batch_size, seq_len, overlap, microbatches, recompute)
+    step = TrainingStep(grid, batch_size, seq_len, overlap, microbatches, recompute, compile)
     before = grid.ledger.total_bytes()
+    if compile != "none":      # the step that compiles, timed apart from the warm-up and the timed ones
+        step.compile_seconds = time_iterations(step, 1, 0)[0]
     times = time_iterations(step, iters, warmup)
-    per_rank = (grid.ledger.total_bytes() - before) / (warmup + iters)
+    per_rank = (grid.ledger.total_bytes() - before) / (warmup + iters + (compile != "none"))
     extra = then(grid, step) if then is not None else None
     grid.close()
     return times, per_rank, extra
