@@ -9,7 +9,7 @@ par4d's collectives are graph breaks, not traced: a layer's all-gathers, all-red
 (Algorithm 1), the ring's transfers and a mixture's exchanges run where they run eagerly, issued and waited
 for by the same Python, so the overlaps are unchanged and the ledger counts the same bytes. A block on a
 grid where its layers hold whole weights (data, pipe) issues none and compiles to one graph; on x, y or z each
-collective cuts it into fused regions between them (:func:`graph_breaks` counts them).
+collective cuts it into fused regions between them (:func:`counted` counts the breaks).
 """
 
 from __future__ import annotations
