@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from par4d.plan.collectives import ring_time
 from par4d.plan.cost import divisors
 from par4d.plan.machines import Machine
-from par4d.plan.workload import fit_memory, state_bytes
+from par4d.plan.workload import Prediction, fit_memory, state_bytes
 
 
 @dataclass(frozen=True)
@@ -99,28 +99,10 @@ def _rows(spec: LongSpec, sizes: dict[str, int]) -> float:
 
 
 @dataclass
-class LongPrediction:
-    sizes: dict[str, int]
-    fits: bool = True
-    excluded: str | None = None
-    recompute: bool = False
-    t_compute: float = 0.0
+class LongPrediction(Prediction):
     t_ring: float = 0.0           # the ring's transfers beyond the attention they travel behind (or the gathers)
     form: str = "ring"            # the faster: ring or gather
-    t_tensor: float = 0.0         # x's all-reduces, z's gathers and reduce-scatters
-    t_sync: float = 0.0           # the data-parallel sums (behind the backward)
-    t_iter: float = 0.0
     ring_bytes: float = 0.0
-    mem_bytes: float = 0.0
-    tokens_per_s_per_device: float = 0.0
-    mfu: float = 0.0
-
-    def row(self) -> dict:
-        return {**self.sizes, "fits": self.fits, "excluded": self.excluded, "recompute": self.recompute,
-                "form": self.form,
-                "t_compute": self.t_compute, "t_ring": self.t_ring, "t_tensor": self.t_tensor, "t_sync": self.t_sync,
-                "t_iter": self.t_iter, "ring_bytes": self.ring_bytes, "mem_bytes": self.mem_bytes,
-                "tokens_per_s_per_device": self.tokens_per_s_per_device, "mfu": self.mfu}
 
 
 def problem(spec: LongSpec, sizes: dict[str, int]) -> str | None:
@@ -197,9 +179,7 @@ def predict(spec: LongSpec, sizes: dict[str, int], machine: Machine, recompute: 
     pred.t_sync = ring_time("all_reduce", spread * data, spec.params() / (gx * gz) * b, beta_data, machine.latency)
     backward = pred.t_compute * (2 / 3 if not recompute else 2 / 4)
     pred.t_iter = pred.t_compute + pred.t_ring + pred.t_tensor + max(0.0, pred.t_sync - backward)
-    world = gx * gz * spread * data
-    pred.tokens_per_s_per_device = spec.tokens / pred.t_iter / world
-    pred.mfu = pred.tokens_per_s_per_device * spec.flops_per_token() / machine.peak_flops
+    pred.rates(spec.tokens, gx * gz * spread * data, spec.flops_per_token(), machine.peak_flops)
     return pred
 
 

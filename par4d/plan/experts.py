@@ -42,7 +42,7 @@ from par4d.models.config import GPTConfig
 from par4d.plan.collectives import ring_time
 from par4d.plan.cost import divisors
 from par4d.plan.machines import Machine
-from par4d.plan.workload import fit_memory, state_bytes
+from par4d.plan.workload import Prediction, fit_memory, state_bytes
 
 
 @dataclass(frozen=True)
@@ -163,27 +163,9 @@ def exchange_bytes(spec: MoESpec, sizes: dict[str, int], bytes_per_element: int,
 
 
 @dataclass
-class MoEPrediction:
-    sizes: dict[str, int]
-    fits: bool = True
-    excluded: str | None = None
-    recompute: bool = False
-    t_compute: float = 0.0
+class MoEPrediction(Prediction):
     t_exchange: float = 0.0       # the all-to-alls (never hidden)
-    t_tensor: float = 0.0         # x's all-reduces, z's gathers and reduce-scatters
-    t_sync: float = 0.0           # the data-parallel sums (behind the backward)
-    t_iter: float = 0.0
     exchange_bytes: float = 0.0
-    mem_bytes: float = 0.0
-    tokens_per_s_per_device: float = 0.0
-    mfu: float = 0.0              # model FLOPs (no recomputation) over the devices' peak
-
-    def row(self) -> dict:
-        return {**self.sizes, "fits": self.fits, "excluded": self.excluded, "recompute": self.recompute,
-                "t_compute": self.t_compute, "t_exchange": self.t_exchange, "t_tensor": self.t_tensor,
-                "t_sync": self.t_sync, "t_iter": self.t_iter, "exchange_bytes": self.exchange_bytes,
-                "mem_bytes": self.mem_bytes, "tokens_per_s_per_device": self.tokens_per_s_per_device,
-                "mfu": self.mfu}
 
 
 def problem(spec: MoESpec, sizes: dict[str, int]) -> str | None:
@@ -278,9 +260,7 @@ def predict(spec: MoESpec, sizes: dict[str, int], machine: Machine, imbalance: f
         + ring_time("all_reduce", data // spread, experts, beta_data, machine.latency)
     backward = pred.t_compute * (2 / 3 if not recompute else 2 / 4)
     pred.t_iter = pred.t_compute + pred.t_exchange + pred.t_tensor + max(0.0, pred.t_sync - backward)
-    world = gx * gz * data
-    pred.tokens_per_s_per_device = spec.tokens / pred.t_iter / world
-    pred.mfu = pred.tokens_per_s_per_device * spec.flops_per_token() / machine.peak_flops
+    pred.rates(spec.tokens, gx * gz * data, spec.flops_per_token(), machine.peak_flops)
     return pred
 
 

@@ -11,7 +11,7 @@ are those of the model's own :class:`~par4d.models.config.GPTConfig` (torch-free
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import cached_property
 from typing import TYPE_CHECKING, ClassVar
 
@@ -50,6 +50,33 @@ def state_bytes(params: float, bytes_per_element: int, offload_bsize: int | None
     if offload_bsize is not None:
         return 2 * bytes_per_element * params + 16 * offload_bsize
     return params * (2 * bytes_per_element + (12 if bytes_per_element < 4 else 8))
+
+
+@dataclass
+class Prediction:
+    """One grid's predicted step, the terms the mixture and long-sequence planners share (their own
+    subclasses add what they price besides: a mixture's exchange, the ring)."""
+
+    sizes: dict[str, int]
+    fits: bool = True
+    excluded: str | None = None
+    recompute: bool = False
+    t_compute: float = 0.0
+    t_tensor: float = 0.0         # x's all-reduces, z's gathers and reduce-scatters
+    t_sync: float = 0.0           # the data-parallel sums (behind the backward)
+    t_iter: float = 0.0
+    mem_bytes: float = 0.0
+    tokens_per_s_per_device: float = 0.0
+    mfu: float = 0.0              # model FLOPs (no recomputation) over the devices' peak
+
+    def row(self) -> dict:
+        """The grid's sizes and every term, flat (a JSON row)."""
+        return {**self.sizes, **{f.name: getattr(self, f.name) for f in fields(self) if f.name != "sizes"}}
+
+    def rates(self, tokens: int, world: int, flops_per_token: float, peak_flops: float) -> None:
+        """Tokens a second per device and MFU from ``t_iter`` (a step of ``tokens`` on ``world`` devices)."""
+        self.tokens_per_s_per_device = tokens / self.t_iter / world
+        self.mfu = self.tokens_per_s_per_device * flops_per_token / peak_flops
 
 
 def fit_memory(pred, footprint, machine, recompute: bool | None) -> bool:
