@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from par4d import staged
+from par4d.eager import eager
 from par4d.grid import coords_of, rank_of
 from par4d.ledger import Entry, Ledger
 
@@ -51,12 +52,12 @@ class Handle:
     def _completed(self, _future) -> None:
         self._done_at = time.perf_counter()
 
-    @torch.compiler.disable
+    @eager
     def done(self) -> bool:
         """Whether it completed (never blocks): for code that acts on whichever message comes first."""
         return self._work is None or self._work.is_completed()
 
-    @torch.compiler.disable
+    @eager
     def block(self) -> None:
         """Wait for completion without booking it (for a thread that watches arrivals; the
         owner still calls :meth:`wait`, which then returns at once: a gloo receive's ``wait``
@@ -65,7 +66,7 @@ class Handle:
             self._work.wait()
             self._blocked, self._done_at = True, time.perf_counter()
 
-    @torch.compiler.disable
+    @eager
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             start = time.perf_counter()
@@ -78,7 +79,7 @@ class Handle:
         return self.result
 
 
-@torch.compiler.disable      # a graph break in a compiled block (par4d.compiled): the collective runs eagerly
+@eager      # a graph break in a compiled block (par4d.compiled): the collective runs eagerly
 def _issue(grid: Grid, kind: str, axes: tuple[str, ...], message: torch.Tensor, run, async_op: bool, result,
            elements: int | None = None):
     """Record ``kind`` (its per-rank message: ``message``, or ``elements`` of its dtype), run it, and book the

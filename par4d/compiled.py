@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
+from par4d.eager import skip_wrappers
 from par4d.parallel import COMPILE_BACKENDS, check_compile
 
 
@@ -56,6 +57,7 @@ def compile_blocks(model: nn.Module, backend: str = "inductor") -> Compiled:
     if not blocks:
         raise ValueError(f"{type(model).__name__} has no block par4d knows to compile (par4d's GPT and U-Net, "
                          f"or a transformers model's decoder layers)")
+    skip_wrappers()
     start = counted()
     for block in blocks:
         block.compile(backend=backend)      # shapes static until one changes (a mixture's loads): then dynamic

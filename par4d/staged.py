@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from par4d.eager import eager
 from par4d.ledger import Entry, Ledger
 
 if TYPE_CHECKING:
@@ -202,7 +203,7 @@ def _node_reduce_scatter(stages: Stages, full: torch.Tensor, out: torch.Tensor) 
         out.view(-1).add_(block)
 
 
-@torch.compiler.disable      # as comm's collectives: eager in a compiled block
+@eager      # as comm's collectives: eager in a compiled block
 def all_reduce(grid: Grid, stages: Stages, tensor: torch.Tensor, axes: tuple[str, ...], async_op: bool):
     """Sum ``tensor`` (contiguous) in place over ``axes`` in three stages, chunk by chunk."""
     per_node, n = stages.split.per_node, tensor.numel()
@@ -252,7 +253,7 @@ def _blocks(full: torch.Tensor, order: tuple[int, ...] | None, inverse: bool = F
     return blocks[list(order)].reshape(full.shape)
 
 
-@torch.compiler.disable      # as comm's collectives: eager in a compiled block
+@eager      # as comm's collectives: eager in a compiled block
 def reduce_scatter(grid: Grid, stages: Stages, full: torch.Tensor, axis: str, async_op: bool):
     """Sum ``full`` over ``axis`` and keep this rank's dim-0 block, in two stages."""
     split = stages.split
@@ -269,7 +270,7 @@ def reduce_scatter(grid: Grid, stages: Stages, full: torch.Tensor, axis: str, as
                   out, async_op)
 
 
-@torch.compiler.disable      # as comm's collectives: eager in a compiled block
+@eager      # as comm's collectives: eager in a compiled block
 def all_gather(grid: Grid, stages: Stages, shard: torch.Tensor, axis: str, async_op: bool):
     """Concatenate the shards of ``axis`` along dim 0, in coordinate order, in two stages."""
     split = stages.split

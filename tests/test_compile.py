@@ -4,6 +4,9 @@ block and none compiled again over microbatches and pipeline stages; checkpoints
 compile with AOTAutograd's eager backend (no C++ compiler on the machine is assumed); Inductor is measured in
 docs/benchmarks.md."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -56,6 +59,34 @@ def test_par4d_train_compiles_each_block_once_and_its_checkpoints_are_the_eager_
     made = _train_compiled(pool4, tmp_path, "pipe", "--grid", "pipe=2,data=2", "--n-layer", "2",
                            "--compile", "aot_eager")["compiled"]
     assert made["blocks"] == 1 and made["recompiled_graphs"] == 0
+
+
+def test_eager_functions_break_a_graph_as_torch_compiler_disable_does():
+    """par4d.eager marks its collectives without importing torch._dynamo (0.9 s a process): a compiled function
+    stops at the call exactly as ``torch.compiler.disable`` makes it (the same graphs and breaks) and traces
+    nothing inside."""
+    from par4d.eager import eager, skip_wrappers
+
+    inside = []
+
+    def add_one(t):
+        inside.append(torch.compiler.is_compiling())
+        return t + 1
+
+    def made(wrap) -> tuple[int, int]:
+        torch._dynamo.reset()
+        skip_wrappers()
+        wrapped = wrap(add_one)
+        before = counted()
+        out = torch.compile(lambda t: wrapped(t.sin()).cos(), backend="eager")(torch.ones(3))
+        assert torch.equal(out, (torch.ones(3).sin() + 1).cos())
+        return counted()[0] - before[0], counted()[1] - before[1]
+
+    assert made(eager) == made(torch.compiler.disable) == (2, 1)
+    assert inside == [False, False]
+    imported = subprocess.run([sys.executable, "-c", "import sys, par4d.comm, par4d.overlap.runtime, par4d.train.job; "
+                               "print('torch._dynamo' in sys.modules)"], capture_output=True, text=True, check=True)
+    assert imported.stdout.strip() == "False"
 
 
 def test_what_cannot_be_compiled_is_refused():

@@ -41,7 +41,7 @@ from par4d.bench.common import emit
 from par4d.folder import Folder
 from par4d.train.config import default
 from par4d.train.faults import FAULT_ENV
-from par4d.train.loop import METRICS, SUMMARY, read_metrics
+from par4d.train.run_files import METRICS, SUMMARY, read_metrics
 
 KEEP = default("keep")     # the intact checkpoints a run holds at its end (par4d train's default --keep)
 

@@ -38,7 +38,7 @@ def resumable(args: argparse.Namespace) -> tuple[Path, dict]:
         raise ValueError(f"--resume {run_dir} starts from the run's checkpoint; --init-from applies to a new run only")
     from par4d.folder import Folder
     from par4d.train.board import FOLDER as BOARD
-    from par4d.train.loop import METRICS, PLOT, SUMMARY
+    from par4d.train.run_files import METRICS, PLOT, SUMMARY
 
     files = Folder(run_dir)
     if files.kind(METRICS) not in (None, "file"):   # the one file a resume reads besides checkpoints
@@ -175,7 +175,7 @@ def _grid(args: argparse.Namespace, world: int, inside: bool, dims: dict, planne
 
 def _new_config(args: argparse.Namespace, world: int, inside: bool, planner: Planner | None):
     from par4d.train.config import TrainConfig
-    from par4d.train.loop import new_run_dir
+    from par4d.train.run_files import new_run_dir
 
     chosen = {name: getattr(args, name) for name in FIXED + HONOURED if getattr(args, name) is not None}
     model = recipe(chosen.get("model", default("model")))
@@ -269,7 +269,7 @@ def _restarted_in(out: Path, inside: bool) -> bool:
     """Whether torchrun (or srun's requeue) restarted this job in its own run folder: the ranks
     go on there from the newest intact checkpoint (par4d.train.loop)."""
     from par4d.checkpoint import FOLDER
-    from par4d.train.loop import METRICS, restart_count
+    from par4d.train.run_files import METRICS, restart_count
 
     return inside and restart_count() > 0 and ((out / FOLDER).is_dir() or (out / METRICS).is_file())
 

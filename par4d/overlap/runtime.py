@@ -48,6 +48,7 @@ import torch
 from torch.autograd import Variable
 
 from par4d import comm
+from par4d.eager import eager
 from par4d.grid import Grid
 from par4d.overlap.policy import Overlap
 
@@ -97,7 +98,7 @@ class WeightGathers:
                                   "often gains less from OAG)", stacklevel=2)
         self._mode, self._seen, self._diverged = torch.is_grad_enabled(), [], False
 
-    @torch.compiler.disable      # bookkeeping around collectives: eager in a compiled block (par4d.compiled)
+    @eager      # bookkeeping around collectives: eager in a compiled block (par4d.compiled)
     def gather(self, layer: Algorithm1Layer) -> torch.Tensor:
         """The full W of ``layer``'s shard Ŵ (all-gathered over z), as rows (``weight_rows``)."""
         if self.grid.size("z") == 1:
@@ -193,7 +194,7 @@ class DeferredGrads:
         finally:
             self._collecting = False
 
-    @torch.compiler.disable      # (as gather)
+    @eager      # (as gather)
     def reduce_scatter(self, grid: Grid, layer: Algorithm1Layer, grad_w: torch.Tensor,
                        transposed: bool) -> torch.Tensor | None:
         """The weight gradient's reduce-scatter over z for ``layer``'s backward: deferred (ORS,

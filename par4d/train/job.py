@@ -11,11 +11,13 @@ from pathlib import Path
 from par4d.launch import RankFailed, distributed_env, environment, launch_local
 from par4d.train.config import TrainConfig
 from par4d.train.lock import HELD_ENV, RunLock
-from par4d.train.loop import failure_log, worker
+from par4d.train.run_files import failure_log
 
 
 def as_rank(config: TrainConfig) -> dict:
     """Train as this rank of the launcher's job; its summary (rank 0's is whole)."""
+    from par4d.train.loop import worker
+
     rank = distributed_env().rank
     try:
         return worker(config)
@@ -38,11 +40,19 @@ def local_ranks(config: TrainConfig, world: int, max_restarts: int) -> dict:
             config = replace(config, peak_flops=measure_matmul_peak(threads=cpu_cores()))
         try:
             with environment({HELD_ENV: str(Path(config.out).resolve())}):    # the ranks inherit it
-                return launch_local(world, worker, (config, True), run_id="par4d-train",
+                return launch_local(world, _rank, (config, True), run_id="par4d-train",
                                     max_restarts=max_restarts)[0]
         except RankFailed as error:
             raise RankFailed(error.rank, _with_log(error.cause, error.rank, config.out), error.signum,
                              error.stopped) from None
+
+
+def _rank(config: TrainConfig, exit_on_stop: bool) -> dict:
+    """A local rank's entry point. The training is imported by the ranks, not by the launcher: it brings
+    torch._dynamo (par4d's collectives are graph breaks in compiled blocks), 0.9 s a process."""
+    from par4d.train.loop import worker
+
+    return worker(config, exit_on_stop)
 
 
 def _with_log(cause: str, rank: int, out: str | None) -> str:

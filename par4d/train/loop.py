@@ -35,6 +35,16 @@ from par4d.train.faults import Faults
 from par4d.train.footprint import measure_footprint
 from par4d.train.lock import RunLock, held_by_launcher
 from par4d.train.recipes import build_model, recipe
+from par4d.train.run_files import (
+    METRICS,
+    PLOT,
+    SETTINGS,
+    SUMMARY,
+    failure_log,
+    new_run_dir,
+    read_metrics,
+    restart_count,
+)
 from par4d.train.say import say
 from par4d.train.settings_file import resolved
 from par4d.train.step import train_step
@@ -324,11 +334,6 @@ def _newest_intact(out: Path) -> str | None:
         return None
 
 
-def restart_count() -> int:
-    """How many times the elastic agent (par4d's launcher, torchrun) restarted this job."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
 def _broadcast(value):
     box = [value]
     dist.broadcast_object_list(box, src=0)
@@ -358,33 +363,6 @@ def _evaluate(model: torch.nn.Module, grid, batches: Batches | Images, count: in
         loss = evaluate_pipeline(model, grid, *batch) if grid.size("pipe") > 1 else model(*batch)
         total += global_mean(loss, grid).item()
     return total / max(1, count)
-
-
-def new_run_dir(grid: dict[str, int]) -> Path:
-    """A new folder ``runs/<date>-<time>-<grid>`` (suffixed if it exists)."""
-    shape = "-".join(f"{a}{s}" for a, s in grid.items() if s > 1) or "single"
-    base = Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{shape}"
-    path, suffix = base, 1
-    while path.exists():
-        path, suffix = Path(f"{base}-{suffix}"), suffix + 1
-    return path
-
-
-METRICS, SUMMARY, PLOT = "metrics.jsonl", "summary.json", "loss.png"    # what a run writes besides checkpoints
-SETTINGS = "config.toml"          # and its settings, resolved (par4d.train.settings_file)
-
-
-def read_metrics(run: Folder) -> list[dict]:
-    """The records of ``metrics.jsonl``; a line that is not one (a write cut short by a kill) is skipped."""
-    records = []
-    for line in run.read_text(METRICS).splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int) and isinstance(record.get("loss"), float):
-            records.append(record)
-    return records
 
 
 def _open_metrics(run: Folder, start_step: int):
@@ -460,10 +438,6 @@ def _not_finite(config: TrainConfig, loss: float, step: int, first: bool, lr: fl
         source = "the model's settings or the data make it non-finite"
     wide = " (or fp16's range: try --precision bf16)" if config.precision == "fp16" else ""
     return f"{said}, before any update: {source}{wide}, not the learning rate; the run stops without recording it"
-
-
-def failure_log(out: Path, rank: int) -> Path:
-    return Path(out) / "logs" / f"rank-{rank}.log"
 
 
 def _log_failure(config: TrainConfig) -> None:
