@@ -31,12 +31,15 @@ class Compiled:
     backend: str
     start: tuple[int, int] = (0, 0)
 
-    def made(self, after_first: tuple[int, int], now: tuple[int, int]) -> dict:
+    def made(self, after_first: tuple[int, int], now: tuple[int, int], evaluating: int = 0) -> dict:
         """The run's record: graphs and graph breaks per block from the first step (``after_first``: the counts
-        then), and the graphs compiled again after it (``now``: the counts at the end; 0 unless a guard failed)."""
+        then), the graphs made for evaluation since (``evaluating``: a block run without gradients is a graph of
+        its own, made once), and the graphs compiled again after the first step besides (``now``: the counts at
+        the end; 0 unless a guard failed, as where a mixture's loads change the shapes)."""
         graphs, breaks = (after_first[i] - self.start[i] for i in range(2))
         return {"blocks": self.blocks, "backend": self.backend, "graphs": graphs,
-                "graph_breaks_per_block": breaks / self.blocks, "recompiled_graphs": now[0] - after_first[0]}
+                "graph_breaks_per_block": breaks / self.blocks, "evaluation_graphs": evaluating,
+                "recompiled_graphs": now[0] - after_first[0] - evaluating}
 
 
 def regions(model: nn.Module) -> list[nn.Module]:

@@ -325,8 +325,8 @@ SMALL_MOE = ["--mlp", "moe", "--experts", "4", "--top-k", "2", "--expert-bias-ra
 
 def test_par4d_train_spreads_the_experts_and_resumes_on_another_expert_grid(tmp_path, capsys, pool2, pool4):
     """`par4d train --mlp moe --grid data=4,expert=4` (with loss-free balancing): the run records each layer's
-    load per step, the summary names the worst layer's; resumed on data=2,expert=2 (experts two to a rank)
-    and on one rank (every expert there) it goes on from its checkpoint (the bias included) and follows a
+    load per step, the summary names the worst layer's; resumed on data=2,expert=2 (experts two to a rank,
+    compiled: nothing compiled again as the loads change) and on one rank (every expert there) it goes on from its checkpoint (the bias included) and follows a
     one-rank run. Loosely: in fp32 a route may flip on round-off between grids (exactness is proven in
     float64 above), which moves a loss by far less than 1%, while a lost bias or expert shard moves it more."""
     import json
@@ -334,7 +334,7 @@ def test_par4d_train_spreads_the_experts_and_resumes_on_another_expert_grid(tmp_
     from tests.helpers import checked_config, run_losses, train_alone, train_pooled
 
     run, alone = tmp_path / "moe", tmp_path / "alone"
-    train_alone(checked_config("--nproc", "1", *SMALL_MOE, "--steps", "6", "--out", str(alone), world=1))
+    train_alone(checked_config("--nproc", "1", *SMALL_MOE, "--steps", "7", "--out", str(alone), world=1))
     train_pooled(pool4, "--grid", "data=4,expert=4", *SMALL_MOE, "--steps", "3", "--out", str(run))
     said = capsys.readouterr().out
     assert "a mixture of 4 experts in every block (top 2)" in said
@@ -342,8 +342,11 @@ def test_par4d_train_spreads_the_experts_and_resumes_on_another_expert_grid(tmp_
     resolved = (run / "config.toml").read_text()      # what --config reads to train the same run again
     assert all(line in resolved.splitlines()
                for line in ("expert = 4", "experts = 4", "top_k = 2", 'mlp = "moe"', "expert_bias_rate = 0.01"))
-    train_pooled(pool2, "--resume", str(run), "--grid", "data=2,expert=2", "--steps", "5")
-    train_alone(checked_config("--resume", str(run), "--grid", "x=1", "--steps", "6", world=1))
+    pool2.run(torch._dynamo.reset)
+    made = train_pooled(pool2, "--resume", str(run), "--grid", "data=2,expert=2", "--steps", "6",
+                        "--compile", "aot_eager")["compiled"]
+    assert made["graphs"] > 0 and made["recompiled_graphs"] == 0    # the mixture eager: its loads change each step
+    train_alone(checked_config("--resume", str(run), "--grid", "x=1", "--steps", "7", world=1))
     assert run_losses(run) == pytest.approx(run_losses(alone), rel=1e-2)
     row = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert len(row["expert_tokens_max"]) == 2 and row["expert_tokens_mean"] == [8 * 16 * 2 / 4] * 2

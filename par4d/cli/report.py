@@ -53,6 +53,8 @@ def _memory(rss: list[dict]) -> str:
 def _compiled(made: dict) -> str:
     """What --compile made (par4d.compiled.Compiled.made), and what it cost on the first step."""
     again = f", {made['recompiled_graphs']} compiled again after the first step" if made["recompiled_graphs"] else ""
+    if made.get("evaluation_graphs"):
+        again += f", {made['evaluation_graphs']} for evaluation (without gradients)"
     return (f"{made['blocks']} blocks by {made['backend']}: {made['graphs']} graphs, "
             f"{made['graph_breaks_per_block']:g} graph breaks per block{again}; the first step took "
             f"{made['first_step_extra_s']:.1f} s more than a later one (compiling)")

@@ -35,6 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from par4d import comm
+from par4d.eager import eager
 from par4d.grid import Grid, Indivisible
 from par4d.layout import BATCH_AXES, REPLICAS, Placement, Split, place
 from par4d.nn.algorithm1 import Algorithm1
@@ -196,6 +197,9 @@ class Mixture(ShardedModule):
         """The experts every token goes through, as a function of the layer's input (None: there are none)."""
         return None
 
+    # Eager in a compiled block (par4d.compiled): each expert's rows change in number every step, and dynamo,
+    # which specialises on them (a load of 0 or 1 always), would compile the block again step after step.
+    @eager
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         shape = h.shape
         x = h.reshape(-1, shape[-1])
@@ -463,6 +467,9 @@ class ReferenceMoE(nn.Module):
         self.proj = nn.Parameter(torch.randn(experts, dim, hidden) / math.sqrt(hidden))
         self.aux_loss: torch.Tensor | None = None
 
+    # Eager in a compiled block (par4d.compiled): each expert's rows change in number every step, and dynamo,
+    # which specialises on them (a load of 0 or 1 always), would compile the block again step after step.
+    @eager
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         shape = h.shape
         x = h.reshape(-1, shape[-1])

@@ -177,6 +177,7 @@ class _Measured:
     comm: list[tuple[float, float, float]]
     rss: list[dict[str, int]] = field(default_factory=list)
     compiled: dict | None = None     # --compile: graphs, graph breaks and recompilations (Compiled.made)
+    evaluation_graphs: int = 0       # dynamo's graphs made while evaluating (of a compiled run)
     footprint: dict[str, int] = field(default_factory=dict)      # this rank's, on the first step (footprint.py)
     footprints: list[dict] = field(default_factory=list)         # every rank's, at the end
 
@@ -227,7 +228,11 @@ def _train(job: _Job, grid, stop: StopRequest, metrics, out: Path, board: Board 
             measured.comm.append(comm)
             moved = ledger.total_bytes() - bytes_before          # the step's, not the evaluation's
             evaluated = config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps
-            val_loss = _evaluate(job.model, grid, batches, config.eval_batches, precision) if evaluated else None
+            val_loss = None
+            if evaluated:       # without gradients: a compiled block's graph of its own, made once (not a recompile)
+                before = counted()[0]
+                val_loss = _evaluate(job.model, grid, batches, config.eval_batches, precision)
+                measured.evaluation_graphs += counted()[0] - before
             if metrics is not None:
                 record = {"step": step + 1, "loss": mean_loss, "tokens_per_s": tokens_per_step / seconds,
                           "s_per_step": seconds, "lr": lr, "comm_bytes": moved,
@@ -260,7 +265,7 @@ def _train(job: _Job, grid, stop: StopRequest, metrics, out: Path, board: Board 
     checkpoint.save(out, config.steps, grid, precision.masters, precision.optimizer, _meta(config),
                     config.keep)   # kept if saved
     if job.compiled is not None and job.start_step < config.steps:
-        measured.compiled = job.compiled.made(after_first, counted())
+        measured.compiled = job.compiled.made(after_first, counted(), measured.evaluation_graphs)
     return measured
 
 
