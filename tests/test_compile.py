@@ -45,8 +45,9 @@ def _train_compiled(pool, tmp_path, name: str, *flags: str) -> dict:
 
 def test_par4d_train_compiles_each_block_once_and_its_checkpoints_are_the_eager_models(tmp_path, pool4):
     """data=4 over 2 microbatches: one graph (the blocks share their code), no break, nothing compiled again
-    after the first step but the graph evaluation runs without gradients; its first loss is the eager run's to round-off (fp32: one forward's sums of at most a
-    few hundred terms, far inside 1e-5 on any CPU); an eager run resumes from its checkpoint. On pipe=2 too."""
+    after the first step but the graph evaluation runs without gradients; its first loss is the eager run's to
+    round-off (fp32: one forward's sums of at most a few hundred terms, far inside 1e-5 on any CPU); an eager run
+    resumes from its checkpoint. On pipe=2 too."""
     grid = ["--grid", "data=4", "--microbatches", "2", "--n-layer", "2", "--eval-every", "2"]
     made = _train_compiled(pool4, tmp_path, "compiled", *grid, "--compile", "aot_eager")["compiled"]
     assert (made["blocks"], made["graphs"], made["graph_breaks_per_block"], made["recompiled_graphs"]) == (2, 1, 0, 0)

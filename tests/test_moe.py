@@ -326,9 +326,10 @@ SMALL_MOE = ["--mlp", "moe", "--experts", "4", "--top-k", "2", "--expert-bias-ra
 def test_par4d_train_spreads_the_experts_and_resumes_on_another_expert_grid(tmp_path, capsys, pool2, pool4):
     """`par4d train --mlp moe --grid data=4,expert=4` (with loss-free balancing): the run records each layer's
     load per step, the summary names the worst layer's; resumed on data=2,expert=2 (experts two to a rank,
-    compiled: nothing compiled again as the loads change) and on one rank (every expert there) it goes on from its checkpoint (the bias included) and follows a
-    one-rank run. Loosely: in fp32 a route may flip on round-off between grids (exactness is proven in
-    float64 above), which moves a loss by far less than 1%, while a lost bias or expert shard moves it more."""
+    compiled: nothing compiled again as the loads change) and on one rank (every expert there) it goes on from
+    its checkpoint (the bias included) and follows a one-rank run. Loosely: in fp32 a route may flip on round-off
+    between grids (exactness is proven in float64 above), which moves a loss by far less than 1%, while a lost
+    bias or expert shard moves it more."""
     import json
 
     from tests.helpers import checked_config, run_losses, train_alone, train_pooled

@@ -414,7 +414,11 @@ def worker(config: TrainConfig, exit_on_stop: bool = False) -> dict:
     except Exception as error:
         _log_failure(config)
         if any(words in str(error) for words in PEER_GONE):
-            time.sleep(ECHO_GRACE_S)    # an echo of a peer's failure: the peer's own goes first (launch.local)
+            # An echo of a peer's failure: the peer's own goes first (launch.local). The agent, having read it,
+            # stops this rank with SIGTERM (maybe already: then no wait), which ends the wait at once.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            if stop.signum is None:
+                time.sleep(ECHO_GRACE_S)
         raise
     finally:
         if dist.is_initialized():
