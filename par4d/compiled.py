@@ -47,7 +47,9 @@ def regions(model: nn.Module) -> list[nn.Module]:
     named: set[str] = set()
     for module in model.modules():
         named.update(getattr(module, "_no_split_modules", None) or ())
-    return [m for m in model.modules() if getattr(type(m), "compile_region", False) or type(m).__name__ in named]
+    # (by any class of the module's: FSDP2 makes each wrapped layer an instance of a subclass of its own)
+    return [m for m in model.modules() if getattr(type(m), "compile_region", False)
+            or any(c.__name__ in named for c in type(m).__mro__)]
 
 
 def compile_blocks(model: nn.Module, backend: str = "inductor") -> Compiled:

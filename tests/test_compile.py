@@ -104,3 +104,6 @@ def test_transformers_decoder_layers_are_the_regions():
     model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
                                          num_attention_heads=2, num_key_value_heads=2))
     assert [type(m).__name__ for m in regions(model)] == ["LlamaDecoderLayer"] * 3
+    layer = model.model.layers[0]       # FSDP2's fully_shard makes a layer an instance of a subclass of its own
+    layer.__class__ = type("FSDPLlamaDecoderLayer", (type(layer),), {})
+    assert [type(m).__name__ for m in regions(model)] == ["FSDPLlamaDecoderLayer"] + ["LlamaDecoderLayer"] * 2

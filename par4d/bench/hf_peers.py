@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -48,6 +49,7 @@ from par4d.bench.peers import (
     summary,
 )
 from par4d.bench.torch_peers import destroy_groups, peer_mesh, tp_shape
+from par4d.compiled import compile_blocks
 from par4d.grid import staged_splits, validate_sizes
 from par4d.launch import distributed_env, init, join
 from par4d.launch.cluster import link_bits_per_second
@@ -178,20 +180,32 @@ class _Timed:
     times: list[float]
     first_loss: float
     state_bytes: int
-    peak_bytes: dict[str, int]
+    peak_bytes: dict[str, int] | None     # None: not measured (compiled blocks)
+    first_s: float          # the first step's seconds (compiling, where the blocks are compiled)
 
 
-def _time(step: Callable[[], torch.Tensor], model: nn.Module, optimizer, iters: int) -> _Timed:
+def _compiled(model: nn.Module, backend: str) -> None:
+    """``model``'s decoder layers compiled by ``backend`` (par4d's and the peers' alike), or nothing for none."""
+    if backend != "none":
+        torch._dynamo.reset()       # (one process measures every row: no row inherits another's graphs)
+        compile_blocks(model, backend)
+
+
+def _time(step: Callable[[], torch.Tensor], model: nn.Module, optimizer, iters: int, compiled: bool) -> _Timed:
+    """The first step's loss and seconds, ``iters`` timed steps, and the memory of one more step (not with
+    compiled blocks: torch's MemTracker warns on every tensor they hand it, and its count there is unchecked)."""
+    start = time.perf_counter()
     first = step()          # the first step's loss: the same weights and batch in every row
     loss = first.detach().reshape(1).double()
+    first_s = time.perf_counter() - start
     dist.all_reduce(loss)
     times = time_iterations(step, iters)
     return _Timed(times, loss.item() / dist.get_world_size(), _max_over_ranks(_state_bytes(model, optimizer)),
-                  _peak(step, model, optimizer))
+                  None if compiled else _peak(step, model, optimizer), first_s)
 
 
 def _row(name: str, sizes: dict, timed: _Timed, per_rank_bytes: float, source: str, workload: Workload,
-         flops: float, peak: float) -> dict:
+         flops: float, peak: float, compile: str) -> dict:
     s = statistics.median(timed.times)
     tokens = workload.tokens / s
     return {"framework": "par4d" if name.startswith("par4d") else "torch", "name": name,
@@ -199,8 +213,9 @@ def _row(name: str, sizes: dict, timed: _Timed, per_rank_bytes: float, source: s
             "global_batch": workload.sequences, "seq_len": workload.seq_len, "s_per_iter": s, "tokens_per_s": tokens,
             "percent_of_peak": 100 * flops * tokens / peak, "bytes_per_iter": int(sum_over_ranks(per_rank_bytes)),
             "bytes_source": source, "iters": len(timed.times), "times": timed.times, "first_loss": timed.first_loss,
-            "state_bytes": timed.state_bytes, "peak_bytes": timed.peak_bytes["total"],
-            "peak_bytes_by_kind": timed.peak_bytes}
+            "state_bytes": timed.state_bytes, "peak_bytes": timed.peak_bytes and timed.peak_bytes["total"],
+            "peak_bytes_by_kind": timed.peak_bytes, "compile": compile,
+            "compile_s": timed.first_s - s if compile != "none" else None}
 
 
 def _bench_par4d(model: str, sizes: dict, workload: Workload, settings: PeersSettings, hierarchical: str,
@@ -214,6 +229,7 @@ def _bench_par4d(model: str, sizes: dict, workload: Workload, settings: PeersSet
     lm = build_lm(model)
     flops = flops_per_token(lm, workload.seq_len)
     net = set_overlap(CausalLM(parallelize(lm, grid, shard_stream=shard_stream), flops, 0), Overlap())   # as train
+    _compiled(net, settings.compile)
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
     inputs, targets = batch(workload.sequences, workload.seq_len)
     x, y = shard_batch(grid, inputs), shard_batch(grid, targets)
@@ -222,13 +238,13 @@ def _bench_par4d(model: str, sizes: dict, workload: Workload, settings: PeersSet
         return train_step(net, optimizer, grid, (x, y))
 
     before = grid.ledger.total_bytes()
-    timed = _time(step, net, optimizer, settings.iters)
+    timed = _time(step, net, optimizer, settings.iters, settings.compile != "none")
     steps = 1 + WARMUP + settings.iters + 1        # the first, warm-up, timed, and MemTracker's (_time)
     per_rank = (grid.ledger.total_bytes() - before) / steps
     link, staged = link_bytes(step), [",".join(axes) for axes in grid.staged_axes()]
     grid.close()
     name = ("par4d" if hierarchical == "off" else "par4d +hierarchical") + ("" if shard_stream else " (stream whole)")
-    row = _row(name, sizes, timed, per_rank, "ledger", workload, flops, settings.peak_flops)
+    row = _row(name, sizes, timed, per_rank, "ledger", workload, flops, settings.peak_flops, settings.compile)
     return dict(row, hierarchical=hierarchical, staged_axes=staged, link_bytes_per_iter=link)
 
 
@@ -279,6 +295,7 @@ def _build_peer(kind: str, knob: dict, mesh, model: str, settings: PeersSettings
 def _bench_torch(kind: str, knob: dict, mesh, model: str, workload: Workload, settings: PeersSettings) -> dict:
     net, sizes, parts, index = _build_peer(kind, knob, mesh, model, settings)
     flops = flops_per_token(net.module if kind == "ddp" else net, workload.seq_len)
+    _compiled(net, settings.compile)        # the decoder layers, as par4d's (after FSDP2 wraps them, as DDP)
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
     inputs, targets = batch(workload.sequences, workload.seq_len)
     rows = block(workload.sequences, parts, index)
@@ -291,7 +308,7 @@ def _bench_torch(kind: str, knob: dict, mesh, model: str, workload: Workload, se
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
-    timed = _time(step, net, optimizer, settings.iters)
+    timed = _time(step, net, optimizer, settings.iters, settings.compile != "none")
     if kind == "ddp":   # DDP's reducer all-reduces below Python: its gradient bytes, once per step
         per_rank, source = sum(p.numel() * p.element_size() for p in net.parameters()), "gradient bytes"
     else:
@@ -299,7 +316,8 @@ def _bench_torch(kind: str, knob: dict, mesh, model: str, workload: Workload, se
         with counter:
             step()
         per_rank, source = counter.bytes, "c10d dispatch"
-    row = _row(peer_name(kind, knob), sizes, timed, per_rank, source, workload, flops, settings.peak_flops)
+    row = _row(peer_name(kind, knob), sizes, timed, per_rank, source, workload, flops, settings.peak_flops,
+               settings.compile)
     return dict(row, link_bytes_per_iter=link_bytes(step))
 
 
@@ -331,14 +349,14 @@ def hf_peers_worker(model: str, settings: PeersSettings) -> list[dict]:
 
 
 def _memory_table(rows: list[dict]) -> str:
-    def mb(value: int) -> str:
-        return f"{value / 1e6:.1f}"
+    def mb(value: int | None) -> str:
+        return "-" if value is None else f"{value / 1e6:.1f}"
 
     lines = ["| name | grid (x y z data) | s/iter | x best peer | first loss | state MB/rank | peak MB/rank | "
              "of it activations |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     lines += [f"| {r['name']} | {r['grid']} | {r['s_per_iter']:.3f} | {r['ratio_to_best_peer']:.2f} | "
               f"{r['first_loss']:.6f} | {mb(r['state_bytes'])} | {mb(r['peak_bytes'])} | "
-              f"{mb(r['peak_bytes_by_kind']['activation'])} |" for r in rows]
+              f"{mb((r['peak_bytes_by_kind'] or {}).get('activation'))} |" for r in rows]
     return "\n".join(lines)
 
 
@@ -346,7 +364,7 @@ def run_bench_hf_peers(args: argparse.Namespace) -> int:
     validate(args.model, args.nproc, args.nodes, args.iters, args.rounds)
     check_cluster(args.nproc, args.nodes, args.link)
     settings = PeersSettings(args.nproc, args.nodes, args.iters, measure_matmul_peak(threads=cpu_cores()), args.link,
-                             args.rounds)
+                             args.rounds, args.compile)
     rows = add_ratios(launch(hf_peers_worker, (args.model, settings), args.nproc, args.nodes, args.link,
                              "par4d-bench-hf-peers"))
     if emit(rows, args.out, args.json):
