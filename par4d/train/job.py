@@ -48,8 +48,8 @@ def local_ranks(config: TrainConfig, world: int, max_restarts: int) -> dict:
 
 
 def _rank(config: TrainConfig, exit_on_stop: bool) -> dict:
-    """A local rank's entry point. The training is imported by the ranks, not by the launcher: it brings
-    torch._dynamo (par4d's collectives are graph breaks in compiled blocks), 0.9 s a process."""
+    """A local rank's entry point: the training is imported by the ranks alone (the launcher needs none of it,
+    and spawned ranks import what they run by name)."""
     from par4d.train.loop import worker
 
     return worker(config, exit_on_stop)
