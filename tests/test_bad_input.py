@@ -88,6 +88,7 @@ CASES = [
     (["plan", "--gpus", "8", "--nodes", "2"], "--nodes: a setting of par4d plan validate; par4d plan does not use"),
     (["plan", "validate", "--link", "1gbit"], "--link 1gbit: the link between emulated nodes; give --nodes too"),
     (["plan", "paper", "--nproc", "3"], "--nproc: a setting of par4d plan validate"),
+    (["plan", "validate", "--compile"], "--compile: a setting of par4d plan device; par4d plan validate does not"),
     (["calibrate", "--repeats", "0"], "argument --repeats: 0: give 1 or more"),
     (["calibrate", "--nproc", "-1"], "argument --nproc: -1: give 1 or more"),
     (["calibrate", "--link", "10gbit"], "--link 10gbit: the link between emulated nodes; give --nodes too"),

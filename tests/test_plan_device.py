@@ -71,7 +71,7 @@ def test_a_profile_of_another_precision_is_refused_before_measuring():
 
 
 def _check_on_the_cpu():
-    return check_device(CPU, torch.device("cpu"), threads=1, iters=2, shapes=TINY, steps=(STEP,))
+    return check_device(CPU, torch.device("cpu"), threads=1, iters=2, shapes=TINY, steps=(STEP,), compile="aot_eager")
 
 
 def test_the_cpu_check_measures_every_term_and_the_planner_predicts_the_steps_memory():
@@ -82,9 +82,14 @@ def test_the_cpu_check_measures_every_term_and_the_planner_predicts_the_steps_me
     assert all(r["seconds"] > 0 and r["ratio"] == r["predicted"] / r["seconds"] for r in result["gemms"])
     assert 0 < result["fitted"]["efficiency"] <= 1 and result["memory_bandwidth"] > 0
     spec = GPTSpec.from_config(STEP.name, STEP.config, STEP.batch)
-    device, offloaded, peer = result["steps"]
-    assert [r["framework"] for r in result["steps"]] == ["par4d", "par4d", "torch"]
+    device, offloaded, peer, compiled, compiled_peer = result["steps"]
+    assert [r["framework"] for r in result["steps"]] == ["par4d", "par4d", "torch", "par4d", "torch"]
     assert "offloaded" in offloaded["name"] and "PyTorch" in peer["name"]
+    # Compiled (--compile aot_eager): each block of both models, the compiling step timed apart
+    assert "compiled (aot_eager)" in compiled["name"] and "PyTorch, compiled" in compiled_peer["name"]
+    assert compiled["par4d_over_torch"] == compiled["s_per_iter"] / compiled_peer["s_per_iter"]
+    assert all(r["compile_s"] is None for r in (device, offloaded, peer))
+    assert all(r["compile_s"] > 0 for r in (compiled, compiled_peer)) and compiled["held_bytes"] > 0
     # One device communicates nothing: the prediction is the compute model's and AdamW's pass, exactly; offloaded,
     # its copies over the profile's host link too.
     t_stage = stage_seconds(spec, ONE, CPU, checkpointing=False)

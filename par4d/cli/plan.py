@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from par4d.cli.files import check_new_file
 from par4d.cli.values import number
+from par4d.parallel import COMPILE_BACKENDS
 from par4d.plan import context as long_sequences
 from par4d.plan.cost import VARIANTS, rank_configurations
 from par4d.plan.experts import MOE_MODELS, batch_of, moe_spec, rank_grids
@@ -39,6 +40,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus", type=int, default=None, help="number of devices (ranking)")
     p.add_argument("--nproc", type=int, default=None, help="local ranks (validate; default 4)")
     p.add_argument("--iters", type=int, default=8, help="timed iterations per grid (validate) or step (device)")
+    p.add_argument("--compile", nargs="?", const="inductor", choices=COMPILE_BACKENDS, default=None,
+                   help="device: also par4d's and plain PyTorch's steps with every block compiled (inductor when "
+                        "given alone; the compiling step timed apart)")
     p.add_argument("--passes", type=int, default=None,
                    help="validate: measure every grid this many times, round robin; also reports how well "
                         "the passes agree with each other (default 1)")
@@ -148,7 +152,7 @@ def write_between_markers(path: str, marker: str, text: str) -> None:
 
 # flag (its argparse destination) -> the action it belongs to: given to another, it would be silently unused
 ONLY_FOR = {"nproc": "validate", "passes": "validate", "plot": "validate", "nodes": "validate", "link": "validate",
-            "fit": "paper", "write": "paper"}
+            "fit": "paper", "write": "paper", "compile": "device"}
 
 
 def _applies(args: argparse.Namespace) -> None:
@@ -368,7 +372,7 @@ def _device(args: argparse.Namespace) -> int:
     if machine is None:
         raise ValueError(f"plan device: no built-in machine describes this GPU ({torch.cuda.get_device_name(device)}"
                          f"); give --machine, a TOML profile of it (its peak_flops and memory_bandwidth are checked)")
-    result = check_device(machine, device, cpu_cores(), args.iters)
+    result = check_device(machine, device, cpu_cores(), args.iters, compile=args.compile or "none")
     if args.json:
         for row in result["steps"]:
             print(json.dumps(row))

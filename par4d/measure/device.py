@@ -116,10 +116,26 @@ def _batch(case: StepCase, device: torch.device) -> tuple[torch.Tensor, torch.Te
     return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
 
+def _compiled(model: torch.nn.Module, compile: str, step, device: torch.device) -> float | None:
+    """With ``compile`` a backend: ``model``'s blocks compiled (par4d.compiled) and ``step`` called once, its
+    seconds returned (the compiling step, to set beside a later one); None for none."""
+    if compile == "none":
+        return None
+    from par4d.compiled import compile_blocks
+
+    torch._dynamo.reset()       # (one process measures every row: none inherits another's graphs)
+    compile_blocks(model, compile)
+    start = time.perf_counter()
+    step()
+    finish(device)
+    return time.perf_counter() - start
+
+
 def _par4d_step(case: StepCase, device: torch.device, dtype: torch.dtype, iters: int,
-                offload_bsize: int | None = None) -> dict:
+                offload_bsize: int | None = None, compile: str = "none") -> dict:
     """par4d's GPT on a one-rank grid, as ``par4d train`` steps it (mixed precision below fp32; with
-    ``offload_bsize``, its masters and AdamW state in CPU memory, stepped that many elements at a time)."""
+    ``offload_bsize``, its masters and AdamW state in CPU memory, stepped that many elements at a time; with
+    ``compile`` a backend, its blocks compiled as ``--compile`` compiles them)."""
     from par4d.launch import init
     from par4d.models import GPT
     from par4d.optim.precision import FullPrecision, MixedPrecision, fused_adamw
@@ -144,18 +160,21 @@ def _par4d_step(case: StepCase, device: torch.device, dtype: torch.dtype, iters:
         def step():
             return train_step(model, precision, grid, (x, y))
 
+        first = _compiled(model, compile, step, grid.device)
         times = _timed(step, grid.device, iters)
         held = measure_footprint(model, precision, step).row()
-        return {"s_per_iter": statistics.median(times), "held_bytes": held["total"], "device_peak": held["device_peak"]}
+        median = statistics.median(times)
+        return {"s_per_iter": median, "held_bytes": held["total"], "device_peak": held["device_peak"],
+                "compile_s": None if first is None else first - median}
     finally:
         grid.close()
         if fresh:          # the one-rank job this step started
             dist.destroy_process_group()
 
 
-def _torch_step(case: StepCase, device: torch.device, dtype: torch.dtype, iters: int) -> dict:
+def _torch_step(case: StepCase, device: torch.device, dtype: torch.dtype, iters: int, compile: str = "none") -> dict:
     """The same GPT in plain PyTorch (par4d's single-process reference model): fp32 parameters, autocast to
-    ``dtype`` below fp32, AdamW fused on a GPU."""
+    ``dtype`` below fp32, AdamW fused on a GPU; with ``compile`` a backend, its blocks compiled as par4d's."""
     from par4d.models.reference import ReferenceGPT
     from par4d.optim.precision import fused_adamw
 
@@ -172,19 +191,23 @@ def _torch_step(case: StepCase, device: torch.device, dtype: torch.dtype, iters:
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    first = _compiled(model, compile, step, device)
     times = _timed(step, device, iters)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return {"s_per_iter": statistics.median(times), "device_peak": peak}
+    median = statistics.median(times)
+    return {"s_per_iter": median, "device_peak": peak, "compile_s": None if first is None else first - median}
 
 
 # The offloaded optimizer's bucket (``par4d train --offload-optimizer``'s default).
 OFFLOAD_BSIZE = 1 << 22
 
 
-def step_rows(case: StepCase, machine: Machine, device: torch.device, dtype: torch.dtype, iters: int) -> list[dict]:
+def step_rows(case: StepCase, machine: Machine, device: torch.device, dtype: torch.dtype, iters: int,
+              compile: str = "none") -> list[dict]:
     """par4d's measured step of ``case`` (its optimizer on the device, then offloaded) and PyTorch's, beside the
     full model's prediction (compute and memory on one device), each with its model FLOPs as a share of the
-    machine's peak; rows as ``par4d bench`` writes them."""
+    machine's peak; with ``compile`` a backend, both again with their blocks compiled; rows as ``par4d bench``
+    writes them."""
     from par4d.plan.cost import predict
 
     spec = GPTSpec.from_config(case.name, case.config, case.batch)
@@ -203,13 +226,23 @@ def step_rows(case: StepCase, machine: Machine, device: torch.device, dtype: tor
     rows.append(dict(rows[0], framework="torch", name=f"{case.name} plain PyTorch (autocast, fused AdamW)",
                      held_bytes=None, **peer, peak_share=flops / peer["s_per_iter"] / machine.peak_flops))
     rows[0]["par4d_over_torch"] = rows[0]["s_per_iter"] / peer["s_per_iter"]
+    if compile != "none":       # the same two, each block compiled (par4d.compiled)
+        mine, peer = _par4d_step(case, device, dtype, iters, None, compile), _torch_step(case, device, dtype, iters,
+                                                                                          compile)
+        rows.append(dict(rows[0], name=f"{case.name} one rank, compiled ({compile})", **mine,
+                         peak_share=flops / mine["s_per_iter"] / machine.peak_flops,
+                         par4d_over_torch=mine["s_per_iter"] / peer["s_per_iter"]))
+        rows.append(dict(rows[2], name=f"{case.name} plain PyTorch, compiled ({compile})", **peer,
+                         peak_share=flops / peer["s_per_iter"] / machine.peak_flops))
     return rows
 
 
 def check_device(machine: Machine, device: torch.device, threads: int, iters: int = 5,
-                 shapes: ComputeShapes | None = None, steps: tuple[StepCase, ...] | None = None) -> dict:
+                 shapes: ComputeShapes | None = None, steps: tuple[StepCase, ...] | None = None,
+                 compile: str = "none") -> dict:
     """Every measurement of the module docstring on ``device`` (bf16 on a GPU, fp32 on a CPU) against
-    ``machine``. ``shapes`` and ``steps`` default to the device's (GPU or CPU) sizes."""
+    ``machine``. ``shapes`` and ``steps`` default to the device's (GPU or CPU) sizes; ``compile``: a backend
+    that also times the steps with their blocks compiled (par4d.compiled), par4d's and plain PyTorch's."""
     gpu = device.type == "cuda"
     dtype = torch.bfloat16 if gpu else torch.float32
     if machine.bytes_per_element != dtype.itemsize:
@@ -227,7 +260,7 @@ def check_device(machine: Machine, device: torch.device, threads: int, iters: in
             "dtype": str(dtype).removeprefix("torch."), "memory_bandwidth": measured["memory_bandwidth"],
             "host_link": link, "machine_host_bandwidth": machine.host_bandwidth,
             "gemms": gemm_rows(measured["gemms"], machine), "attention": attention, "fitted": fitted,
-            "steps": [row for case in steps for row in step_rows(case, machine, device, dtype, iters)]}
+            "steps": [row for case in steps for row in step_rows(case, machine, device, dtype, iters, compile)]}
 
 
 def _spread(ratios: list[float]) -> str:
@@ -264,17 +297,19 @@ def report(result: dict) -> str:
                 f"{fitted['kernel_latency'] * 1e6:.1f} us per GEMM (median error {fitted['median_error']:.0%}), "
                 f"attention {fitted['attention_efficiency']:.2f} of peak", "",
             "| run | framework | tokens | s/step | predicted s | predicted / measured | model FLOPs of peak | "
-            "held GB | device peak GB | predicted GB | par4d / torch |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            "held GB | device peak GB | predicted GB | par4d / torch | compiling s |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in result["steps"]:
         held = f"{r['held_bytes'] / 1e9:.2f}" if r.get("held_bytes") else "-"
         peak = f"{r['device_peak'] / 1e9:.2f}" if r.get("device_peak") else "-"
         ratio = f"{r['par4d_over_torch']:.2f}" if "par4d_over_torch" in r else ""
         out.append(f"| {r['name']} | {r['framework']} | {r['tokens']:,} | {r['s_per_iter']:.4f} | "
                    f"{r['predicted_s']:.4f} | {r['predicted_s'] / r['s_per_iter']:.2f} | {r['peak_share']:.1%} | "
-                   f"{held} | {peak} | {r['predicted_bytes'] / 1e9:.2f} | {ratio} |")
+                   f"{held} | {peak} | {r['predicted_bytes'] / 1e9:.2f} | {ratio} | "
+                   f"{'' if r.get('compile_s') is None else format(r['compile_s'], '.1f')} |")
     out += ["", "predicted s: compute and AdamW's pass on the device (one device communicates nothing), and offloaded "
                 "its states' copies over the profile's host link; "
                 "held: par4d's footprint of a step (par4d/train/footprint.py); device peak: the allocator's "
-                "(torch.cuda.max_memory_allocated); predicted: the full model's, one rank"]
+                "(torch.cuda.max_memory_allocated); predicted: the full model's, one rank; compiling s: the first "
+                "compiled step's seconds beyond a later one's"]
     return "\n".join(out)
