@@ -227,8 +227,8 @@ def step_rows(case: StepCase, machine: Machine, device: torch.device, dtype: tor
                      held_bytes=None, **peer, peak_share=flops / peer["s_per_iter"] / machine.peak_flops))
     rows[0]["par4d_over_torch"] = rows[0]["s_per_iter"] / peer["s_per_iter"]
     if compile != "none":       # the same two, each block compiled (par4d.compiled)
-        mine, peer = _par4d_step(case, device, dtype, iters, None, compile), _torch_step(case, device, dtype, iters,
-                                                                                          compile)
+        mine = _par4d_step(case, device, dtype, iters, None, compile)
+        peer = _torch_step(case, device, dtype, iters, compile)
         rows.append(dict(rows[0], name=f"{case.name} one rank, compiled ({compile})", **mine,
                          peak_share=flops / mine["s_per_iter"] / machine.peak_flops,
                          par4d_over_torch=mine["s_per_iter"] / peer["s_per_iter"]))
