@@ -31,13 +31,13 @@ def local_ranks(config: TrainConfig, world: int, max_restarts: int) -> dict:
     import torch
 
     from par4d.launch.host import cpu_cores
-    from par4d.launch.peak import measure_matmul_peak
+    from par4d.launch.peak import START_SECONDS, measure_matmul_peak
 
     with RunLock(config.out, new=not config.resume):    # one run per folder, until the ranks are gone
         # The CPU's peak is measured here, before the ranks exist, so nothing competes for the cores; a GPU's by
         # rank 0 on its own device, in the run's compute dtype.
         if config.peak_flops is None and not torch.cuda.is_available():
-            config = replace(config, peak_flops=measure_matmul_peak(threads=cpu_cores()))
+            config = replace(config, peak_flops=measure_matmul_peak(START_SECONDS, threads=cpu_cores()))
         try:
             with environment({HELD_ENV: str(Path(config.out).resolve())}):    # the ranks inherit it
                 return launch_local(world, _rank, (config, True), run_id="par4d-train",
