@@ -69,6 +69,18 @@ def compile_blocks(model: nn.Module, backend: str = "inductor") -> Compiled:
     return Compiled(len(blocks), backend, start)
 
 
+def compile_afresh(model: nn.Module, backend: str) -> Compiled | None:
+    """:func:`compile_blocks` after dropping every graph this process compiled before (a benchmark builds many
+    models in one process: none may inherit another's graphs, nor its count against dynamo's recompile limit);
+    None, compiling nothing, for ``none``."""
+    if backend == "none":
+        return None
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    return compile_blocks(model, backend)
+
+
 def counted() -> tuple[int, int]:
     """dynamo's graphs and graph breaks so far in this process (its counters, which only grow)."""
     from torch._dynamo.utils import counters
@@ -76,4 +88,4 @@ def counted() -> tuple[int, int]:
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
-__all__ = ["Compiled", "compile_blocks", "counted", "regions"]
+__all__ = ["Compiled", "compile_afresh", "compile_blocks", "counted", "regions"]

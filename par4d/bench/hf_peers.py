@@ -49,7 +49,7 @@ from par4d.bench.peers import (
     summary,
 )
 from par4d.bench.torch_peers import destroy_groups, peer_mesh, tp_shape
-from par4d.compiled import compile_blocks
+from par4d.compiled import compile_afresh
 from par4d.grid import staged_splits, validate_sizes
 from par4d.launch import distributed_env, init, join
 from par4d.launch.cluster import link_bits_per_second
@@ -184,13 +184,6 @@ class _Timed:
     first_s: float          # the first step's seconds (compiling, where the blocks are compiled)
 
 
-def _compiled(model: nn.Module, backend: str) -> None:
-    """``model``'s decoder layers compiled by ``backend`` (par4d's and the peers' alike), or nothing for none."""
-    if backend != "none":
-        torch._dynamo.reset()       # (one process measures every row: no row inherits another's graphs)
-        compile_blocks(model, backend)
-
-
 def _time(step: Callable[[], torch.Tensor], model: nn.Module, optimizer, iters: int, compiled: bool) -> _Timed:
     """The first step's loss and seconds, ``iters`` timed steps, and the memory of one more step (not with
     compiled blocks: torch's MemTracker warns on every tensor they hand it, and its count there is unchecked)."""
@@ -229,7 +222,7 @@ def _bench_par4d(model: str, sizes: dict, workload: Workload, settings: PeersSet
     lm = build_lm(model)
     flops = flops_per_token(lm, workload.seq_len)
     net = set_overlap(CausalLM(parallelize(lm, grid, shard_stream=shard_stream), flops, 0), Overlap())   # as train
-    _compiled(net, settings.compile)
+    compile_afresh(net, settings.compile)       # its decoder layers, as the peers'
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
     inputs, targets = batch(workload.sequences, workload.seq_len)
     x, y = shard_batch(grid, inputs), shard_batch(grid, targets)
@@ -295,7 +288,7 @@ def _build_peer(kind: str, knob: dict, mesh, model: str, settings: PeersSettings
 def _bench_torch(kind: str, knob: dict, mesh, model: str, workload: Workload, settings: PeersSettings) -> dict:
     net, sizes, parts, index = _build_peer(kind, knob, mesh, model, settings)
     flops = flops_per_token(net.module if kind == "ddp" else net, workload.seq_len)
-    _compiled(net, settings.compile)        # the decoder layers, as par4d's (after FSDP2 wraps them, as DDP)
+    compile_afresh(net, settings.compile)        # the decoder layers, as par4d's (after FSDP2 wraps them, as DDP)
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
     inputs, targets = batch(workload.sequences, workload.seq_len)
     rows = block(workload.sequences, parts, index)

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from par4d.bench.common import check_cluster, emit, grid_row, launch, link_bytes, sum_over_ranks, where
 from par4d.bench.torch_peers import KINDS, C10dBytes, destroy_groups, peer_mesh, tp_shape
-from par4d.compiled import compile_blocks
+from par4d.compiled import compile_afresh
 from par4d.grid import staged_splits, validate_sizes
 from par4d.launch import distributed_env, join
 from par4d.launch.cluster import link_bits_per_second
@@ -239,7 +239,7 @@ def _bench_par4d(sizes: dict[str, int], workload: Workload, settings: PeersSetti
     name = "par4d" if hierarchical == "off" else "par4d +hierarchical"   # staged_axes: what auto kept staged
     row = grid_row(name, sizes, times, sum_over_ranks(per_rank), settings.peak_flops, "ledger")
     row.update(hierarchical=hierarchical, staged_axes=staged, link_bytes_per_iter=link, times=times,
-               compile=settings.compile, compile_s=compiling)
+               compile=settings.compile, compile_s=compiling)     # (beyond a timed step's: measure_grid)
     return _for_workload(row, workload, settings.peak_flops)
 
 
@@ -265,9 +265,7 @@ def _in_turns(steps: list[Callable[[], object]], iters: int) -> list[list[float]
 def _bench_torch(kind: str, knob: dict, mesh: DeviceMesh | None, workload: Workload, settings: PeersSettings) -> dict:
     peer = _build(kind, knob, mesh, settings)
     model = peer.model
-    if settings.compile != "none":       # the twin's blocks, as par4d's (after FSDP2 wraps them, as DDP)
-        torch._dynamo.reset()            # (one process measures every row: no row inherits another's graphs)
-        compile_blocks(model, settings.compile)
+    compile_afresh(model, settings.compile)       # the twin's blocks, as par4d's (after FSDP2 wraps them, as DDP)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     inputs, targets = batch(workload.sequences, workload.seq_len)
     rows = block(workload.sequences, peer.data_parts, peer.data_index)
@@ -282,8 +280,8 @@ def _bench_torch(kind: str, knob: dict, mesh: DeviceMesh | None, workload: Workl
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    extra: dict = {"compile": settings.compile,
-                   "compile_s": time_iterations(step, 1, 0)[0] if settings.compile != "none" else None}
+    compiling = time_iterations(step, 1, 0)[0] if settings.compile != "none" else None   # as measure_grid
+    extra: dict = {"compile": settings.compile}
     if kind == "ddp":
         # DDP's reducer all-reduces below Python: count its gradient bytes, all-reduced once per step.
         per_rank, source = sum(p.numel() * p.element_size() for p in model.parameters()), "gradient bytes"
@@ -299,6 +297,7 @@ def _bench_torch(kind: str, knob: dict, mesh: DeviceMesh | None, workload: Workl
         per_rank, source = counter.bytes, "c10d dispatch"
     extra["link_bytes_per_iter"] = link_bytes(step)      # untimed iterations, synchronized (DDP's too)
     extra["times"] = times
+    extra["compile_s"] = None if compiling is None else compiling - statistics.median(times)
     row = grid_row(peer.name, peer.sizes, times, sum_over_ranks(per_rank), settings.peak_flops, source)
     return _for_workload(dict(row, **extra), workload, settings.peak_flops)
 

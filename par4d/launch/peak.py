@@ -24,7 +24,6 @@ def job_peak(device: torch.device, dtype: torch.dtype, devices: int) -> tuple[fl
     return measure_matmul_peak(START_SECONDS, threads=cpu_cores()), "fp32, every core"
 
 
-
 def measure_matmul_peak(seconds: float = 1.0, size: int = 1024, threads: int | None = None,
                         dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> float:
     """FLOP/s of repeated ``size x size`` matmuls for about ``seconds`` (best of 3 rounds)."""

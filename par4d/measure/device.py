@@ -119,12 +119,10 @@ def _batch(case: StepCase, device: torch.device) -> tuple[torch.Tensor, torch.Te
 def _compiled(model: torch.nn.Module, compile: str, step, device: torch.device) -> float | None:
     """With ``compile`` a backend: ``model``'s blocks compiled (par4d.compiled) and ``step`` called once, its
     seconds returned (the compiling step, to set beside a later one); None for none."""
-    if compile == "none":
-        return None
-    from par4d.compiled import compile_blocks
+    from par4d.compiled import compile_afresh
 
-    torch._dynamo.reset()       # (one process measures every row: none inherits another's graphs)
-    compile_blocks(model, compile)
+    if compile_afresh(model, compile) is None:
+        return None
     start = time.perf_counter()
     step()
     finish(device)

@@ -7,13 +7,14 @@ one GPT and batch (``CONFIG``, ``BATCH``), with the one training step
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from par4d.compiled import compile_blocks
+from par4d.compiled import compile_afresh
 from par4d.grid import Grid
 from par4d.launch import init
 from par4d.layout import shard_batch
@@ -83,10 +84,8 @@ class TrainingStep:
         if grid.size("pipe") > 1:
             overlap = (overlap or Overlap()).in_pipeline()
         self.model = GPT(CONFIG, grid=grid, overlap=overlap, recompute=1 if recompute else 0)
-        if compile != "none":
-            torch._dynamo.reset()        # (a benchmark builds many models in one process: none inherits others' graphs)
-            compile_blocks(self.model, compile)
-        self.compile_seconds: float | None = None     # the first step's, where it compiled (measure_grid)
+        compile_afresh(self.model, compile)
+        self.compile_seconds: float | None = None     # the compiling step's beyond a timed one's (measure_grid)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.precision = FullPrecision(self.model, grid, self.optimizer)
         self.grid, self.microbatches = grid, microbatches
@@ -145,15 +144,16 @@ def measure_grid(sizes: dict[str, int], iters: int, batch_size: int = BATCH, seq
     ``seq_len`` tokens) and the ledger bytes per step of this rank, on a grid built with ``hierarchical``, and
     what ``then(grid, step)`` returns after the timing (None without it: a benchmark's own look at the grid).
     ``compile``: each block compiled by this backend, the first step (compiling) timed apart, before the
-    warm-up (``step.compile_seconds``).
+    warm-up: ``step.compile_seconds``, its seconds beyond the timed steps' median.
     Closes the grid: idle groups of earlier grids would slow the grids measured after them."""
     grid = init(**sizes, hierarchical=hierarchical)
     # overlap None: par4d.Overlap(), every overlap on
     step = TrainingStep(grid, batch_size, seq_len, overlap, microbatches, recompute, compile)
     before = grid.ledger.total_bytes()
-    if compile != "none":      # the step that compiles, timed apart from the warm-up and the timed ones
-        step.compile_seconds = time_iterations(step, 1, 0)[0]
+    compiling = time_iterations(step, 1, 0)[0] if compile != "none" else None   # apart from the timed ones
     times = time_iterations(step, iters, warmup)
+    if compiling is not None:
+        step.compile_seconds = compiling - statistics.median(times)
     per_rank = (grid.ledger.total_bytes() - before) / (warmup + iters + (compile != "none"))
     extra = then(grid, step) if then is not None else None
     grid.close()

@@ -467,9 +467,7 @@ class ReferenceMoE(nn.Module):
         self.proj = nn.Parameter(torch.randn(experts, dim, hidden) / math.sqrt(hidden))
         self.aux_loss: torch.Tensor | None = None
 
-    # Eager in a compiled block (par4d.compiled): each expert's rows change in number every step, and dynamo,
-    # which specialises on them (a load of 0 or 1 always), would compile the block again step after step.
-    @eager
+    @eager      # (as Mixture.forward: the twin's blocks are compiled as par4d's where a benchmark compiles both)
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         shape = h.shape
         x = h.reshape(-1, shape[-1])
