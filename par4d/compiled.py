@@ -2,8 +2,9 @@
 
 A block is what a model repeats: par4d's GPT and U-Net blocks (their classes say ``compile_region``), and a
 Hugging Face model's decoder layers (the classes its ``_no_split_modules`` names, transformers' own list of
-what must not be cut). Each is compiled in place (``nn.Module.compile``): its parameters, their names and
-checkpoints are the eager model's, and the embeddings, the head and the loss stay eager.
+what must not be cut). Each is compiled in place (as ``nn.Module.compile`` does, through an entry of its kind's:
+:func:`_entry`): its parameters, their names and checkpoints are the eager model's, and the embeddings, the head
+and the loss stay eager.
 
 par4d's collectives are graph breaks, not traced: a layer's all-gathers, all-reduces and reduce-scatters
 (Algorithm 1), the ring's transfers and a mixture's exchanges run where they run eagerly, issued and waited
@@ -14,6 +15,8 @@ collective cuts it into fused regions between them (:func:`counted` counts the b
 
 from __future__ import annotations
 
+import types
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.nn as nn
@@ -62,11 +65,31 @@ def compile_blocks(model: nn.Module, backend: str = "inductor") -> Compiled:
     if not blocks:
         raise ValueError(f"{type(model).__name__} has no block par4d knows to compile (par4d's GPT and U-Net, "
                          f"or a transformers model's decoder layers)")
+    import torch
+
     skip_wrappers()
     start = counted()
+    entries: dict[tuple[type, ...], Callable] = {}
     for block in blocks:
-        block.compile(backend=backend)      # shapes static until one changes (a mixture's loads): then dynamic
+        kind = tuple(type(m) for m in block.modules())
+        entry = entries.setdefault(kind, _entry(len(entries)))
+        # (as nn.Module.compile, through this kind's entry; shapes static until one changes, then dynamic)
+        block._compiled_call_impl = torch.compile(types.MethodType(entry, block), backend=backend)
     return Compiled(len(blocks), backend, start)
+
+
+def _entry(kind: int) -> Callable:
+    """A block's way in, with a code object of its own for each kind of block (its modules' classes). dynamo keeps
+    graphs per code object and looks them up by guards: where one kind breaks its graph inside a nested call (a
+    mixture's eager part) and another compiles whole (DeepSeek-V3's dense first layer), the graph of the prefix
+    before that call guards nothing that tells the kinds apart, and would take the whole kind in it at the next
+    step, a graph compiled again. Blocks of one kind share their graphs."""
+
+    def enter(block: nn.Module, *args, **kwargs):
+        return block._call_impl(*args, **kwargs)
+
+    return types.FunctionType(enter.__code__.replace(co_name=f"block_kind_{kind}"), enter.__globals__,
+                              f"block_kind_{kind}")
 
 
 def compile_afresh(model: nn.Module, backend: str) -> Compiled | None:

@@ -13,6 +13,8 @@ import torch.nn.functional as F
 import par4d
 from par4d.adopt.causal_lm import CausalLM
 from par4d.adopt.moe import SparseMoE
+from par4d.compiled import compile_blocks
+from par4d.compiled import counted as counted_graphs
 from par4d.layout import shard_batch
 from par4d.nn import full_state_dict
 from par4d.nn.moe import update_expert_bias
@@ -153,12 +155,18 @@ def _on_meta(twin, family: str, grid):
     return lm
 
 
-def _matches(sizes: dict, family: str, recompute: bool = False, meta: bool = False, bias_rate: float = 0.0) -> dict:
+def _matches(sizes: dict, family: str, recompute: bool = False, meta: bool = False, bias_rate: float = 0.0,
+             compile: bool = False) -> dict:
+    """par4d's model against its twin (see _check); ``compile``: its decoder layers compiled (aot_eager), the graphs
+    dynamo made at each step counted."""
     with cases.float64():
         grid = cases.grid(**sizes)
         twin = _model(family)
         lm = _on_meta(twin, family, grid) if meta else par4d.parallelize(copy.deepcopy(twin), grid)
         model = CausalLM(lm, 0.0, 0, grid=grid)       # (on a context axis: the chunks' global positions)
+        if compile:
+            torch._dynamo.reset()
+            compile_blocks(model, "aot_eager")
         if recompute:       # transformers' own checkpointing of each decoder layer (par4d's --recompute)
             model.lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         _norms_keep_float64(twin)
@@ -177,7 +185,7 @@ def _matches(sizes: dict, family: str, recompute: bool = False, meta: bool = Fal
         opt_twin = torch.optim.AdamW(twin.parameters(), lr=1e-2, eps=1e-4, weight_decay=0.1)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4, weight_decay=0.1)
         gen = torch.Generator().manual_seed(1)
-        far, norms, counted = [], [], []
+        far, norms, counted, graphs, start = [], [], [], [], counted_graphs()[0]
         for step in range(STEPS):
             tokens = torch.randint(0, VOCAB, (8, 9), generator=gen)
             x, y = tokens[:, :-1], tokens[:, 1:]
@@ -194,6 +202,7 @@ def _matches(sizes: dict, family: str, recompute: bool = False, meta: bool = Fal
             theirs = [torch.bincount(chosen.flatten(), minlength=experts) for chosen in picked]
             loss = model(shard_batch(grid, x), shard_batch(grid, y))
             loss.backward()
+            graphs.append(counted_graphs()[0] - start)
             sync_gradients(model, grid)
             counted.append(all(torch.equal(a, b) for a, b in zip(_routes(model), theirs)))
             mean = global_mean(loss.detach(), grid).item()
@@ -219,7 +228,7 @@ def _matches(sizes: dict, family: str, recompute: bool = False, meta: bool = Fal
         far += [f"{n} after {STEPS} steps" for n, p in twin.named_parameters()
                 if not torch.allclose(after[n], p, rtol=1e-8, atol=1e-11)]
         kinds = {row.name: row.kind for row in par4d.state(model.lm).plan}
-        return {"far": far, "norms": norms, "counted": counted, "kinds": kinds,
+        return {"far": far, "norms": norms, "counted": counted, "kinds": kinds, "graphs": graphs,
                 "mixtures": sum(isinstance(m, SparseMoE) for m in model.modules())}
 
 
@@ -269,10 +278,15 @@ def test_deepseek_v3_is_transformers_own(pool4, sizes):
     renormalised and scaled; shared experts beside; latent attention as lone layers; its first block dense.
     Both routers in float64 here (transformers' takes float32 logits whatever the model's dtype; par4d's
     DeepSeek-V3 router does too, outside this test). On data=4,expert=4 and y=2 the correction bias is
-    stepped (--expert-bias-rate): as the rule steps the twin's from transformers' own routes."""
-    found = pool4.run(_matches, sizes, "deepseek_v3", False, True, 0.01 if "x" not in sizes else 0.0)
+    stepped (--expert-bias-rate): as the rule steps the twin's from transformers' own routes. On data=4,expert=4
+    its decoder layers are compiled: the dense one whole, the mixtures broken at their eager routed part, and no
+    graph made after the first step (two kinds of block: par4d.compiled's entry per kind)."""
+    compiled = sizes == dict(data=4, expert=4)
+    found = pool4.run(_matches, sizes, "deepseek_v3", False, True, 0.01 if "x" not in sizes else 0.0, compiled)
     _check(found, 2)
     assert found[0]["kinds"]["model.layers.1.mlp"] == "experts"
+    for r in found:
+        assert r["graphs"] == [r["graphs"][0]] * STEPS and (r["graphs"][0] > 0) == compiled, r["graphs"]
 
 
 

@@ -55,8 +55,9 @@ def _compiled(made: dict) -> str:
     again = f", {made['recompiled_graphs']} compiled again after the first step" if made["recompiled_graphs"] else ""
     if made.get("evaluation_graphs"):
         again += f", {made['evaluation_graphs']} for evaluation (without gradients)"
-    return (f"{made['blocks']} blocks by {made['backend']}: {made['graphs']} graphs, "
-            f"{made['graph_breaks_per_block']:g} graph breaks per block{again}; the first step took "
+    graphs, breaks = made["graphs"], made["graph_breaks_per_block"]
+    return (f"{made['blocks']} blocks by {made['backend']}: {graphs} graph{'s' * (graphs != 1)}, "
+            f"{breaks:g} graph break{'s' * (breaks != 1)} per block{again}; the first step took "
             f"{made['first_step_extra_s']:.1f} s more than a later one (compiling)")
 
 
