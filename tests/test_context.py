@@ -68,16 +68,20 @@ def test_ring_attention_is_causal_attention_over_the_whole_sequence(pool4, sizes
     assert pool4.run(_ring_against_torch, sizes) == [{"send": expected, "recv": expected}] * 4
 
 
-def _gpt_matches_twin(sizes: dict) -> int:
+def _gpt_matches_twin(sizes: dict, compile: str = "none") -> int:
+    if compile != "none":
+        torch._dynamo.reset()       # (the pool's ranks live on: no graph of another test's model reused)
     with cases.float64():
-        return compare_gpt_with_twin(cases.grid(**sizes), sizes, GPT_CONFIG)
+        return compare_gpt_with_twin(cases.grid(**sizes), sizes, GPT_CONFIG, compile=compile)
 
 
 @pytest.mark.parametrize("sizes", [dict(context=4), dict(context=2, data=2), dict(x=2, context=2),
                                    dict(y=2, context=2), dict(z=2, context=2)], ids=sizes_id)
 def test_gpt_with_a_context_axis_matches_twin_4_ranks(pool4, sizes):
-    """The loss, every gradient and the parameters after 3 AdamW steps, in float64."""
-    assert len(set(pool4.run(_gpt_matches_twin, sizes))) == 1
+    """The loss, every gradient and the parameters after 3 AdamW steps, in float64; on context=2,data=2 with its
+    blocks compiled (--compile aot_eager: the ring's transfers graph breaks)."""
+    compile = "aot_eager" if sizes == dict(context=2, data=2) else "none"
+    assert len(set(pool4.run(_gpt_matches_twin, sizes, compile))) == 1
 
 
 def test_gpt_with_a_context_axis_matches_twin_8_ranks(pool8):
