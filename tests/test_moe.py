@@ -441,6 +441,36 @@ def test_bench_moe_rows_count_what_each_rank_holds(pool4):
     assert all({"framework", "name", "s_per_iter"} <= set(r) for r in rows.values())
 
 
+def _compiled_twin_rows() -> dict:
+    from dataclasses import replace
+
+    from par4d.bench.moe import MoESettings, _timed
+    from par4d.train.recipes.gpt import build_reference
+    from tests.cases import GPT_CONFIG
+
+    config = replace(GPT_CONFIG, mlp="moe", experts=4, top_k=2)
+    model = build_reference(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(0)
+    batches = iter(torch.randint(0, config.vocab_size, (16, 4, config.block_size + 1), generator=gen))
+
+    def step() -> None:         # a new batch every step: each expert's load changes
+        tokens = next(batches)
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return _timed(model, step, MoESettings(nproc=2, iters=4, warmup=1, compile="aot_eager"))[1]
+
+
+def test_bench_moe_compiles_a_peers_blocks_once(pool2):
+    """`par4d bench moe --compile`: a row's blocks compiled (here the peers' twin, its routed part eager), the
+    compiling step timed apart, and no graph compiled again over steps whose expert loads differ."""
+    for found in pool2.run(_compiled_twin_rows):
+        assert found["compile"] == "aot_eager" and isinstance(found["compile_s"], float)
+        assert found["recompiled_graphs"] == 0
+
+
 @pytest.mark.parametrize("sizes", [dict(data=4, expert=4), dict(y=2, data=2, expert=2)], ids=describe)
 def test_group_limited_routing_is_the_twins(pool4, sizes):
     """groups=(2, 1): the 4 experts in 2 groups, each token's 2 chosen inside the one group whose two best

@@ -3,7 +3,10 @@ the same model, on the same batch and ranks, one after another in one job. The m
 (``--model gpt``; the peers train its single-device twin) or transformers' Mixtral (``--model hf-mixtral``;
 par4d trains it made parallel by ``par4d.parallelize``, the peers transformers' own model, its experts by
 transformers' default kernel, with its load-balancing loss over each rank's tokens). DDP holds every
-expert on each rank; FSDP2 shards every parameter (each block, then the root).
+expert on each rank; FSDP2 shards every parameter (each block, then the root). ``--compile``: every row's
+blocks compiled alike (par4d.compiled: par4d's, and the peers' after DDP or FSDP2 wraps them), the compiling
+step timed apart and the graphs compiled again after it counted (transformers' experts, whose loops run over
+the experts a batch reaches, recompile as the loads change; par4d's routed part runs eagerly).
 
 par4d's rows: the experts spread over every data rank (``expert`` = ranks), over half of them, not at all
 (each rank holds every expert, as DDP), and split over x as well as spread. Each row gives the median
@@ -22,11 +25,13 @@ import torch
 import torch.distributed as dist
 
 from par4d.bench.common import check_cluster, launch, link_bytes
+from par4d.compiled import compile_afresh, counted
 from par4d.launch import distributed_env, init, join
 from par4d.launch.host import threads_per_rank
 from par4d.layout import placement_of, shard_batch
 from par4d.measure.grids import WARMUP, time_iterations
 from par4d.models import GPTConfig
+from par4d.parallel import check_compile
 
 # Experts hold 16 d^2 each per block against attention's 4 d^2: with 8 of them, 97% of the blocks' weights
 MOE_CONFIG = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128, mlp="moe", experts=8, top_k=2)
@@ -48,6 +53,7 @@ class MoESettings:
     nodes: int | None = None      # emulated nodes of nproc ranks each (None: local ranks)
     link: str = "1gbit"
     warmup: int = WARMUP          # untimed steps before each row's (a test's rows need none)
+    compile: str = "none"         # a backend compiling every row's blocks (par4d.compiled), or none
 
     @property
     def world(self) -> int:
@@ -94,6 +100,18 @@ def _row(framework: str, name: str, grid: str, times: list[float], comm: int, ex
             "times": times, **({} if link is None else {"link_bytes_per_iter": link})}
 
 
+def _timed(model: torch.nn.Module, step, settings: MoESettings) -> tuple[list[float], dict]:
+    """``step``'s times, ``model``'s blocks compiled first where the settings say (its first step, compiling,
+    timed apart: its seconds beyond the timed steps' median; and the graphs made after it)."""
+    if compile_afresh(model, settings.compile) is None:
+        return time_iterations(step, settings.iters, settings.warmup), {}
+    compiling = time_iterations(step, 1, 0)[0]
+    after_first = counted()[0]
+    times = time_iterations(step, settings.iters, settings.warmup)
+    return times, {"compile": settings.compile, "compile_s": compiling - statistics.median(times),
+                   "recompiled_graphs": counted()[0] - after_first}
+
+
 def _par4d(sizes: dict[str, int], settings: MoESettings) -> dict:
     from par4d.grid import describe
     from par4d.optim.data_parallel import sync_gradients
@@ -117,14 +135,14 @@ def _par4d(sizes: dict[str, int], settings: MoESettings) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    times = time_iterations(step, settings.iters, settings.warmup)
+    times, compiled = _timed(model, step, settings)
     before = grid.ledger.total_bytes()
     step()
     comm = grid.ledger.total_bytes() - before
     row = _row("par4d", "par4d", describe(grid.sizes), times, comm, _bytes(model.parameters(), True),
                _bytes(model.parameters(), False), link_bytes(step) if settings.nodes else None)
     grid.close()
-    return row
+    return dict(row, **compiled)
 
 
 def _torch(kind: str, settings: MoESettings) -> dict:
@@ -164,7 +182,7 @@ def _torch(kind: str, settings: MoESettings) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    times = time_iterations(step, settings.iters, settings.warmup)
+    times, compiled = _timed(model, step, settings)
     link = link_bytes(step) if settings.nodes else None
     params = sum(p.to_local().numel() * p.element_size() if hasattr(p, "to_local") else p.numel() * p.element_size()
                  for p in model.parameters())
@@ -175,7 +193,7 @@ def _torch(kind: str, settings: MoESettings) -> dict:
         with counter:
             step()
         comm = counter.bytes
-    return _row("torch", name, f"data={world}", times, comm, experts, params, link)
+    return dict(_row("torch", name, f"data={world}", times, comm, experts, params, link), **compiled)
 
 
 def moe_worker(settings: MoESettings) -> list[dict]:
@@ -190,25 +208,29 @@ def moe_worker(settings: MoESettings) -> list[dict]:
 
 
 def run_bench_moe(nproc: int, iters: int, model: str = "gpt", nodes: int | None = None,
-                  link: str = "1gbit") -> list[dict]:
+                  link: str = "1gbit", compile: str = "none") -> list[dict]:
     """The rows, on ``nproc`` local ranks or ``nodes`` emulated nodes of ``nproc`` ranks joined by ``link``."""
     if iters < 1 or nproc < 1 or nproc * (nodes or 1) < 2 or (nodes is not None and nodes < 2):
         raise ValueError(f"--iters must be >= 1, and the ranks (--nproc {nproc}, per node over --nodes {nodes}) "
                          f"at least 2, on 2 nodes or more")
     if model not in MODELS:
         raise ValueError(f"--model {model}: give one of {', '.join(MODELS)}")
+    check_compile(compile)
     check_cluster(nproc, nodes, link)
-    settings = MoESettings(nproc, iters, model=model, nodes=nodes, link=link)
+    settings = MoESettings(nproc, iters, model=model, nodes=nodes, link=link, compile=compile)
     return launch(moe_worker, (settings,), nproc, nodes, link, "par4d-bench-moe")
 
 
 def table(rows: list[dict]) -> str:
     linked = all("link_bytes_per_iter" in r for r in rows)
+    compiled = all("compile_s" in r for r in rows)
     lines = [f"{'name':<12} {'grid':<38} {'s/iter':>8} {'ratio':>6} {'experts MB/rank':>15} {'params MB/rank':>14} "
-             f"{'comm MB/iter':>12}" + (f" {'link MB/iter':>12}" if linked else "")]
+             f"{'comm MB/iter':>12}" + (f" {'link MB/iter':>12}" if linked else "")
+             + (f" {'compiling s':>11} {'recompiled':>10}" if compiled else "")]
     for r in rows:
         lines.append(f"{r['name']:<12} {r['grid']:<38} {r['s_per_iter']:>8.4f} {r['ratio_to_best_peer']:>6.2f} "
                      f"{r['expert_bytes_per_rank'] / 1e6:>15.2f} {r['param_bytes_per_rank'] / 1e6:>14.2f} "
                      f"{r['comm_bytes_per_iter'] / 1e6:>12.2f}"
-                     + (f" {r['link_bytes_per_iter'] / 1e6:>12.2f}" if linked else ""))
+                     + (f" {r['link_bytes_per_iter'] / 1e6:>12.2f}" if linked else "")
+                     + (f" {r['compile_s']:>11.1f} {r['recompiled_graphs']:>10}" if compiled else ""))
     return "\n".join(lines)

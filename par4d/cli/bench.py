@@ -57,8 +57,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     _ranks(peers)
     peers.add_argument("--iters", type=int, default=8, help="timed iterations per row (after 2 warm-up)")
     peers.add_argument("--compile", nargs="?", const="inductor", choices=(*COMPILE_BACKENDS, "none"), default="none",
-                       help="compile every model's blocks (par4d's and the peers', torch.compile; not --model "
-                            "hf-mixtral): inductor when given alone; the compiling step is timed apart")
+                       help="compile every model's blocks (par4d's and the peers', torch.compile): inductor when "
+                            "given alone; the compiling step is timed apart")
     peers.add_argument("--rounds", type=int, default=2,
                        help="rounds over par4d's rows and DDP's, in alternating order (each row's times pooled)")
     peers.add_argument("--model", default="gpt", choices=("gpt", "hf-llama", "hf-gpt2", "hf-mixtral"),
@@ -143,6 +143,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                      help="gpt: par4d's GPT with experts; hf-mixtral: transformers' Mixtral through par4d.parallelize "
                           "(default gpt)")
     moe.add_argument("--iters", type=int, default=8, help="timed iterations per row (after 2 warm-up)")
+    moe.add_argument("--compile", nargs="?", const="inductor", choices=(*COMPILE_BACKENDS, "none"), default="none",
+                     help="compile every row's blocks (par4d's and the peers'): inductor when given alone; the "
+                          "compiling step timed apart, the graphs compiled again after it counted")
     _output(moe)
     context = sub.add_parser("context", help="long sequences: the longest a fixed GPT trains at with a context axis "
                                              "vs without, activations per rank against length, and torch's "
@@ -209,14 +212,11 @@ def run(args: argparse.Namespace) -> int:
         if not emit(rows, args.out, args.json):
             print(table(rows, settings.budget_mb))
         return 0
-    if args.bench == "peers" and args.compile != "none" and args.model == "hf-mixtral":
-        raise ValueError(f"bench peers --compile {args.compile}: compiled peers are measured for --model gpt, "
-                         f"hf-llama and hf-gpt2 (not yet --model {args.model})")
     if args.bench == "moe" or (args.bench == "peers" and args.model == "hf-mixtral"):   # a mixture's peers
         from par4d.bench.common import emit
         from par4d.bench.moe import run_bench_moe, table
 
-        rows = run_bench_moe(args.nproc, args.iters, args.model, args.nodes, args.link)
+        rows = run_bench_moe(args.nproc, args.iters, args.model, args.nodes, args.link, args.compile)
         if not emit(rows, args.out, args.json):
             print(table(rows))
         return 0
