@@ -5,8 +5,8 @@ par4d trains it made parallel by ``par4d.parallelize``, the peers transformers' 
 transformers' default kernel, with its load-balancing loss over each rank's tokens). DDP holds every
 expert on each rank; FSDP2 shards every parameter (each block, then the root). ``--compile``: every row's
 blocks compiled alike (par4d.compiled: par4d's, and the peers' after DDP or FSDP2 wraps them), the compiling
-step timed apart and the graphs compiled again after it counted (transformers' experts, whose loops run over
-the experts a batch reaches, recompile as the loads change; par4d's routed part runs eagerly).
+step timed apart and the graphs compiled again after it counted (a routed part dynamo specialised on the
+experts' loads would compile again as they change: par4d's runs eagerly).
 
 par4d's rows: the experts spread over every data rank (``expert`` = ranks), over half of them, not at all
 (each rank holds every expert, as DDP), and split over x as well as spread. Each row gives the median
