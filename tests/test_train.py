@@ -163,12 +163,12 @@ def test_joins_a_torchrun_job_and_survives_its_restarts(tmp_path):
 
 
 def test_bench_grid_rows_and_exact_bytes(pool4):
-    """`par4d bench grid`'s rows (on the pool's ranks): every valid grid, and byte counts that must
+    """`par4d bench grid`'s rows (on the pool's ranks, 4 sequences): every valid grid, and byte counts that must
     agree exactly: data-only par4d and DDP both all-reduce every gradient once."""
     from par4d.bench.grid import BenchSettings, bench_rows
     from par4d.measure.grids import CONFIG, grids
 
-    rows = pool4.run(bench_rows, BenchSettings(nproc=4, iters=1, peak_flops=1e9, warmup=0), timeout=240)[0]
+    rows = pool4.run(bench_rows, BenchSettings(nproc=4, iters=1, peak_flops=1e9, warmup=0, batch=4), timeout=240)[0]
     par4d_rows = [r for r in rows if r["name"] == "par4d"]
     assert len(par4d_rows) == len(grids(4)) == 10
     for row in rows:
