@@ -72,9 +72,10 @@ def compile_blocks(model: nn.Module, backend: str = "inductor") -> Compiled:
     entries: dict[tuple[type, ...], Callable] = {}
     for block in blocks:
         kind = tuple(type(m) for m in block.modules())
-        entry = entries.setdefault(kind, _entry(len(entries)))
+        if kind not in entries:
+            entries[kind] = _entry(len(entries))
         # (as nn.Module.compile, through this kind's entry; shapes static until one changes, then dynamic)
-        block._compiled_call_impl = torch.compile(types.MethodType(entry, block), backend=backend)
+        block._compiled_call_impl = torch.compile(types.MethodType(entries[kind], block), backend=backend)
     return Compiled(len(blocks), backend, start)
 
 
@@ -82,14 +83,14 @@ def _entry(kind: int) -> Callable:
     """A block's way in, with a code object of its own for each kind of block (its modules' classes). dynamo keeps
     graphs per code object and looks them up by guards: where one kind breaks its graph inside a nested call (a
     mixture's eager part) and another compiles whole (DeepSeek-V3's dense first layer), the graph of the prefix
-    before that call guards nothing that tells the kinds apart, and would take the whole kind in it at the next
-    step, a graph compiled again. Blocks of one kind share their graphs."""
+    before that call guards nothing that tells the kinds apart: the whole kind would run through it at the next
+    step and compile a graph again. Blocks of one kind share their graphs."""
 
     def enter(block: nn.Module, *args, **kwargs):
         return block._call_impl(*args, **kwargs)
 
-    return types.FunctionType(enter.__code__.replace(co_name=f"block_kind_{kind}"), enter.__globals__,
-                              f"block_kind_{kind}")
+    name = f"block_kind_{kind}"     # (enter has no free variables and no defaults: its code is all it is)
+    return types.FunctionType(enter.__code__.replace(co_name=name, co_qualname=name), enter.__globals__, name)
 
 
 def compile_afresh(model: nn.Module, backend: str) -> Compiled | None:

@@ -68,11 +68,16 @@ def test_ring_attention_is_causal_attention_over_the_whole_sequence(pool4, sizes
     assert pool4.run(_ring_against_torch, sizes) == [{"send": expected, "recv": expected}] * 4
 
 
-def _gpt_matches_twin(sizes: dict, compile: str = "none") -> int:
+def _gpt_matches_twin(sizes: dict, compile: str = "none") -> tuple[int, int, int]:
+    """The twin's check (how many tensors it compared), and the graphs and graph breaks compiling made."""
+    from par4d.compiled import counted
+
     if compile != "none":
         torch._dynamo.reset()       # (the pool's ranks live on: no graph of another test's model reused)
+    before = counted()
     with cases.float64():
-        return compare_gpt_with_twin(cases.grid(**sizes), sizes, GPT_CONFIG, compile=compile)
+        compared = compare_gpt_with_twin(cases.grid(**sizes), sizes, GPT_CONFIG, compile=compile)
+    return compared, counted()[0] - before[0], counted()[1] - before[1]
 
 
 @pytest.mark.parametrize("sizes", [dict(context=4), dict(context=2, data=2), dict(x=2, context=2),
@@ -81,12 +86,15 @@ def test_gpt_with_a_context_axis_matches_twin_4_ranks(pool4, sizes):
     """The loss, every gradient and the parameters after 3 AdamW steps, in float64; on context=2,data=2 with its
     blocks compiled (--compile aot_eager: the ring's transfers graph breaks)."""
     compile = "aot_eager" if sizes == dict(context=2, data=2) else "none"
-    assert len(set(pool4.run(_gpt_matches_twin, sizes, compile))) == 1
+    found = pool4.run(_gpt_matches_twin, sizes, compile)
+    assert len({compared for compared, _, _ in found}) == 1
+    for _, graphs, breaks in found:
+        assert (graphs > 0 and breaks > 0) if compile != "none" else graphs == breaks == 0
 
 
 def test_gpt_with_a_context_axis_matches_twin_8_ranks(pool8):
     """Three axes at once: heads over x, the batch over z, each sequence over context."""
-    assert len(set(pool8.run(_gpt_matches_twin, dict(x=2, z=2, context=2)))) == 1
+    assert len({compared for compared, _, _ in pool8.run(_gpt_matches_twin, dict(x=2, z=2, context=2))}) == 1
 
 
 def test_batches_read_only_a_context_ranks_chunks():

@@ -467,7 +467,7 @@ def test_bench_moe_compiles_a_peers_blocks_once(pool2):
     """`par4d bench moe --compile`: a row's blocks compiled (here the peers' twin, its routed part eager), the
     compiling step timed apart, and no graph compiled again over steps whose expert loads differ."""
     for found in pool2.run(_compiled_twin_rows):
-        assert found["compile"] == "aot_eager" and isinstance(found["compile_s"], float)
+        assert found["graphs"] > 0 and found["compile_s"] > 0       # compiled, in its first step
         assert found["recompiled_graphs"] == 0
 
 

@@ -173,7 +173,8 @@ def test_bench_grid_rows_and_exact_bytes(pool4):
     assert len(par4d_rows) == len(grids(4)) == 10
     for row in rows:
         assert {"name", "grid", "s_per_iter", "tokens_per_s", "bytes_per_iter"} <= set(row)
-        assert row["s_per_iter"] > 0 and row["tokens_per_s"] > 0
+        assert row["tokens_per_s"] == pytest.approx(4 * CONFIG.block_size / row["s_per_iter"])   # the 4 sequences'
+        assert row["percent_of_peak"] == pytest.approx(100 * CONFIG.flops_per_token() * row["tokens_per_s"] / 1e9)
     grad_bytes_all_ranks = 4 * 4 * CONFIG.num_params()
     ddp = next(r for r in rows if r["name"] == "torch DDP")
     data_only = next(r for r in par4d_rows if r["grid"] == "x=1 y=1 z=1 data=4")

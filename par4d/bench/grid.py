@@ -99,7 +99,7 @@ def _bench_torch(kind: str, settings: BenchSettings) -> dict:
 def bench_rows(settings: BenchSettings) -> list[dict]:
     """Every par4d grid of the job's ranks, then torch's DDP and FSDP2, on this rank's job."""
     torch.set_num_threads(threads_per_rank(settings.nproc))
-    rows = [_bench_par4d(sizes, settings) for sizes in grids(settings.nproc)]
+    rows = [_bench_par4d(sizes, settings) for sizes in grids(settings.nproc, batch=settings.batch)]
     rows.append(_bench_torch("ddp", settings))
     rows.append(_bench_torch("fsdp", settings))
     for row in rows:

@@ -5,8 +5,8 @@ par4d trains it made parallel by ``par4d.parallelize``, the peers transformers' 
 transformers' default kernel, with its load-balancing loss over each rank's tokens). DDP holds every
 expert on each rank; FSDP2 shards every parameter (each block, then the root). ``--compile``: every row's
 blocks compiled alike (par4d.compiled: par4d's, and the peers' after DDP or FSDP2 wraps them), the compiling
-step timed apart and the graphs compiled again after it counted (a routed part dynamo specialised on the
-experts' loads would compile again as they change: par4d's runs eagerly).
+step timed apart and the graphs compiled again after it counted (every step trains on the same batch, so the
+experts' loads change only as the routers learn; tests/test_moe.py changes them every step).
 
 par4d's rows: the experts spread over every data rank (``expert`` = ranks), over half of them, not at all
 (each rank holds every expert, as DDP), and split over x as well as spread. Each row gives the median
@@ -102,14 +102,15 @@ def _row(framework: str, name: str, grid: str, times: list[float], comm: int, ex
 
 def _timed(model: torch.nn.Module, step, settings: MoESettings) -> tuple[list[float], dict]:
     """``step``'s times, ``model``'s blocks compiled first where the settings say (its first step, compiling,
-    timed apart: its seconds beyond the timed steps' median; and the graphs made after it)."""
+    timed apart: its seconds beyond the timed steps' median; the graphs it made, and those made after it)."""
     if compile_afresh(model, settings.compile) is None:
         return time_iterations(step, settings.iters, settings.warmup), {}
+    before = counted()[0]
     compiling = time_iterations(step, 1, 0)[0]
     after_first = counted()[0]
     times = time_iterations(step, settings.iters, settings.warmup)
     return times, {"compile": settings.compile, "compile_s": compiling - statistics.median(times),
-                   "recompiled_graphs": counted()[0] - after_first}
+                   "graphs": after_first - before, "recompiled_graphs": counted()[0] - after_first}
 
 
 def _par4d(sizes: dict[str, int], settings: MoESettings) -> dict:

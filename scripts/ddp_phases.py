@@ -1,0 +1,98 @@
+"""Where a rank's CPU goes in par4d's data=4 step and in DDP's, phase by phase (docs/benchmarks.md, "data=4
+against DDP"): par4d's GPT and its single-device twin wrapped in DDP, on the same ranks and rows, stepped in
+turns; rank 0's ``time.process_time`` (every thread of the process, gloo's included) of the forward, backward
+(DDP's sync runs inside it), par4d's sync finishing, and AdamW with the zeroing; medians over the steps.
+
+    .venv/bin/torchrun --nproc-per-node 4 scripts/ddp_phases.py [--workload demo|comm-bound] [--steps 110]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from par4d.launch import init
+from par4d.layout import block
+from par4d.measure.grids import BATCH, CONFIG, TrainingStep, batch
+from par4d.models import ReferenceGPT
+from par4d.optim.data_parallel import gradient_sync
+
+PHASES = ("forward", "backward", "sync", "optimizer")
+WARMUP = 10
+
+
+def _par4d_step(step: TrainingStep):
+    grid, model, optimizer = step.grid, step.model, step.optimizer
+
+    def run() -> list[float]:
+        clock = [time.process_time()]
+        sync = gradient_sync(model, grid)
+        loss = model(step.x, step.y)
+        clock.append(time.process_time())
+        with sync.backward():
+            loss.backward()
+        clock.append(time.process_time())
+        sync.finish()
+        clock.append(time.process_time())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        clock.append(time.process_time())
+        return clock
+
+    return run
+
+
+def _ddp_step(x: torch.Tensor, y: torch.Tensor):
+    model = DistributedDataParallel(ReferenceGPT(CONFIG))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def run() -> list[float]:
+        clock = [time.process_time()]
+        loss = model(x, y)
+        clock.append(time.process_time())
+        loss.backward()                     # DDP's all-reduces launched and waited for in here
+        clock.append(time.process_time())
+        clock.append(time.process_time())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        clock.append(time.process_time())
+        return clock
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", choices=("demo", "comm-bound"), default="comm-bound")
+    parser.add_argument("--steps", type=int, default=110)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    sequences, seq_len = (BATCH, CONFIG.block_size) if args.workload == "demo" else (4, 32)
+    grid = init(data=4)
+    inputs, targets = batch(sequences, seq_len)
+    rows = block(sequences, grid.world_size, grid.rank)
+    steps = {"par4d": _par4d_step(TrainingStep(grid, sequences, seq_len)),
+             "torch DDP": _ddp_step(inputs[rows], targets[rows])}
+    seconds: dict[str, list[list[float]]] = {name: [] for name in steps}
+    for i in range(WARMUP + args.steps):
+        for name in (list(steps) if i % 2 else list(steps)[::-1]):      # in turns, each first every other step
+            dist.barrier()
+            clock = steps[name]()
+            if i >= WARMUP:
+                seconds[name].append([b - a for a, b in zip(clock, clock[1:])])
+    if grid.rank == 0:
+        print(f"rank 0's CPU ms per step, median of {args.steps} ({args.workload}):", " ".join(PHASES))
+        for name, rows_ in seconds.items():
+            medians = [1e3 * statistics.median(r[k] for r in rows_) for k in range(len(PHASES))]
+            print(f"{name:<10}", " ".join(f"{m:8.2f}" for m in medians), f"  sum {sum(medians):.2f}")
+    grid.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
