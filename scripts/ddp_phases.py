@@ -26,6 +26,12 @@ PHASES = ("forward", "backward", "sync", "optimizer")
 WARMUP = 10
 
 
+def _step_optimizer(optimizer: torch.optim.Optimizer, clock: list[float]) -> list[float]:
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return clock + [time.process_time()]
+
+
 def _par4d_step(step: TrainingStep):
     grid, model, optimizer = step.grid, step.model, step.optimizer
 
@@ -39,10 +45,7 @@ def _par4d_step(step: TrainingStep):
         clock.append(time.process_time())
         sync.finish()
         clock.append(time.process_time())
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        clock.append(time.process_time())
-        return clock
+        return _step_optimizer(optimizer, clock)
 
     return run
 
@@ -56,12 +59,8 @@ def _ddp_step(x: torch.Tensor, y: torch.Tensor):
         loss = model(x, y)
         clock.append(time.process_time())
         loss.backward()                     # DDP's all-reduces launched and waited for in here
-        clock.append(time.process_time())
-        clock.append(time.process_time())
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        clock.append(time.process_time())
-        return clock
+        clock += [time.process_time()] * 2  # (no sync of its own to finish)
+        return _step_optimizer(optimizer, clock)
 
     return run
 
