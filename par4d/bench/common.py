@@ -81,13 +81,14 @@ def emit(rows: list[dict], out: str | None, as_json: bool) -> bool:
 
 
 def grid_row(name: str, sizes: dict[str, int], times: list[float], bytes_per_iter: float, peak: float,
-             bytes_source: str) -> dict:
-    """A row of the demo workload (par4d's GPT on its batch): median seconds per iteration, tokens/s, % of
-    ``peak``, the bytes one iteration's collectives move (``bytes_source``: how they were counted)."""
+             bytes_source: str, sequences: int | None = None) -> dict:
+    """A row of the demo workload (par4d's GPT on ``sequences`` of its length, default its batch): median
+    seconds per iteration, tokens/s, % of ``peak``, the bytes one iteration's collectives move (``bytes_source``:
+    how they were counted)."""
     from par4d.measure.grids import BATCH, CONFIG  # only the rows of the demo workload need the planner's
 
     s = statistics.median(times)
-    tokens = BATCH * CONFIG.block_size / s
+    tokens = (sequences or BATCH) * CONFIG.block_size / s
     flops = CONFIG.flops_per_token() * tokens
     return {"framework": "par4d" if name.startswith("par4d") else "torch", "name": name,
             "grid": " ".join(f"{a}={sizes.get(a, 1)}" for a in ("x", "y", "z", "data")),

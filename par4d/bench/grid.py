@@ -39,18 +39,10 @@ class BenchSettings:
     batch: int = BATCH            # sequences in the global batch (the demo's; a test's rows take fewer)
 
 
-def _row(name: str, sizes: dict[str, int], times: list[float], bytes_per_iter: float, settings: BenchSettings,
-         source: str) -> dict:
-    """grid_row's row, its tokens/s and % of peak counted for this batch."""
-    row = grid_row(name, sizes, times, bytes_per_iter, settings.peak_flops, source)
-    share = settings.batch / BATCH
-    return dict(row, tokens_per_s=row["tokens_per_s"] * share, percent_of_peak=row["percent_of_peak"] * share)
-
-
 def _bench_par4d(sizes: dict[str, int], settings: BenchSettings) -> dict:
     times, per_rank, held = measure_grid(sizes, settings.iters, settings.batch, then=held_most,
                                          warmup=settings.warmup)
-    row = _row("par4d", sizes, times, sum_over_ranks(per_rank), settings, "ledger")
+    row = grid_row("par4d", sizes, times, sum_over_ranks(per_rank), settings.peak_flops, "ledger", settings.batch)
     # What a step holds (par4d.train.footprint), the most of any rank. The peers' rows leave it out: their
     # buffers (DDP's reducer buckets, FSDP2's unsharded parameters) are outside what the footprint sees.
     return dict(row, held_bytes_per_rank=held["total"], held=held)
@@ -93,7 +85,8 @@ def _bench_torch(kind: str, settings: BenchSettings) -> dict:
             step()
         per_rank, source = counter.bytes, "c10d dispatch"
         name = "torch FSDP2"
-    return dict(_row(name, sizes, times, sum_over_ranks(per_rank), settings, source), held_bytes_per_rank=None)
+    return dict(grid_row(name, sizes, times, sum_over_ranks(per_rank), settings.peak_flops, source, settings.batch),
+                held_bytes_per_rank=None)
 
 
 def bench_rows(settings: BenchSettings) -> list[dict]:

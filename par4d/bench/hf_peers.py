@@ -56,7 +56,7 @@ from par4d.launch.cluster import link_bits_per_second
 from par4d.launch.host import cpu_cores, threads_per_rank
 from par4d.launch.peak import measure_matmul_peak
 from par4d.layout import block, shard_batch
-from par4d.measure.grids import WARMUP, time_iterations
+from par4d.measure.grids import WARMUP, compile_seconds, time_iterations
 from par4d.plan.cost import factorizations
 
 MODELS = ("hf-llama", "hf-gpt2")
@@ -208,7 +208,7 @@ def _row(name: str, sizes: dict, timed: _Timed, per_rank_bytes: float, source: s
             "bytes_source": source, "iters": len(timed.times), "times": timed.times, "first_loss": timed.first_loss,
             "state_bytes": timed.state_bytes, "peak_bytes": timed.peak_bytes and timed.peak_bytes["total"],
             "peak_bytes_by_kind": timed.peak_bytes, "compile": compile,
-            "compile_s": timed.first_s - s if compile != "none" else None}
+            "compile_s": compile_seconds(timed.first_s if compile != "none" else None, timed.times)}
 
 
 def _bench_par4d(model: str, sizes: dict, workload: Workload, settings: PeersSettings, hierarchical: str,

@@ -48,7 +48,7 @@ from par4d.launch.cluster import link_bits_per_second
 from par4d.launch.host import cpu_cores, threads_per_rank
 from par4d.launch.peak import measure_matmul_peak
 from par4d.layout import block
-from par4d.measure.grids import BATCH, CONFIG, WARMUP, batch, grids, measure_grid, time_iterations
+from par4d.measure.grids import BATCH, CONFIG, WARMUP, batch, compile_seconds, grids, measure_grid, time_iterations
 from par4d.models import ReferenceGPT
 
 if TYPE_CHECKING:
@@ -297,7 +297,7 @@ def _bench_torch(kind: str, knob: dict, mesh: DeviceMesh | None, workload: Workl
         per_rank, source = counter.bytes, "c10d dispatch"
     extra["link_bytes_per_iter"] = link_bytes(step)      # untimed iterations, synchronized (DDP's too)
     extra["times"] = times
-    extra["compile_s"] = None if compiling is None else compiling - statistics.median(times)
+    extra["compile_s"] = compile_seconds(compiling, times)
     row = grid_row(peer.name, peer.sizes, times, sum_over_ranks(per_rank), settings.peak_flops, source)
     return _for_workload(dict(row, **extra), workload, settings.peak_flops)
 

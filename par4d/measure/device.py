@@ -33,6 +33,7 @@ from par4d.measure.calibrate import (
     measure_compute,
     measure_host_link,
 )
+from par4d.measure.grids import compile_seconds
 from par4d.models import GPTConfig
 from par4d.plan.compute import gemm_seconds
 from par4d.plan.machines import BUILTIN, Machine
@@ -161,9 +162,8 @@ def _par4d_step(case: StepCase, device: torch.device, dtype: torch.dtype, iters:
         first = _compiled(model, compile, step, grid.device)
         times = _timed(step, grid.device, iters)
         held = measure_footprint(model, precision, step).row()
-        median = statistics.median(times)
-        return {"s_per_iter": median, "held_bytes": held["total"], "device_peak": held["device_peak"],
-                "compile_s": None if first is None else first - median}
+        return {"s_per_iter": statistics.median(times), "held_bytes": held["total"],
+                "device_peak": held["device_peak"], "compile_s": compile_seconds(first, times)}
     finally:
         grid.close()
         if fresh:          # the one-rank job this step started
@@ -192,8 +192,7 @@ def _torch_step(case: StepCase, device: torch.device, dtype: torch.dtype, iters:
     first = _compiled(model, compile, step, device)
     times = _timed(step, device, iters)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    median = statistics.median(times)
-    return {"s_per_iter": median, "device_peak": peak, "compile_s": None if first is None else first - median}
+    return {"s_per_iter": statistics.median(times), "device_peak": peak, "compile_s": compile_seconds(first, times)}
 
 
 # The offloaded optimizer's bucket (``par4d train --offload-optimizer``'s default).

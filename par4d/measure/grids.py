@@ -121,6 +121,12 @@ def step_collectives(grid: Grid, step: Callable[[], object]) -> list[tuple[str, 
     return [(e.kind, e.axes, e.elements) for e in entries]
 
 
+def compile_seconds(first: float | None, times: list[float]) -> float | None:
+    """What compiling cost: the compiling step's seconds (``first``, a compiled model's first step, timed apart)
+    beyond the timed steps' median; None where nothing was compiled."""
+    return None if first is None else first - statistics.median(times)
+
+
 def time_iterations(step: Callable[[], object], iters: int, warmup: int = WARMUP) -> list[float]:
     """Seconds of ``iters`` calls of ``step`` after ``warmup`` untimed ones, each between barriers."""
     for _ in range(warmup):
@@ -152,8 +158,7 @@ def measure_grid(sizes: dict[str, int], iters: int, batch_size: int = BATCH, seq
     before = grid.ledger.total_bytes()
     compiling = time_iterations(step, 1, 0)[0] if compile != "none" else None   # apart from the timed ones
     times = time_iterations(step, iters, warmup)
-    if compiling is not None:
-        step.compile_seconds = compiling - statistics.median(times)
+    step.compile_seconds = compile_seconds(compiling, times)
     per_rank = (grid.ledger.total_bytes() - before) / (warmup + iters + (compile != "none"))
     extra = then(grid, step) if then is not None else None
     grid.close()
