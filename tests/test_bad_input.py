@@ -105,6 +105,7 @@ CASES = [
      "--val-share 2.0: give a share between 0 and 1"),
     (["bench", "peers", "--nproc", "0"], "--nproc, --iters and --rounds must be >= 1"),
     (["bench", "moe", "--compile", "tvm"], "argument --compile: invalid choice: 'tvm'"),
+    (["bench", "peers", "--model", "hf-mixtral", "--rounds", "0"], "--iters and --rounds must be >= 1 (got 8, 0)"),
     (["train", "--compile", "tvm"], "argument --compile: invalid choice: 'tvm'"),
     (["bench", "grid", "--nproc", "0"], "--nproc and --iters must be >= 1"),
     (["cluster", "run", "--nodes", "0", "--", "train"], "--nodes and ranks per node must be >= 1"),

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from par4d.bench import peers, torch_peers
+from par4d.bench.common import in_rounds, pooled
 from par4d.bench.peers import TPAttention, add_ratios, markdown, summary, validate
 from par4d.cli import main
 from par4d.measure.grids import CONFIG
@@ -166,10 +167,31 @@ def test_rounds_pool_a_rows_iterations():
              "local_times": [0.5, 0.5, 0.5], "name": "torch DDP"}
     second = dict(first, s_per_iter=5.0, tokens_per_s=4.0, percent_of_peak=1.6, times=[5.0, 6.0, 4.0],
                   local_times=[1.5, 1.5, 1.5])
-    row = peers.pooled([first, second])
+    row = pooled([first, second])
     assert row["s_per_iter"] == 3.5 and row["iters"] == 6 and row["rounds"] == 2
     assert row["tokens_per_s"] == pytest.approx(4.0 * 5.0 / 3.5)        # the last round's, recounted
     assert row["compute_s"] == 1.0 and row["exposed_comm_s"] == 2.5
     assert "times" not in row and "local_times" not in row
     with pytest.raises(ValueError, match="--rounds must be >= 1"):
         validate(4, None, 8, 0)
+
+
+def test_rounds_alternate_the_order_and_keep_the_first_compile():
+    """Rows timed in rounds (bench peers, hf peers, moe): the order of the runs reversed every other round, a row's
+    parts together; compiled, the first round's compiling seconds (Inductor's cache is warm after it) and every
+    round's graphs compiled again."""
+    calls = []
+
+    def run(name):
+        def timed():
+            calls.append(name)
+            turn = calls.count(name)
+            return [{"name": name, "grid": "data=4", "s_per_iter": 1.0, "times": [float(turn)],
+                     "compile_s": 10.0 / turn, "recompiled_graphs": turn - 1}]
+        return timed
+
+    parts = in_rounds([run("a"), run("b"), run("c")], 3)
+    assert calls == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
+    assert [[p["times"] for p in part] for part in parts] == [[[1.0], [2.0], [3.0]]] * 3
+    row = pooled(parts[0])
+    assert (row["s_per_iter"], row["compile_s"], row["recompiled_graphs"], row["rounds"]) == (2.0, 10.0, 3, 3)

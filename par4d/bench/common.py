@@ -25,6 +25,41 @@ def launch(worker: Callable, args: Sequence, nproc: int, nodes: int | None, link
     return launch_cluster(ClusterSpec(nodes, nproc, link), worker, args)[0]
 
 
+def in_rounds(runs: Sequence[Callable[[], list[dict]]], rounds: int) -> list[list[dict]]:
+    """Every run's rows, each run called ``rounds`` times, the order reversed every other round (the row timed
+    first after a change of model ran up to 6% slower here); a row's parts (one per round: the same workload,
+    name and grid) together, in the order first seen. :func:`pooled` makes each one row."""
+    timed: dict[tuple, list[dict]] = {}
+    for turn in range(rounds):
+        for run in runs if turn % 2 == 0 else runs[::-1]:
+            for row in run():
+                timed.setdefault((row.get("workload"), row["name"], row["grid"]), []).append(row)
+    return list(timed.values())
+
+
+def pooled(parts: list[dict]) -> dict:
+    """One row from the same row timed in several rounds: every round's iterations pooled (the median over all),
+    the throughput recounted, DDP's exposed all-reduce from the pooled times with and without sync; compiled, the
+    first round's compiling seconds (later rounds find Inductor's cache warm) and the graphs every round made
+    again after its first step."""
+    times = [t for part in parts for t in part["times"]]
+    local = [t for part in parts for t in part.get("local_times", [])]
+    row = {k: v for k, v in parts[-1].items() if k not in ("times", "local_times")}
+    s = statistics.median(times)
+    for key in ("tokens_per_s", "percent_of_peak"):
+        if key in row:
+            row[key] *= row["s_per_iter"] / s
+    row.update(s_per_iter=s, iters=len(times), rounds=len(parts))
+    if "compile_s" in parts[0]:
+        row["compile_s"] = parts[0]["compile_s"]
+    if "recompiled_graphs" in parts[0]:
+        row["recompiled_graphs"] = sum(part["recompiled_graphs"] for part in parts)
+    if local:
+        row.update(compute_s=statistics.median(local), exposed_comm_s=s - statistics.median(local),
+                   exposed_comm_share=(s - statistics.median(local)) / s)
+    return row
+
+
 def check_cluster(nproc: int, nodes: int | None, link: str) -> None:
     """With ``nodes``: raise before any rank starts if the emulated cluster cannot be built
     (a bad ``link``, no root, no network namespaces)."""

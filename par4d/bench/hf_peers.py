@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from par4d.bench.common import check_cluster, emit, launch, link_bytes, sum_over_ranks, where
+from par4d.bench.common import check_cluster, emit, in_rounds, launch, link_bytes, pooled, sum_over_ranks, where
 from par4d.bench.peers import (
     COMM_BOUND_SEQ_LEN,
     KNOBS,
@@ -45,7 +45,6 @@ from par4d.bench.peers import (
     add_ratios,
     markdown,
     peer_name,
-    pooled,
     summary,
 )
 from par4d.bench.torch_peers import destroy_groups, peer_mesh, tp_shape
@@ -321,12 +320,7 @@ def hf_peers_worker(model: str, settings: PeersSettings) -> list[dict]:
     runs = ([lambda w=w: _par4d_rows(model, w, settings) for w in workloads(settings.world)]
             + [lambda w=w, knob=knob: [_bench_torch("ddp", knob, None, model, w, settings)]
                for knob in KNOBS["ddp"] for w in workloads(settings.world)])
-    timed: dict[tuple[str, str, str], list[dict]] = {}
-    for turn in range(settings.rounds):     # par4d's rows and DDP's in rounds, the order reversed every other one
-        for run in runs if turn % 2 == 0 else runs[::-1]:
-            for row in run():
-                timed.setdefault((row["workload"], row["name"], row["grid"]), []).append(row)
-    rows = [pooled(parts) for parts in timed.values()]
+    rows = [pooled(parts) for parts in in_rounds(runs, settings.rounds)]   # par4d's rows and DDP's in rounds
     for kind in kinds[1:]:
         mesh = peer_mesh(kind, settings.world, settings.nproc, settings.nodes)   # one per peer: bench peers' why
         rows += [pooled([_bench_torch(kind, knob, mesh, model, w, settings)])

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from par4d.bench.common import check_cluster, launch, link_bytes
+from par4d.bench.common import check_cluster, in_rounds, launch, link_bytes, pooled
 from par4d.compiled import compile_afresh, counted
 from par4d.launch import distributed_env, init, join
 from par4d.launch.host import threads_per_rank
@@ -54,6 +54,7 @@ class MoESettings:
     link: str = "1gbit"
     warmup: int = WARMUP          # untimed steps before each row's (a test's rows need none)
     compile: str = "none"         # a backend compiling every row's blocks (par4d.compiled), or none
+    rounds: int = 1               # every row timed this many times, in alternating order, its times pooled
 
     @property
     def world(self) -> int:
@@ -200,8 +201,9 @@ def _torch(kind: str, settings: MoESettings) -> dict:
 def moe_worker(settings: MoESettings) -> list[dict]:
     join(distributed_env())
     torch.set_num_threads(threads_per_rank(settings.nproc))
-    rows = [_par4d(sizes, settings) for sizes in par4d_grids(settings.world)]
-    rows += [_torch(kind, settings) for kind in ("ddp", "fsdp")]
+    runs = ([lambda sizes=sizes: [_par4d(sizes, settings)] for sizes in par4d_grids(settings.world)]
+            + [lambda kind=kind: [_torch(kind, settings)] for kind in ("ddp", "fsdp")])
+    rows = [pooled(parts) for parts in in_rounds(runs, settings.rounds)]
     best = min(r["s_per_iter"] for r in rows if r["framework"] == "torch")
     for row in rows:
         row["ratio_to_best_peer"] = row["s_per_iter"] / best
@@ -209,16 +211,19 @@ def moe_worker(settings: MoESettings) -> list[dict]:
 
 
 def run_bench_moe(nproc: int, iters: int, model: str = "gpt", nodes: int | None = None,
-                  link: str = "1gbit", compile: str = "none") -> list[dict]:
-    """The rows, on ``nproc`` local ranks or ``nodes`` emulated nodes of ``nproc`` ranks joined by ``link``."""
-    if iters < 1 or nproc < 1 or nproc * (nodes or 1) < 2 or (nodes is not None and nodes < 2):
-        raise ValueError(f"--iters must be >= 1, and the ranks (--nproc {nproc}, per node over --nodes {nodes}) "
-                         f"at least 2, on 2 nodes or more")
+                  link: str = "1gbit", compile: str = "none", rounds: int = 1) -> list[dict]:
+    """The rows, on ``nproc`` local ranks or ``nodes`` emulated nodes of ``nproc`` ranks joined by ``link``, each
+    timed in ``rounds`` (the order of the rows reversed every other one) and its times pooled."""
+    if iters < 1 or rounds < 1:
+        raise ValueError(f"--iters and --rounds must be >= 1 (got {iters}, {rounds})")
+    if nproc < 1 or nproc * (nodes or 1) < 2 or (nodes is not None and nodes < 2):
+        raise ValueError(f"the ranks (--nproc {nproc}, per node over --nodes {nodes}) must be at least 2, "
+                         f"on 2 nodes or more")
     if model not in MODELS:
         raise ValueError(f"--model {model}: give one of {', '.join(MODELS)}")
     check_compile(compile)
     check_cluster(nproc, nodes, link)
-    settings = MoESettings(nproc, iters, model=model, nodes=nodes, link=link, compile=compile)
+    settings = MoESettings(nproc, iters, model=model, nodes=nodes, link=link, compile=compile, rounds=rounds)
     return launch(moe_worker, (settings,), nproc, nodes, link, "par4d-bench-moe")
 
 

@@ -39,7 +39,17 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from par4d.bench.common import check_cluster, emit, grid_row, launch, link_bytes, sum_over_ranks, where
+from par4d.bench.common import (
+    check_cluster,
+    emit,
+    grid_row,
+    in_rounds,
+    launch,
+    link_bytes,
+    pooled,
+    sum_over_ranks,
+    where,
+)
 from par4d.bench.torch_peers import KINDS, C10dBytes, destroy_groups, peer_mesh, tp_shape
 from par4d.compiled import compile_afresh
 from par4d.grid import staged_splits, validate_sizes
@@ -311,12 +321,7 @@ def peers_worker(settings: PeersSettings) -> list[dict]:
     runs = ([lambda w=w: _par4d_rows(w, settings) for w in workloads(settings.world)]
             + [lambda w=w, knob=knob: [_bench_torch("ddp", knob, None, w, settings)]
                for knob in KNOBS["ddp"] for w in workloads(settings.world)])
-    timed: dict[tuple[str, str, str], list[dict]] = {}
-    for turn in range(settings.rounds):
-        for run in runs if turn % 2 == 0 else runs[::-1]:
-            for row in run():
-                timed.setdefault((row["workload"], row["name"], row["grid"]), []).append(row)
-    rows = [pooled(parts) for parts in timed.values()]
+    rows = [pooled(parts) for parts in in_rounds(runs, settings.rounds)]
     for kind in (k for k in KINDS if k != "ddp"):
         # One mesh per peer for both workloads, its groups destroyed after: DTensor caches sharding decisions,
         # meshes in them included, per *equal* mesh (same shape and names), so a second mesh like the first
@@ -333,22 +338,6 @@ def peers_worker(settings: PeersSettings) -> list[dict]:
     add_floor(rows, settings)
     dist.destroy_process_group()
     return rows
-
-
-def pooled(parts: list[dict]) -> dict:
-    """One row from the same row timed in several rounds: every round's iterations pooled (the median over all),
-    the throughput recounted, DDP's exposed all-reduce from the pooled times with and without sync."""
-    times = [t for part in parts for t in part["times"]]
-    local = [t for part in parts for t in part.get("local_times", [])]
-    row = {k: v for k, v in parts[-1].items() if k not in ("times", "local_times")}
-    s = statistics.median(times)
-    for key in ("tokens_per_s", "percent_of_peak"):
-        row[key] *= row["s_per_iter"] / s
-    row.update(s_per_iter=s, iters=len(times), rounds=len(parts))
-    if local:
-        row.update(compute_s=statistics.median(local), exposed_comm_s=s - statistics.median(local),
-                   exposed_comm_share=(s - statistics.median(local)) / s)
-    return row
 
 
 def floor_link_seconds(settings: PeersSettings) -> float:

@@ -146,6 +146,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     moe.add_argument("--compile", nargs="?", const="inductor", choices=(*COMPILE_BACKENDS, "none"), default="none",
                      help="compile every row's blocks (par4d's and the peers'): inductor when given alone; the "
                           "compiling step timed apart, the graphs compiled again after it counted")
+    moe.add_argument("--rounds", type=int, default=2,
+                     help="rounds over all rows, in alternating order (each row's times pooled)")
     _output(moe)
     context = sub.add_parser("context", help="long sequences: the longest a fixed GPT trains at with a context axis "
                                              "vs without, activations per rank against length, and torch's "
@@ -216,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
         from par4d.bench.common import emit
         from par4d.bench.moe import run_bench_moe, table
 
-        rows = run_bench_moe(args.nproc, args.iters, args.model, args.nodes, args.link, args.compile)
+        rows = run_bench_moe(args.nproc, args.iters, args.model, args.nodes, args.link, args.compile, args.rounds)
         if not emit(rows, args.out, args.json):
             print(table(rows))
         return 0
