@@ -36,6 +36,25 @@ COMPILE_BACKENDS = ("inductor", "aot_eager")
 graphs run eagerly (no C++ compiler needed: what the tests check exactness with)."""
 
 
+FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+"""torchao's float8 training recipes (par4d.nn.float8): per-tensor scales (the fastest on Hopper), per-row scales,
+per-row with the weight gradient's GEMM kept in high precision."""
+
+
+def check_float8(recipe: str) -> None:
+    """Refuse a recipe not in :data:`FLOAT8_RECIPES` (or ``none``), and float8 without torchao, naming the flag
+    (before any rank starts: torchao is looked for, not imported)."""
+    from importlib.util import find_spec
+
+    if recipe == "none":
+        return
+    if recipe not in FLOAT8_RECIPES:
+        raise ValueError(f"--float8 {recipe!r}: give one of {', '.join(FLOAT8_RECIPES)} or none")
+    if find_spec("torchao") is None:
+        raise ValueError(f"--float8 {recipe}: float8 training needs torchao (pip install torchao; par4d's "
+                         f"requirements.txt pins the version it is tested with)")
+
+
 def check_compile(backend: str) -> None:
     """Refuse a backend not in :data:`COMPILE_BACKENDS` (or ``none``), naming the flag (no torch, as above)."""
     if backend != "none" and backend not in COMPILE_BACKENDS:

@@ -107,6 +107,8 @@ CASES = [
     (["bench", "moe", "--compile", "tvm"], "argument --compile: invalid choice: 'tvm'"),
     (["bench", "peers", "--model", "hf-mixtral", "--rounds", "0"], "--iters and --rounds must be >= 1 (got 8, 0)"),
     (["train", "--compile", "tvm"], "argument --compile: invalid choice: 'tvm'"),
+    (["train", "--float8", "fp4"], "argument --float8: invalid choice: 'fp4'"),
+    (["train", "--peak-flops", "0"], "--peak-flops must be a positive number of FLOP/s, got 0.0"),
     (["bench", "grid", "--nproc", "0"], "--nproc and --iters must be >= 1"),
     (["cluster", "run", "--nodes", "0", "--", "train"], "--nodes and ranks per node must be >= 1"),
     (["cluster", "run", "--nodes", "2", "--link", "bogus", "--", "train"], "--link 'bogus': give a rate like"),

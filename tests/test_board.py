@@ -10,7 +10,7 @@ from par4d.cli import main
 from tests.helpers import run_losses, train_pooled
 
 COMMON = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--batch-size", "8", "--seq-len", "16",
-          "--no-progress", "--grid", "x=2,z=2"]
+          "--no-progress", "--peak-flops", "1e11", "--grid", "x=2,z=2"]
 
 
 def _scalars(run) -> dict[str, list[tuple[int, float]]]:

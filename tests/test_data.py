@@ -256,7 +256,7 @@ def test_par4d_data_prepare_and_train_resume_on_another_grid(inputs, tmp_path, c
                  "--shard-tokens", "600", "--no-progress"]) == 0
     assert "prepared" in capsys.readouterr().out
     common = ["--data", str(tmp_path / "ds"), "--n-layer", "2", "--n-embd", "32", "--n-head", "2",
-              "--batch-size", "8", "--seq-len", "16", "--no-progress"]
+              "--batch-size", "8", "--seq-len", "16", "--no-progress", "--peak-flops", "1e11"]
     alone, piped = tmp_path / "alone", tmp_path / "grid"
     config = checked_config("--nproc", "1", *common, "--steps", "6", "--out", str(alone), world=1)
     assert config.vocab_size == 300 and config.tokenizer == str(tmp_path / "ds" / "tokenizer.json")

@@ -10,7 +10,7 @@ from par4d.cli.generate_run import Codec, Sampling, generate, load_model
 from tests.helpers import bpe_tokenizer, checked_config, train_alone
 
 SMALL = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--batch-size", "8", "--seq-len", "32",
-         "--steps", "3", "--no-progress", "--nproc", "1"]
+         "--steps", "3", "--no-progress", "--peak-flops", "1e11", "--nproc", "1"]
 
 
 @pytest.fixture(scope="module")

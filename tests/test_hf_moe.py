@@ -324,7 +324,8 @@ def test_a_pretrained_mixtral_fine_tunes_exports_and_loads_in_transformers(pool4
     for rank, logits in enumerate(_grid_logits(pool4, pretrained, "hf-mixtral", sizes)):
         torch.testing.assert_close(logits, expected[_rows(rank, sizes)], rtol=0, atol=1e-5)
     run, out = tmp_path / "run", tmp_path / "exported"
-    common = ("--seq-len", "16", "--batch-size", "4", "--lr", "1e-2", "--no-progress", "--no-tensorboard")
+    common = ("--seq-len", "16", "--batch-size", "4", "--lr", "1e-2", "--no-progress", "--peak-flops", "1e11",
+              "--no-tensorboard")
     train_pooled(pool4, "--model", "hf-mixtral", "--init-from", "hf", str(pretrained), "--grid", "x=2,data=2,expert=2",
                  "--steps", "2", "--out", str(run), *common)
     train_pooled(pool4, "--resume", str(run), "--grid", "data=4,expert=4", "--steps", "3")

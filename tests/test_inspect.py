@@ -13,7 +13,8 @@ def test_inspect_says_what_a_resume_would_take_and_what_changed(tmp_path, capsys
     text.write_text("\n\n".join(f"line {i}: some words to learn" for i in range(200)))
     run = tmp_path / "run"
     train_alone(checked_config("--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--batch-size", "8",
-                               "--seq-len", "16", "--steps", "2", "--save-every", "1", "--no-progress", "--nproc", "1",
+                               "--seq-len", "16", "--steps", "2", "--save-every", "1", "--no-progress",
+                               "--peak-flops", "1e11", "--nproc", "1",
                                "--data", str(text), "--out", str(run), world=1))
     capsys.readouterr()
     assert main(["inspect", str(run)]) == 0

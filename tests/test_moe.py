@@ -319,7 +319,7 @@ def test_the_gpt_with_experts_is_its_twin(pool4, sizes):
 
 
 SHAPE = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--batch-size", "8", "--no-progress",
-         "--no-tensorboard"]
+         "--peak-flops", "1e11", "--no-tensorboard"]
 SMALL_MOE = ["--mlp", "moe", "--experts", "4", "--top-k", "2", "--expert-bias-rate", "0.01", *SHAPE]
 
 

@@ -209,7 +209,10 @@ def test_resume_on_another_grid_and_rank_count(tmp_path, capsys, pool2, pool4):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["grid_changed"] and summary["resumed_from"]["grid"]["x"] == 2
     assert summary["grid"] == {"x": 1, "y": 1, "z": 2, "data": 2, "pipe": 1}
-    assert "saved on grid x=2 y=1 z=1 data=1 pipe=1: the grid changed" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "saved on grid x=2 y=1 z=1 data=1 pipe=1: the grid changed" in printed
+    # the run's --peak-flops (SMALL's) kept on resume: nothing measured
+    assert summary["matmul_peak_flops_per_s"] == 1e11 and "100.00 GFLOP/s (given by --peak-flops)\n" in printed
 
 
 def _final_tensors(run: Path) -> dict:
@@ -368,7 +371,7 @@ def test_the_pipeline_trains_as_one_rank_and_resumes_across_pipe(tmp_path, capsy
     """`--grid pipe=2,x=2 --microbatches 4 --pipeline-limit 1` for 4 steps, resumed on pipe=4 to 6: the losses of a
     one-rank run to fp32 rounding. A stage that raises ends the job with one line, no hang."""
     common = ["--n-layer", "4", "--n-embd", "32", "--n-head", "2", "--batch-size", "8", "--seq-len", "16",
-              "--no-progress"]
+              "--no-progress", "--peak-flops", "1e11"]
     alone, piped = tmp_path / "alone", tmp_path / "piped"
     train_alone(checked_config("--nproc", "1", *common, "--steps", "6", "--out", str(alone), world=1))
     train_pooled(pool4, "--grid", "pipe=2,x=2", "--microbatches", "4", "--pipeline-limit", "1", *common, "--steps", "4",
@@ -394,7 +397,7 @@ def test_mixed_precision_run_resumes_in_another_precision(tmp_path, capsys, pool
     and skipped steps), resumed in
     fp32 to 6 from the fp32 masters its checkpoint holds; its losses follow an fp32 run to 1e-2."""
     common = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--batch-size", "8", "--seq-len", "16",
-              "--no-progress"]
+              "--no-progress", "--peak-flops", "1e11"]
     half, full = tmp_path / "half", tmp_path / "full"
     train_alone(checked_config("--nproc", "1", *common, "--steps", "6", "--out", str(full), world=1))
     capsys.readouterr()
@@ -415,7 +418,7 @@ def test_hugging_face_models_train_as_one_rank(tmp_path, capsys, pool4):
     fp32 rounding (par4d.parallelize inside the loop; its checkpoint moves between grids like the GPT's). One
     rank runs in this process, 4 on the pool."""
     common = ["--n-layer", "2", "--n-embd", "32", "--n-head", "4", "--batch-size", "8", "--seq-len", "16",
-              "--no-progress"]
+              "--no-progress", "--peak-flops", "1e11"]
     runs = {name: tmp_path / name for name in ("gpt2-1", "gpt2-4", "gpt2-piped", "llama-1", "llama-4")}
     train_alone(checked_config("--model", "hf-gpt2", "--nproc", "1", *common, "--steps", "6",
                                "--out", str(runs["gpt2-1"]), world=1))

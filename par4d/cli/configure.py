@@ -19,8 +19,9 @@ from par4d.train.say import say
 # A resumed run keeps these (they decide the model and its batches); it takes HONOURED ones when given.
 FIXED = ("model", "batch_size", "seq_len", "document_mask", "restart_positions", "n_layer", "n_embd", "n_head",
          "mlp", "phantom_k", *MOE_SETTINGS, "image_size", "seed")
-HONOURED = ("lr", "grad_clip", "save_every", "keep", "overlap", "context_form", "compile", "hierarchical", "recompute",
-            "microbatches", "pipeline_limit", "precision", "grad_reduce", "offload_bsize", "eval_every", "tensorboard")
+HONOURED = ("lr", "grad_clip", "save_every", "keep", "overlap", "context_form", "compile", "float8", "hierarchical",
+            "recompute", "microbatches", "pipeline_limit", "precision", "grad_reduce", "offload_bsize", "eval_every",
+            "tensorboard", "matmul_peak")
 Planner = Callable[..., object]   # par4d.measure.choose.planned_run (returns its Plan)
 PLANNED = ("microbatches", "recompute", "overlap")   # what --grid auto chooses besides the grid, unless a flag does
 

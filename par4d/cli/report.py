@@ -90,11 +90,14 @@ def print_summary(summary: dict) -> None:
         *([("300 B tokens", f"{summary['eq2_days_to_300b_tokens']:,.0f} days at this rate (the paper's Eq 2)")]
           if text else []),
         ("matmul peak", f"{_rate(summary['matmul_peak_flops_per_s'])} "
-                        f"({summary.get('matmul_peak_of') or 'fp32, every core'}; measured at start-up)"),
+                        f"({summary.get('matmul_peak_of') or 'fp32, every core'}"
+                        f"{'' if summary['config'].get('matmul_peak') else '; measured at start-up'})"),
         ("% of peak", f"{summary['percent_of_peak']:.1f}%"),
         ("overlap", f"{summary['overlap']}, recompute {_every(summary['recompute_every'])}"),
         ("optimizer", summary["optimizer"]),
         *([("compiled", _compiled(summary["compiled"]))] if summary.get("compiled") else []),
+        *([("float8", f"{summary['float8']['recipe']} (torchao): the local GEMMs of {summary['float8']['layers']} "
+                      f"Linear layers")] if summary.get("float8") else []),
         ("communication", _communication(summary)),
         *([("memory", _memory(summary["rss_per_rank"]))] if summary.get("rss_per_rank") else []),
         *([("step holds", _held(summary["footprint_per_rank"]))] if summary.get("footprint_per_rank") else []),

@@ -8,7 +8,7 @@ import signal
 from pathlib import Path
 
 from par4d.hierarchy import MODES
-from par4d.parallel import COMPILE_BACKENDS, CONTEXT_FORMS
+from par4d.parallel import COMPILE_BACKENDS, CONTEXT_FORMS, FLOAT8_RECIPES
 from par4d.train.config import DEFAULT_NPROC, default
 from par4d.train.recipes import MODELS
 from par4d.train.recipes.unet import IMAGE_CHANNELS
@@ -17,7 +17,7 @@ from par4d.train.say import say
 # The flags with a fixed set of values; a --config file's values are held to the same sets.
 CHOICES = {"model": MODELS, "mlp": ("dense", "phantom", "moe"), "hierarchical": MODES,
            "precision": ("fp32", "bf16", "fp16"), "grad_reduce": ("fp32", "compute"), "context_form": CONTEXT_FORMS,
-           "compile": (*COMPILE_BACKENDS, "none")}
+           "compile": (*COMPILE_BACKENDS, "none"), "float8": (*FLOAT8_RECIPES, "none")}
 
 
 def _help(name: str, text: str = "") -> str:
@@ -114,6 +114,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                        help=_help("compile", "compile each block as a region with torch.compile: inductor (the "
                                              "default backend), aot_eager (its graphs run eagerly: no C++ compiler) "
                                              "or none; par4d's collectives stay eager, between fused regions"))
+    steps.add_argument("--float8", choices=CHOICES["float8"], default=None,
+                       help=_help("float8", "run every Linear layer's local GEMMs (but a language model's head) in "
+                                            "float8 by this torchao recipe: tensorwise, rowwise, rowwise_with_gw_hp "
+                                            "or none; needs torchao and, for speed, a GPU with float8 (Hopper)"))
     steps.add_argument("--hierarchical", choices=CHOICES["hierarchical"], default=None,
                        help=_help("hierarchical", "collectives over groups that span nodes in stages (inside the node, "
                                                   "across the link once, inside again; gloo): auto where a probe at "
@@ -150,6 +154,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-every", type=int, default=None, metavar="N",
                    help=_help("eval_every", "the validation loss every N steps too, in metrics.jsonl and TensorBoard "
                                             "(0: at the end only)"))
+    p.add_argument("--peak-flops", dest="matmul_peak", type=float, default=None, metavar="FLOPS",
+                   help="the matmul peak (FLOP/s, of all the job's devices together) that the summary's %% of peak "
+                        "is a share of, instead of measuring it at start-up (which a busy machine lowers)")
     p.add_argument("--no-tensorboard", dest="tensorboard", action="store_const", const=False, default=None,
                    help="no TensorBoard event files (default: in RUN/tensorboard; tensorboard --logdir RUN)")
 

@@ -172,7 +172,9 @@ def _in_chunks(layer: Algorithm1Layer, axis: str, compute, t: torch.Tensor, also
     ``defer`` (OAR) leaves every chunk's for the caller. Every rank of ``axis`` holds the same rows, so
     all issue the same chunks."""
     overlap = layer.runtime.overlap if layer.runtime else None
-    chunks = overlap.row_chunks if overlap else 1
+    gemm = getattr(layer, "gemm", None)
+    # Float8 with one scale over all rows (par4d.nn.float8): a run of rows would get a scale of its own
+    chunks = overlap.row_chunks if overlap and not (gemm is not None and gemm.whole_rows) else 1
     backward = also is not None
     parts = _rows(layer, t, chunks) if chunks > 1 and layer.grid.size(axis) > 1 else []
     if len(parts) < 2:                 # one chunk (or no rows): nothing to hide a sum behind

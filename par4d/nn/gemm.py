@@ -74,6 +74,8 @@ def environment_key(device: torch.device, dtype: torch.dtype, grid: Grid | None 
 class GemmPlan:
     """Chosen GEMM forms per (pass, shape, layout); see the module docstring."""
 
+    whole_rows = False      # a GEMM may run in runs of rows (the xy overlap's chunks)
+
     def __init__(self, cache: str | Path | None = None, repeats: int = 5, grid: Grid | None = None):
         """``grid``: agree with every rank of it — sum the timings over all ranks so every
         rank picks the same form (a collective per new key: every rank must meet the same

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from par4d.folder import ABSURD_BYTES, is_count
 from par4d.hierarchy import MODES
 from par4d.overlap import Overlap
-from par4d.parallel import check_compile, check_context_form
+from par4d.parallel import check_compile, check_context_form, check_float8
 from par4d.train.recipes import recipe
 
 if TYPE_CHECKING:
@@ -35,6 +35,7 @@ class TrainConfig:
     restart_positions: bool = False  # --restart-positions: positions from each document's start
     context_form: str = "ring"       # --context-form: attention on a context axis, ring or gather
     compile: str = "none"            # --compile: each block compiled as a region by this backend (par4d.compiled)
+    float8: str = "none"             # --float8: the Linear layers' local GEMMs in float8 by this torchao recipe
     n_layer: int = 4
     n_embd: int = 128
     n_head: int = 4
@@ -64,6 +65,7 @@ class TrainConfig:
     tensorboard: bool = True         # TensorBoard event files in RUN/tensorboard (par4d.train.board)
     progress: bool = True
     peak_flops: float | None = None  # measured by the launching process; None: rank 0 measures
+    matmul_peak: float | None = None # --peak-flops: the peak given (FLOP/s, the job's), not measured
     overlap: str = "all"             # --overlap: all, none, or a comma list of par4d.overlap.NAMES
     hierarchical: str = "auto"       # --hierarchical: auto, on or off (par4d.hierarchy.MODES)
     recompute: str = "none"          # --recompute: none, auto, or every N blocks
@@ -98,6 +100,7 @@ class TrainConfig:
         self._check_context(pipe)
         check_context_form(self.context_form)
         check_compile(self.compile)
+        check_float8(self.float8)
         if self.document_mask and not recipe(self.model).documents:
             raise ValueError(f"--document-mask: --model {self.model}'s attention does not keep inside documents yet "
                              f"(par4d's GPT's and transformers' Llama's do: --model gpt or hf-llama)")
@@ -118,6 +121,8 @@ class TrainConfig:
             raise ValueError(f"--lr must be a finite number > 0, got {self.lr}")
         if self.save_every < 0:
             raise ValueError(f"--save-every must be >= 0 (0: only at the end), got {self.save_every}")
+        if self.matmul_peak is not None and not 0 < self.matmul_peak < float("inf"):
+            raise ValueError(f"--peak-flops must be a positive number of FLOP/s, got {self.matmul_peak}")
         if self.eval_every < 0:
             raise ValueError(f"--eval-every must be >= 0 (0: only at the end), got {self.eval_every}")
         if self.keep < 1:

@@ -36,7 +36,7 @@ def local_ranks(config: TrainConfig, world: int, max_restarts: int) -> dict:
     with RunLock(config.out, new=not config.resume):    # one run per folder, until the ranks are gone
         # The CPU's peak is measured here, before the ranks exist, so nothing competes for the cores; a GPU's by
         # rank 0 on its own device, in the run's compute dtype.
-        if config.peak_flops is None and not torch.cuda.is_available():
+        if config.peak_flops is None and config.matmul_peak is None and not torch.cuda.is_available():
             config = replace(config, peak_flops=measure_matmul_peak(START_SECONDS, threads=cpu_cores()))
         try:
             with environment({HELD_ENV: str(Path(config.out).resolve())}):    # the ranks inherit it

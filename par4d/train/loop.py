@@ -23,6 +23,7 @@ from par4d.launch.host import threads_per_rank
 from par4d.launch.local import ECHO_GRACE_S, PEER_GONE
 from par4d.launch.peak import job_peak
 from par4d.ledger import in_flight_seconds
+from par4d.nn.float8 import float8, float8_layers
 from par4d.nn.moe import expert_metrics
 from par4d.optim.data_parallel import global_mean
 from par4d.optim.precision import FullPrecision, MixedPrecision, Precision, fused_adamw, parse_precision
@@ -97,7 +98,9 @@ def _run(config: TrainConfig, stop: StopRequest, grid, out: Path) -> dict:
     # The machine's peak, best measured before the ranks exist (par4d's launcher does);
     # under torchrun/srun rank 0 measures on every core while the others wait.
     peak, peak_what = job.config.peak_flops, "fp32, every core"
-    if peak is None:     # on a GPU: one device's, in the compute dtype, times the ranks (one device each)
+    if job.config.matmul_peak is not None:      # --peak-flops: the user's, measured nowhere
+        peak, peak_what = job.config.matmul_peak, "given by --peak-flops"
+    elif peak is None:   # on a GPU: one device's, in the compute dtype, times the ranks (one device each)
         dtype = job.precision.dtype
         peak, peak_what = on_rank0(lambda: job_peak(grid.device, dtype, grid.world_size)) or (0.0, "")
     metrics = on_rank0(lambda: _open_metrics(run, job.start_step))
@@ -141,6 +144,8 @@ def _setup(config: TrainConfig, grid, out: Path) -> _Job:
     model = build_model(config, grid)
     if config.init_from and not config.resume:       # each rank reads its shards (where the build did not)
         recipe(config.model).load_pretrained(config, grid, model)
+    if config.float8 != "none":        # before compiling: the compiled blocks run the float8 GEMMs
+        float8(model, config.float8)
     compiled = compile_blocks(model, config.compile) if config.compile != "none" else None   # in place: names kept
 
     fused = fused_adamw(grid.device, offloaded=config.offload_bsize is not None)
@@ -319,6 +324,8 @@ def _summarize(job: _Job, grid, run: Folder, measured: _Measured, peak: float, p
         "val_loss": val_loss, "data": job.source, "rss_per_rank": measured.rss,
         "footprint_per_rank": measured.footprints, "config": asdict(config),
         **({"expert_imbalance": history[-1]["expert_imbalance"]} if "expert_imbalance" in history[-1] else {}),
+        **({"float8": {"recipe": config.float8, "layers": len(float8_layers(model))}}
+           if config.float8 != "none" else {}),
         # The first step's seconds beyond a steady one's: compiling the blocks, besides the warm-up eager runs have
         **({"compiled": dict(measured.compiled,
                              first_step_extra_s=job.batches.tokens_per_step / measured.rates[0] - step_s)}

@@ -34,7 +34,7 @@ SECTIONS: dict[str, dict[str, tuple[str, tuple]]] = {
     "grid": {**{axis: (f"axis_{axis}", INT) for axis in (*AXES, *FOLDED)}, "auto": ("grid_auto", BOOL),
              "nproc": ("nproc", INT), "machine": ("machine", STR), "hierarchical": ("hierarchical", STR),
              "overlap": ("overlap", STR), "context_form": ("context_form", STR), "recompute": ("recompute", STR),
-             "compile": ("compile", STR),
+             "compile": ("compile", STR), "float8": ("float8", STR),
              "microbatches": ("microbatches", INT),
              "pipeline_limit": ("pipeline_limit", INT)},
     "optimizer": {"lr": ("lr", FLOAT), "grad_clip": ("grad_clip", FLOAT), "precision": ("precision", STR),
@@ -43,7 +43,7 @@ SECTIONS: dict[str, dict[str, tuple[str, tuple]]] = {
     "checkpoint": {"out": ("out", STR), "save_every": ("save_every", INT), "keep": ("keep", INT),
                    "max_restarts": ("max_restarts", INT)},
     "logging": {"progress": ("progress", BOOL), "tensorboard": ("tensorboard", BOOL),
-                "eval_every": ("eval_every", INT)},
+                "eval_every": ("eval_every", INT), "peak_flops": ("matmul_peak", FLOAT)},
 }
 
 
