@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from par4d.nn.linear import Linear
 from par4d.parallel import FLOAT8_RECIPES as RECIPES  # torchao's recipe names (Float8LinearRecipeName)
 
 SKIPPED = ("head", "lm_head")
@@ -29,8 +30,8 @@ SKIPPED = ("head", "lm_head")
 accuracy and the head is a small share of the FLOPs, as torchtitan's float8 leaves ``output``)."""
 
 
-def _torchao() -> Any:
-    """torchao's float8 package, or a clear error saying how to get it."""
+def _torchao() -> None:
+    """Import torchao's float8 package, or raise a clear error saying how to get it."""
     try:
         # Importing it warns of what users cannot act on: its CUDA kernels' libraries not loading (on a CPU;
         # float8 training uses torch's own scaled GEMM, not them), torch's deprecation of how it registers an enum.
@@ -39,14 +40,13 @@ def _torchao() -> Any:
         for logger in quiet:
             logger.setLevel(logging.ERROR)
         try:
-            import torchao.float8 as float8
+            import torchao.float8  # noqa: F401
         finally:
             for logger, level in zip(quiet, levels):
                 logger.setLevel(level)
     except ImportError as error:
-        raise RuntimeError(f"float8 training needs torchao (pip install torchao; par4d's requirements.txt pins "
-                           f"the version it is tested with): {error}") from None
-    return float8
+        raise ImportError(f"float8 training needs torchao (pip install torchao; par4d's requirements.txt pins "
+                          f"the version it is tested with): {error}") from None
 
 
 @dataclass(frozen=True)
@@ -65,17 +65,16 @@ class Float8Gemm:
     def __init__(self, recipe: str):
         if recipe not in RECIPES:
             raise ValueError(f"float8 recipe {recipe!r}: give one of {', '.join(RECIPES)}")
-        ao = _torchao()
+        _torchao()
+        from torchao.float8.config import Float8LinearConfig, ScalingGranularity, ScalingType
         from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig, ScaledMMConfig
 
         self.recipe = recipe
-        config = self.config = ao.Float8LinearConfig.from_recipe_name(recipe)
+        config = self.config = Float8LinearConfig.from_recipe_name(recipe)
         self.mm_config = LinearMMConfig(*(ScaledMMConfig(config.emulate, gemm.use_fast_accum, False,
                                                          config.pad_inner_dim)
                                           for gemm in (config.gemm_config_output, config.gemm_config_grad_input,
                                                        config.gemm_config_grad_weight)))
-        from torchao.float8.config import ScalingGranularity, ScalingType
-
         # A GEMM cut into runs of rows (the xy overlap's row chunks, par4d.nn.algorithm1) must give each run the
         # scale the whole would have: true of per-row scales, not of one scale over all rows (tensorwise).
         self.whole_rows = not all(cast.scaling_type is ScalingType.DISABLED
@@ -128,8 +127,6 @@ def float8(model: nn.Module, recipe: str = "tensorwise", skip: tuple[str, ...] =
     """Train every par4d Linear of ``model`` in float8 by torchao's ``recipe`` (:data:`RECIPES`), but those whose
     name (the last part of the module's path) is in ``skip``; returns the model. Its parameters, their
     gradients and Algorithm 1's collectives keep their dtype; only the local GEMMs change."""
-    from par4d.nn.linear import Linear
-
     plan = Float8Gemm(recipe)
     converted = 0
     for path, module in model.named_modules():
