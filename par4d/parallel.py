@@ -41,6 +41,9 @@ FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 per-row with the weight gradient's GEMM kept in high precision."""
 
 
+TORCHAO_MISSING = "float8 training needs torchao (pip install torchao; par4d's requirements.txt pins the version)"
+
+
 def check_float8(recipe: str) -> None:
     """Refuse a recipe not in :data:`FLOAT8_RECIPES` (or ``none``), and float8 without torchao, naming the flag
     (before any rank starts: torchao is looked for, not imported)."""
@@ -51,8 +54,7 @@ def check_float8(recipe: str) -> None:
     if recipe not in FLOAT8_RECIPES:
         raise ValueError(f"--float8 {recipe!r}: give one of {', '.join(FLOAT8_RECIPES)} or none")
     if find_spec("torchao") is None:
-        raise ValueError(f"--float8 {recipe}: float8 training needs torchao (pip install torchao; par4d's "
-                         f"requirements.txt pins the version it is tested with)")
+        raise ValueError(f"--float8 {recipe}: {TORCHAO_MISSING}")
 
 
 def check_compile(backend: str) -> None:

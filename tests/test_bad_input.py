@@ -108,6 +108,7 @@ CASES = [
     (["bench", "peers", "--model", "hf-mixtral", "--rounds", "0"], "--iters and --rounds must be >= 1 (got 8, 0)"),
     (["train", "--compile", "tvm"], "argument --compile: invalid choice: 'tvm'"),
     (["train", "--float8", "fp4"], "argument --float8: invalid choice: 'fp4'"),
+    (["train", "--model", "unet", "--float8", "rowwise"], "--model unet: --float8 rowwise is for par4d's GPT"),
     (["train", "--peak-flops", "0"], "--peak-flops must be a positive number of FLOP/s, got 0.0"),
     (["bench", "grid", "--nproc", "0"], "--nproc and --iters must be >= 1"),
     (["cluster", "run", "--nodes", "0", "--", "train"], "--nodes and ranks per node must be >= 1"),

@@ -211,8 +211,9 @@ def test_resume_on_another_grid_and_rank_count(tmp_path, capsys, pool2, pool4):
     assert summary["grid"] == {"x": 1, "y": 1, "z": 2, "data": 2, "pipe": 1}
     printed = capsys.readouterr().out
     assert "saved on grid x=2 y=1 z=1 data=1 pipe=1: the grid changed" in printed
-    # the run's --peak-flops (SMALL's) kept on resume: nothing measured
-    assert summary["matmul_peak_flops_per_s"] == 1e11 and "100.00 GFLOP/s (given by --peak-flops)\n" in printed
+    # the run's --peak-flops (SMALL's) was for 2 ranks: measured again for 4, and said
+    assert "the run's --peak-flops 1e+11 was for 2 ranks: measured again on 4" in printed
+    assert summary["matmul_peak_flops_per_s"] != 1e11 and "(fp32, every core; measured at start-up)\n" in printed
 
 
 def _final_tensors(run: Path) -> dict:

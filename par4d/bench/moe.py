@@ -217,8 +217,8 @@ def run_bench_moe(nproc: int, iters: int, model: str = "gpt", nodes: int | None 
     if iters < 1 or rounds < 1:
         raise ValueError(f"--iters and --rounds must be >= 1 (got {iters}, {rounds})")
     if nproc < 1 or nproc * (nodes or 1) < 2 or (nodes is not None and nodes < 2):
-        raise ValueError(f"the ranks (--nproc {nproc}, per node over --nodes {nodes}) must be at least 2, "
-                         f"on 2 nodes or more")
+        where = f"--nproc {nproc}" if nodes is None else f"--nproc {nproc} per node over --nodes {nodes}"
+        raise ValueError(f"the ranks ({where}) must be at least 2, on 2 nodes or more")
     if model not in MODELS:
         raise ValueError(f"--model {model}: give one of {', '.join(MODELS)}")
     check_compile(compile)

@@ -294,7 +294,8 @@ def _resumed_config(args: argparse.Namespace, world: int, inside: bool, resumed:
     run_dir = Path(args.resume)
     folder, meta = resumed    # the newest intact checkpoint
     # Runs saved before --model trained the GPT; before --image-size, a size they had no use for.
-    saved = {"model": "gpt", "image_size": default("image_size"), **meta["train_config"]}
+    saved = {"model": "gpt", "image_size": default("image_size"),     # (settings newer than the run: their defaults)
+             **{name: default(name) for name in HONOURED}, **meta["train_config"]}
     for name in FIXED:
         given = getattr(args, name)
         if given is not None and given != saved[name]:
@@ -319,6 +320,13 @@ def _resumed_config(args: argparse.Namespace, world: int, inside: bool, resumed:
         if value != saved.get(name):
             say(f"--grid auto: {flag(name)} {value} replaces the run's {saved.get(name)} from step {meta['step']}")
     honoured.update(planned)
+    from par4d.grid import world_of
+
+    if "matmul_peak" not in honoured and saved["matmul_peak"] and world_of(grid) != world_of(saved["grid"]):
+        # The peak given was the job's (a GPU's times the ranks): another rank count measures its own
+        say(f"the run's --peak-flops {saved['matmul_peak']:g} was for {world_of(saved['grid'])} ranks: measured "
+            f"again on {world_of(grid)} (give --peak-flops for these)")
+        honoured["matmul_peak"] = None
     shards, kept = grid.get("z", 1) * grid.get("data", 1), saved.get("microbatches")
     if (grid.get("pipe", 1) == 1 and "microbatches" not in honoured and kept is not None
             and saved["batch_size"] % shards == 0 and kept > saved["batch_size"] // shards):

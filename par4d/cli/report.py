@@ -50,6 +50,13 @@ def _memory(rss: list[dict]) -> str:
             f"{files:,.0f} MiB)")
 
 
+def _float8(float8: dict, pipe: int) -> str:
+    """What --float8 converted (par4d.nn.float8.float8_summary)."""
+    where = " on rank 0's pipeline stage" if pipe > 1 else ""
+    whole = ", each GEMM whole (one scale over all its rows: no xy row chunks)" if float8["whole_gemms"] else ""
+    return f"{float8['recipe']} (torchao): the local GEMMs of {float8['layers']} Linear layers{where}{whole}"
+
+
 def _compiled(made: dict) -> str:
     """What --compile made (par4d.compiled.Compiled.made), and what it cost on the first step."""
     again = f", {made['recompiled_graphs']} compiled again after the first step" if made["recompiled_graphs"] else ""
@@ -96,8 +103,7 @@ def print_summary(summary: dict) -> None:
         ("overlap", f"{summary['overlap']}, recompute {_every(summary['recompute_every'])}"),
         ("optimizer", summary["optimizer"]),
         *([("compiled", _compiled(summary["compiled"]))] if summary.get("compiled") else []),
-        *([("float8", f"{summary['float8']['recipe']} (torchao): the local GEMMs of {summary['float8']['layers']} "
-                      f"Linear layers")] if summary.get("float8") else []),
+        *([("float8", _float8(summary["float8"], summary["grid"].get("pipe", 1)))] if summary.get("float8") else []),
         ("communication", _communication(summary)),
         *([("memory", _memory(summary["rss_per_rank"]))] if summary.get("rss_per_rank") else []),
         *([("step holds", _held(summary["footprint_per_rank"]))] if summary.get("footprint_per_rank") else []),

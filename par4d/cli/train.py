@@ -117,7 +117,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     steps.add_argument("--float8", choices=CHOICES["float8"], default=None,
                        help=_help("float8", "run every Linear layer's local GEMMs (but a language model's head) in "
                                             "float8 by this torchao recipe: tensorwise, rowwise, rowwise_with_gw_hp "
-                                            "or none; needs torchao and, for speed, a GPU with float8 (Hopper)"))
+                                            "or none; needs torchao, and on a GPU float8 GEMMs (Ada, Hopper); on "
+                                            "a CPU they are emulated, slower than fp32"))
     steps.add_argument("--hierarchical", choices=CHOICES["hierarchical"], default=None,
                        help=_help("hierarchical", "collectives over groups that span nodes in stages (inside the node, "
                                                   "across the link once, inside again; gloo): auto where a probe at "

@@ -52,6 +52,7 @@ class Algorithm1Layer(ShardedModule):
     """
 
     runtime = None          # the model's overlap runtime (par4d.overlap.set_overlap); None: every wait where issued
+    gemm = None             # a plan for the local GEMMs (par4d.nn.gemm, par4d.nn.float8); None: plain a @ b
     feature_dim = -1        # features are the last dim (a convolution's channels: dim 1)
     input_layout = output_layout = "sharded"
     weight_layout = "out_in"
@@ -172,9 +173,8 @@ def _in_chunks(layer: Algorithm1Layer, axis: str, compute, t: torch.Tensor, also
     ``defer`` (OAR) leaves every chunk's for the caller. Every rank of ``axis`` holds the same rows, so
     all issue the same chunks."""
     overlap = layer.runtime.overlap if layer.runtime else None
-    gemm = getattr(layer, "gemm", None)
     # Float8 with one scale over all rows (par4d.nn.float8): a run of rows would get a scale of its own
-    chunks = overlap.row_chunks if overlap and not (gemm is not None and gemm.whole_rows) else 1
+    chunks = overlap.row_chunks if overlap and not (layer.gemm is not None and layer.gemm.whole_rows) else 1
     backward = also is not None
     parts = _rows(layer, t, chunks) if chunks > 1 and layer.grid.size(axis) > 1 else []
     if len(parts) < 2:                 # one chunk (or no rows): nothing to hide a sum behind

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -24,29 +25,42 @@ import torch.nn as nn
 
 from par4d.nn.linear import Linear
 from par4d.parallel import FLOAT8_RECIPES as RECIPES  # torchao's recipe names (Float8LinearRecipeName)
+from par4d.parallel import TORCHAO_MISSING
 
 SKIPPED = ("head", "lm_head")
 """Linear layers left in their own dtype by default: a language model's output projection (float8 logits cost
 accuracy and the head is a small share of the FLOPs, as torchtitan's float8 leaves ``output``)."""
 
 
-def _torchao() -> None:
-    """Import torchao's float8 package, or raise a clear error saying how to get it."""
+def _torchao() -> SimpleNamespace:
+    """What par4d uses of torchao's float8 package, or an ImportError saying how to get it."""
+    # Importing it warns of what users cannot act on: its CUDA kernels' libraries not loading (on a CPU; float8
+    # training uses torch's own scaled GEMM, not them), torch's deprecation of how it registers an enum.
+    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.ERROR)
     try:
-        # Importing it warns of what users cannot act on: its CUDA kernels' libraries not loading (on a CPU;
-        # float8 training uses torch's own scaled GEMM, not them), torch's deprecation of how it registers an enum.
-        quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-        levels = [logger.level for logger in quiet]
-        for logger in quiet:
-            logger.setLevel(logging.ERROR)
-        try:
-            import torchao.float8  # noqa: F401
-        finally:
-            for logger, level in zip(quiet, levels):
-                logger.setLevel(level)
-    except ImportError as error:
-        raise ImportError(f"float8 training needs torchao (pip install torchao; par4d's requirements.txt pins "
-                          f"the version it is tested with): {error}") from None
+        from torchao.float8.config import Float8LinearConfig, ScalingGranularity, ScalingType
+        from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tensor_to_float8_dynamic
+        from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig, ScaledMMConfig
+    except ImportError as error:     # none, or one whose float8 package is laid out otherwise
+        raise ImportError(f"{TORCHAO_MISSING}: {error}") from None
+    finally:
+        for logger, level in zip(quiet, levels):
+            logger.setLevel(level)
+    return SimpleNamespace(**{f.__name__: f for f in (
+        Float8LinearConfig, ScalingGranularity, ScalingType, get_maybe_axiswise_dim, hp_tensor_to_float8_dynamic,
+        GemmInputRole, LinearMMConfig, ScaledMMConfig)})
+
+
+def _check_device(device: torch.device) -> None:
+    """A GPU without float8 GEMMs (before compute capability 8.9: an A100) is refused before the first step; a
+    CPU's are emulated (slow, exact to torchao's casts)."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(f"float8: {torch.cuda.get_device_name(device)} (compute capability {major}.{minor}) has "
+                         f"no float8 GEMMs; they need 8.9 or later (Ada, Hopper)")
 
 
 @dataclass(frozen=True)
@@ -62,25 +76,24 @@ class _Operand:
 class Float8Gemm:
     """A GEMM plan (``Linear.gemm``) running a Linear's local GEMMs in float8 by torchao's ``recipe``."""
 
-    def __init__(self, recipe: str):
+    def __init__(self, recipe: str, device: torch.device | None = None):
+        """``device``: where the layers compute (a GPU must have float8 GEMMs; None: the CPU)."""
         if recipe not in RECIPES:
             raise ValueError(f"float8 recipe {recipe!r}: give one of {', '.join(RECIPES)}")
-        _torchao()
-        from torchao.float8.config import Float8LinearConfig, ScalingGranularity, ScalingType
-        from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig, ScaledMMConfig
-
+        _check_device(device or torch.device("cpu"))
+        ao = self.ao = _torchao()
         self.recipe = recipe
-        config = self.config = Float8LinearConfig.from_recipe_name(recipe)
-        self.mm_config = LinearMMConfig(*(ScaledMMConfig(config.emulate, gemm.use_fast_accum, False,
-                                                         config.pad_inner_dim)
-                                          for gemm in (config.gemm_config_output, config.gemm_config_grad_input,
-                                                       config.gemm_config_grad_weight)))
+        config = self.config = ao.Float8LinearConfig.from_recipe_name(recipe)
+        self.mm_config = ao.LinearMMConfig(*(ao.ScaledMMConfig(config.emulate, gemm.use_fast_accum, False,
+                                                               config.pad_inner_dim)
+                                             for gemm in (config.gemm_config_output, config.gemm_config_grad_input,
+                                                          config.gemm_config_grad_weight)))
         # A GEMM cut into runs of rows (the xy overlap's row chunks, par4d.nn.algorithm1) must give each run the
         # scale the whole would have: true of per-row scales, not of one scale over all rows (tensorwise).
-        self.whole_rows = not all(cast.scaling_type is ScalingType.DISABLED
-                                  or cast.scaling_granularity is ScalingGranularity.AXISWISE
+        self.whole_rows = not all(cast.scaling_type is ao.ScalingType.DISABLED
+                                  or cast.scaling_granularity is ao.ScalingGranularity.AXISWISE
                                   for cast in (config.cast_config_input, config.cast_config_grad_output))
-        role = GemmInputRole
+        role = ao.GemmInputRole
         # par4d's operands of each GEMM (par4d.nn.linear): forward rows @ Aᵀ, input-grad dO @ A, weight-grad
         # dOᵀ @ rows. torchao casts the same products from (rows, Aᵀ) and (dO, rows): A's and dOᵀ's casts are
         # those of Aᵀ and dO, transposed back.
@@ -94,17 +107,15 @@ class Float8Gemm:
         }
 
     def _cast(self, tensor: torch.Tensor, operand: _Operand) -> torch.Tensor:
-        from torchao.float8.config import ScalingType
-        from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tensor_to_float8_dynamic
-
+        ao = self.ao
         if operand.transposed:
             tensor = tensor.t()
         cast = operand.cast
-        if cast.scaling_type is not ScalingType.DISABLED:      # a recipe's high-precision operand stays as it is
-            tensor = hp_tensor_to_float8_dynamic(
+        if cast.scaling_type is not ao.ScalingType.DISABLED:   # a recipe's high-precision operand stays as it is
+            tensor = ao.hp_tensor_to_float8_dynamic(
                 tensor, cast.target_dtype, self.mm_config, gemm_input_role=operand.role,
                 scaling_granularity=cast.scaling_granularity,
-                axiswise_dim=get_maybe_axiswise_dim(operand.axis, cast.scaling_granularity),
+                axiswise_dim=ao.get_maybe_axiswise_dim(operand.axis, cast.scaling_granularity),
                 round_scales_to_power_of_2=self.config.round_scales_to_power_of_2)
         return tensor.t() if operand.transposed else tensor
 
@@ -123,11 +134,21 @@ def float8_layers(model: nn.Module) -> list[str]:
     return [path for path, module in model.named_modules() if isinstance(getattr(module, "gemm", None), Float8Gemm)]
 
 
+def float8_summary(model: nn.Module) -> dict | None:
+    """What a run's summary says of float8 on this rank: the recipe, the layers converted, and whether their GEMMs
+    run whole (one scale over all rows: no xy row chunks); None without float8."""
+    plans = {module.gemm for module in model.modules() if isinstance(getattr(module, "gemm", None), Float8Gemm)}
+    if not plans:
+        return None
+    plan = plans.pop()
+    return {"recipe": plan.recipe, "layers": len(float8_layers(model)), "whole_gemms": plan.whole_rows}
+
+
 def float8(model: nn.Module, recipe: str = "tensorwise", skip: tuple[str, ...] = SKIPPED) -> nn.Module:
     """Train every par4d Linear of ``model`` in float8 by torchao's ``recipe`` (:data:`RECIPES`), but those whose
     name (the last part of the module's path) is in ``skip``; returns the model. Its parameters, their
     gradients and Algorithm 1's collectives keep their dtype; only the local GEMMs change."""
-    plan = Float8Gemm(recipe)
+    plan = Float8Gemm(recipe, next(model.parameters()).device)
     converted = 0
     for path, module in model.named_modules():
         if isinstance(module, Linear) and path.rsplit(".", 1)[-1] not in skip:

@@ -20,10 +20,11 @@ from par4d.grid import Grid, Indivisible
 from par4d.nn.algorithm1 import Algorithm1, Algorithm1Layer, algorithm1_parameters
 
 if TYPE_CHECKING:
+    from par4d.nn.float8 import Float8Gemm
     from par4d.nn.gemm import GemmPlan
 
 
-def _mm(gemm: GemmPlan | None, a: torch.Tensor, b: torch.Tensor, name: str) -> torch.Tensor:
+def _mm(gemm: GemmPlan | Float8Gemm | None, a: torch.Tensor, b: torch.Tensor, name: str) -> torch.Tensor:
     """``a @ b`` (2-D), in the form the layer's GEMM plan chose, if it has one
     (contiguous: the result is all-reduced in place)."""
     return a @ b if gemm is None else gemm.mm(a, b, name).contiguous()
@@ -51,14 +52,15 @@ class Linear(Algorithm1Layer):
     a layer between layers nobody parallelized; ``weight_layout="in_out"`` stores the weight
     (in, out), as Hugging Face's ``Conv1D`` (:mod:`par4d.nn.algorithm1`).
 
-    ``gemm``: a :class:`~par4d.nn.gemm.GemmPlan` for this layer's three matmuls, or None
+    ``gemm``: a :class:`~par4d.nn.gemm.GemmPlan` for this layer's three matmuls (or a
+    :class:`~par4d.nn.float8.Float8Gemm`: them in float8), or None
     (plain ``a @ b``); :func:`tune` sets it on every Linear of a model.
 
     ``runtime``: the overlaps of this layer's collectives, shared by the layers of one
     model (``par4d.overlap.set_overlap`` sets it); None: every collective is waited for where issued.
     """
 
-    gemm: GemmPlan | None = None
+    gemm: GemmPlan | Float8Gemm | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, transposed: bool = False, *,
                  grid: Grid, out_chunks: int = 1, seed: int = 0, name: str = "Linear", initialize: bool = True,

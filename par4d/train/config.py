@@ -65,7 +65,7 @@ class TrainConfig:
     tensorboard: bool = True         # TensorBoard event files in RUN/tensorboard (par4d.train.board)
     progress: bool = True
     peak_flops: float | None = None  # measured by the launching process; None: rank 0 measures
-    matmul_peak: float | None = None # --peak-flops: the peak given (FLOP/s, the job's), not measured
+    matmul_peak: float | None = None  # --peak-flops: the peak given (FLOP/s, the job's), not measured
     overlap: str = "all"             # --overlap: all, none, or a comma list of par4d.overlap.NAMES
     hierarchical: str = "auto"       # --hierarchical: auto, on or off (par4d.hierarchy.MODES)
     recompute: str = "none"          # --recompute: none, auto, or every N blocks
@@ -261,5 +261,8 @@ def default(name: str):
     return TrainConfig.__dataclass_fields__[name].default
 
 
+FLAGS = {"offload_bsize": "--offload-optimizer", "matmul_peak": "--peak-flops"}   # a setting's flag, not its name's
+
+
 def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+    return FLAGS.get(name, "--" + name.replace("_", "-"))

@@ -23,7 +23,7 @@ from par4d.launch.host import threads_per_rank
 from par4d.launch.local import ECHO_GRACE_S, PEER_GONE
 from par4d.launch.peak import job_peak
 from par4d.ledger import in_flight_seconds
-from par4d.nn.float8 import float8, float8_layers
+from par4d.nn.float8 import float8, float8_summary
 from par4d.nn.moe import expert_metrics
 from par4d.optim.data_parallel import global_mean
 from par4d.optim.precision import FullPrecision, MixedPrecision, Precision, fused_adamw, parse_precision
@@ -144,7 +144,7 @@ def _setup(config: TrainConfig, grid, out: Path) -> _Job:
     model = build_model(config, grid)
     if config.init_from and not config.resume:       # each rank reads its shards (where the build did not)
         recipe(config.model).load_pretrained(config, grid, model)
-    if config.float8 != "none":        # before compiling: the compiled blocks run the float8 GEMMs
+    if config.float8 != "none":        # before compiling (the compiled blocks call the layers' GEMM plans)
         float8(model, config.float8)
     compiled = compile_blocks(model, config.compile) if config.compile != "none" else None   # in place: names kept
 
@@ -324,8 +324,7 @@ def _summarize(job: _Job, grid, run: Folder, measured: _Measured, peak: float, p
         "val_loss": val_loss, "data": job.source, "rss_per_rank": measured.rss,
         "footprint_per_rank": measured.footprints, "config": asdict(config),
         **({"expert_imbalance": history[-1]["expert_imbalance"]} if "expert_imbalance" in history[-1] else {}),
-        **({"float8": {"recipe": config.float8, "layers": len(float8_layers(model))}}
-           if config.float8 != "none" else {}),
+        **({"float8": float8_summary(model)} if config.float8 != "none" else {}),
         # The first step's seconds beyond a steady one's: compiling the blocks, besides the warm-up eager runs have
         **({"compiled": dict(measured.compiled,
                              first_step_extra_s=job.batches.tokens_per_step / measured.rates[0] - step_s)}

@@ -32,10 +32,11 @@ class UNetRecipe(Recipe):
         given = [flag for flag, on in ((f"--grid pipe={config.grid.get('pipe', 1)}", config.grid.get("pipe", 1) > 1),
                                        (f"--mlp {config.mlp}", config.mlp != "dense"),
                                        (f"--recompute {config.recompute}", config.recompute != "none"),
-                                       (f"--init-from hf {config.init_from}", config.init_from is not None)) if on]
+                                       (f"--init-from hf {config.init_from}", config.init_from is not None),
+                                       (f"--float8 {config.float8}", config.float8 != "none")) if on]
         if given:
             raise ValueError(f"--model unet: {given[0]} is for par4d's GPT (--model gpt); the U-Net trains without "
-                             f"a pipeline, phantom MLPs, recomputation or --init-from")
+                             f"a pipeline, phantom MLPs, recomputation, --init-from or float8 (it has no Linear)")
         if config.data is not None:
             raise ValueError(f"--model unet: --data {config.data} is text for the language models; the U-Net trains "
                              f"on images generated from --seed")
