@@ -22,6 +22,7 @@ import statistics
 import time
 import zlib
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -69,6 +70,15 @@ def environment_key(device: torch.device, dtype: torch.dtype, grid: Grid | None 
     if grid is not None:
         comm.broadcast(grid, threads, *AXES)
     return f"{name}|{dtype}|torch {torch.__version__}|threads {int(threads)}"
+
+
+class LocalGemms(Protocol):
+    """What a Linear asks of a plan for its three local GEMMs (``Linear.gemm``): this plan's, or float8's
+    (par4d.nn.float8.Float8Gemm)."""
+
+    whole_rows: bool    # the GEMMs must see all their rows at once (else the xy overlap may cut them in runs)
+
+    def mm(self, a: torch.Tensor, b: torch.Tensor, name: str) -> torch.Tensor: ...
 
 
 class GemmPlan:

@@ -20,11 +20,10 @@ from par4d.grid import Grid, Indivisible
 from par4d.nn.algorithm1 import Algorithm1, Algorithm1Layer, algorithm1_parameters
 
 if TYPE_CHECKING:
-    from par4d.nn.float8 import Float8Gemm
-    from par4d.nn.gemm import GemmPlan
+    from par4d.nn.gemm import GemmPlan, LocalGemms
 
 
-def _mm(gemm: GemmPlan | Float8Gemm | None, a: torch.Tensor, b: torch.Tensor, name: str) -> torch.Tensor:
+def _mm(gemm: LocalGemms | None, a: torch.Tensor, b: torch.Tensor, name: str) -> torch.Tensor:
     """``a @ b`` (2-D), in the form the layer's GEMM plan chose, if it has one
     (contiguous: the result is all-reduced in place)."""
     return a @ b if gemm is None else gemm.mm(a, b, name).contiguous()
@@ -60,7 +59,7 @@ class Linear(Algorithm1Layer):
     model (``par4d.overlap.set_overlap`` sets it); None: every collective is waited for where issued.
     """
 
-    gemm: GemmPlan | Float8Gemm | None = None
+    gemm: LocalGemms | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, transposed: bool = False, *,
                  grid: Grid, out_chunks: int = 1, seed: int = 0, name: str = "Linear", initialize: bool = True,
