@@ -289,6 +289,7 @@ def _init_from(given: list[str] | None) -> str | None:
 def _resumed_config(args: argparse.Namespace, world: int, inside: bool, resumed: tuple[Path, dict],
                     planner: Planner | None):
     """The saved run's config with what a resume may change: the grid, the step count, the HONOURED settings."""
+    from par4d.grid import world_of
     from par4d.train.config import TrainConfig
 
     run_dir = Path(args.resume)
@@ -320,8 +321,6 @@ def _resumed_config(args: argparse.Namespace, world: int, inside: bool, resumed:
         if value != saved.get(name):
             say(f"--grid auto: {flag(name)} {value} replaces the run's {saved.get(name)} from step {meta['step']}")
     honoured.update(planned)
-    from par4d.grid import world_of
-
     if "matmul_peak" not in honoured and saved["matmul_peak"] and world_of(grid) != world_of(saved["grid"]):
         # The peak given was the job's (a GPU's times the ranks): another rank count measures its own
         say(f"the run's --peak-flops {saved['matmul_peak']:g} was for {world_of(saved['grid'])} ranks: measured "

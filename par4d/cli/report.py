@@ -97,8 +97,7 @@ def print_summary(summary: dict) -> None:
         *([("300 B tokens", f"{summary['eq2_days_to_300b_tokens']:,.0f} days at this rate (the paper's Eq 2)")]
           if text else []),
         ("matmul peak", f"{_rate(summary['matmul_peak_flops_per_s'])} "
-                        f"({summary.get('matmul_peak_of') or 'fp32, every core'}"
-                        f"{'' if summary['config'].get('matmul_peak') else '; measured at start-up'})"),
+                        f"({summary.get('matmul_peak_of') or 'fp32, every core; measured at start-up'})"),
         ("% of peak", f"{summary['percent_of_peak']:.1f}%"),
         ("overlap", f"{summary['overlap']}, recompute {_every(summary['recompute_every'])}"),
         ("optimizer", summary["optimizer"]),

@@ -137,11 +137,10 @@ def float8_layers(model: nn.Module) -> list[str]:
 def float8_summary(model: nn.Module) -> dict | None:
     """What a run's summary says of float8 on this rank: the recipe, the layers converted, and whether their GEMMs
     run whole (one scale over all rows: no xy row chunks); None without float8."""
-    plans = {module.gemm for module in model.modules() if isinstance(getattr(module, "gemm", None), Float8Gemm)}
+    plans = [module.gemm for module in model.modules() if isinstance(getattr(module, "gemm", None), Float8Gemm)]
     if not plans:
         return None
-    plan = plans.pop()
-    return {"recipe": plan.recipe, "layers": len(float8_layers(model)), "whole_gemms": plan.whole_rows}
+    return {"recipe": plans[0].recipe, "layers": len(plans), "whole_gemms": plans[0].whole_rows}
 
 
 def float8(model: nn.Module, recipe: str = "tensorwise", skip: tuple[str, ...] = SKIPPED) -> nn.Module:

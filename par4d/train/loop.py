@@ -100,9 +100,11 @@ def _run(config: TrainConfig, stop: StopRequest, grid, out: Path) -> dict:
     peak, peak_what = job.config.peak_flops, "fp32, every core"
     if job.config.matmul_peak is not None:      # --peak-flops: the user's, measured nowhere
         peak, peak_what = job.config.matmul_peak, "given by --peak-flops"
-    elif peak is None:   # on a GPU: one device's, in the compute dtype, times the ranks (one device each)
-        dtype = job.precision.dtype
-        peak, peak_what = on_rank0(lambda: job_peak(grid.device, dtype, grid.world_size)) or (0.0, "")
+    else:
+        if peak is None:     # on a GPU: one device's, in the compute dtype, times the ranks (one device each)
+            dtype = job.precision.dtype
+            peak, peak_what = on_rank0(lambda: job_peak(grid.device, dtype, grid.world_size)) or (0.0, "")
+        peak_what += "; measured at start-up"
     metrics = on_rank0(lambda: _open_metrics(run, job.start_step))
     on_rank0(lambda: run.write_text(SETTINGS, text=resolved(job.config)))   # --config SETTINGS trains it again
     board = on_rank0(lambda: Board(run, job.start_step)) if job.config.tensorboard else None
