@@ -2,11 +2,11 @@
 break with nothing in it traced, as ``torch.compiler.disable`` makes it.
 
 That decorator imports torch._dynamo where it is applied: 0.9 s for every process that imports par4d's
-collectives (a launcher, ``par4d inspect``), compiling or not. :func:`eager` costs nothing until a process
+collectives (a launcher, ``par4d inspect``), compiling or not. :func:`eager` costs nothing where nothing
 compiles: it marks the function as dynamo's own decorator does (a compiled block stops at the call instead of
-tracing into it), and once torch._dynamo is imported it calls the function through ``torch.compiler.disable``
-(nothing inside traced). A process that compiles calls :func:`skip_wrappers` first. tests/test_compile.py counts
-the graphs and breaks it gives: those of ``torch.compiler.disable``.
+tracing into it), and where a compiled block runs (dynamo's frame callback is set) it calls the function
+through ``torch.compiler.disable`` (nothing inside traced). A process that compiles calls :func:`skip_wrappers`
+first. tests/test_compile.py counts the graphs and breaks it gives: those of ``torch.compiler.disable``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ def eager(fn: F) -> F:
     @functools.wraps(fn)
     def run(*args, **kwargs):
         dynamo = sys.modules.get("torch._dynamo")
-        if dynamo is None:          # nothing compiles in this process
+        # Imported is not compiling: torch.optim imports dynamo with the first optimizer. Only where a compiled
+        # block runs is dynamo's frame callback set (disable's wrapper, built anew each call, costs 3 us).
+        if dynamo is None or sys.modules["torch._C._dynamo.eval_frame"].get_eval_frame_callback() is None:
             return fn(*args, **kwargs)
         return dynamo.disable(fn)(*args, **kwargs)
 

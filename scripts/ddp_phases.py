@@ -78,17 +78,25 @@ def main() -> None:
     steps = {"par4d": _par4d_step(TrainingStep(grid, sequences, seq_len)),
              "torch DDP": _ddp_step(inputs[rows], targets[rows])}
     seconds: dict[str, list[list[float]]] = {name: [] for name in steps}
+    walls: dict[str, list[float]] = {name: [] for name in steps}
     for i in range(WARMUP + args.steps):
         for name in (list(steps) if i % 2 else list(steps)[::-1]):      # in turns, each first every other step
             dist.barrier()
+            start = time.perf_counter()
             clock = steps[name]()
+            dist.barrier()
             if i >= WARMUP:
                 seconds[name].append([b - a for a, b in zip(clock, clock[1:])])
+                walls[name].append(time.perf_counter() - start)
     if grid.rank == 0:
         print(f"rank 0's CPU ms per step, median of {args.steps} ({args.workload}):", " ".join(PHASES))
         for name, rows_ in seconds.items():
             medians = [1e3 * statistics.median(r[k] for r in rows_) for k in range(len(PHASES))]
-            print(f"{name:<10}", " ".join(f"{m:8.2f}" for m in medians), f"  sum {sum(medians):.2f}")
+            print(f"{name:<10}", " ".join(f"{m:8.2f}" for m in medians), f"  sum {sum(medians):.2f}",
+                  f"  wall {1e3 * statistics.median(walls[name]):.2f}")
+        pairs = sorted(a / b for a, b in zip(*walls.values()))
+        print(f"par4d / DDP wall, step by step: median {statistics.median(pairs):.4f}, "
+              f"quartiles {pairs[len(pairs) // 4]:.4f}-{pairs[3 * len(pairs) // 4]:.4f}")
     grid.close()
     dist.destroy_process_group()
 

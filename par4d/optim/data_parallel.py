@@ -14,7 +14,7 @@ stage's gradient added, as autograd adds the two uses of one tensor.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING
 
@@ -74,7 +74,20 @@ class _Bucket:
         self.ready: set[int] = set()
         self.flat: torch.Tensor | None = None
         self.held: list[torch.Tensor] = []     # the parameters with a gradient this step, in bucket order
+        self.grads: list[torch.Tensor] = []    # their gradients as flattened (the shapes the sum is cut back into)
         self.handle: comm.Handle | None = None
+
+    def clear(self) -> None:
+        self.ready.clear()
+        self.flat, self.held, self.grads, self.handle = None, [], [], None
+
+
+def _trained(modules: list[nn.Module]) -> tuple:
+    """What a sync's buckets hold: every parameter of ``modules`` and whether it trains. A walk over a list
+    kept from the build (``model.parameters()`` recurses through generators: 45 us a step for the demo's GPT,
+    this 8): unfreezing a parameter, or replacing or adding one in a module the model had, changes it."""
+    return tuple((id(p), p.requires_grad) for module in modules for p in module._parameters.values()
+                 if p is not None)
 
 
 class GradientSync:
@@ -116,7 +129,8 @@ class GradientSync:
         self.groups = {key: [_Bucket(b) for b in _buckets(grouped[key], bucket_bytes)]
                        for key in sorted(grouped, key=_order)}
         self._armed = False                  # inside the step's last backward pass (:meth:`backward`)
-        self.trained = tuple((id(p), p.requires_grad) for p in model.parameters())   # what the buckets hold
+        self.modules = list(model.modules())
+        self.trained = _trained(self.modules)   # what the buckets hold
         self.reduce_dtype: torch.dtype | None = state(model).reduce_dtype
         self.early_launches = 0              # buckets launched from hooks, during backward
         self.peak_buffer_bytes = 0           # the most the flattened buckets in flight held at once
@@ -124,10 +138,11 @@ class GradientSync:
         self._where: dict[int, tuple[tuple[str, ...], int]] = {}
         for axes, buckets in self.groups.items():
             for index, bucket in enumerate(buckets):
+                on_grad = self._on_grad(axes, bucket)
                 for param in bucket.params:
                     self._where[id(param)] = (axes, index)
                     if overlap:
-                        self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad))
+                        self._hooks.append(param.register_post_accumulate_grad_hook(on_grad))
         if overlap and deferred is not None:
             deferred.listeners.append(self._on_deferred)
 
@@ -149,8 +164,7 @@ class GradientSync:
             for bucket in buckets:
                 if bucket.handle is not None:
                     bucket.handle.wait()
-                bucket.ready.clear()
-                bucket.flat, bucket.held, bucket.handle = None, [], None
+                bucket.clear()
         self._armed = self.overlap and last
         try:
             with self.deferred.collecting() if self.deferred is not None else nullcontext():
@@ -158,14 +172,18 @@ class GradientSync:
         finally:
             self._armed = False
 
-    def _on_grad(self, param: torch.Tensor) -> None:
-        if not self._armed or (self.deferred is not None and self.deferred.owes(param)):
-            return                           # not this step's, or its gradient is a deferred reduce-scatter
-        key, index = self._where[id(param)]  # (every hooked parameter is in a bucket)
-        bucket = self.groups[key][index]
-        bucket.ready.add(id(param))
-        if len(bucket.ready) == len(bucket.params):     # only a full bucket can start a launch (in order)
-            self.early_launches += self._launch_ready(key)
+    def _on_grad(self, key: tuple[tuple[str, ...], str | None], bucket: _Bucket) -> Callable[[torch.Tensor], None]:
+        """The gradient hook of ``bucket``'s parameters (one closure a bucket: no lookups per gradient)."""
+        ready, size, deferred = bucket.ready, len(bucket.params), self.deferred
+
+        def on_grad(param: torch.Tensor) -> None:
+            if not self._armed or (deferred is not None and deferred.owes(param)):
+                return                       # not this step's, or its gradient is a deferred reduce-scatter
+            ready.add(id(param))
+            if len(ready) == size:           # only a full bucket can start a launch (in order)
+                self.early_launches += self._launch_ready(key)
+
+        return on_grad
 
     def _on_deferred(self, params: list[torch.Tensor]) -> None:
         if self._armed:
@@ -197,7 +215,8 @@ class GradientSync:
         if not bucket.held:
             bucket.flat = torch.empty(0)     # nothing to sum (no gradients at all): done
             return
-        bucket.flat = _flatten_dense_tensors([p.grad for p in bucket.held])
+        bucket.grads = [p.grad for p in bucket.held]
+        bucket.flat = _flatten_dense_tensors(bucket.grads)
         if self.reduce_dtype is not None:   # mixed precision may sum half gradients in fp32 (par4d.optim.precision)
             bucket.flat = bucket.flat.to(self.reduce_dtype)
         in_flight = sum(b.flat.nbytes for buckets in self.groups.values() for b in buckets if b.flat is not None)
@@ -208,8 +227,12 @@ class GradientSync:
     @torch.no_grad()
     def finish(self) -> None:
         """Launch what is left (in order), wait for every bucket, write the mean gradients."""
-        for _ in self.completed():
-            pass
+        self._launch_rest()
+        for buckets in self.groups.values():
+            for bucket in buckets:
+                self._written(bucket)
+        if self.tied:
+            self._add_across_stages()
 
     @torch.no_grad()
     def completed(self) -> Iterator[list[nn.Parameter]]:
@@ -218,6 +241,22 @@ class GradientSync:
         first those with nothing to sum. Later buckets stay in flight while the caller works
         on a yielded one (the offloaded optimizer steps it: the async-pipeline paper's Section
         V-C). Every bucket is waited in the same order as in :meth:`finish`: the same bits."""
+        self._launch_rest()
+        tied = {id(p) for p in self.tied}
+        done = [p for p in self.scaled_only if p.grad is not None and id(p) not in tied]
+        if done:
+            yield done
+        for buckets in self.groups.values():
+            for bucket in buckets:
+                self._written(bucket)
+                done = [p for p in bucket.params if p.grad is not None and id(p) not in tied]
+                if done:
+                    yield done
+        if self.tied:
+            yield self._add_across_stages()
+
+    def _launch_rest(self) -> None:
+        """Every bucket not launched yet, launched (in order); the gradients with nothing to sum, scaled."""
         self._armed = False
         for axes, buckets in self.groups.items():
             for bucket in buckets:
@@ -227,23 +266,14 @@ class GradientSync:
             for param in self.scaled_only:
                 if param.grad is not None:
                     param.grad.mul_(self.scale)
-        tied = {id(p) for p in self.tied}
-        done = [p for p in self.scaled_only if p.grad is not None and id(p) not in tied]
-        if done:
-            yield done
-        for buckets in self.groups.values():
-            for bucket in buckets:
-                if bucket.handle is not None:
-                    bucket.handle.wait()
-                    bucket.flat.mul_(self.scale)
-                    _write_back(bucket.held, bucket.flat)
-                done = [p for p in bucket.params if p.grad is not None and id(p) not in tied]
-                bucket.ready.clear()
-                bucket.flat, bucket.held, bucket.handle = None, [], None
-                if done:
-                    yield done
-        if self.tied:
-            yield self._add_across_stages()
+
+    def _written(self, bucket: _Bucket) -> None:
+        """``bucket``'s sum waited for, scaled to the mean and written to its parameters' gradients."""
+        if bucket.handle is not None:
+            bucket.handle.wait()
+            bucket.flat.mul_(self.scale)
+            _write_back(bucket.held, bucket.grads, bucket.flat)
+        bucket.clear()
 
     def _add_across_stages(self) -> list[nn.Parameter]:
         """Each weight tied across pipeline stages, its gradient plus the other stage's copy's: a + b on
@@ -267,16 +297,21 @@ class GradientSync:
         return self.tied
 
 
-def _write_back(params: list[torch.Tensor], flat: torch.Tensor) -> None:
-    """The summed gradients into ``params``: each ``.grad`` becomes its piece of ``flat`` where the dtypes agree
-    (no copy: what DDP's ``gradient_as_bucket_view`` saves, with a new ``flat`` every step, so a gradient kept
-    past the next step is never written over), else a copy into it (mixed precision's half gradients summed in
-    fp32)."""
-    for param, synced in zip(params, _unflatten_dense_tensors(flat, [p.grad for p in params])):
-        if synced.dtype == param.grad.dtype:
+def _write_back(params: list[torch.Tensor], grads: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """The summed gradients into ``params`` (whose gradients were ``grads`` when flattened): each ``.grad``
+    becomes its piece of ``flat`` where the dtypes agree (no copy: what DDP's ``gradient_as_bucket_view`` saves,
+    with a new ``flat`` every step, so a gradient kept past the next step is never written over), else a copy
+    into it (mixed precision's half gradients summed in fp32)."""
+    pieces = _unflatten_dense_tensors(flat, grads)
+    if all(grad.dtype == flat.dtype for grad in grads):
+        for param, synced in zip(params, pieces):
             param.grad = synced
-        else:
-            param.grad.copy_(synced)
+    else:
+        for param, synced in zip(params, pieces):
+            if synced.dtype == param.grad.dtype:
+                param.grad = synced
+            else:
+                param.grad.copy_(synced)
 
 
 def gradient_sync(model: nn.Module, grid: Grid) -> GradientSync:
@@ -286,12 +321,11 @@ def gradient_sync(model: nn.Module, grid: Grid) -> GradientSync:
     parallel = state(model)
     settings = parallel.overlap if parallel.overlap is not None else Overlap()
     deferred = parallel.runtime.deferred if parallel.runtime is not None else None
-    # Which parameters train is part of the buckets: unfreezing one, or replacing one, rebuilds them.
-    trained = tuple((id(p), p.requires_grad) for p in model.parameters())
-    wanted = (grid, settings.bucket_bytes, settings.data_parallel, deferred, trained, parallel.reduce_dtype)
+    wanted = (grid, settings.bucket_bytes, settings.data_parallel, deferred, parallel.reduce_dtype)
     sync = parallel.sync
-    if sync is None or (sync.grid, sync.bucket_bytes, sync.overlap, sync.deferred, sync.trained,
-                        sync.reduce_dtype) != wanted:
+    # Which parameters train is part of the buckets: unfreezing one, or replacing one, rebuilds them.
+    if sync is None or (sync.grid, sync.bucket_bytes, sync.overlap, sync.deferred, sync.reduce_dtype) != wanted \
+            or _trained(sync.modules) != sync.trained:
         if sync is not None:       # the settings changed (set_overlap): rebuild the buckets and hooks
             sync.close()
         sync = GradientSync(model, grid, settings.bucket_bytes, settings.data_parallel, deferred)
