@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import itertools
 import math
+import types
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
@@ -65,11 +66,24 @@ SHARING = ("x", "y", "z", "context")    # a pipeline stage's ranks that share at
 STAGE = ("x", "y", "z", "context", "data")     # every rank of a pipeline stage (built on grids with pipe > 1)
 
 
+def _in_order(axes: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(a for a in (*AXES, *FOLDED) if a in axes)
+
+
+# Every tuple of up to three distinct axes, in any order, to the same axes in order: a layer asks the grid's sizes
+# along its axes several times a step (0.1 us looked up here, 0.6 us sorted by the loop below).
+_ORDERED: types.MappingProxyType = types.MappingProxyType({
+    axes: _in_order(axes) for n in range(1, 4) for axes in itertools.permutations((*AXES, *FOLDED), n)})
+
+
 def check_axes(axes: Iterable[str]) -> tuple[str, ...]:
     """``axes`` in AXES order, then the folded ones; an unknown name raises ``ValueError`` listing the valid ones."""
     # Loops, not comprehensions: on Python 3.11 each comprehension is a frame of its own, which dynamo compiles
     # apart (and again for every new tuple of axes) where a compiled block calls this eagerly (par4d.compiled).
     axes = tuple(axes)
+    ordered = _ORDERED.get(axes)
+    if ordered is not None:
+        return ordered
     for axis in axes:
         if axis not in AXES and axis not in FOLDED:
             named = [a for a in AXES if a not in SHOWN_ABOVE_ONE] + [*FOLDED, *SHOWN_ABOVE_ONE]

@@ -217,3 +217,54 @@ def _outside_the_step_and_after_a_failure(sizes: dict) -> dict:
 def test_overlap_acts_only_inside_the_step_and_survives_a_failed_backward(pool4):
     results = pool4.run(_outside_the_step_and_after_a_failure, dict(z=2, data=2))
     assert all(r["deferred"] > 0 for r in results)
+
+
+def _frozen_unfrozen_and_replaced(sizes: dict) -> dict:
+    """The sync's buckets follow what trains: freezing a parameter, unfreezing it and replacing one by a new
+    tensor each rebuild them (the buckets and their hooks), so every gradient is still the mean over data:
+    bit for bit a twin's that was never changed (at a learning rate of 0, so the parameters stay the twin's)."""
+    from par4d.layout import place, placement_of
+
+    grid = cases.grid(**sizes)
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.block_size + 1), generator=gen)
+    x, y = shard_batch(grid, tokens[:, :-1]), shard_batch(grid, tokens[:, 1:])
+    changed, twin = GPT(CONFIG, grid=grid), GPT(CONFIG, grid=grid)
+    grads, syncs = {"changed": [], "twin": []}, []
+
+    def step(model: GPT, name: str) -> None:
+        optimizer = cases.RecordingAdamW(model.parameters(), lr=0.0)      # steps nothing: keeps the gradients
+        train_step(model, optimizer, grid, (x, y))
+        named = [n for n, _ in model.named_parameters()]
+        grads[name].append({n: g for n, g in zip(named, optimizer.grads[0]) if g is not None})
+
+    def bucketed(sync) -> int:
+        return sum(len(b.params) for buckets in sync.groups.values() for b in buckets)
+
+    for change in ("none", "freeze", "unfreeze", "replace"):
+        if change in ("freeze", "unfreeze"):
+            changed.ln_f.weight.requires_grad_(change == "unfreeze")
+        elif change == "replace":
+            old = changed.ln_f.weight
+            changed.ln_f.weight = place(nn.Parameter(old.detach().clone()), placement_of(old))
+        step(changed, "changed")
+        step(twin, "twin")
+        syncs.append(gradient_sync(changed, grid))
+    frozen = grads["changed"][1]
+    assert "ln_f.weight" not in frozen and set(frozen) | {"ln_f.weight"} == set(grads["twin"][1])
+    grads["twin"][1].pop("ln_f.weight")
+    for i in range(4):
+        assert sorted(grads["changed"][i]) == sorted(grads["twin"][i])
+        cases.assert_bitwise(f"gradients after change {i}", [grads["changed"][i][n] for n in sorted(grads["twin"][i])],
+                             [grads["twin"][i][n] for n in sorted(grads["twin"][i])])
+    return {"distinct syncs": len({id(s) for s in syncs}), "bucketed": [bucketed(s) for s in syncs],
+            "old hooks": [len(s._hooks) for s in syncs[:-1]]}
+
+
+def test_the_sync_follows_frozen_unfrozen_and_replaced_parameters(pool2):
+    results = pool2.run(_frozen_unfrozen_and_replaced, dict(data=2))
+    n = sum(1 for _ in GPT(CONFIG, grid=par4d.Grid.virtual(dict(data=2))).parameters())
+    for r in results:
+        assert r["distinct syncs"] == 4
+        assert r["bucketed"] == [n, n - 1, n, n]
+        assert r["old hooks"] == [0, 0, 0]      # each replaced sync's hooks removed
