@@ -293,8 +293,10 @@ def test_resume_keeps_the_model_and_data_takes_the_schedule(tmp_path, capsys, mo
 
     capsys.readouterr()
     train_alone(checked_config("--resume", str(run), "--nproc", "1", "--steps", "5", "--lr", "0.001",
-                               "--batch-size", "8", world=1))
-    assert "--lr 0.001 replaces the run's 0.003 from step 3" in capsys.readouterr().out
+                               "--batch-size", "8", "--peak-flops", "2e11", world=1))
+    printed = capsys.readouterr().out
+    assert "--lr 0.001 replaces the run's 0.003 from step 3" in printed
+    assert "--peak-flops 2e+11 replaces the run's 1e+11 from step 3" in printed     # not 200000000000.0
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert rows[3]["lr"] == pytest.approx(0.001 * 4 / 20) and rows[2]["lr"] == pytest.approx(0.003 * 3 / 20)

@@ -266,6 +266,11 @@ def _named(args: argparse.Namespace, name: str, value) -> str:
     return f"the run's {name} {value} (train_config in its meta.json)"
 
 
+def _shown(value):
+    """A setting's value as a message shows it: a float as short as it reads (2e+11, not 200000000000.0)."""
+    return f"{value:g}" if isinstance(value, float) else value
+
+
 def _restarted_in(out: Path, inside: bool) -> bool:
     """Whether torchrun (or srun's requeue) restarted this job in its own run folder: the ranks
     go on there from the newest intact checkpoint (par4d.train.loop)."""
@@ -315,11 +320,12 @@ def _resumed_config(args: argparse.Namespace, world: int, inside: bool, resumed:
     honoured = {name: getattr(args, name) for name in HONOURED if getattr(args, name) is not None}
     for name, value in honoured.items():
         if value != saved[name]:
-            say(f"{flag(name)} {value} replaces the run's {saved[name]} from step {meta['step']}")
+            say(f"{flag(name)} {_shown(value)} replaces the run's {_shown(saved[name])} from step {meta['step']}")
     grid, peak, planned = _grid(args, world, inside, saved, planner) if args.grid else (saved["grid"], None, {})
     for name, value in planned.items():
         if value != saved.get(name):
-            say(f"--grid auto: {flag(name)} {value} replaces the run's {saved.get(name)} from step {meta['step']}")
+            say(f"--grid auto: {flag(name)} {_shown(value)} replaces the run's {_shown(saved.get(name))} "
+                f"from step {meta['step']}")
     honoured.update(planned)
     if "matmul_peak" not in honoured and saved["matmul_peak"] and world_of(grid) != world_of(saved["grid"]):
         # The peak given was the job's (a GPU's times the ranks): another rank count measures its own
