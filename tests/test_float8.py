@@ -136,3 +136,17 @@ def test_float8_without_torchao_is_refused_before_any_rank_starts(monkeypatch):
 def test_an_unknown_recipe_names_the_recipes():
     with pytest.raises(ValueError, match="float8 recipe 'fp4': give one of tensorwise, rowwise, rowwise_with_gw_hp"):
         Float8Gemm("fp4")
+
+
+def test_transformers_model_classes_load_without_torchao_noise():
+    """transformers imports torchao with its model classes (where it is installed), which warns of its CUDA kernels'
+    libraries not loading on a CPU and of torch's deprecated enum registration: par4d imports them quietly (a
+    fresh process: the warnings come once, at the first import)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("torchao")
+    script = ("import sys; from par4d.train.recipes.hf import LlamaRecipe; LlamaRecipe.lm_class(None); "
+              "assert 'torchao' in sys.modules")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stderr == "", result.stderr[-2000:]

@@ -73,7 +73,10 @@ LLAMA_TP = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_
 
 def build_lm(model: str) -> nn.Module:
     """The benchmark's Hugging Face model, fp32, its weights drawn from seed 0 (the same in every row)."""
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from par4d.nn.float8 import quiet_torchao
+
+    with quiet_torchao():     # transformers' model classes import torchao
+        from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     if model == "hf-llama":

@@ -63,7 +63,10 @@ class MoESettings:
 
 def _mixtral() -> torch.nn.Module:
     """The benchmark's Mixtral, fp32, from seed 0 (the same weights in every row)."""
-    from transformers import MixtralConfig, MixtralForCausalLM
+    from par4d.nn.float8 import quiet_torchao
+
+    with quiet_torchao():     # transformers' model classes import torchao
+        from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(0)
     return MixtralForCausalLM(MixtralConfig(**MIXTRAL)).float()

@@ -41,7 +41,10 @@ class Sampling:
 def load_model(source: Path, report: Callable[[str], None] | None = None):
     """(the ``transformers`` model of the run or checkpoint ``source``, in eval mode, fp32; the run's
     settings as saved; the step)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from par4d.nn.float8 import quiet_torchao
+
+    with quiet_torchao():     # transformers' model classes import torchao
+        from transformers import AutoConfig, AutoModelForCausalLM
 
     from par4d.adopt.load import compute_buffers
     from par4d.train.recipes import hf_state

@@ -16,6 +16,8 @@ torchao is imported when a model is converted, never before.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -32,23 +34,31 @@ SKIPPED = ("head", "lm_head")
 accuracy and the head is a small share of the FLOPs, as torchtitan's float8 leaves ``output``)."""
 
 
-def _torchao() -> SimpleNamespace:
-    """What par4d uses of torchao's float8 package, or an ImportError saying how to get it."""
-    # Importing it warns of what users cannot act on: its CUDA kernels' libraries not loading (on a CPU; float8
-    # training uses torch's own scaled GEMM, not them), torch's deprecation of how it registers an enum.
+@contextmanager
+def quiet_torchao() -> Iterator[None]:
+    """Around an import that may import torchao (transformers' model classes do, where it is installed): what it
+    warns of when imported, users cannot act on: its CUDA kernels' libraries not loading (on a CPU; float8
+    training uses torch's own scaled GEMM, not them), torch's deprecation of how it registers an enum."""
     quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
     levels = [logger.level for logger in quiet]
     for logger in quiet:
         logger.setLevel(logging.ERROR)
     try:
-        from torchao.float8.config import Float8LinearConfig, ScalingGranularity, ScalingType
-        from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tensor_to_float8_dynamic
-        from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig, ScaledMMConfig
-    except ImportError as error:     # none, or one whose float8 package is laid out otherwise
-        raise ImportError(f"{TORCHAO_MISSING}: {error}") from None
+        yield
     finally:
         for logger, level in zip(quiet, levels):
             logger.setLevel(level)
+
+
+def _torchao() -> SimpleNamespace:
+    """What par4d uses of torchao's float8 package, or an ImportError saying how to get it."""
+    try:
+        with quiet_torchao():
+            from torchao.float8.config import Float8LinearConfig, ScalingGranularity, ScalingType
+            from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tensor_to_float8_dynamic
+            from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig, ScaledMMConfig
+    except ImportError as error:     # none, or one whose float8 package is laid out otherwise
+        raise ImportError(f"{TORCHAO_MISSING}: {error}") from None
     return SimpleNamespace(**{f.__name__: f for f in (
         Float8LinearConfig, ScalingGranularity, ScalingType, get_maybe_axiswise_dim, hp_tensor_to_float8_dynamic,
         GemmInputRole, LinearMMConfig, ScaledMMConfig)})

@@ -102,7 +102,10 @@ def pretrained_sizes(model: str, folder: str, chosen: dict) -> tuple[dict, dict]
 def hf_lm(config: Settings) -> nn.Module:
     """The Hugging Face model ``config.model`` names, at the run's sizes (or its pretrained folder's), in
     fp32. Built on the meta device: its values come from a folder or from :mod:`par4d.adopt.init`."""
-    from transformers import AutoModelForCausalLM
+    from par4d.nn.float8 import quiet_torchao
+
+    with quiet_torchao():     # transformers' model classes import torchao
+        from transformers import AutoModelForCausalLM
 
     from par4d.train.recipes import recipe
 
@@ -291,7 +294,10 @@ class HFRecipe(Recipe):
 
 class GPT2Recipe(HFRecipe):
     def lm_class(self) -> type:
-        from transformers import GPT2LMHeadModel
+        from par4d.nn.float8 import quiet_torchao
+
+        with quiet_torchao():     # transformers' model classes import torchao
+            from transformers import GPT2LMHeadModel
 
         return GPT2LMHeadModel
 
@@ -312,7 +318,10 @@ class LlamaRecipe(HFRecipe):
         self.check_context(config, ("llama", "mistral", "qwen2"))
 
     def lm_class(self) -> type:
-        from transformers import LlamaForCausalLM
+        from par4d.nn.float8 import quiet_torchao
+
+        with quiet_torchao():     # transformers' model classes import torchao
+            from transformers import LlamaForCausalLM
 
         return LlamaForCausalLM
 
