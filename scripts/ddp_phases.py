@@ -1,7 +1,8 @@
 """Where a rank's CPU goes in par4d's data=4 step and in DDP's, phase by phase (docs/benchmarks.md, "data=4
 against DDP"): par4d's GPT and its single-device twin wrapped in DDP, on the same ranks and rows, stepped in
 turns; rank 0's ``time.process_time`` (every thread of the process, gloo's included) of the forward, backward
-(DDP's sync runs inside it), par4d's sync finishing, and AdamW with the zeroing; medians over the steps.
+(DDP's sync runs inside it), par4d's sync finishing, and AdamW with the zeroing; medians over the steps; every
+rank's CPU summed; each step's wall time (between barriers) and their ratio step by step.
 
     .venv/bin/torchrun --nproc-per-node 4 scripts/ddp_phases.py [--workload demo|comm-bound] [--steps 110]
 """
@@ -88,12 +89,18 @@ def main() -> None:
             if i >= WARMUP:
                 seconds[name].append([b - a for a, b in zip(clock, clock[1:])])
                 walls[name].append(time.perf_counter() - start)
+    # Every rank's CPU (gloo's threads included) summed: on 2 shared cores the step's time follows it.
+    total = torch.tensor([sum(sum(r) for r in rows_) for rows_ in seconds.values()], dtype=torch.float64)
+    dist.all_reduce(total)
     if grid.rank == 0:
         print(f"rank 0's CPU ms per step, median of {args.steps} ({args.workload}):", " ".join(PHASES))
         for name, rows_ in seconds.items():
             medians = [1e3 * statistics.median(r[k] for r in rows_) for k in range(len(PHASES))]
             print(f"{name:<10}", " ".join(f"{m:8.2f}" for m in medians), f"  sum {sum(medians):.2f}",
                   f"  wall {1e3 * statistics.median(walls[name]):.2f}")
+        par4d, ddp = total.tolist()
+        print(f"CPU of all ranks, ms per step: par4d {1e3 * par4d / args.steps:.2f}, DDP {1e3 * ddp / args.steps:.2f} "
+              f"({par4d / ddp:.4f}x)")
         pairs = sorted(a / b for a, b in zip(*walls.values()))
         print(f"par4d / DDP wall, step by step: median {statistics.median(pairs):.4f}, "
               f"quartiles {pairs[len(pairs) // 4]:.4f}-{pairs[3 * len(pairs) // 4]:.4f}")
