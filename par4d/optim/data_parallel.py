@@ -74,12 +74,11 @@ class _Bucket:
         self.ready: set[int] = set()
         self.flat: torch.Tensor | None = None
         self.held: list[torch.Tensor] = []     # the parameters with a gradient this step, in bucket order
-        self.grads: list[torch.Tensor] = []    # their gradients as flattened (the shapes the sum is cut back into)
         self.handle: comm.Handle | None = None
 
     def clear(self) -> None:
         self.ready.clear()
-        self.flat, self.held, self.grads, self.handle = None, [], [], None
+        self.flat, self.held, self.handle = None, [], None
 
 
 def _trained(modules: list[nn.Module]) -> tuple:
@@ -215,8 +214,7 @@ class GradientSync:
         if not bucket.held:
             bucket.flat = torch.empty(0)     # nothing to sum (no gradients at all): done
             return
-        bucket.grads = [p.grad for p in bucket.held]
-        bucket.flat = _flatten_dense_tensors(bucket.grads)
+        bucket.flat = _flatten_dense_tensors([p.grad for p in bucket.held])
         if self.reduce_dtype is not None:   # mixed precision may sum half gradients in fp32 (par4d.optim.precision)
             bucket.flat = bucket.flat.to(self.reduce_dtype)
         in_flight = sum(b.flat.nbytes for buckets in self.groups.values() for b in buckets if b.flat is not None)
@@ -272,7 +270,7 @@ class GradientSync:
         if bucket.handle is not None:
             bucket.handle.wait()
             bucket.flat.mul_(self.scale)
-            _write_back(bucket.held, bucket.grads, bucket.flat)
+            _write_back(bucket.held, bucket.flat)
         bucket.clear()
 
     def _add_across_stages(self) -> list[nn.Parameter]:
@@ -297,21 +295,16 @@ class GradientSync:
         return self.tied
 
 
-def _write_back(params: list[torch.Tensor], grads: list[torch.Tensor], flat: torch.Tensor) -> None:
-    """The summed gradients into ``params`` (whose gradients were ``grads`` when flattened): each ``.grad``
-    becomes its piece of ``flat`` where the dtypes agree (no copy: what DDP's ``gradient_as_bucket_view`` saves,
-    with a new ``flat`` every step, so a gradient kept past the next step is never written over), else a copy
-    into it (mixed precision's half gradients summed in fp32)."""
-    pieces = _unflatten_dense_tensors(flat, grads)
-    if all(grad.dtype == flat.dtype for grad in grads):
-        for param, synced in zip(params, pieces):
+def _write_back(params: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """The summed gradients into ``params``: each ``.grad`` becomes its piece of ``flat`` where the dtypes agree
+    (no copy: what DDP's ``gradient_as_bucket_view`` saves, with a new ``flat`` every step, so a gradient kept
+    past the next step is never written over), else a copy into it (mixed precision's half gradients summed in
+    fp32)."""
+    for param, synced in zip(params, _unflatten_dense_tensors(flat, [p.grad for p in params])):
+        if synced.dtype == param.grad.dtype:
             param.grad = synced
-    else:
-        for param, synced in zip(params, pieces):
-            if synced.dtype == param.grad.dtype:
-                param.grad = synced
-            else:
-                param.grad.copy_(synced)
+        else:
+            param.grad.copy_(synced)
 
 
 def gradient_sync(model: nn.Module, grid: Grid) -> GradientSync:
