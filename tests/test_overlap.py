@@ -268,3 +268,37 @@ def test_the_sync_follows_frozen_unfrozen_and_replaced_parameters(pool2):
         assert r["distinct syncs"] == 4
         assert r["bucketed"] == [n, n - 1, n, n]
         assert r["old hooks"] == [0, 0, 0]      # each replaced sync's hooks removed
+
+
+def _buffers_kept(sizes: dict) -> dict:
+    """Each bucket sums in one buffer from step to step (a new one each step faulted its pages in again); the
+    gradients the sync writes are the parameters' own tensors, never views of a buffer the next step refills: a
+    gradient kept from one step still holds its values after the next."""
+    grid = cases.grid(**sizes)
+    gen = torch.Generator().manual_seed(5)
+    model = GPT(CONFIG, grid=grid)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    buffers, kept = [], None
+    for _ in range(3):
+        tokens = torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.block_size + 1), generator=gen)
+        x, y = shard_batch(grid, tokens[:, :-1]), shard_batch(grid, tokens[:, 1:])
+
+        def look(_stats) -> None:
+            nonlocal kept
+            sync = gradient_sync(model, grid)
+            sync.finish()           # (the step's own finish then has nothing left to do)
+            held = [b.buffer for buckets in sync.groups.values() for b in buckets]
+            buffers.append([(id(b), b.data_ptr()) for b in held])
+            shared = {g.untyped_storage().data_ptr() for g in (p.grad for p in model.parameters())}
+            assert not shared & {b.untyped_storage().data_ptr() for b in held}, "a gradient is a view of a buffer"
+            if kept is None:
+                kept = [(p.grad, p.grad.clone()) for p in model.parameters()]
+
+        train_step(model, optimizer, grid, (x, y), after_backward=look)
+    cases.assert_bitwise("gradients kept from the first step", [g for g, _ in kept], [c for _, c in kept])
+    return {"buffers": buffers}
+
+
+def test_the_sync_sums_in_buffers_kept_from_step_to_step(pool2):
+    for r in pool2.run(_buffers_kept, dict(data=2)):
+        assert r["buffers"][0] and r["buffers"][0] == r["buffers"][1] == r["buffers"][2]

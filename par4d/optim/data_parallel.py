@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch._utils import _unflatten_dense_tensors
 
 from par4d import comm
 from par4d.grid import FOLDED, TENSOR_AXES, Grid
@@ -75,10 +75,21 @@ class _Bucket:
         self.flat: torch.Tensor | None = None
         self.held: list[torch.Tensor] = []     # the parameters with a gradient this step, in bucket order
         self.handle: comm.Handle | None = None
+        self.buffer: torch.Tensor | None = None  # where the gradients are summed, kept from step to step (as DDP's)
 
     def clear(self) -> None:
         self.ready.clear()
         self.flat, self.held, self.handle = None, [], None
+
+    def flatten(self, grads: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """``grads`` end to end in ``dtype``, in the bucket's buffer. Kept, as DDP keeps its buckets: a buffer
+        allocated every step (and the gradients it replaced, freed mid-step) went back to the system and came
+        back as fresh pages, hundreds of page faults a step on a CPU (docs/benchmarks.md)."""
+        numel = sum(g.numel() for g in grads)
+        buffer = self.buffer
+        if buffer is None or buffer.dtype != dtype or buffer.device != grads[0].device or buffer.numel() < numel:
+            buffer = self.buffer = grads[0].new_empty(sum(p.numel() for p in self.params), dtype=dtype)
+        return torch.cat([g.reshape(-1) for g in grads], out=buffer[:numel])
 
 
 def _trained(modules: list[nn.Module]) -> tuple:
@@ -132,7 +143,7 @@ class GradientSync:
         self.trained = _trained(self.modules)   # what the buckets hold
         self.reduce_dtype: torch.dtype | None = state(model).reduce_dtype
         self.early_launches = 0              # buckets launched from hooks, during backward
-        self.peak_buffer_bytes = 0           # the most the flattened buckets in flight held at once
+        self.peak_buffer_bytes = 0           # the most the buckets in flight held at once (in buffers kept)
         self._hooks: list = []
         self._where: dict[int, tuple[tuple[str, ...], int]] = {}
         for axes, buckets in self.groups.items():
@@ -214,9 +225,9 @@ class GradientSync:
         if not bucket.held:
             bucket.flat = torch.empty(0)     # nothing to sum (no gradients at all): done
             return
-        bucket.flat = _flatten_dense_tensors([p.grad for p in bucket.held])
-        if self.reduce_dtype is not None:   # mixed precision may sum half gradients in fp32 (par4d.optim.precision)
-            bucket.flat = bucket.flat.to(self.reduce_dtype)
+        grads = [p.grad for p in bucket.held]
+        # Mixed precision may sum half gradients in fp32 (par4d.optim.precision): cast as they are laid out.
+        bucket.flat = bucket.flatten(grads, self.reduce_dtype or grads[0].dtype)
         in_flight = sum(b.flat.nbytes for buckets in self.groups.values() for b in buckets if b.flat is not None)
         self.peak_buffer_bytes = max(self.peak_buffer_bytes, in_flight)
         axes, within = key
@@ -296,15 +307,11 @@ class GradientSync:
 
 
 def _write_back(params: list[torch.Tensor], flat: torch.Tensor) -> None:
-    """The summed gradients into ``params``: each ``.grad`` becomes its piece of ``flat`` where the dtypes agree
-    (no copy: what DDP's ``gradient_as_bucket_view`` saves, with a new ``flat`` every step, so a gradient kept
-    past the next step is never written over), else a copy into it (mixed precision's half gradients summed in
-    fp32)."""
-    for param, synced in zip(params, _unflatten_dense_tensors(flat, [p.grad for p in params])):
-        if synced.dtype == param.grad.dtype:
-            param.grad = synced
-        else:
-            param.grad.copy_(synced)
+    """The summed gradients copied into ``params``' own (as DDP's default): ``flat`` is the bucket's buffer, which
+    the next step refills; a gradient keeps its tensor, its layout and its dtype (mixed precision's half
+    gradients summed in fp32)."""
+    grads = [p.grad for p in params]
+    torch._foreach_copy_(grads, _unflatten_dense_tensors(flat, grads))
 
 
 def gradient_sync(model: nn.Module, grid: Grid) -> GradientSync:
