@@ -97,17 +97,20 @@ def test_tp_attention_refuses_heads_that_do_not_divide():
 
 
 def test_ddp_with_and_without_sync_are_timed_in_turns(monkeypatch):
-    """Each step's times are its own, whatever WARMUP's parity: the exposed-comm difference relies on it."""
+    """Each step's times are its own, one untimed turn first, every other turn in the reverse order: the
+    exposed-comm difference and par4d's ratio to DDP rely on it."""
     log: list[str] = []
 
-    def fake_time_iterations(step, iters):
-        for _ in range(peers.WARMUP + iters):
+    def fake_time_iterations(step, iters, warmup):
+        for _ in range(warmup + iters):
             step()
-        return [{"sync": 1.0, "local": 2.0}[name] for name in log[peers.WARMUP:]]
+        return [{"sync": 1.0, "local": 2.0, "par4d": 3.0}[name] for name in log[warmup:]]
 
     monkeypatch.setattr(peers, "time_iterations", fake_time_iterations)
-    sync, local = peers._in_turns([lambda: log.append("sync"), lambda: log.append("local")], 3)
-    assert (sync, local) == ([1.0] * 3, [2.0] * 3)
+    steps = [lambda name=name: log.append(name) for name in ("sync", "local", "par4d")]
+    assert peers._in_turns(steps, 3) == [[1.0] * 3, [2.0] * 3, [3.0] * 3]
+    assert log == ["sync", "local", "par4d", "par4d", "local", "sync", "sync", "local", "par4d",
+                   "par4d", "local", "sync"]
 
 
 def test_throughput_is_recounted_for_the_workloads_tokens():
@@ -195,3 +198,20 @@ def test_rounds_alternate_the_order_and_keep_the_first_compile():
     assert [[p["times"] for p in part] for part in parts] == [[[1.0], [2.0], [3.0]]] * 3
     row = pooled(parts[0])
     assert (row["s_per_iter"], row["compile_s"], row["recompiled_graphs"], row["rounds"]) == (2.0, 10.0, 3, 3)
+
+
+def test_par4d_stepped_in_turns_with_ddp_is_pooled_and_reported():
+    """DDP's row carries par4d's data-parallel step timed in turns with it, every round's steps pooled; the line
+    gives both medians and their ratio."""
+    parts = [dict(_row("torch", "demo", "torch DDP", 0.0), times=[0.20, 0.22], local_times=[0.18, 0.18],
+                  par4d_in_turns_times=[0.19, 0.25]),
+             dict(_row("torch", "demo", "torch DDP", 0.0), times=[0.21], local_times=[0.19],
+                  par4d_in_turns_times=[0.23])]
+    row = pooled(parts)
+    assert (row["s_per_iter"], row["par4d_in_turns_s"]) == (0.21, 0.23)
+    assert "par4d_in_turns_times" not in row
+    rows = add_ratios([row, _row("par4d", "demo", "par4d", 0.3)])
+    assert peers.in_turns(rows, "demo") == ("demo: par4d data=4 against DDP stepped in turns: 0.2300 against "
+                                           "0.2100 s/iter, 1.095x")
+    assert peers.in_turns(rows, "comm-bound") is None
+    assert peers.in_turns(add_ratios([_row("torch", "demo", "torch DDP", 0.2)]), "demo") is None

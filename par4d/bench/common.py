@@ -39,12 +39,13 @@ def in_rounds(runs: Sequence[Callable[[], list[dict]]], rounds: int) -> list[lis
 
 def pooled(parts: list[dict]) -> dict:
     """One row from the same row timed in several rounds: every round's iterations pooled (the median over all),
-    the throughput recounted, DDP's exposed all-reduce from the pooled times with and without sync; compiled, the
-    first round's compiling seconds (later rounds find Inductor's cache warm) and the graphs every round made
-    again after its first step."""
+    the throughput recounted, DDP's exposed all-reduce from the pooled times with and without sync, and par4d's
+    step timed in turns with DDP's (``par4d_in_turns_s``); compiled, the first round's compiling seconds (later
+    rounds find Inductor's cache warm) and the graphs every round made again after its first step."""
     times = [t for part in parts for t in part["times"]]
     local = [t for part in parts for t in part.get("local_times", [])]
-    row = {k: v for k, v in parts[-1].items() if k not in ("times", "local_times")}
+    beside = [t for part in parts for t in part.get("par4d_in_turns_times", [])]
+    row = {k: v for k, v in parts[-1].items() if k not in ("times", "local_times", "par4d_in_turns_times")}
     s = statistics.median(times)
     for key in ("tokens_per_s", "percent_of_peak"):
         if key in row:
@@ -57,6 +58,8 @@ def pooled(parts: list[dict]) -> dict:
     if local:
         row.update(compute_s=statistics.median(local), exposed_comm_s=s - statistics.median(local),
                    exposed_comm_share=(s - statistics.median(local)) / s)
+    if beside:                  # DDP's row: par4d's data-parallel step timed in turns with it
+        row["par4d_in_turns_s"] = statistics.median(beside)
     return row
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import statistics
 import sys
 from collections.abc import Callable
@@ -53,12 +52,21 @@ from par4d.bench.common import (
 from par4d.bench.torch_peers import KINDS, C10dBytes, destroy_groups, peer_mesh, tp_shape
 from par4d.compiled import compile_afresh
 from par4d.grid import staged_splits, validate_sizes
-from par4d.launch import distributed_env, join
+from par4d.launch import distributed_env, init, join
 from par4d.launch.cluster import link_bits_per_second
 from par4d.launch.host import cpu_cores, threads_per_rank
 from par4d.launch.peak import measure_matmul_peak
 from par4d.layout import block
-from par4d.measure.grids import BATCH, CONFIG, WARMUP, batch, compile_seconds, grids, measure_grid, time_iterations
+from par4d.measure.grids import (
+    BATCH,
+    CONFIG,
+    TrainingStep,
+    batch,
+    compile_seconds,
+    grids,
+    measure_grid,
+    time_iterations,
+)
 from par4d.models import ReferenceGPT
 
 if TYPE_CHECKING:
@@ -265,11 +273,24 @@ def _par4d_rows(workload: Workload, settings: PeersSettings) -> list[dict]:
 
 
 def _in_turns(steps: list[Callable[[], object]], iters: int) -> list[list[float]]:
-    """Seconds of ``iters`` calls of each of ``steps``, called in turns: a difference of their
-    medians must not pick up a slow spell of a shared machine that hit only one of them."""
-    calls = itertools.cycle(steps)
-    times = time_iterations(lambda: next(calls)(), len(steps) * iters)
-    return [[t for k, t in enumerate(times) if (WARMUP + k) % len(steps) == j] for j in range(len(steps))]
+    """Seconds of ``iters`` calls of each of ``steps``, called in turns: a difference of their medians must not
+    pick up a slow spell of a shared machine that hit only one of them. Every other turn runs in the reverse order
+    (A/A here: the same DDP step first in each turn ran 2% slower than itself second); one turn, untimed, first."""
+    count = len(steps)
+    order = [k for turn in range(iters + 1) for k in (range(count) if turn % 2 == 0 else reversed(range(count)))]
+    calls = iter(order)
+    times = time_iterations(lambda: steps[next(calls)](), count * iters, warmup=count)
+    return [[t for k, t in zip(order[count:], times) if k == j] for j in range(count)]
+
+
+def _par4d_beside(workload: Workload, settings: PeersSettings) -> TrainingStep:
+    """par4d's step on DDP's algorithm (data over every rank, its collectives flat), to be timed in turns with
+    DDP's: rows timed minutes apart moved by more than the two differ. Stepped once (untimed: its optimizer's state
+    made, compiled where compiling) before the timed turns."""
+    step = TrainingStep(init(data=settings.world, hierarchical="off"), workload.sequences, workload.seq_len,
+                        compile=settings.compile)
+    step()
+    return step
 
 
 def _bench_torch(kind: str, knob: dict, mesh: DeviceMesh | None, workload: Workload, settings: PeersSettings) -> dict:
@@ -295,7 +316,12 @@ def _bench_torch(kind: str, knob: dict, mesh: DeviceMesh | None, workload: Workl
     if kind == "ddp":
         # DDP's reducer all-reduces below Python: count its gradient bytes, all-reduced once per step.
         per_rank, source = sum(p.numel() * p.element_size() for p in model.parameters()), "gradient bytes"
-        times, local = _in_turns([step, lambda: step(sync=False)], settings.iters)
+        beside = None if knob else _par4d_beside(workload, settings)
+        steps = [step, lambda: step(sync=False)] + ([beside] if beside is not None else [])
+        times, local, *paired = _in_turns(steps, settings.iters)
+        if beside is not None:
+            beside.grid.close()
+            extra["par4d_in_turns_times"] = paired[0]
         exposed = statistics.median(times) - statistics.median(local)
         extra.update(exposed_comm_s=exposed, exposed_comm_share=exposed / statistics.median(times),
                      compute_s=statistics.median(local), local_times=local)
@@ -374,6 +400,17 @@ def add_ratios(rows: list[dict]) -> list[dict]:
     return rows
 
 
+def in_turns(rows: list[dict], workload: str) -> str | None:
+    """One line: par4d's data-parallel step against DDP's, stepped in turns (the DDP row's
+    ``par4d_in_turns_s``), or None where the row has none."""
+    ddp = next((r for r in rows if r["workload"] == workload and r["name"] == NAMES["ddp"]), None)
+    if ddp is None or ddp.get("par4d_in_turns_s") is None:
+        return None
+    return (f"{workload}: par4d data={ddp['grid'].split('data=')[1]} against DDP stepped in turns: "
+            f"{ddp['par4d_in_turns_s']:.4f} against {ddp['s_per_iter']:.4f} s/iter, "
+            f"{ddp['par4d_in_turns_s'] / ddp['s_per_iter']:.3f}x")
+
+
 def summary(rows: list[dict], workload: str) -> str:
     """One line: par4d's best grid of ``workload`` and its ratio to the best torch row."""
     mine = [r for r in rows if r["workload"] == workload]
@@ -433,8 +470,11 @@ def run_bench_peers(args: argparse.Namespace) -> int:
     print()
     for w in workloads(settings.world):
         print(summary(rows, w.name))
+    for line in filter(None, (in_turns(rows, w.name) for w in workloads(settings.world))):
+        print(line)
     sys.stdout.flush()
     return 0
 
 
-__all__ = ["TPAttention", "add_ratios", "markdown", "qkv_rows_by_rank", "run_bench_peers", "summary", "validate"]
+__all__ = ["TPAttention", "add_ratios", "in_turns", "markdown", "qkv_rows_by_rank", "run_bench_peers", "summary",
+           "validate"]
