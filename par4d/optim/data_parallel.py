@@ -76,20 +76,29 @@ class _Bucket:
         self.held: list[torch.Tensor] = []     # the parameters with a gradient this step, in bucket order
         self.handle: comm.Handle | None = None
         self.buffer: torch.Tensor | None = None  # where the gradients are summed, kept from step to step (as DDP's)
+        self.layout: tuple | None = None       # the gradients' dtype, device and shapes the pieces are cut for
+        self.pieces: list[torch.Tensor] = []   # views of the buffer, one a gradient, shaped as it
+        self.span: torch.Tensor | None = None  # the part of the buffer the pieces cover
 
     def clear(self) -> None:
         self.ready.clear()
         self.flat, self.held, self.handle = None, [], None
 
     def flatten(self, grads: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """``grads`` end to end in ``dtype``, in the bucket's buffer. Kept, as DDP keeps its buckets: a buffer
-        allocated every step (and the gradients it replaced, freed mid-step) went back to the system and came
-        back as fresh pages, hundreds of page faults a step on a CPU (docs/benchmarks.md)."""
-        numel = sum(g.numel() for g in grads)
-        buffer = self.buffer
-        if buffer is None or buffer.dtype != dtype or buffer.device != grads[0].device or buffer.numel() < numel:
-            buffer = self.buffer = grads[0].new_empty(sum(p.numel() for p in self.params), dtype=dtype)
-        return torch.cat([g.reshape(-1) for g in grads], out=buffer[:numel])
+        """``grads`` end to end in ``dtype``, in the bucket's buffer (through :attr:`pieces`, cut again only when
+        the gradients' dtype, device or shapes change). Kept, as DDP keeps its buckets: a buffer allocated every
+        step (and the gradients it replaced, freed mid-step) went back to the system and came back as fresh pages,
+        hundreds of page faults a step on a CPU (docs/benchmarks.md)."""
+        layout = (dtype, grads[0].device, tuple(g.shape for g in grads))
+        if layout != self.layout:
+            numel = sum(g.numel() for g in grads)
+            buffer = self.buffer
+            if buffer is None or buffer.dtype != dtype or buffer.device != grads[0].device or buffer.numel() < numel:
+                buffer = self.buffer = grads[0].new_empty(sum(p.numel() for p in self.params), dtype=dtype)
+            self.layout, self.span = layout, buffer[:numel]
+            self.pieces = list(_unflatten_dense_tensors(self.span, grads))
+        torch._foreach_copy_(self.pieces, grads)
+        return self.span
 
 
 def _trained(modules: list[nn.Module]) -> tuple:
@@ -281,7 +290,9 @@ class GradientSync:
         if bucket.handle is not None:
             bucket.handle.wait()
             bucket.flat.mul_(self.scale)
-            _write_back(bucket.held, bucket.flat)
+            # Copied into the gradients (DDP's default): each keeps its tensor, layout and dtype (mixed precision's
+            # half gradients summed in fp32), and the buffer is the next step's to fill.
+            torch._foreach_copy_([p.grad for p in bucket.held], bucket.pieces)
         bucket.clear()
 
     def _add_across_stages(self) -> list[nn.Parameter]:
@@ -304,14 +315,6 @@ class GradientSync:
         for param, other in zip(self.tied, received):
             param.grad.add_(other)
         return self.tied
-
-
-def _write_back(params: list[torch.Tensor], flat: torch.Tensor) -> None:
-    """The summed gradients copied into ``params``' own (as DDP's default): ``flat`` is the bucket's buffer, which
-    the next step refills; a gradient keeps its tensor, its layout and its dtype (mixed precision's half
-    gradients summed in fp32)."""
-    grads = [p.grad for p in params]
-    torch._foreach_copy_(grads, _unflatten_dense_tensors(flat, grads))
 
 
 def gradient_sync(model: nn.Module, grid: Grid) -> GradientSync:
