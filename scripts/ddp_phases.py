@@ -4,6 +4,10 @@ turns; rank 0's ``time.process_time`` (every thread of the process, gloo's inclu
 (DDP's sync runs inside it), par4d's sync finishing, and AdamW with the zeroing; medians over the steps; every
 rank's CPU summed; each step's wall time (between barriers) and their ratio step by step.
 
+Stepped in turns, the two share one process's allocator: what one keeps allocated the other's freed memory lands
+on, so a step that alone would fault its pages in again each time (par4d's sync before its buffers were kept) shows
+none here. Count page faults of each alone too (docs/benchmarks.md).
+
     .venv/bin/torchrun --nproc-per-node 4 scripts/ddp_phases.py [--workload demo|comm-bound] [--steps 110]
 """
 
