@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from par4d.grid import AXES, coords_of, rank_of
 from par4d.launch import distributed_env
+from par4d.launch.local import ALLOCATOR, allocator_settings
 from tests import cases
 
 
@@ -127,7 +128,7 @@ def _world_and_gloo_interface():
 
     grid = par4d.init(data=2)
     try:
-        return dist.get_world_size(), os.environ.get("GLOO_SOCKET_IFNAME")
+        return dist.get_world_size(), os.environ.get("GLOO_SOCKET_IFNAME"), os.environ.get("MALLOC_TRIM_THRESHOLD_")
     finally:
         grid.close()
         dist.destroy_process_group()
@@ -137,7 +138,8 @@ def test_local_ranks_start_where_the_hostname_does_not_resolve():
     """launch_local's ranks meet at 127.0.0.1 and gloo binds the loopback interface. Left to itself, torch's
     agent hands the ranks this machine's hostname, and where that does not resolve (a container, a cloud GPU
     box) they retry it until their 300 s store timeout and fail. Run under a hostname of its own, in a UTS
-    namespace (root only: skipped elsewhere); the launcher's own environment is left as it was."""
+    namespace (root only: skipped elsewhere); the launcher's own environment is left as it was. The ranks also
+    get glibc malloc's thresholds (par4d.launch.local.ALLOCATOR)."""
     import shutil
     import subprocess
     import sys
@@ -150,9 +152,15 @@ def test_local_ranks_start_where_the_hostname_does_not_resolve():
     script = ("import os; from par4d.launch import launch_local; "
               "from tests.test_grid import _world_and_gloo_interface as ranks; "
               "print(sorted(launch_local(2, ranks, ()).values()), os.environ.get('GLOO_SOCKET_IFNAME'))")
-    env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
+    env = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", *ALLOCATOR)}
     done = subprocess.run(["unshare", "--uts", "sh", "-c", 'hostname par4d-no-such-host && exec "$0" -c "$1"',
                            sys.executable, script], capture_output=True, text=True, timeout=120, env=env,
                           cwd=Path(__file__).parent.parent)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == "[(2, 'lo'), (2, 'lo')] None"     # unshare: Linux, lo
+    trim = ALLOCATOR["MALLOC_TRIM_THRESHOLD_"]
+    assert done.stdout.strip().splitlines()[-1] == f"[(2, 'lo', '{trim}'), (2, 'lo', '{trim}')] None"   # Linux: lo
+
+
+def test_the_users_allocator_settings_are_left_alone():
+    assert allocator_settings({}) == ALLOCATOR
+    assert allocator_settings({"MALLOC_MMAP_THRESHOLD_": "65536"}) == {}    # theirs, alone: none of ours added
