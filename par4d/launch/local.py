@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 from collections.abc import Callable, Sequence
+from types import MappingProxyType
 
 
 def free_port() -> int:
@@ -178,9 +179,9 @@ def _loopback_gloo() -> dict[str, str]:
 
 # glibc's malloc hands freed blocks above its (moving) thresholds back to the system, and a training step frees and
 # takes again the same memory every step: each page comes back as a page fault (3.3 us each on this project's
-# machine; a data=4 rank of the demo took 2,600-3,600 a step, 70 with these). Its memory returns to the same high
-# mark every step anyway. Other C libraries ignore the variables.
-ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(2**28), "MALLOC_TRIM_THRESHOLD_": str(2**30)}
+# machine; the demo's data=4 step took 2,600-4,000 over its four ranks, 70-93 with these: docs/benchmarks.md). Its
+# memory returns to the same high mark every step anyway. Other C libraries ignore the variables.
+ALLOCATOR = MappingProxyType({"MALLOC_MMAP_THRESHOLD_": str(2**28), "MALLOC_TRIM_THRESHOLD_": str(2**30)})
 
 
 def allocator_settings(environ) -> dict[str, str]:
