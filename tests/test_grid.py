@@ -123,7 +123,7 @@ def test_grids_closed_and_jobs_joined_again():
         assert over_yz == 6                                     # x, y, z span all four ranks
 
 
-def _world_and_gloo_interface():
+def _world_gloo_interface_and_allocator():
     import par4d
 
     grid = par4d.init(data=2)
@@ -150,7 +150,7 @@ def test_local_ranks_start_where_the_hostname_does_not_resolve():
     if shutil.which("unshare") is None or subprocess.run(["unshare", "--uts", "true"], capture_output=True).returncode:
         pytest.skip("needs a UTS namespace of its own (unshare --uts, as root)")
     script = ("import os; from par4d.launch import launch_local; "
-              "from tests.test_grid import _world_and_gloo_interface as ranks; "
+              "from tests.test_grid import _world_gloo_interface_and_allocator as ranks; "
               "print(sorted(launch_local(2, ranks, ()).values()), os.environ.get('GLOO_SOCKET_IFNAME'))")
     env = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", *ALLOCATOR)}
     done = subprocess.run(["unshare", "--uts", "sh", "-c", 'hostname par4d-no-such-host && exec "$0" -c "$1"',

@@ -91,11 +91,9 @@ class _Bucket:
         hundreds of page faults a step on a CPU (docs/benchmarks.md)."""
         layout = (dtype, grads[0].device, tuple(g.shape for g in grads))
         if layout != self.layout:
-            numel = sum(g.numel() for g in grads)
-            buffer = self.buffer
-            if buffer is None or buffer.dtype != dtype or buffer.device != grads[0].device or buffer.numel() < numel:
-                buffer = self.buffer = grads[0].new_empty(sum(p.numel() for p in self.params), dtype=dtype)
-            self.layout, self.span = layout, buffer[:numel]
+            if self.layout is None or self.layout[:2] != layout[:2]:     # sized for every parameter of the bucket
+                self.buffer = grads[0].new_empty(sum(p.numel() for p in self.params), dtype=dtype)
+            self.layout, self.span = layout, self.buffer[:sum(g.numel() for g in grads)]
             self.pieces = list(_unflatten_dense_tensors(self.span, grads))
         torch._foreach_copy_(self.pieces, grads)
         return self.span
