@@ -1,7 +1,7 @@
 """A pool of ranks kept alive across tests.
 
 Spawning a distributed job per test costs seconds of ``import torch`` per rank; the
-pool forks its ranks once from a forkserver that has torch and par4d imported, joins
+pool forks its ranks once from a forkserver that has torch, dynamo, transformers and par4d imported, joins
 them in one gloo job, and then runs test bodies on every rank (SPMD). A body that
 does not finish within its time limit fails the test and the pool is torn down
 (a hang is a failure, never a stuck suite).
@@ -49,7 +49,10 @@ class RankPool:
         self.world = world
         ctx = mp.get_context("forkserver")
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "par4d", "tests.cases"])
+        # What most ranks import anyway, imported once: dynamo (every torch optimizer imports it) and transformers'
+        # models cost a second each of CPU per rank, on cores the ranks share.
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "transformers.modeling_layers",
+                                    "par4d", "par4d.train.loop", "tests.cases", "tests.helpers"])
         port = free_port()
         self.conns, self.procs = [], []
         for rank in range(world):

@@ -227,35 +227,31 @@ def _final_tensors(run: Path) -> dict:
 
 
 def test_a_killed_rank_and_a_preempted_run_end_as_an_uninterrupted_one(tmp_path, pool2):
-    """Rank 1 is killed with SIGKILL after step 12 of 14 (checkpoints every 5 steps): the agent
-    restarts both ranks, they resume from step 10. Another run's launcher gets SIGTERM after
-    step 7: every rank saves step 7 and exits (status 143), and a resume runs to 14. Both end
-    with the parameters and AdamW state of an uninterrupted run (on the pool), bit for bit."""
+    """One run of 14 steps (checkpoints every 5), stopped and resumed: its launcher gets SIGTERM after step 7:
+    every rank saves step 7 and exits (status 143); resumed, rank 1 alone gets SIGTERM after step 9: every rank
+    saves step 9 and stops, read as a stop with the rank and signal named; resumed again, rank 1 is killed with
+    SIGKILL after step 12: the agent restarts both ranks, which resume from step 10. It ends with the
+    parameters, AdamW state and losses of an uninterrupted run (on the pool), bit for bit."""
     common = ["--grid", "x=2", *SMALL, "--steps", "14", "--save-every", "5"]
-    straight, killed, stopped = tmp_path / "straight", tmp_path / "killed", tmp_path / "stopped"
+    straight, run = tmp_path / "straight", tmp_path / "run"
     train_pooled(pool2, *common, "--out", str(straight))
-    common = ["--nproc", "2", *common]
-    result = train_subprocess(*common, "--out", str(killed), "--max-restarts", "1", env_extra={"PAR4D_FAULTS": "1:12"})
-    assert RESTART.findall(result.stdout) == [("1", "10")], result.stdout[-2000:]   # what bench faults reads
-    assert json.loads((killed / "summary.json").read_text())["start_step"] == 10
-    assert run_losses(killed) == run_losses(straight)
-    want = _final_tensors(straight)
-    got = _final_tensors(killed)
-    assert set(got) == set(want) and all(torch_equal(got[k], want[k]) for k in want)
+    result = train_subprocess("--nproc", "2", *common, "--out", str(run), env_extra={"PAR4D_FAULTS": "0:7:TERM"},
+                              status=143)
+    assert f"stopped by SIGTERM: step 7 is saved; continue with: par4d train --resume {run}" in result.stdout
+    assert len(run_losses(run)) == 7 and not (run / "summary.json").exists()
 
-    result = train_subprocess(*common, "--out", str(stopped), env_extra={"PAR4D_FAULTS": "0:7:TERM"}, status=143)
-    assert f"stopped by SIGTERM: step 7 is saved; continue with: par4d train --resume {stopped}" in result.stdout
-    assert len(run_losses(stopped)) == 7 and not (stopped / "summary.json").exists()
-    train_subprocess("--resume", str(stopped), "--nproc", "2")
-    assert run_losses(stopped) == run_losses(straight)
-
-    # SIGTERM to rank 1 alone: every rank saves step 3 and stops; read as a stop, the rank and signal named
-    one = tmp_path / "one"
-    result = train_subprocess(*common, "--out", str(one), env_extra={"PAR4D_FAULTS": "1:3:TERM_RANK"}, status=143)
-    assert (f"stopped by SIGTERM (sent to rank 1): step 3 is saved; continue with: par4d train --resume {one}"
+    result = train_subprocess("--resume", str(run), "--nproc", "2", env_extra={"PAR4D_FAULTS": "1:9:TERM_RANK"},
+                              status=143)
+    assert (f"stopped by SIGTERM (sent to rank 1): step 9 is saved; continue with: par4d train --resume {run}"
             in result.stdout)
-    assert len(run_losses(one)) == 3 and "failed" not in result.stderr
-    got = _final_tensors(stopped)
+    assert len(run_losses(run)) == 9 and "failed" not in result.stderr
+
+    result = train_subprocess("--resume", str(run), "--nproc", "2", "--max-restarts", "1",
+                              env_extra={"PAR4D_FAULTS": "1:12"})
+    assert RESTART.findall(result.stdout) == [("1", "10")], result.stdout[-2000:]   # what bench faults reads
+    assert json.loads((run / "summary.json").read_text())["start_step"] == 10
+    assert run_losses(run) == run_losses(straight)
+    want, got = _final_tensors(straight), _final_tensors(run)
     assert set(got) == set(want) and all(torch_equal(got[k], want[k]) for k in want)
 
 
