@@ -3,8 +3,9 @@ times, and torch's peers (FSDP2, HSDP, FSDP2 + TP with the standard Llama plan) 
 
 import pytest
 
-from par4d.bench import hf_peers
-from par4d.bench.peers import PeersSettings
+from par4d.bench import hf_peers, peers
+from par4d.bench.common import pooled
+from par4d.bench.peers import PeersSettings, add_ratios
 from par4d.cli import main
 from par4d.plan.cost import factorizations
 
@@ -53,3 +54,20 @@ def _peer_loss(kind: str, model: str) -> tuple[float, float]:
 def test_torchs_peers_compute_the_models_own_loss(pool4, kind, model):
     for loss, reference in pool4.run(_peer_loss, kind, model):
         assert loss == pytest.approx(reference, rel=1e-6)
+
+
+def _ddp_row(model: str) -> dict:
+    from par4d.bench.peers import Workload
+
+    settings = PeersSettings(nproc=4, nodes=None, iters=2, peak_flops=1e9)
+    return hf_peers._bench_torch("ddp", {}, None, model, Workload("comm-bound", 4, 8), settings)
+
+
+def test_ddps_row_times_par4ds_data_parallel_step_in_turns_with_it(pool4):
+    """As bench peers' GPT rows: par4d on data=4 (parallelize, the loop's train_step) stepped in turns with DDP,
+    each timed as often."""
+    row = pool4.run(_ddp_row, "hf-gpt2", timeout=240)[0]
+    assert row["name"] == "torch DDP" and len(row["times"]) == len(row["par4d_in_turns_times"]) == 2
+    assert all(t > 0 for t in row["par4d_in_turns_times"])
+    line = peers.in_turns(add_ratios([pooled([row])]), "comm-bound")
+    assert line.startswith("comm-bound: par4d data=4 against DDP stepped in turns: ")

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from par4d.bench import peers, torch_peers
+from par4d.bench import common, peers, torch_peers
 from par4d.bench.common import in_rounds, pooled
 from par4d.bench.peers import TPAttention, add_ratios, markdown, summary, validate
 from par4d.cli import main
@@ -106,9 +106,9 @@ def test_ddp_with_and_without_sync_are_timed_in_turns(monkeypatch):
             step()
         return [{"sync": 1.0, "local": 2.0, "par4d": 3.0}[name] for name in log[warmup:]]
 
-    monkeypatch.setattr(peers, "time_iterations", fake_time_iterations)
+    monkeypatch.setattr(common, "time_iterations", fake_time_iterations)
     steps = [lambda name=name: log.append(name) for name in ("sync", "local", "par4d")]
-    assert peers._in_turns(steps, 3) == [[1.0] * 3, [2.0] * 3, [3.0] * 3]
+    assert common.in_turns_times(steps, 3) == [[1.0] * 3, [2.0] * 3, [3.0] * 3]
     assert log == ["sync", "local", "par4d", "par4d", "local", "sync", "sync", "local", "par4d",
                    "par4d", "local", "sync"]
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from par4d.launch import launch_local
+from par4d.measure.grids import time_iterations
 
 
 def launch(worker: Callable, args: Sequence, nproc: int, nodes: int | None, link: str, run_id: str):
@@ -35,6 +36,17 @@ def in_rounds(runs: Sequence[Callable[[], list[dict]]], rounds: int) -> list[lis
             for row in run():
                 timed.setdefault((row.get("workload"), row["name"], row["grid"]), []).append(row)
     return list(timed.values())
+
+
+def in_turns_times(steps: Sequence[Callable[[], object]], iters: int) -> list[list[float]]:
+    """Seconds of ``iters`` calls of each of ``steps``, called in turns: a difference of their medians must not
+    pick up a slow spell of a shared machine that hit only one of them. Every other turn runs in the reverse order
+    (A/A here: the same DDP step first in each turn ran 2% slower than itself second); one turn, untimed, first."""
+    count = len(steps)
+    order = [k for turn in range(iters + 1) for k in (range(count) if turn % 2 == 0 else reversed(range(count)))]
+    calls = iter(order)
+    times = time_iterations(lambda: steps[next(calls)](), count * iters, warmup=count)
+    return [[t for k, t in zip(order[count:], times) if k == j] for j in range(count)]
 
 
 def pooled(parts: list[dict]) -> dict:

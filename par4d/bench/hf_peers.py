@@ -35,7 +35,17 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from par4d.bench.common import check_cluster, emit, in_rounds, launch, link_bytes, pooled, sum_over_ranks, where
+from par4d.bench.common import (
+    check_cluster,
+    emit,
+    in_rounds,
+    in_turns_times,
+    launch,
+    link_bytes,
+    pooled,
+    sum_over_ranks,
+    where,
+)
 from par4d.bench.peers import (
     COMM_BOUND_SEQ_LEN,
     KNOBS,
@@ -43,13 +53,14 @@ from par4d.bench.peers import (
     PeersSettings,
     Workload,
     add_ratios,
+    in_turns,
     markdown,
     peer_name,
     summary,
 )
 from par4d.bench.torch_peers import destroy_groups, peer_mesh, tp_shape
 from par4d.compiled import compile_afresh
-from par4d.grid import staged_splits, validate_sizes
+from par4d.grid import Grid, staged_splits, validate_sizes
 from par4d.launch import distributed_env, init, join
 from par4d.launch.cluster import link_bits_per_second
 from par4d.launch.host import cpu_cores, threads_per_rank
@@ -129,7 +140,6 @@ def _grids(model: str, world: int, sequences: int) -> list[dict[str, int]]:
     """Every (x, y, z, data) of ``world`` ranks whose batch shards divide ``sequences`` and on which
     ``parallelize`` can cut every layer of the model (x that does not divide the heads leaves attention lone)."""
     from par4d.adopt import parallelize
-    from par4d.grid import Grid
 
     out = []
     for sizes in factorizations(world):
@@ -184,19 +194,22 @@ class _Timed:
     state_bytes: int
     peak_bytes: dict[str, int] | None     # None: not measured (compiled blocks)
     first_s: float          # the first step's seconds (compiling, where the blocks are compiled)
+    beside: list[float] | None = None      # the step timed in turns with these (par4d's beside DDP's)
 
 
-def _time(step: Callable[[], torch.Tensor], model: nn.Module, optimizer, iters: int, compiled: bool) -> _Timed:
-    """The first step's loss and seconds, ``iters`` timed steps, and the memory of one more step (not with
-    compiled blocks: torch's MemTracker warns on every tensor they hand it, and its count there is unchecked)."""
+def _time(step: Callable[[], torch.Tensor], model: nn.Module, optimizer, iters: int, compiled: bool,
+          beside: Callable[[], object] | None = None) -> _Timed:
+    """The first step's loss and seconds, ``iters`` timed steps (in turns with ``beside``'s, where given), and the
+    memory of one more step (not with compiled blocks: torch's MemTracker warns on every tensor they hand it, and
+    its count there is unchecked)."""
     start = time.perf_counter()
     first = step()          # the first step's loss: the same weights and batch in every row
     loss = first.detach().reshape(1).double()
     first_s = time.perf_counter() - start
     dist.all_reduce(loss)
-    times = time_iterations(step, iters)
+    times, paired = (time_iterations(step, iters), None) if beside is None else in_turns_times([step, beside], iters)
     return _Timed(times, loss.item() / dist.get_world_size(), _max_over_ranks(_state_bytes(model, optimizer)),
-                  None if compiled else _peak(step, model, optimizer), first_s)
+                  None if compiled else _peak(step, model, optimizer), first_s, paired)
 
 
 def _row(name: str, sizes: dict, timed: _Timed, per_rank_bytes: float, source: str, workload: Workload,
@@ -213,8 +226,18 @@ def _row(name: str, sizes: dict, timed: _Timed, per_rank_bytes: float, source: s
             "compile_s": compile_seconds(timed.first_s if compile != "none" else None, timed.times)}
 
 
-def _bench_par4d(model: str, sizes: dict, workload: Workload, settings: PeersSettings, hierarchical: str,
-                 shard_stream: bool = True) -> dict:
+@dataclass(frozen=True)
+class _Par4dStep:
+    """par4d's training step of the model on a grid, to call repeatedly, and what its row reports."""
+    grid: Grid
+    net: nn.Module
+    optimizer: torch.optim.Optimizer
+    flops: float
+    step: Callable[[], torch.Tensor]
+
+
+def _par4d_step(model: str, sizes: dict, workload: Workload, settings: PeersSettings, hierarchical: str,
+                shard_stream: bool = True) -> _Par4dStep:
     from par4d.adopt import parallelize
     from par4d.adopt.causal_lm import CausalLM
     from par4d.overlap import Overlap, set_overlap
@@ -228,10 +251,13 @@ def _bench_par4d(model: str, sizes: dict, workload: Workload, settings: PeersSet
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
     inputs, targets = batch(workload.sequences, workload.seq_len)
     x, y = shard_batch(grid, inputs), shard_batch(grid, targets)
+    return _Par4dStep(grid, net, optimizer, flops, lambda: train_step(net, optimizer, grid, (x, y)))
 
-    def step() -> torch.Tensor:
-        return train_step(net, optimizer, grid, (x, y))
 
+def _bench_par4d(model: str, sizes: dict, workload: Workload, settings: PeersSettings, hierarchical: str,
+                 shard_stream: bool = True) -> dict:
+    built = _par4d_step(model, sizes, workload, settings, hierarchical, shard_stream)
+    grid, net, optimizer, flops, step = built.grid, built.net, built.optimizer, built.flops, built.step
     before = grid.ledger.total_bytes()
     timed = _time(step, net, optimizer, settings.iters, settings.compile != "none")
     steps = 1 + WARMUP + settings.iters + 1        # the first, warm-up, timed, and MemTracker's (_time)
@@ -303,7 +329,15 @@ def _bench_torch(kind: str, knob: dict, mesh, model: str, workload: Workload, se
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
-    timed = _time(step, net, optimizer, settings.iters, settings.compile != "none")
+    # DDP's row: par4d's data-parallel step (collectives flat) timed in turns with it, as bench peers does; stepped
+    # once first (untimed: its optimizer's state made, compiled where compiling)
+    beside = _par4d_step(model, {"data": settings.world}, workload, settings, "off") if kind == "ddp" and not knob \
+        else None
+    if beside is not None:
+        beside.step()
+    timed = _time(step, net, optimizer, settings.iters, settings.compile != "none", beside and beside.step)
+    if beside is not None:
+        beside.grid.close()
     if kind == "ddp":   # DDP's reducer all-reduces below Python: its gradient bytes, once per step
         per_rank, source = sum(p.numel() * p.element_size() for p in net.parameters()), "gradient bytes"
     else:
@@ -313,7 +347,8 @@ def _bench_torch(kind: str, knob: dict, mesh, model: str, workload: Workload, se
         per_rank, source = counter.bytes, "c10d dispatch"
     row = _row(peer_name(kind, knob), sizes, timed, per_rank, source, workload, flops, settings.peak_flops,
                settings.compile)
-    return dict(row, link_bytes_per_iter=link_bytes(step))
+    return dict(row, link_bytes_per_iter=link_bytes(step),
+                **({"par4d_in_turns_times": timed.beside} if timed.beside is not None else {}))
 
 
 def hf_peers_worker(model: str, settings: PeersSettings) -> list[dict]:
@@ -376,6 +411,8 @@ def run_bench_hf_peers(args: argparse.Namespace) -> int:
     print()
     for w in workloads(settings.world):
         print(summary(rows, w.name))
+    for line in filter(None, (in_turns(rows, w.name) for w in workloads(settings.world))):
+        print(line)
     sys.stdout.flush()
     return 0
 

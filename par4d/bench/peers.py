@@ -29,7 +29,6 @@ import argparse
 import dataclasses
 import statistics
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -43,6 +42,7 @@ from par4d.bench.common import (
     emit,
     grid_row,
     in_rounds,
+    in_turns_times,
     launch,
     link_bytes,
     pooled,
@@ -272,17 +272,6 @@ def _par4d_rows(workload: Workload, settings: PeersSettings) -> list[dict]:
     return rows
 
 
-def _in_turns(steps: list[Callable[[], object]], iters: int) -> list[list[float]]:
-    """Seconds of ``iters`` calls of each of ``steps``, called in turns: a difference of their medians must not
-    pick up a slow spell of a shared machine that hit only one of them. Every other turn runs in the reverse order
-    (A/A here: the same DDP step first in each turn ran 2% slower than itself second); one turn, untimed, first."""
-    count = len(steps)
-    order = [k for turn in range(iters + 1) for k in (range(count) if turn % 2 == 0 else reversed(range(count)))]
-    calls = iter(order)
-    times = time_iterations(lambda: steps[next(calls)](), count * iters, warmup=count)
-    return [[t for k, t in zip(order[count:], times) if k == j] for j in range(count)]
-
-
 def _par4d_beside(workload: Workload, settings: PeersSettings) -> TrainingStep:
     """par4d's step on DDP's algorithm (data over every rank, its collectives flat), to be timed in turns with
     DDP's: rows timed minutes apart moved by more than the two differ. Stepped once (untimed: its optimizer's state
@@ -318,7 +307,7 @@ def _bench_torch(kind: str, knob: dict, mesh: DeviceMesh | None, workload: Workl
         per_rank, source = sum(p.numel() * p.element_size() for p in model.parameters()), "gradient bytes"
         beside = None if knob else _par4d_beside(workload, settings)
         steps = [step, lambda: step(sync=False)] + ([beside] if beside is not None else [])
-        times, local, *paired = _in_turns(steps, settings.iters)
+        times, local, *paired = in_turns_times(steps, settings.iters)
         if beside is not None:
             beside.grid.close()
             extra["par4d_in_turns_times"] = paired[0]
