@@ -14,6 +14,8 @@ to fp32 rounding. Rows:
   parallelism with ``parallelize_module`` and the standard Llama plan: q, k, v, gate and up column-wise,
   o and down row-wise, TP inside a node and FSDP across (GPT-2 has no TP row: its ``Conv1D`` layers are
   not layers ``parallelize_module`` shards, and its fused q, k, v would be cut across q, k and v).
+  DDP's row (its default buckets) also times par4d's data-parallel step in turns with DDP's, as the GPT's
+  bench does (``par4d_in_turns_s``: rows timed minutes apart move by more than the two differ).
 
 Memory per rank, the largest over ranks: ``state_bytes`` (this rank's parameters, gradients and AdamW
 state after a step, counted exactly) and ``peak_bytes`` (the peak of one more step as torch's own
