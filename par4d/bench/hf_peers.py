@@ -31,6 +31,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -228,8 +229,7 @@ def _row(name: str, sizes: dict, timed: _Timed, per_rank_bytes: float, source: s
             "compile_s": compile_seconds(timed.first_s if compile != "none" else None, timed.times)}
 
 
-@dataclass(frozen=True)
-class _Par4dStep:
+class _Par4dStep(NamedTuple):
     """par4d's training step of the model on a grid, to call repeatedly, and what its row reports."""
     grid: Grid
     net: nn.Module
@@ -258,8 +258,7 @@ def _par4d_step(model: str, sizes: dict, workload: Workload, settings: PeersSett
 
 def _bench_par4d(model: str, sizes: dict, workload: Workload, settings: PeersSettings, hierarchical: str,
                  shard_stream: bool = True) -> dict:
-    built = _par4d_step(model, sizes, workload, settings, hierarchical, shard_stream)
-    grid, net, optimizer, flops, step = built.grid, built.net, built.optimizer, built.flops, built.step
+    grid, net, optimizer, flops, step = _par4d_step(model, sizes, workload, settings, hierarchical, shard_stream)
     before = grid.ledger.total_bytes()
     timed = _time(step, net, optimizer, settings.iters, settings.compile != "none")
     steps = 1 + WARMUP + settings.iters + 1        # the first, warm-up, timed, and MemTracker's (_time)
@@ -331,13 +330,13 @@ def _bench_torch(kind: str, knob: dict, mesh, model: str, workload: Workload, se
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
-    # DDP's row: par4d's data-parallel step (collectives flat) timed in turns with it, as bench peers does; stepped
-    # once first (untimed: its optimizer's state made, compiled where compiling)
-    beside = _par4d_step(model, {"data": settings.world}, workload, settings, "off") if kind == "ddp" and not knob \
-        else None
-    if beside is not None:
+    beside = None
+    if kind == "ddp" and not knob:
+        # par4d's data-parallel step (collectives flat) timed in turns with DDP's, as bench peers does; stepped once
+        # first (untimed: its optimizer's state made, compiled where compiling)
+        beside = _par4d_step(model, {"data": settings.world}, workload, settings, "off")
         beside.step()
-    timed = _time(step, net, optimizer, settings.iters, settings.compile != "none", beside and beside.step)
+    timed = _time(step, net, optimizer, settings.iters, settings.compile != "none", beside.step if beside else None)
     if beside is not None:
         beside.grid.close()
     if kind == "ddp":   # DDP's reducer all-reduces below Python: its gradient bytes, once per step
