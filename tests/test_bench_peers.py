@@ -202,7 +202,7 @@ def test_rounds_alternate_the_order_and_keep_the_first_compile():
 
 def test_par4d_stepped_in_turns_with_ddp_is_pooled_and_reported():
     """DDP's row carries par4d's data-parallel step timed in turns with it, every round's steps pooled; the line
-    gives both medians and their ratio."""
+    gives both medians and their ratio, and each round's ratio summarized (mean and standard error)."""
     parts = [dict(_row("torch", "demo", "torch DDP", 0.0), times=[0.20, 0.22], local_times=[0.18, 0.18],
                   par4d_in_turns_times=[0.19, 0.25]),
              dict(_row("torch", "demo", "torch DDP", 0.0), times=[0.21], local_times=[0.19],
@@ -210,8 +210,12 @@ def test_par4d_stepped_in_turns_with_ddp_is_pooled_and_reported():
     row = pooled(parts)
     assert (row["s_per_iter"], row["par4d_in_turns_s"]) == (0.21, 0.23)
     assert "par4d_in_turns_times" not in row
+    assert row["par4d_in_turns_ratios"] == pytest.approx([0.22 / 0.21, 0.23 / 0.21], rel=1e-12)   # medians' ratios
     rows = add_ratios([row, _row("par4d", "demo", "par4d", 0.3)])
     assert peers.in_turns(rows, "demo") == ("demo: par4d data=4 against DDP stepped in turns: 0.2300 against "
-                                           "0.2100 s/iter, 1.095x")
+                                           "0.2100 s/iter, 1.095x; per round 1.071x mean, standard error 0.024 "
+                                           "(2 rounds)")
+    row = pooled(parts[1:])           # one round: no spread to give
+    assert peers.in_turns(add_ratios([row]), "demo").endswith("1.095x")
     assert peers.in_turns(rows, "comm-bound") is None
     assert peers.in_turns(add_ratios([_row("torch", "demo", "torch DDP", 0.2)]), "demo") is None

@@ -52,7 +52,8 @@ def in_turns_times(steps: Sequence[Callable[[], object]], iters: int) -> list[li
 def pooled(parts: list[dict]) -> dict:
     """One row from the same row timed in several rounds: every round's iterations pooled (the median over all),
     the throughput recounted, DDP's exposed all-reduce from the pooled times with and without sync, and par4d's
-    step timed in turns with DDP's (``par4d_in_turns_s``); compiled, the first round's compiling seconds (later
+    step timed in turns with DDP's (``par4d_in_turns_s``, and each round's ratio of the two medians:
+    ``par4d_in_turns_ratios``, what :func:`spread` summarizes); compiled, the first round's compiling seconds (later
     rounds find Inductor's cache warm) and the graphs every round made again after its first step."""
     times = [t for part in parts for t in part["times"]]
     local = [t for part in parts for t in part.get("local_times", [])]
@@ -72,7 +73,19 @@ def pooled(parts: list[dict]) -> dict:
                    exposed_comm_share=(s - statistics.median(local)) / s)
     if beside:                  # DDP's row: par4d's data-parallel step timed in turns with it
         row["par4d_in_turns_s"] = statistics.median(beside)
+        row["par4d_in_turns_ratios"] = [statistics.median(part["par4d_in_turns_times"]) /
+                                        statistics.median(part["times"]) for part in parts
+                                        if part.get("par4d_in_turns_times")]
     return row
+
+
+def spread(ratios: list[float]) -> str:
+    """Rounds' ratios as their mean and its standard error (docs/benchmarks.md: one round's ratio of two programs
+    stepped in turns moves by a few percent here, an identical one's included); empty for fewer than 2 rounds."""
+    if len(ratios) < 2:
+        return ""
+    error = statistics.stdev(ratios) / len(ratios) ** 0.5
+    return f"; per round {statistics.mean(ratios):.3f}x mean, standard error {error:.3f} ({len(ratios)} rounds)"
 
 
 def check_cluster(nproc: int, nodes: int | None, link: str) -> None:

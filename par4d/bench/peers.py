@@ -46,6 +46,7 @@ from par4d.bench.common import (
     launch,
     link_bytes,
     pooled,
+    spread,
     sum_over_ranks,
     where,
 )
@@ -397,7 +398,7 @@ def in_turns(rows: list[dict], workload: str) -> str | None:
         return None
     return (f"{workload}: par4d data={ddp['grid'].split('data=')[1]} against DDP stepped in turns: "
             f"{ddp['par4d_in_turns_s']:.4f} against {ddp['s_per_iter']:.4f} s/iter, "
-            f"{ddp['par4d_in_turns_s'] / ddp['s_per_iter']:.3f}x")
+            f"{ddp['par4d_in_turns_s'] / ddp['s_per_iter']:.3f}x" + spread(ddp.get("par4d_in_turns_ratios", [])))
 
 
 def summary(rows: list[dict], workload: str) -> str:
