@@ -24,6 +24,8 @@ def test_bad_arguments_name_the_numbers(model, nproc, nodes, numbers):
 def test_cli_reports_bad_input_before_any_rank_starts(capsys):
     assert main(["bench", "peers", "--model", "hf-llama", "--nproc", "3", "--iters", "1"]) == 2
     assert "--nproc 3" in capsys.readouterr().err
+    assert main(["bench", "peers", "--model", "hf-mixtral", "--in-turns-only"]) == 2    # bench moe: no DDP row in turns
+    assert "--in-turns-only: --model hf-mixtral runs bench moe" in capsys.readouterr().err
 
 
 def test_the_grids_are_those_parallelize_can_cut():

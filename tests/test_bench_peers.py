@@ -113,6 +113,34 @@ def test_ddp_with_and_without_sync_are_timed_in_turns(monkeypatch):
                    "par4d", "local", "sync"]
 
 
+@pytest.mark.parametrize("only", [False, True], ids=["every-row", "in-turns-only"])
+def test_in_turns_only_runs_ddps_default_rows_alone(monkeypatch, only):
+    """--in-turns-only: DDP's default rows alone, in rounds (each steps par4d's data=N step in turns with DDP's,
+    each round's ratio kept); no par4d grid row, no other knob's DDP row, no other peer. Without it, all of them."""
+    calls = []
+
+    def fake_torch(kind, knob, mesh, workload, settings):
+        calls.append((kind, tuple(knob), workload.name))
+        return dict(_row("torch", workload.name, peers.peer_name(kind, knob), 0.2), times=[0.2], local_times=[0.1],
+                    **({"par4d_in_turns_times": [0.21]} if kind == "ddp" and not knob else {}))
+
+    for module, name, value in ((peers, "join", lambda env: None), (peers, "distributed_env", lambda: None),
+                                (torch, "set_num_threads", lambda n: None),
+                                (peers, "_par4d_rows", lambda w, s: calls.append(("par4d", w.name)) or []),
+                                (peers, "_bench_torch", fake_torch), (peers, "peer_mesh", lambda *a: None),
+                                (peers.dist, "destroy_process_group", lambda: None)):
+        monkeypatch.setattr(module, name, value)
+    rows = peers.peers_worker(peers.PeersSettings(4, None, 2, 1e9, rounds=3, in_turns_only=only))
+    if only:
+        turn = [("ddp", (), "demo"), ("ddp", (), "comm-bound")]
+        assert calls == (turn + turn[::-1]) + turn
+        assert [r["name"] for r in rows] == ["torch DDP"] * 2
+        assert all(r["par4d_in_turns_ratios"] == pytest.approx([1.05] * 3) for r in rows)
+    else:
+        assert {c[0] for c in calls} == {"par4d", *torch_peers.KINDS} and len(rows) > 2
+        assert sum(1 for c in calls if c[:2] == ("ddp", ("bucket_cap_mb",))) == 2 * 3
+
+
 def test_throughput_is_recounted_for_the_workloads_tokens():
     from par4d.bench.common import grid_row
 

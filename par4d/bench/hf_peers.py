@@ -56,6 +56,7 @@ from par4d.bench.peers import (
     PeersSettings,
     Workload,
     add_ratios,
+    ddp_knobs,
     in_turns,
     markdown,
     peer_name,
@@ -356,11 +357,12 @@ def hf_peers_worker(model: str, settings: PeersSettings) -> list[dict]:
     join(distributed_env())
     torch.set_num_threads(threads_per_rank(settings.world))
     kinds = ("ddp", "fsdp", "hsdp", "tp") if model == "hf-llama" else ("ddp", "fsdp", "hsdp")
-    runs = ([lambda w=w: _par4d_rows(model, w, settings) for w in workloads(settings.world)]
+    runs = ([lambda w=w: _par4d_rows(model, w, settings) for w in workloads(settings.world)
+             if not settings.in_turns_only]
             + [lambda w=w, knob=knob: [_bench_torch("ddp", knob, None, model, w, settings)]
-               for knob in KNOBS["ddp"] for w in workloads(settings.world)])
+               for knob in ddp_knobs(settings) for w in workloads(settings.world)])
     rows = [pooled(parts) for parts in in_rounds(runs, settings.rounds)]   # par4d's rows and DDP's in rounds
-    for kind in kinds[1:]:
+    for kind in kinds[1:] if not settings.in_turns_only else ():
         mesh = peer_mesh(kind, settings.world, settings.nproc, settings.nodes)   # one per peer: bench peers' why
         rows += [pooled([_bench_torch(kind, knob, mesh, model, w, settings)])
                  for knob in KNOBS[kind] for w in workloads(settings.world)]
@@ -390,7 +392,7 @@ def run_bench_hf_peers(args: argparse.Namespace) -> int:
     validate(args.model, args.nproc, args.nodes, args.iters, args.rounds)
     check_cluster(args.nproc, args.nodes, args.link)
     settings = PeersSettings(args.nproc, args.nodes, args.iters, measure_matmul_peak(threads=cpu_cores()), args.link,
-                             args.rounds, args.compile)
+                             args.rounds, args.compile, args.in_turns_only)
     rows = add_ratios(launch(hf_peers_worker, (args.model, settings), args.nproc, args.nodes, args.link,
                              "par4d-bench-hf-peers"))
     if emit(rows, args.out, args.json):

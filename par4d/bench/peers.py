@@ -80,6 +80,11 @@ KNOBS: dict[str, list[dict]] = {"ddp": [{}, {"bucket_cap_mb": 1}], "fsdp": [{}, 
                                 "hsdp": [{}, {"reshard_after_forward": False}], "tp": [{}]}
 
 
+def ddp_knobs(settings: PeersSettings) -> list[dict]:
+    """DDP's rows: each knob's, or under ``in_turns_only`` the default's alone (par4d's step in turns with it)."""
+    return KNOBS["ddp"][:1] if settings.in_turns_only else KNOBS["ddp"]
+
+
 def peer_name(kind: str, knob: dict) -> str:
     extra = {"bucket_cap_mb": "{} MB buckets", "reshard_after_forward": "reshard {}"}
     words = [extra[k].format(v) for k, v in knob.items()]
@@ -97,6 +102,7 @@ class PeersSettings:
     link: str = "1gbit"
     rounds: int = 1         # par4d's rows and DDP's timed this many times, in alternating order, times pooled
     compile: str = "none"   # every model's blocks compiled by this backend (par4d.compiled), par4d's and the peers'
+    in_turns_only: bool = False   # DDP's rows alone, par4d's data=N step in turns with each: the precise comparison
 
     @property
     def world(self) -> int:
@@ -334,11 +340,12 @@ def peers_worker(settings: PeersSettings) -> list[dict]:
     torch.set_num_threads(threads_per_rank(settings.world))
     # par4d's rows and DDP's (the peer with par4d's best grid's algorithm, and no mesh) in rounds, the order
     # reversed every other round: the row timed first after a change of model ran up to 6% slower here.
-    runs = ([lambda w=w: _par4d_rows(w, settings) for w in workloads(settings.world)]
+    # (--in-turns-only: DDP's default rows alone, the ones stepping par4d's data-parallel step in turns with DDP's.)
+    runs = ([lambda w=w: _par4d_rows(w, settings) for w in workloads(settings.world) if not settings.in_turns_only]
             + [lambda w=w, knob=knob: [_bench_torch("ddp", knob, None, w, settings)]
-               for knob in KNOBS["ddp"] for w in workloads(settings.world)])
+               for knob in ddp_knobs(settings) for w in workloads(settings.world)])
     rows = [pooled(parts) for parts in in_rounds(runs, settings.rounds)]
-    for kind in (k for k in KINDS if k != "ddp"):
+    for kind in (k for k in KINDS if k != "ddp" and not settings.in_turns_only):
         # One mesh per peer for both workloads, its groups destroyed after: DTensor caches sharding decisions,
         # meshes in them included, per *equal* mesh (same shape and names), so a second mesh like the first
         # would be handed the first one's destroyed groups.
@@ -436,7 +443,7 @@ def run_bench_peers(args: argparse.Namespace) -> int:
     check_cluster(args.nproc, args.nodes, args.link)
     # The peak is measured before the ranks exist, so nothing competes for the cores.
     settings = PeersSettings(args.nproc, args.nodes, args.iters, measure_matmul_peak(threads=cpu_cores()), args.link,
-                             args.rounds, args.compile)
+                             args.rounds, args.compile, args.in_turns_only)
     rows = add_ratios(launch(peers_worker, (settings,), args.nproc, args.nodes, args.link, "par4d-bench-peers"))
     if emit(rows, args.out, args.json):
         sys.stdout.flush()

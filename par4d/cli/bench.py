@@ -65,6 +65,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                        help="gpt: par4d's own GPT; hf-llama, hf-gpt2: Hugging Face's, through par4d.parallelize, "
                             "against DDP, FSDP2, HSDP and (Llama) FSDP2 + TP with torch's Llama plan; hf-mixtral: "
                             "bench moe --model hf-mixtral")
+    peers.add_argument("--in-turns-only", action="store_true",
+                       help="only DDP's rows, each stepping par4d's data-parallel step in turns with DDP's: the "
+                            "precise comparison, with many --rounds (the line gives each round's mean and standard "
+                            "error)")
     _output(peers)
     overlap = sub.add_parser("overlap", help="each overlap's gain in the order of the 4D paper's Fig. 3 "
                                              "(none, +oar, +ors, +oag, +cache, all)")
@@ -214,6 +218,9 @@ def run(args: argparse.Namespace) -> int:
         if not emit(rows, args.out, args.json):
             print(table(rows, settings.budget_mb))
         return 0
+    if args.bench == "peers" and args.in_turns_only and args.model == "hf-mixtral":
+        raise ValueError("--in-turns-only: --model hf-mixtral runs bench moe, which has no DDP row stepped in turns "
+                         "with par4d's; give --model gpt, hf-llama or hf-gpt2")
     if args.bench == "moe" or (args.bench == "peers" and args.model == "hf-mixtral"):   # a mixture's peers
         from par4d.bench.common import emit
         from par4d.bench.moe import run_bench_moe, table
