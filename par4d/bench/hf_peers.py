@@ -412,7 +412,7 @@ def run_bench_hf_peers(args: argparse.Namespace) -> int:
         print()
         print(_memory_table(mine))
     print()
-    for w in workloads(settings.world):
+    for w in workloads(settings.world) if not settings.in_turns_only else ():    # (no par4d grid row to sum up)
         print(summary(rows, w.name))
     for line in filter(None, (in_turns(rows, w.name) for w in workloads(settings.world))):
         print(line)

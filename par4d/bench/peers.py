@@ -465,7 +465,7 @@ def run_bench_peers(args: argparse.Namespace) -> int:
               f"compute, DDP under no_sync(), {ddp['compute_s']:.3f} s, plus the least link time, "
               f"{floor_link_seconds(settings):.3f} s)")
     print()
-    for w in workloads(settings.world):
+    for w in workloads(settings.world) if not settings.in_turns_only else ():    # (no par4d grid row to sum up)
         print(summary(rows, w.name))
     for line in filter(None, (in_turns(rows, w.name) for w in workloads(settings.world))):
         print(line)
