@@ -29,6 +29,7 @@ import argparse
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -178,12 +179,17 @@ def _max_over_ranks(value: float) -> int:
 def _peak(step: Callable[[], torch.Tensor], model: nn.Module, optimizer) -> dict[str, int]:
     """Peak bytes of one more (untimed) step, by kind, as torch's MemTracker counts this rank's tensors:
     parameters, gradients, optimizer state, activations and temporaries, total; the largest over ranks.
-    Tensors made on other threads (par4d's staged collectives' lanes) are not seen."""
+    Tensors made on other threads (par4d's staged collectives' lanes) are not seen. ORS's deferred weight
+    gradients (z > 1) reach MemTracker's gradient hook as None (autograd has none for them: the reduce-scatter
+    writes them after backward), so the total holds them under another kind than gradients; its warning about
+    the None, once per such weight and rank, is silenced."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
     tracker.track_external(model, optimizer)
-    with tracker:
+    with tracker, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass of tensor, "
+                                "but got <class 'NoneType'>", category=UserWarning)
         step()
     peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
     kinds = {"param": "PARAM", "grad": "GRAD", "optimizer": "OPT", "activation": "ACT", "temporary": "TEMP"}
