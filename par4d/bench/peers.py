@@ -11,7 +11,9 @@ the model and batch, with its collectives flat and, where a group spans nodes, s
 counts are bench grid's (``bench.common.grid_row``), plus ``ratio_to_best_peer`` (a row's
 s/iter over the fastest torch row's of the same workload), ``floor_s_per_iter`` (the limit
 for the setting: :func:`add_floor`) and, across emulated nodes, ``link_bytes_per_iter``
-(what the nodes' interfaces sent).
+(what the nodes' interfaces sent). DDP's default row also steps par4d's data=N step in turns with its own
+(``par4d_in_turns_s``, each round's ratio in ``par4d_in_turns_ratios``); ``--in-turns-only`` runs those rows
+alone, for as many rounds as a precise ratio needs (one round's moves by a few percent here).
 
 Two workloads, both always run:
 
