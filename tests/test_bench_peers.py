@@ -97,8 +97,8 @@ def test_tp_attention_refuses_heads_that_do_not_divide():
 
 
 def test_ddp_with_and_without_sync_are_timed_in_turns(monkeypatch):
-    """Each step's times are its own, one untimed turn first, every other turn in the reverse order: the
-    exposed-comm difference and par4d's ratio to DDP rely on it."""
+    """Each step's times are its own, one untimed turn first, each turn starting one step later (every step in
+    every place equally often): the exposed-comm difference and par4d's ratio to DDP rely on it."""
     log: list[str] = []
 
     def fake_time_iterations(step, iters, warmup):
@@ -109,8 +109,8 @@ def test_ddp_with_and_without_sync_are_timed_in_turns(monkeypatch):
     monkeypatch.setattr(common, "time_iterations", fake_time_iterations)
     steps = [lambda name=name: log.append(name) for name in ("sync", "local", "par4d")]
     assert common.in_turns_times(steps, 3) == [[1.0] * 3, [2.0] * 3, [3.0] * 3]
-    assert log == ["sync", "local", "par4d", "par4d", "local", "sync", "sync", "local", "par4d",
-                   "par4d", "local", "sync"]
+    assert log == ["sync", "local", "par4d", "local", "par4d", "sync", "par4d", "sync", "local",
+                   "sync", "local", "par4d"]
 
 
 @pytest.mark.parametrize("only", [False, True], ids=["every-row", "in-turns-only"])

@@ -40,10 +40,13 @@ def in_rounds(runs: Sequence[Callable[[], list[dict]]], rounds: int) -> list[lis
 
 def in_turns_times(steps: Sequence[Callable[[], object]], iters: int) -> list[list[float]]:
     """Seconds of ``iters`` calls of each of ``steps``, called in turns: a difference of their medians must not
-    pick up a slow spell of a shared machine that hit only one of them. Every other turn runs in the reverse order
-    (A/A here: the same DDP step first in each turn ran 2% slower than itself second); one turn, untimed, first."""
+    pick up a slow spell of a shared machine that hit only one of them. Each turn starts one step later than the
+    last (A B C, B C A, C A B, ...): every step takes every place in a turn equally often, and none runs twice in
+    a row where there are three (A/A here: the same DDP step first in each turn ran 2% slower than itself second;
+    in the middle of turns reversed every other time, A B C then C B A, 3% slower than at the ends); one turn,
+    untimed, first."""
     count = len(steps)
-    order = [k for turn in range(iters + 1) for k in (range(count) if turn % 2 == 0 else reversed(range(count)))]
+    order = [(turn + k) % count for turn in range(iters + 1) for k in range(count)]
     calls = iter(order)
     times = time_iterations(lambda: steps[next(calls)](), count * iters, warmup=count)
     return [[t for k, t in zip(order[count:], times) if k == j] for j in range(count)]
