@@ -42,7 +42,6 @@ import torch.nn.functional as F
 from par4d.bench.common import (
     check_cluster,
     emit,
-    in_rounds,
     in_turns_times,
     launch,
     link_bytes,
@@ -57,10 +56,10 @@ from par4d.bench.peers import (
     PeersSettings,
     Workload,
     add_ratios,
-    ddp_knobs,
     in_turns,
     markdown,
     peer_name,
+    rows_in_rounds,
     summary,
 )
 from par4d.bench.torch_peers import destroy_groups, peer_mesh, tp_shape
@@ -363,11 +362,8 @@ def hf_peers_worker(model: str, settings: PeersSettings) -> list[dict]:
     join(distributed_env())
     torch.set_num_threads(threads_per_rank(settings.world))
     kinds = ("ddp", "fsdp", "hsdp", "tp") if model == "hf-llama" else ("ddp", "fsdp", "hsdp")
-    runs = ([lambda w=w: _par4d_rows(model, w, settings) for w in workloads(settings.world)
-             if not settings.in_turns_only]
-            + [lambda w=w, knob=knob: [_bench_torch("ddp", knob, None, model, w, settings)]
-               for knob in ddp_knobs(settings) for w in workloads(settings.world)])
-    rows = [pooled(parts) for parts in in_rounds(runs, settings.rounds)]   # par4d's rows and DDP's in rounds
+    rows = rows_in_rounds(lambda w: _par4d_rows(model, w, settings),
+                          lambda knob, w: _bench_torch("ddp", knob, None, model, w, settings), settings)
     for kind in kinds[1:] if not settings.in_turns_only else ():
         mesh = peer_mesh(kind, settings.world, settings.nproc, settings.nodes)   # one per peer: bench peers' why
         rows += [pooled([_bench_torch(kind, knob, mesh, model, w, settings)])

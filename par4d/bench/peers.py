@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -82,9 +83,16 @@ KNOBS: dict[str, list[dict]] = {"ddp": [{}, {"bucket_cap_mb": 1}], "fsdp": [{}, 
                                 "hsdp": [{}, {"reshard_after_forward": False}], "tp": [{}]}
 
 
-def ddp_knobs(settings: PeersSettings) -> list[dict]:
-    """DDP's rows: each knob's, or under ``in_turns_only`` the default's alone (par4d's step in turns with it)."""
-    return KNOBS["ddp"][:1] if settings.in_turns_only else KNOBS["ddp"]
+def rows_in_rounds(par4d_rows: Callable[[Workload], list[dict]], ddp_row: Callable[[dict, Workload], dict],
+                   settings: PeersSettings) -> list[dict]:
+    """par4d's rows and DDP's (the peer with par4d's best grid's algorithm, and no mesh) per knob, each workload's,
+    timed in rounds, the order reversed every other round (the row timed first after a change of model ran up to
+    6% slower here), each row's rounds pooled. ``in_turns_only``: DDP's default rows alone, the ones stepping
+    par4d's data-parallel step in turns with DDP's."""
+    knobs = KNOBS["ddp"][:1] if settings.in_turns_only else KNOBS["ddp"]
+    runs = ([lambda w=w: par4d_rows(w) for w in workloads(settings.world) if not settings.in_turns_only]
+            + [lambda w=w, knob=knob: [ddp_row(knob, w)] for knob in knobs for w in workloads(settings.world)])
+    return [pooled(parts) for parts in in_rounds(runs, settings.rounds)]
 
 
 def peer_name(kind: str, knob: dict) -> str:
@@ -340,13 +348,8 @@ def peers_worker(settings: PeersSettings) -> list[dict]:
     join(distributed_env())    # the emulated cluster starts bare ranks; under torchrun this joins its job
     # Every rank of every (emulated) node shares this machine's cores.
     torch.set_num_threads(threads_per_rank(settings.world))
-    # par4d's rows and DDP's (the peer with par4d's best grid's algorithm, and no mesh) in rounds, the order
-    # reversed every other round: the row timed first after a change of model ran up to 6% slower here.
-    # (--in-turns-only: DDP's default rows alone, the ones stepping par4d's data-parallel step in turns with DDP's.)
-    runs = ([lambda w=w: _par4d_rows(w, settings) for w in workloads(settings.world) if not settings.in_turns_only]
-            + [lambda w=w, knob=knob: [_bench_torch("ddp", knob, None, w, settings)]
-               for knob in ddp_knobs(settings) for w in workloads(settings.world)])
-    rows = [pooled(parts) for parts in in_rounds(runs, settings.rounds)]
+    rows = rows_in_rounds(lambda w: _par4d_rows(w, settings),
+                          lambda knob, w: _bench_torch("ddp", knob, None, w, settings), settings)
     for kind in (k for k in KINDS if k != "ddp" and not settings.in_turns_only):
         # One mesh per peer for both workloads, its groups destroyed after: DTensor caches sharding decisions,
         # meshes in them included, per *equal* mesh (same shape and names), so a second mesh like the first
