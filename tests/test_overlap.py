@@ -220,9 +220,12 @@ def test_overlap_acts_only_inside_the_step_and_survives_a_failed_backward(pool4)
 
 
 def _frozen_unfrozen_and_replaced(sizes: dict) -> dict:
-    """The sync's buckets follow what trains: freezing a parameter, unfreezing it and replacing one by a new
-    tensor each rebuild them (the buckets and their hooks), so every gradient is still the mean over data:
-    bit for bit a twin's that was never changed (at a learning rate of 0, so the parameters stay the twin's)."""
+    """The sync's buckets follow what trains: freezing a parameter, unfreezing it, replacing one by a new
+    tensor and replacing a module by a copy each rebuild them (the buckets and their hooks), so every gradient is
+    still the mean over data: bit for bit a twin's that was never changed (at a learning rate of 0, so the
+    parameters stay the twin's)."""
+    import copy
+
     from par4d.layout import place, placement_of
 
     grid = cases.grid(**sizes)
@@ -241,19 +244,24 @@ def _frozen_unfrozen_and_replaced(sizes: dict) -> dict:
     def bucketed(sync) -> int:
         return sum(len(b.params) for buckets in sync.groups.values() for b in buckets)
 
-    for change in ("none", "freeze", "unfreeze", "replace"):
+    for change in ("none", "freeze", "unfreeze", "replace", "replace module"):
         if change in ("freeze", "unfreeze"):
             changed.ln_f.weight.requires_grad_(change == "unfreeze")
         elif change == "replace":
             old = changed.ln_f.weight
             changed.ln_f.weight = place(nn.Parameter(old.detach().clone()), placement_of(old))
+        elif change == "replace module":            # a new module object with new parameter tensors
+            module = copy.copy(changed.ln_f)         # (a deep copy would copy the grid's process groups)
+            module._parameters = {k: place(nn.Parameter(v.detach().clone()), placement_of(v))
+                                  for k, v in changed.ln_f._parameters.items()}
+            changed.ln_f = module
         step(changed, "changed")
         step(twin, "twin")
         syncs.append(gradient_sync(changed, grid))
     frozen = grads["changed"][1]
     assert "ln_f.weight" not in frozen and set(frozen) | {"ln_f.weight"} == set(grads["twin"][1])
     grads["twin"][1].pop("ln_f.weight")
-    for i in range(4):
+    for i in range(5):
         assert sorted(grads["changed"][i]) == sorted(grads["twin"][i])
         cases.assert_bitwise(f"gradients after change {i}", [grads["changed"][i][n] for n in sorted(grads["twin"][i])],
                              [grads["twin"][i][n] for n in sorted(grads["twin"][i])])
@@ -265,9 +273,9 @@ def test_the_sync_follows_frozen_unfrozen_and_replaced_parameters(pool2):
     results = pool2.run(_frozen_unfrozen_and_replaced, dict(data=2))
     n = sum(1 for _ in GPT(CONFIG, grid=par4d.Grid.virtual(dict(data=2))).parameters())
     for r in results:
-        assert r["distinct syncs"] == 4
-        assert r["bucketed"] == [n, n - 1, n, n]
-        assert r["old hooks"] == [0, 0, 0]      # each replaced sync's hooks removed
+        assert r["distinct syncs"] == 5
+        assert r["bucketed"] == [n, n - 1, n, n, n]
+        assert r["old hooks"] == [0, 0, 0, 0]   # each replaced sync's hooks removed
 
 
 def _buffers_kept(sizes: dict, keep: bool) -> dict:

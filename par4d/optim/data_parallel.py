@@ -94,7 +94,7 @@ class _Bucket:
         :meth:`GradientSync._written`): where any is still held (a caller kept one, or the gradients were not
         zeroed), the buffer is theirs and this step sums in a new one, unless the gradients are those very views,
         accumulated in place (then they are in the buffer already)."""
-        layout = (dtype, grads[0].device, tuple((g.shape, g.dtype) for g in grads))
+        layout = (dtype, grads[0].device, [(g.shape, g.dtype) for g in grads])
         lent = self.buffer is not None and _uses(self.buffer) > self.own
         if lent and layout == self.layout and all(g.data_ptr() == p.data_ptr() for g, p in zip(grads, self.pieces)):
             return self.span
@@ -115,12 +115,13 @@ def _uses(tensor: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
 
 
-def _trained(modules: list[nn.Module]) -> tuple:
-    """What a sync's buckets hold: every parameter of ``modules`` and whether it trains. A walk over a list
-    kept from the build (``model.parameters()`` recurses through generators: 45 us a step for the demo's GPT,
-    this 8): unfreezing a parameter, or replacing or adding one in a module the model had, changes it."""
-    return tuple((id(p), p.requires_grad) for module in modules for p in module._parameters.values()
-                 if p is not None)
+def _trained(modules: list[nn.Module]) -> list:
+    """What a sync's buckets hold: every parameter of ``modules`` and whether it trains, and every module's
+    children. A walk over a list kept from the build (``model.parameters()`` recurses through generators: 45 us a
+    step for the demo's GPT, this 8; a list, not a generator: fewer frames): unfreezing a parameter, replacing or
+    adding one, or replacing or adding a module in a module the model had, changes it."""
+    return [(id(p), p.requires_grad) for module in modules for p in module._parameters.values() if p is not None] \
+        + [id(child) for module in modules for child in module._modules.values()]
 
 
 class GradientSync:
@@ -207,10 +208,11 @@ class GradientSync:
 
     def _on_grad(self, key: tuple[tuple[str, ...], str | None], bucket: _Bucket) -> Callable[[torch.Tensor], None]:
         """The gradient hook of ``bucket``'s parameters (one closure a bucket: no lookups per gradient)."""
-        ready, size, deferred = bucket.ready, len(bucket.params), self.deferred
+        ready, size = bucket.ready, len(bucket.params)
+        owed = self.deferred.owed if self.deferred is not None else frozenset()
 
         def on_grad(param: torch.Tensor) -> None:
-            if not self._armed or (deferred is not None and deferred.owes(param)):
+            if not self._armed or id(param) in owed:
                 return                       # not this step's, or its gradient is a deferred reduce-scatter
             ready.add(id(param))
             if len(ready) == size:           # only a full bucket can start a launch (in order)

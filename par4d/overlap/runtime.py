@@ -176,7 +176,9 @@ class DeferredGrads:
     def __init__(self) -> None:
         self._collecting = False
         self._pending: list[tuple[torch.Tensor, Handle, bool]] = []
-        self._owed: set[int] = set()
+        # Whose gradient of this backward is still to come, by id: cleared, never replaced (the data-parallel
+        # sync's hooks hold it).
+        self.owed: set[int] = set()
         self._task: int | None = None     # the autograd graph task whose end runs finish()
         self.listeners: list[Callable[[list[torch.Tensor]], None]] = []
         self.deferred = 0                 # reduce-scatters deferred so far
@@ -187,7 +189,7 @@ class DeferredGrads:
         for _, handle, _ in self._pending:    # left by a backward that raised
             handle.wait()
         self._pending, self._task = [], None
-        self._owed.clear()
+        self.owed.clear()
         self._collecting = True
         try:
             yield
@@ -214,12 +216,8 @@ class DeferredGrads:
             Variable._execution_engine.queue_callback(self.finish)
             self._task = task
         self._pending.append((param, handle, transposed))
-        self._owed.add(id(param))
+        self.owed.add(id(param))
         self.deferred += 1
-
-    def owes(self, param: torch.Tensor) -> bool:
-        """Whether ``param``'s gradient of this backward pass is still to come."""
-        return id(param) in self._owed
 
     @torch.no_grad()
     def finish(self) -> None:
@@ -238,7 +236,7 @@ class DeferredGrads:
                 param.grad = grad
             else:
                 param.grad += grad
-        self._owed.clear()
+        self.owed.clear()
         for listener in self.listeners:
             listener([param for param, _ in sums.values()])
 

@@ -76,7 +76,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | Precision, g
     # Finish the sync, clip, step (mixed precision: unscaled into the fp32 masters and rounded back;
     # offloaded: bucket by bucket as the all-reduce returns them), zero the gradients.
     precision.step(sync, grad_clip)
-    update_expert_bias(model)            # a mixture's loss-free balancing, once per step (none without one)
+    update_expert_bias(model, sync.modules)   # a mixture's loss-free balancing, once per step (none without one)
     if report is not None and precision.grad_norm is not None:
         report["grad_norm"] = float(precision.grad_norm)
     return value.detach()
