@@ -139,6 +139,7 @@ def test_in_turns_only_runs_ddps_default_rows_alone(monkeypatch, only):
     else:
         assert {c[0] for c in calls} == {"par4d", *torch_peers.KINDS} and len(rows) > 2
         assert sum(1 for c in calls if c[:2] == ("ddp", ("bucket_cap_mb",))) == 2 * 3
+        assert sum(1 for c in calls if c[:2] == ("ddp", ("gradient_as_bucket_view",))) == 2 * 3
 
 
 def test_throughput_is_recounted_for_the_workloads_tokens():

@@ -9,11 +9,12 @@ to fp32 rounding. Rows:
   and, where a group spans nodes, auto, as for par4d's GPT); on grids with y > 1 also with the residual
   stream kept whole (``par4d (stream whole)``: ``parallelize(shard_stream=False)``, what sharding it over
   y saves, :mod:`par4d.adopt.stream`);
-* torch DDP (and with 1 MB buckets), FSDP2 (``fully_shard`` per decoder layer and the root; and with
-  ``reshard_after_forward=False``), HSDP (the node as its shard group), and for Llama FSDP2 + tensor
-  parallelism with ``parallelize_module`` and the standard Llama plan: q, k, v, gate and up column-wise,
-  o and down row-wise, TP inside a node and FSDP across (GPT-2 has no TP row: its ``Conv1D`` layers are
-  not layers ``parallelize_module`` shards, and its fused q, k, v would be cut across q, k and v).
+* torch DDP (and with 1 MB buckets, and with its gradients as views of its buckets), FSDP2 (``fully_shard``
+  per decoder layer and the root; and with ``reshard_after_forward=False``), HSDP (the node as its shard
+  group), and for Llama FSDP2 + tensor parallelism with ``parallelize_module`` and the standard Llama plan:
+  q, k, v, gate and up column-wise, o and down row-wise, TP inside a node and FSDP across (GPT-2 has no TP
+  row: its ``Conv1D`` layers are not layers ``parallelize_module`` shards, and its fused q, k, v would be cut
+  across q, k and v).
   DDP's row (its default buckets) also times par4d's data-parallel step in turns with DDP's, as the GPT's
   bench does (``par4d_in_turns_s``: rows timed minutes apart move by more than the two differ).
 

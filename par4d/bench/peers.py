@@ -77,9 +77,11 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 NAMES = {"ddp": "torch DDP", "fsdp": "torch FSDP2", "hsdp": "torch HSDP", "tp": "torch FSDP2+TP"}
-# The knob a user would turn for a small model whose sync is exposed: DDP's buckets cut smaller, so the
-# all-reduce starts earlier in backward; FSDP2's gathered weights kept for backward (no second all-gather).
-KNOBS: dict[str, list[dict]] = {"ddp": [{}, {"bucket_cap_mb": 1}], "fsdp": [{}, {"reshard_after_forward": False}],
+# The knobs a user would turn for a small model whose sync is exposed: DDP's buckets cut smaller, so the
+# all-reduce starts earlier in backward, or its gradients left as views of its buckets (no copy out after the sum,
+# as par4d's); FSDP2's gathered weights kept for backward (no second all-gather).
+KNOBS: dict[str, list[dict]] = {"ddp": [{}, {"bucket_cap_mb": 1}, {"gradient_as_bucket_view": True}],
+                                "fsdp": [{}, {"reshard_after_forward": False}],
                                 "hsdp": [{}, {"reshard_after_forward": False}], "tp": [{}]}
 
 
