@@ -320,3 +320,39 @@ def test_a_gradient_kept_past_its_step_keeps_its_values(pool2):
         first, second, third = r["buffers"]
         assert not {p for _, p in first} & {p for _, p in second}, "the kept gradients' buffers summed in again"
         assert second == third                    # the buffers nobody kept: summed in again
+
+
+def _zeroed_in_place(sizes: dict) -> dict:
+    """A caller's own loop that zeroes the gradients in place (``set_to_none=False``): they stay views of the
+    buckets' buffers, autograd accumulates into them, and the sum runs where they lie (the same buffers every
+    step, nothing copied in); every step's gradients and the parameters after it bit for bit the loop's that
+    sets them to None."""
+    grid = cases.grid(**sizes)
+    gen = torch.Generator().manual_seed(7)
+    batches = [torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.block_size + 1), generator=gen) for _ in range(3)]
+    runs = {}
+    for to_none in (True, False):
+        model = GPT(CONFIG, grid=grid)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        grads, params, buffers = [], [], []
+        for tokens in batches:
+            x, y = shard_batch(grid, tokens[:, :-1]), shard_batch(grid, tokens[:, 1:])
+            sync = gradient_sync(model, grid)
+            with sync.backward():
+                model(x, y).backward()
+            sync.finish()
+            grads.append([p.grad.clone() for p in model.parameters()])
+            buffers.append([b.buffer.data_ptr() for buckets in sync.groups.values() for b in buckets])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=to_none)
+            params.append([p.detach().clone() for p in model.parameters()])
+        runs[to_none] = grads, params, buffers
+    for k, what in enumerate(("gradients", "parameters")):
+        cases.assert_bitwise(f"{what}, zeroed in place", runs[False][k], runs[True][k])
+    return {"buffers": runs[False][2], "early": gradient_sync(model, grid).early_launches}
+
+
+def test_gradients_zeroed_in_place_are_summed_where_they_lie(pool2):
+    for r in pool2.run(_zeroed_in_place, dict(data=2)):
+        assert r["buffers"][0] and r["buffers"][0] == r["buffers"][1] == r["buffers"][2]
+        assert r["early"] > 0       # the overlap's hooks launched buckets during backward
