@@ -99,9 +99,11 @@ def rows_in_rounds(par4d_rows: Callable[[Workload], list[dict]], ddp_row: Callab
 
 def peer_name(kind: str, knob: dict) -> str:
     extra = {"bucket_cap_mb": "{} MB buckets", "reshard_after_forward": "reshard {}",
-             "gradient_as_bucket_view": "gradients as bucket views"}
+             "gradient_as_bucket_view": "gradients as bucket views"}       # (a switch: no value to show)
     words = [extra[k].format(v) for k, v in knob.items()]
     return NAMES[kind] + (f" ({', '.join(words)})" if words else "")
+
+
 COMM_BOUND_SHARE = 1 / 3   # DDP's exposed all-reduce share the comm-bound batch is meant to reach
 COMM_BOUND_SEQ_LEN = 32    # tokens per sequence of the comm-bound batch (one sequence per rank): module docstring
 
