@@ -83,3 +83,45 @@ def test_init_is_a_function_of_the_seed(pool4):
         for rank, (w, b) in enumerate(pool4.run(_init_is_grid_independent, sizes)):
             assert torch.equal(torch.tensor(w), weight), (sizes, rank)
             assert torch.equal(torch.tensor(b), bias), (sizes, rank)
+
+
+def _graph(out: torch.Tensor) -> list[str]:
+    """The names of the autograd nodes ``out`` was made by, depth first."""
+    names, stack = [], [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None:
+            names.append(node.name())
+            stack.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+def _whole_on_a_grid_that_splits_nothing(sizes: dict) -> list[bool]:
+    """A layer between layers nobody parallelized (whole features in and out) where its axes are all 1: torch's
+    layer, the same autograd graph as ``torch.nn.Linear``'s (no cut, no gather node) and the same bits; where an
+    axis splits it (``plain`` false), the cut and gather run."""
+    grid = cases.grid(**sizes)
+    layer = par4d.nn.Linear(K, N, grid=grid, seed=3, input_layout="whole", output_layout="whole")
+    if grid.size("x", "y", "z") > 1:
+        return [not layer.plain]
+    ref = torch.nn.Linear(K, N)
+    with torch.no_grad():
+        ref.weight.copy_(layer.weight)
+        ref.bias.copy_(layer.bias)
+    gen = torch.Generator().manual_seed(11)
+    inp = torch.randn(SEQ, BATCH, K, generator=gen).transpose(0, 1)    # not contiguous: cut to a contiguous copy
+    outs, grads = [], []
+    for module in (layer, ref):
+        leaf = inp.detach().requires_grad_()
+        out = module(leaf if module is layer else leaf.contiguous())
+        out.square().sum().backward()
+        outs.append(out)
+        grads.append([leaf.grad, module.weight.grad, module.bias.grad])
+    return [layer.plain, _graph(outs[0]) == _graph(outs[1]), torch.equal(*outs),
+            all(torch.equal(a, b) for a, b in zip(*grads))]
+
+
+@pytest.mark.parametrize("sizes", [dict(data=4), dict(x=2, z=2)], ids=["data4", "x2-z2"])
+def test_whole_layouts_on_a_grid_that_splits_nothing_are_torchs_layer(pool4, sizes):
+    for result in pool4.run(_whole_on_a_grid_that_splits_nothing, sizes):
+        assert all(result) and len(result) == (4 if sizes.get("data") else 1), result
