@@ -97,31 +97,36 @@ def _graph(out: torch.Tensor) -> list[str]:
 
 
 def _whole_on_a_grid_that_splits_nothing(sizes: dict) -> list[bool]:
-    """A layer between layers nobody parallelized (whole features in and out) where its axes are all 1: torch's
-    layer, the same autograd graph as ``torch.nn.Linear``'s (no cut, no gather node) and the same bits; where an
-    axis splits it (``plain`` false), the cut and gather run."""
+    """Layers between layers nobody parallelized (whole features in and out: a Linear, a Conv2d) where their axes
+    are all 1: torch's layer, the same autograd graph as ``torch.nn``'s (no cut, no gather node) and the same bits,
+    from an input that is not contiguous too; where an axis splits them (not ``plain``), the cut and gather run."""
     grid = cases.grid(**sizes)
-    layer = par4d.nn.Linear(K, N, grid=grid, seed=3, input_layout="whole", output_layout="whole")
+    whole = dict(input_layout="whole", output_layout="whole")
+    layers = [(par4d.nn.Linear(K, N, grid=grid, seed=3, **whole), torch.nn.Linear(K, N), (SEQ, BATCH, K)),
+              (par4d.nn.Conv2d(K, N, 3, padding=1, grid=grid, seed=3, **whole), torch.nn.Conv2d(K, N, 3, padding=1),
+               (K, BATCH, 5, 6))]
     if grid.size("x", "y", "z") > 1:
-        return [not layer.plain]
-    ref = torch.nn.Linear(K, N)
-    with torch.no_grad():
-        ref.weight.copy_(layer.weight)
-        ref.bias.copy_(layer.bias)
-    gen = torch.Generator().manual_seed(11)
-    inp = torch.randn(SEQ, BATCH, K, generator=gen).transpose(0, 1)    # not contiguous: cut to a contiguous copy
-    outs, grads = [], []
-    for module in (layer, ref):
-        leaf = inp.detach().requires_grad_()
-        out = module(leaf if module is layer else leaf.contiguous())
-        out.square().sum().backward()
-        outs.append(out)
-        grads.append([leaf.grad, module.weight.grad, module.bias.grad])
-    return [layer.plain, _graph(outs[0]) == _graph(outs[1]), torch.equal(*outs),
-            all(torch.equal(a, b) for a, b in zip(*grads))]
+        return [not layer.plain for layer, _, _ in layers]
+    checks = []
+    for layer, ref, shape in layers:
+        with torch.no_grad():
+            ref.weight.copy_(layer.weight)
+            ref.bias.copy_(layer.bias)
+        gen = torch.Generator().manual_seed(11)
+        inp = torch.randn(shape, generator=gen).transpose(0, 1)    # not contiguous: cut to a contiguous copy
+        outs, grads = [], []
+        for module in (layer, ref):
+            leaf = inp.detach().requires_grad_()
+            out = module(leaf if module is layer else leaf.contiguous())
+            out.square().sum().backward()
+            outs.append(out)
+            grads.append([leaf.grad, module.weight.grad, module.bias.grad])
+        checks += [layer.plain, _graph(outs[0]) == _graph(outs[1]), torch.equal(*outs),
+                   all(torch.equal(a, b) for a, b in zip(*grads))]
+    return checks
 
 
 @pytest.mark.parametrize("sizes", [dict(data=4), dict(x=2, z=2)], ids=["data4", "x2-z2"])
 def test_whole_layouts_on_a_grid_that_splits_nothing_are_torchs_layer(pool4, sizes):
     for result in pool4.run(_whole_on_a_grid_that_splits_nothing, sizes):
-        assert all(result) and len(result) == (4 if sizes.get("data") else 1), result
+        assert all(result) and len(result) == (8 if sizes.get("data") else 2), result

@@ -56,6 +56,12 @@ class Algorithm1Layer(ShardedModule):
     feature_dim = -1        # features are the last dim (a convolution's channels: dim 1)
     input_layout = output_layout = "sharded"
     weight_layout = "out_in"
+    whole_in = False        # input_layout == "whole"
+    # The grid splits nothing of the layer (its axes and z are 1): torch's own layer runs, whatever the layouts, since
+    # cutting whole features to this rank's block and gathering them back are then no-ops (but were two autograd
+    # nodes and a dozen Python calls a layer: a transformers model's data-parallel step has 29 such Linears).
+    # Decided once, at build: the grid and the layouts are the layer's for good.
+    plain = False
 
     def _set_layouts(self, where: str, transposed: bool, input_layout: str, output_layout: str,
                      weight_layout: str = "out_in") -> None:
@@ -65,6 +71,7 @@ class Algorithm1Layer(ShardedModule):
         check_layout(where, "weight_layout", weight_layout, WEIGHT_LAYOUTS)
         self.in_axis, self.out_axis = ("x", "y") if transposed else ("y", "x")
         self.input_layout, self.output_layout, self.weight_layout = input_layout, output_layout, weight_layout
+        self.whole_in = input_layout == "whole"
 
     def weight_rows(self) -> torch.Tensor:
         """The weight shard as Algorithm 1's Ŵ: (out / (G_out G_z), in / G_in, ...), rows over z,

@@ -64,14 +64,13 @@ class Conv2d(Algorithm1Layer):
         self.in_channels, self.out_channels, self.kernel_size = in_channels, out_channels, (kh, kw)
         self.stride, self.padding = stride, padding
         algorithm1_parameters(self, out_channels, in_channels, (kh, kw), bias, 1, seed, initialize)
+        self.plain = self.local_only()
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
-        inp = self.take(inp)
-        if self.local_only():
-            out = F.conv2d(inp, self.weight, self.bias, self.stride, self.padding)   # nothing to gather or sum
-        else:
-            out = Algorithm1.apply(inp, self.weight, self.bias, self)
-        return self.give(out)
+        if self.plain:      # (contiguous, as the cut of whole channels hands it over: the same convolution)
+            return F.conv2d(inp.contiguous() if self.whole_in else inp, self.weight, self.bias, self.stride,
+                            self.padding)
+        return self.give(Algorithm1.apply(self.take(inp), self.weight, self.bias, self))
 
     # Algorithm 1's local arithmetic, a convolution (par4d.nn.algorithm1.Algorithm1 runs the collectives).
     def local_forward(self, inp: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -79,23 +79,13 @@ class Linear(Algorithm1Layer):
         self.grid, self.transposed, self.out_chunks = grid, transposed, out_chunks
         self.in_features, self.out_features = in_features, out_features
         algorithm1_parameters(self, out_features, in_features, (), bias, out_chunks, seed, initialize)
-        # Nothing to split, gather or sum: PyTorch's fused layer alone, decided once (the grid and the layouts are
-        # the layer's for good). Whole features around it are then this rank's whole block: cutting them and
-        # gathering them back are no-ops, but were two autograd nodes and a dozen Python calls a layer (a
-        # transformers model's data-parallel step has 29 such layers).
         self.plain = self.local_only()
-        self.whole_in = input_layout == "whole"
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
         if self.plain and self.gemm is None:
             # (contiguous, as the cut of whole features hands Algorithm 1 its input: the same matmul, bit for bit)
             return F.linear(inp.contiguous() if self.whole_in else inp, self.weight_rows(), self.bias)
-        inp = self.take(inp)
-        if self.gemm is None and self.local_only():
-            out = F.linear(inp, self.weight_rows(), self.bias)   # nothing to gather or sum: PyTorch's fused layer
-        else:
-            out = Algorithm1.apply(inp, self.weight, self.bias, self)
-        return self.give(out)
+        return self.give(Algorithm1.apply(self.take(inp), self.weight, self.bias, self))
 
     # Algorithm 1's local arithmetic (Algorithm1 runs the collectives around it).
     def local_forward(self, inp: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
