@@ -96,7 +96,7 @@ def _graph(out: torch.Tensor) -> list[str]:
     return names
 
 
-def _whole_on_a_grid_that_splits_nothing(sizes: dict) -> list[bool]:
+def _whole_on_a_grid_that_splits_nothing(sizes: dict) -> dict[str, bool]:
     """Layers between layers nobody parallelized (whole features in and out: a Linear, a Conv2d) where their axes
     are all 1: torch's layer, the same autograd graph as ``torch.nn``'s (no cut, no gather node) and the same bits,
     from an input that is not contiguous too; where an axis splits them (not ``plain``), the cut and gather run."""
@@ -106,8 +106,8 @@ def _whole_on_a_grid_that_splits_nothing(sizes: dict) -> list[bool]:
               (par4d.nn.Conv2d(K, N, 3, padding=1, grid=grid, seed=3, **whole), torch.nn.Conv2d(K, N, 3, padding=1),
                (K, BATCH, 5, 6))]
     if grid.size("x", "y", "z") > 1:
-        return [not layer.plain for layer, _, _ in layers]
-    checks = []
+        return {f"{type(layer).__name__} not plain": not layer.plain for layer, _, _ in layers}
+    checks = {}
     for layer, ref, shape in layers:
         with torch.no_grad():
             ref.weight.copy_(layer.weight)
@@ -121,12 +121,15 @@ def _whole_on_a_grid_that_splits_nothing(sizes: dict) -> list[bool]:
             out.square().sum().backward()
             outs.append(out)
             grads.append([leaf.grad, module.weight.grad, module.bias.grad])
-        checks += [layer.plain, _graph(outs[0]) == _graph(outs[1]), torch.equal(*outs),
-                   all(torch.equal(a, b) for a, b in zip(*grads))]
+        kind = type(layer).__name__
+        checks.update({f"{kind} plain": layer.plain, f"{kind} graph": _graph(outs[0]) == _graph(outs[1]),
+                       f"{kind} output": torch.equal(*outs),
+                       f"{kind} gradients": all(torch.equal(a, b) for a, b in zip(*grads))})
     return checks
 
 
 @pytest.mark.parametrize("sizes", [dict(data=4), dict(x=2, z=2)], ids=["data4", "x2-z2"])
 def test_whole_layouts_on_a_grid_that_splits_nothing_are_torchs_layer(pool4, sizes):
-    for result in pool4.run(_whole_on_a_grid_that_splits_nothing, sizes):
-        assert all(result) and len(result) == (8 if sizes.get("data") else 2), result
+    for checks in pool4.run(_whole_on_a_grid_that_splits_nothing, sizes):
+        assert len(checks) == (8 if "data" in sizes else 2) and all(checks.values()), \
+            [name for name, held in checks.items() if not held]

@@ -46,7 +46,8 @@ class Algorithm1Layer(ShardedModule):
     ask of :class:`par4d.nn.Linear` and :class:`par4d.nn.Conv2d`.
 
     Subclasses set ``grid``, ``in_axis`` / ``out_axis`` (:meth:`_set_layouts`), ``weight``
-    and ``bias`` (:func:`algorithm1_parameters`), and give the local arithmetic
+    and ``bias`` (:func:`algorithm1_parameters`), ``plain`` (:meth:`local_only`, once the grid is set),
+    and give the local arithmetic
     (``local_forward``, ``local_input_grad``, ``local_weight_grad``, ``local_bias_grad``,
     ``add_bias``); ``feature_dim`` is the activations' dim that the axes split.
     """
