@@ -57,7 +57,6 @@ class Algorithm1Layer(ShardedModule):
     feature_dim = -1        # features are the last dim (a convolution's channels: dim 1)
     input_layout = output_layout = "sharded"
     weight_layout = "out_in"
-    whole_in = False        # input_layout == "whole"
     # The grid splits nothing of the layer (its axes and z are 1): torch's own layer runs, whatever the layouts, since
     # cutting whole features to this rank's block and gathering them back are then no-ops (but were two autograd
     # nodes and a dozen Python calls a layer: a transformers model's data-parallel step has 29 such Linears).
@@ -72,7 +71,6 @@ class Algorithm1Layer(ShardedModule):
         check_layout(where, "weight_layout", weight_layout, WEIGHT_LAYOUTS)
         self.in_axis, self.out_axis = ("x", "y") if transposed else ("y", "x")
         self.input_layout, self.output_layout, self.weight_layout = input_layout, output_layout, weight_layout
-        self.whole_in = input_layout == "whole"
 
     def weight_rows(self) -> torch.Tensor:
         """The weight shard as Algorithm 1's Ŵ: (out / (G_out G_z), in / G_in, ...), rows over z,
@@ -80,9 +78,12 @@ class Algorithm1Layer(ShardedModule):
         return self.weight.t() if self.weight_layout == "in_out" else self.weight
 
     def take(self, inp: torch.Tensor) -> torch.Tensor:
-        """The input as Algorithm 1 takes it: whole features cut to this rank's block of the in-axis."""
+        """The input as Algorithm 1 takes it: whole features cut to this rank's block of the in-axis (on a
+        :attr:`plain` layer, the whole features are that block: only made contiguous, as the cut makes them)."""
         if self.input_layout == "sharded":
             return inp
+        if self.plain:
+            return inp.contiguous()
         if self.feature_dim == -1:
             return SplitFeatures.apply(inp, self.grid, self.in_axis)
         moved = SplitFeatures.apply(inp.movedim(self.feature_dim, -1), self.grid, self.in_axis)

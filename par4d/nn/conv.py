@@ -67,9 +67,8 @@ class Conv2d(Algorithm1Layer):
         self.plain = self.local_only()
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
-        if self.plain:      # (contiguous, as the cut of whole channels hands it over: the same convolution)
-            return F.conv2d(inp.contiguous() if self.whole_in else inp, self.weight, self.bias, self.stride,
-                            self.padding)
+        if self.plain:
+            return F.conv2d(self.take(inp), self.weight, self.bias, self.stride, self.padding)
         return self.give(Algorithm1.apply(self.take(inp), self.weight, self.bias, self))
 
     # Algorithm 1's local arithmetic, a convolution (par4d.nn.algorithm1.Algorithm1 runs the collectives).

@@ -83,8 +83,7 @@ class Linear(Algorithm1Layer):
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
         if self.plain and self.gemm is None:
-            # (contiguous, as the cut of whole features hands Algorithm 1 its input: the same matmul, bit for bit)
-            return F.linear(inp.contiguous() if self.whole_in else inp, self.weight_rows(), self.bias)
+            return F.linear(self.take(inp), self.weight_rows(), self.bias)
         return self.give(Algorithm1.apply(self.take(inp), self.weight, self.bias, self))
 
     # Algorithm 1's local arithmetic (Algorithm1 runs the collectives around it).
