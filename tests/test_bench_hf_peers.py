@@ -71,5 +71,5 @@ def test_ddps_row_times_par4ds_data_parallel_step_in_turns_with_it(pool4):
     row = pool4.run(_ddp_row, "hf-gpt2", timeout=240)[0]
     assert row["name"] == "torch DDP" and len(row["times"]) == len(row["par4d_in_turns_times"]) == 2
     assert all(t > 0 for t in row["par4d_in_turns_times"])
-    line = peers.in_turns(add_ratios([pooled([row])]), "comm-bound")
-    assert line.startswith("comm-bound: par4d data=4 against DDP stepped in turns: ")
+    [line] = peers.in_turns(add_ratios([pooled([row])]), "comm-bound")
+    assert line.startswith("comm-bound: par4d data=4 against torch DDP stepped in turns: ")

@@ -114,15 +114,15 @@ def test_ddp_with_and_without_sync_are_timed_in_turns(monkeypatch):
 
 
 @pytest.mark.parametrize("only", [False, True], ids=["every-row", "in-turns-only"])
-def test_in_turns_only_runs_ddps_default_rows_alone(monkeypatch, only):
-    """--in-turns-only: DDP's default rows alone, in rounds (each steps par4d's data=N step in turns with DDP's,
-    each round's ratio kept); no par4d grid row, no other knob's DDP row, no other peer. Without it, all of them."""
+def test_in_turns_only_runs_ddps_rows_alone(monkeypatch, only):
+    """--in-turns-only: DDP's rows alone, every knob's, in rounds (each steps par4d's data=N step in turns with
+    DDP's, each round's ratio kept); no par4d grid row, no other peer. Without it, all of them."""
     calls = []
 
     def fake_torch(kind, knob, mesh, workload, settings):
         calls.append((kind, tuple(knob), workload.name))
         return dict(_row("torch", workload.name, peers.peer_name(kind, knob), 0.2), times=[0.2], local_times=[0.1],
-                    **({"par4d_in_turns_times": [0.21]} if kind == "ddp" and not knob else {}))
+                    **({"par4d_in_turns_times": [0.21]} if kind == "ddp" else {}))
 
     for module, name, value in ((peers, "join", lambda env: None), (peers, "distributed_env", lambda: None),
                                 (torch, "set_num_threads", lambda n: None),
@@ -132,9 +132,9 @@ def test_in_turns_only_runs_ddps_default_rows_alone(monkeypatch, only):
         monkeypatch.setattr(module, name, value)
     rows = peers.peers_worker(peers.PeersSettings(4, None, 2, 1e9, rounds=3, in_turns_only=only))
     if only:
-        turn = [("ddp", (), "demo"), ("ddp", (), "comm-bound")]
+        turn = [("ddp", tuple(knob), w) for knob in peers.KNOBS["ddp"] for w in ("demo", "comm-bound")]
         assert calls == (turn + turn[::-1]) + turn
-        assert [r["name"] for r in rows] == ["torch DDP"] * 2
+        assert sorted(r["name"] for r in rows) == sorted([peers.peer_name("ddp", k) for k in peers.KNOBS["ddp"]] * 2)
         assert all(r["par4d_in_turns_ratios"] == pytest.approx([1.05] * 3) for r in rows)
     else:
         assert {c[0] for c in calls} == {"par4d", *torch_peers.KINDS} and len(rows) > 2
@@ -240,11 +240,12 @@ def test_par4d_stepped_in_turns_with_ddp_is_pooled_and_reported():
     assert (row["s_per_iter"], row["par4d_in_turns_s"]) == (0.21, 0.23)
     assert "par4d_in_turns_times" not in row
     assert row["par4d_in_turns_ratios"] == pytest.approx([0.22 / 0.21, 0.23 / 0.21], rel=1e-12)   # medians' ratios
-    rows = add_ratios([row, _row("par4d", "demo", "par4d", 0.3)])
-    assert peers.in_turns(rows, "demo") == ("demo: par4d data=4 against DDP stepped in turns: 0.2300 against "
-                                           "0.2100 s/iter, 1.095x; per round 1.071x mean, standard error 0.024 "
-                                           "(2 rounds)")
-    row = pooled(parts[1:])           # one round: no spread to give
-    assert peers.in_turns(add_ratios([row]), "demo").endswith("1.095x")
-    assert peers.in_turns(rows, "comm-bound") is None
-    assert peers.in_turns(add_ratios([_row("torch", "demo", "torch DDP", 0.2)]), "demo") is None
+    views = pooled([dict(part, name="torch DDP (gradients as bucket views)") for part in parts[1:]])
+    rows = add_ratios([row, views, _row("par4d", "demo", "par4d", 0.3), _row("torch", "demo", "torch FSDP2", 0.2)])
+    assert peers.in_turns(rows, "demo") == [
+        "demo: par4d data=4 against torch DDP stepped in turns: 0.2300 against 0.2100 s/iter, 1.095x; per round "
+        "1.071x mean, standard error 0.024 (2 rounds)",
+        "demo: par4d data=4 against torch DDP (gradients as bucket views) stepped in turns: 0.2300 against "
+        "0.2100 s/iter, 1.095x"]      # one round: no spread to give
+    assert peers.in_turns(rows, "comm-bound") == []
+    assert peers.in_turns(add_ratios([_row("torch", "demo", "torch DDP", 0.2)]), "demo") == []

@@ -15,8 +15,8 @@ to fp32 rounding. Rows:
   q, k, v, gate and up column-wise, o and down row-wise, TP inside a node and FSDP across (GPT-2 has no TP
   row: its ``Conv1D`` layers are not layers ``parallelize_module`` shards, and its fused q, k, v would be cut
   across q, k and v).
-  DDP's row (its default buckets) also times par4d's data-parallel step in turns with DDP's, as the GPT's
-  bench does (``par4d_in_turns_s``: rows timed minutes apart move by more than the two differ).
+  Each DDP row (every knob) also times par4d's data-parallel step in turns with DDP's, as the GPT's bench
+  does (``par4d_in_turns_s``: rows timed minutes apart move by more than the two differ).
 
 Memory per rank, the largest over ranks: ``state_bytes`` (this rank's parameters, gradients and AdamW
 state after a step, counted exactly) and ``peak_bytes`` (the peak of one more step as torch's own
@@ -338,7 +338,7 @@ def _bench_torch(kind: str, knob: dict, mesh, model: str, workload: Workload, se
         return loss.detach()
 
     beside = None
-    if kind == "ddp" and not knob:
+    if kind == "ddp":
         # par4d's data-parallel step (collectives flat) timed in turns with DDP's, as bench peers does; stepped once
         # first (untimed: its optimizer's state made, compiled where compiling)
         beside = _par4d_step(model, {"data": settings.world}, workload, settings, "off")
@@ -417,7 +417,7 @@ def run_bench_hf_peers(args: argparse.Namespace) -> int:
     print()
     for w in workloads(settings.world) if not settings.in_turns_only else ():    # (no par4d grid row to sum up)
         print(summary(rows, w.name))
-    for line in filter(None, (in_turns(rows, w.name) for w in workloads(settings.world))):
+    for line in (line for w in workloads(settings.world) for line in in_turns(rows, w.name)):
         print(line)
     sys.stdout.flush()
     return 0

@@ -11,9 +11,10 @@ the model and batch, with its collectives flat and, where a group spans nodes, s
 counts are bench grid's (``bench.common.grid_row``), plus ``ratio_to_best_peer`` (a row's
 s/iter over the fastest torch row's of the same workload), ``floor_s_per_iter`` (the limit
 for the setting: :func:`add_floor`) and, across emulated nodes, ``link_bytes_per_iter``
-(what the nodes' interfaces sent). DDP's default row also steps par4d's data=N step in turns with its own
-(``par4d_in_turns_s``, each round's ratio in ``par4d_in_turns_ratios``); ``--in-turns-only`` runs those rows
-alone, for as many rounds as a precise ratio needs (one round's moves by a few percent here).
+(what the nodes' interfaces sent). Each DDP row (every knob: the fastest DDP differs by workload and machine)
+also steps par4d's data=N step in turns with its own (``par4d_in_turns_s``, each round's ratio in
+``par4d_in_turns_ratios``); ``--in-turns-only`` runs those rows alone, for as many rounds as a precise ratio needs
+(one round's moves by a few percent here).
 
 Two workloads, both always run:
 
@@ -89,11 +90,10 @@ def rows_in_rounds(par4d_rows: Callable[[Workload], list[dict]], ddp_row: Callab
                    settings: PeersSettings) -> list[dict]:
     """par4d's rows and DDP's (the peer with par4d's best grid's algorithm, and no mesh) per knob, each workload's,
     timed in rounds, the order reversed every other round (the row timed first after a change of model ran up to
-    6% slower here), each row's rounds pooled. ``in_turns_only``: DDP's default rows alone, the ones stepping
-    par4d's data-parallel step in turns with DDP's."""
-    knobs = KNOBS["ddp"][:1] if settings.in_turns_only else KNOBS["ddp"]
+    6% slower here), each row's rounds pooled. ``in_turns_only``: DDP's rows alone, each stepping par4d's
+    data-parallel step in turns with DDP's."""
     runs = ([lambda w=w: par4d_rows(w) for w in workloads(settings.world) if not settings.in_turns_only]
-            + [lambda w=w, knob=knob: [ddp_row(knob, w)] for knob in knobs for w in workloads(settings.world)])
+            + [lambda w=w, knob=knob: [ddp_row(knob, w)] for knob in KNOBS["ddp"] for w in workloads(settings.world)])
     return [pooled(parts) for parts in in_rounds(runs, settings.rounds)]
 
 
@@ -327,12 +327,10 @@ def _bench_torch(kind: str, knob: dict, mesh: DeviceMesh | None, workload: Workl
     if kind == "ddp":
         # DDP's reducer all-reduces below Python: count its gradient bytes, all-reduced once per step.
         per_rank, source = sum(p.numel() * p.element_size() for p in model.parameters()), "gradient bytes"
-        beside = None if knob else _par4d_beside(workload, settings)
-        steps = [step, lambda: step(sync=False)] + ([beside] if beside is not None else [])
-        times, local, *paired = in_turns_times(steps, settings.iters)
-        if beside is not None:
-            beside.grid.close()
-            extra["par4d_in_turns_times"] = paired[0]
+        beside = _par4d_beside(workload, settings)
+        times, local, paired = in_turns_times([step, lambda: step(sync=False), beside], settings.iters)
+        beside.grid.close()
+        extra["par4d_in_turns_times"] = paired
         exposed = statistics.median(times) - statistics.median(local)
         extra.update(exposed_comm_s=exposed, exposed_comm_share=exposed / statistics.median(times),
                      compute_s=statistics.median(local), local_times=local)
@@ -407,15 +405,14 @@ def add_ratios(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def in_turns(rows: list[dict], workload: str) -> str | None:
-    """One line: par4d's data-parallel step against DDP's, stepped in turns (the DDP row's
-    ``par4d_in_turns_s``), or None where the row has none."""
-    ddp = next((r for r in rows if r["workload"] == workload and r["name"] == NAMES["ddp"]), None)
-    if ddp is None or ddp.get("par4d_in_turns_s") is None:
-        return None
-    return (f"{workload}: par4d data={ddp['grid'].split('data=')[1]} against DDP stepped in turns: "
+def in_turns(rows: list[dict], workload: str) -> list[str]:
+    """A line per DDP row of ``workload`` that stepped par4d's data-parallel step in turns with its own
+    (``par4d_in_turns_s``): both medians and their ratio, each round's ratio summarized."""
+    return [f"{workload}: par4d data={ddp['grid'].split('data=')[1]} against {ddp['name']} stepped in turns: "
             f"{ddp['par4d_in_turns_s']:.4f} against {ddp['s_per_iter']:.4f} s/iter, "
-            f"{ddp['par4d_in_turns_s'] / ddp['s_per_iter']:.3f}x" + spread(ddp.get("par4d_in_turns_ratios", [])))
+            f"{ddp['par4d_in_turns_s'] / ddp['s_per_iter']:.3f}x" + spread(ddp.get("par4d_in_turns_ratios", []))
+            for ddp in rows if ddp["workload"] == workload and ddp["name"].startswith(NAMES["ddp"])
+            and ddp.get("par4d_in_turns_s") is not None]
 
 
 def summary(rows: list[dict], workload: str) -> str:
@@ -477,7 +474,7 @@ def run_bench_peers(args: argparse.Namespace) -> int:
     print()
     for w in workloads(settings.world) if not settings.in_turns_only else ():    # (no par4d grid row to sum up)
         print(summary(rows, w.name))
-    for line in filter(None, (in_turns(rows, w.name) for w in workloads(settings.world))):
+    for line in (line for w in workloads(settings.world) for line in in_turns(rows, w.name)):
         print(line)
     sys.stdout.flush()
     return 0
