@@ -81,19 +81,40 @@ class _Bucket:
         self.span: torch.Tensor | None = None  # the part of the buffer the pieces cover
         self.own = 0                           # references to the buffer's storage: the sync's own (buffer, pieces)
         self.lends = False                     # the summed pieces become the gradients (same dtypes): no copy out
+        self.index = {id(p): i for i, p in enumerate(params)}   # each parameter's piece, when cut for them all
+        self.early = False                     # this step's gradients go into the buffer as they arrive (:meth:`take`)
+        self.taken = 0                         # how many did
 
     def clear(self) -> None:
         self.ready.clear()
         self.flat, self.held, self.handle = None, [], None
+        self.early, self.taken = False, 0
+
+    def take(self, param: torch.Tensor) -> None:
+        """``param``'s gradient, just accumulated, copied into its piece of the buffer while it is still in cache,
+        and the gradient made a view of that piece (DDP's gradient_as_bucket_view): the copy autograd made is
+        freed at once, for the rest of backward to reuse, and the buffer holds the bucket once its last gradient
+        arrives (no pass over the bucket at its launch). Only where the pieces are cut for every parameter of the
+        bucket, the sum keeps their dtype, and the buffer is the sync's own (decided at the bucket's first
+        gradient of the step: last step's views dropped); a gradient that does not fit its piece is left for
+        :meth:`flatten` (the bucket then sums in a new buffer: the views already made hold this one)."""
+        if not self.ready:
+            self.early = self.lends and len(self.pieces) == len(self.params) and _uses(self.buffer) == self.own
+        if self.early:
+            piece, grad = self.pieces[self.index[id(param)]], param.grad
+            if grad.shape == piece.shape and grad.dtype == piece.dtype and grad.device == piece.device:
+                piece.copy_(grad)
+                param.grad = piece.detach()
+                self.taken += 1
 
     def flatten(self, grads: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """``grads`` end to end in ``dtype``, in the bucket's buffer (through :attr:`pieces`, cut again only when
         the gradients' dtypes, device or shapes change). Kept, as DDP keeps its buckets: a buffer allocated every
         step (and the gradients it replaced, freed mid-step) went back to the system and came back as fresh pages,
         hundreds of page faults a step on a CPU (docs/benchmarks.md). Last step's gradients are views of it (see
-        :meth:`GradientSync._written`): where any is still held (a caller kept one, or the gradients were not
-        zeroed), the buffer is theirs and this step sums in a new one, unless the gradients are those very views,
-        accumulated in place (then they are in the buffer already)."""
+        :meth:`take` and :meth:`GradientSync._launch`): where any is still held (a caller kept one, or the gradients
+        were not zeroed), the buffer is theirs and this step sums in a new one, unless the gradients are those very
+        views, accumulated in place (then they are in the buffer already)."""
         layout = (dtype, grads[0].device, [(g.shape, g.dtype) for g in grads])
         lent = self.buffer is not None and _uses(self.buffer) > self.own
         if lent and layout == self.layout and all(g.data_ptr() == p.data_ptr() for g, p in zip(grads, self.pieces)):
@@ -210,10 +231,15 @@ class GradientSync:
         """The gradient hook of ``bucket``'s parameters (one closure a bucket: no lookups per gradient)."""
         ready, size = bucket.ready, len(bucket.params)
         owed = self.deferred.owed if self.deferred is not None else frozenset()
+        # Into the buffer as they arrive, except where z > 1: there ORS writes weight gradients after backward, and
+        # a bucket holding one would find its buffer lent to the views its hooks made (a new buffer every step).
+        early = self.grid.size("z") == 1
 
         def on_grad(param: torch.Tensor) -> None:
             if not self._armed or id(param) in owed:
                 return                       # not this step's, or its gradient is a deferred reduce-scatter
+            if early:
+                bucket.take(param)
             ready.add(id(param))
             if len(ready) == size:           # only a full bucket can start a launch (in order)
                 self.early_launches += self._launch_ready(key)
@@ -250,9 +276,20 @@ class GradientSync:
         if not bucket.held:
             bucket.flat = torch.empty(0)     # nothing to sum (no gradients at all): done
             return
-        grads = [p.grad for p in bucket.held]
-        # Mixed precision may sum half gradients in fp32 (par4d.optim.precision): cast as they are laid out.
-        bucket.flat = bucket.flatten(grads, self.reduce_dtype or grads[0].dtype)
+        if bucket.taken == len(bucket.params):
+            bucket.flat = bucket.span        # every gradient in the buffer already, a view of it (_Bucket.take)
+        else:
+            grads = [p.grad for p in bucket.held]
+            # Mixed precision may sum half gradients in fp32 (par4d.optim.precision): cast as they are laid out.
+            bucket.flat = bucket.flatten(grads, self.reduce_dtype or grads[0].dtype)
+            if bucket.lends:
+                # The gradients become views of the sum (DDP's gradient_as_bucket_view): no pass copying it out
+                # (1.2% of a comm-bound step on 4 CPU ranks, docs/benchmarks.md), and made so now, while the sum
+                # is in flight: the copies they were are freed at once, and no Python is left after the wait.
+                # New views, not the sync's own pieces: a caller who keeps one makes the next step sum in a new
+                # buffer (:meth:`_Bucket.flatten`).
+                for param, grad in zip(bucket.held, _unflatten_dense_tensors(bucket.span, bucket.pieces)):
+                    param.grad = grad
         in_flight = sum(b.flat.nbytes for buckets in self.groups.values() for b in buckets if b.flat is not None)
         self.peak_buffer_bytes = max(self.peak_buffer_bytes, in_flight)
         axes, within = key
@@ -305,14 +342,8 @@ class GradientSync:
         """``bucket``'s sum waited for, scaled to the mean and written to its parameters' gradients."""
         if bucket.handle is not None:
             bucket.handle.wait()
-            bucket.flat.mul_(self.scale)
-            if bucket.lends:
-                # The gradients become views of the sum (DDP's gradient_as_bucket_view): no pass copying it out
-                # (1.2% of a comm-bound step on 4 CPU ranks, docs/benchmarks.md). New views, not the sync's own
-                # pieces: a caller who keeps one makes the next step sum in a new buffer (:meth:`_Bucket.flatten`).
-                for param, grad in zip(bucket.held, _unflatten_dense_tensors(bucket.span, bucket.pieces)):
-                    param.grad = grad
-            else:   # mixed precision's half gradients summed in fp32: copied (and rounded) into their own
+            bucket.flat.mul_(self.scale)     # the gradients are views of it where it lends (:meth:`_launch`)
+            if not bucket.lends:   # mixed precision's half gradients summed in fp32: copied (rounded) into their own
                 torch._foreach_copy_([p.grad for p in bucket.held], bucket.pieces)
         bucket.clear()
 
