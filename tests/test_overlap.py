@@ -282,12 +282,14 @@ def _buffers_kept(sizes: dict, keep: bool) -> dict:
     """Each bucket sums in one buffer from step to step (a new one each step faulted its pages in again), and the
     gradients the sync writes are views of it (no copy out). With ``keep``, the first step's gradients are kept
     past their zeroing: the next step sums in a new buffer and those still hold their values. ``taken``: per step,
-    how many gradients of each bucket its hooks copied in as they arrived (_Bucket.take)."""
+    how many gradients of each bucket its hooks copied in as they arrived (_Bucket.take); ``viewed_early``: whether
+    the gradients were views of the buffers already when backward ended, the sums in flight (autograd's copies
+    freed: one copy of the gradients less at the end of backward)."""
     grid = cases.grid(**sizes)
     gen = torch.Generator().manual_seed(5)
     model = GPT(CONFIG, grid=grid)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    buffers, viewed, taken, kept = [], [], [], None
+    buffers, viewed, viewed_early, taken, kept = [], [], [], [], None
     for _ in range(3):
         tokens = torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.block_size + 1), generator=gen)
         x, y = shard_batch(grid, tokens[:, :-1]), shard_batch(grid, tokens[:, 1:])
@@ -296,18 +298,20 @@ def _buffers_kept(sizes: dict, keep: bool) -> dict:
             nonlocal kept
             sync = gradient_sync(model, grid)
             taken.append([(b.taken, len(b.params)) for buckets in sync.groups.values() for b in buckets])
+            early = {g.untyped_storage().data_ptr() for g in (p.grad for p in model.parameters())}
             sync.finish()           # (the step's own finish then has nothing left to do)
             held = [b.buffer for buckets in sync.groups.values() for b in buckets]
             buffers.append([(id(b), b.data_ptr()) for b in held])
             shared = {g.untyped_storage().data_ptr() for g in (p.grad for p in model.parameters())}
             viewed.append(shared == {b.untyped_storage().data_ptr() for b in held})
+            viewed_early.append(early == shared)
             if keep and kept is None:
                 kept = [(p.grad, p.grad.clone()) for p in model.parameters()]
 
         train_step(model, optimizer, grid, (x, y), after_backward=look)
     if keep:
         cases.assert_bitwise("gradients kept from the first step", [g for g, _ in kept], [c for _, c in kept])
-    return {"buffers": buffers, "viewed": viewed, "taken": taken}
+    return {"buffers": buffers, "viewed": viewed, "viewed_early": viewed_early, "taken": taken}
 
 
 def _none_taken(taken: list[tuple[int, int]]) -> bool:
@@ -321,6 +325,7 @@ def _all_taken(taken: list[tuple[int, int]]) -> bool:
 def test_the_sync_sums_in_buffers_kept_from_step_to_step(pool2):
     for r in pool2.run(_buffers_kept, dict(data=2), False):
         assert r["viewed"] == [True] * 3          # every gradient a view of a bucket's buffer, every buffer lent
+        assert r["viewed_early"] == [True] * 3
         assert r["buffers"][0] and r["buffers"][0] == r["buffers"][1] == r["buffers"][2]
         # The first step cuts the buffers (its gradients copied in at the launch); the later ones copy each
         # gradient in as it arrives, every gradient of every bucket.
@@ -342,7 +347,7 @@ def test_on_a_z_grid_gradients_go_in_at_the_launch_and_the_buffers_are_kept(pool
     """z = 2: ORS writes the weights' gradients after backward, so no hook copies a gradient in early (a bucket
     holding one would find its buffer lent to the views made before it); the buffers are still kept."""
     for r in pool4.run(_buffers_kept, dict(z=2, data=2), False):
-        assert r["viewed"] == [True] * 3
+        assert r["viewed"] == r["viewed_early"] == [True] * 3
         assert r["buffers"][0] and r["buffers"][0] == r["buffers"][1] == r["buffers"][2]
         assert all(_none_taken(step) for step in r["taken"]), r["taken"]
 
