@@ -156,8 +156,8 @@ class GradientSync:
 
     Overlapped (``overlap=True``, inside :meth:`backward` around the step's last backward pass): a
     gradient hook marks each parameter ready as autograd accumulates its gradient (the earlier
-    microbatches' included); a bucket whose parameters are all ready is all-reduced asynchronously
-    while backward goes on.
+    microbatches' included), and where z = 1 copies it into its bucket's buffer (:meth:`_Bucket.take`);
+    a bucket whose parameters are all ready is all-reduced asynchronously while backward goes on.
     Buckets of one group are launched strictly in order (every rank of the group issues
     the same collectives in the same order). Gradients that arrive outside autograd's
     accumulation (ORS's deferred reduce-scatters) are picked up by :meth:`finish`.
