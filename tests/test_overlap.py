@@ -177,6 +177,13 @@ def test_a_model_that_changes_its_order_trains_bitwise(sizes, world, request):
     assert all(r["prefetched"] > 0 for r in results)   # step 1 repeats step 0's order: prefetched
 
 
+def test_steps_that_leave_parameters_without_gradients_train_bitwise_on_data(pool2):
+    """data=2 (z = 1: gradients go into their buckets as they arrive): steps that leave a pair of Linears unused
+    (its bucket's others went in early; it then sums in a new buffer), or use one twice, train as the synchronous
+    path does, bit for bit (losses, every step's gradients, parameters)."""
+    pool2.run(_wandering, dict(data=2), ("dp",))
+
+
 def _outside_the_step_and_after_a_failure(sizes: dict) -> dict:
     """ORS and the dp hooks act only inside the training step: ``torch.autograd.grad`` keeps
     autograd's meaning; a backward that raised mid-step leaves nothing behind."""
