@@ -96,8 +96,9 @@ class _Bucket:
         freed at once, for the rest of backward to reuse, and the buffer holds the bucket once its last gradient
         arrives (no pass over the bucket at its launch). Only where the pieces are cut for every parameter of the
         bucket, the sum keeps their dtype, and the buffer is the sync's own (decided at the bucket's first
-        gradient of the step: last step's views dropped); a gradient that does not fit its piece is left for
-        :meth:`flatten` (the bucket then sums in a new buffer: the views already made hold this one)."""
+        gradient of the step: called before the parameter is marked :attr:`ready`; last step's views dropped); a
+        gradient that does not fit its piece is left for :meth:`flatten` (the bucket then sums in a new buffer: the
+        views already made hold this one)."""
         if not self.ready:
             self.early = self.lends and len(self.pieces) == len(self.params) and _uses(self.buffer) == self.own
         if self.early:
