@@ -34,9 +34,8 @@ KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 class Handle:
     """An in-flight collective; :meth:`wait` blocks and books the waited time.
 
-    Its completion time comes from the work's future (a callback on the backend's
-    thread stores one float); where a backend gives no future, the end of the wait
-    stands in for it.
+    Its completion time is when it is first seen completed: by the ledger's probes (:meth:`Ledger.probe`),
+    by :meth:`done`, or at the start of :meth:`wait`; else the end of the wait stands in for it.
     """
 
     def __init__(self, work: dist.Work | None, ledger: Ledger, entry: Entry | None, result: torch.Tensor):
@@ -44,18 +43,17 @@ class Handle:
         self._done_at: float | None = None
         self._blocked = False
         if work is not None:
-            try:
-                work.get_future().add_done_callback(self._completed)
-            except RuntimeError:   # no future for this backend or op
-                pass
+            ledger.watched.append(self)
 
-    def _completed(self, _future) -> None:
-        self._done_at = time.perf_counter()
+    def seen_done(self, now: float) -> bool:
+        if self._done_at is None and (self._work is None or self._work.is_completed()):
+            self._done_at = now
+        return self._done_at is not None
 
     @eager
     def done(self) -> bool:
         """Whether it completed (never blocks): for code that acts on whichever message comes first."""
-        return self._work is None or self._work.is_completed()
+        return self.seen_done(time.perf_counter())
 
     @eager
     def block(self) -> None:
@@ -63,19 +61,24 @@ class Handle:
         owner still calls :meth:`wait`, which then returns at once: a gloo receive's ``wait``
         must run once, a second would wait for another message)."""
         if self._work is not None and not self._blocked:
+            self.seen_done(time.perf_counter())
             self._work.wait()
-            self._blocked, self._done_at = True, time.perf_counter()
+            self._blocked = True
+            self.seen_done(time.perf_counter())
 
     @eager
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             start = time.perf_counter()
             if not self._blocked:
+                self.seen_done(start)
                 self._work.wait()
             end = time.perf_counter()
             done = self._done_at if self._done_at is not None else end
             self._ledger.waited(self._entry, end - start, max(0.0, min(done, end) - self._entry.issued_at))
             self._work = None
+            if self in self._ledger.watched:    # (not probed since it completed): it holds its result
+                self._ledger.watched.remove(self)
         return self.result
 
 
@@ -84,6 +87,7 @@ def _issue(grid: Grid, kind: str, axes: tuple[str, ...], message: torch.Tensor, 
            elements: int | None = None):
     """Record ``kind`` (its per-rank message: ``message``, or ``elements`` of its dtype), run it, and book the
     wait where it is waited for."""
+    grid.ledger.probe()
     start = time.perf_counter()
     elements = message.numel() if elements is None else elements
     entry = Entry(kind, axes, elements, elements * message.element_size(), issued_at=start, overlapped=async_op)

@@ -90,3 +90,38 @@ def test_async_collective_is_recorded_once_with_its_wait(pool4):
         partner = rank ^ 1                      # x varies fastest: ranks (0,1), (2,3)
         assert value == rank + partner
         assert entries == [("all_reduce", ("x",), 1000, 4000)] and waited
+
+
+def _completed_before_its_wait() -> dict:
+    """An async all-reduce seen completed by a probe long before its wait: its time in flight ends at the probe
+    (no callback on the backend's thread), and a waited handle is no longer watched (it would hold its result)."""
+    import time
+
+    from par4d import comm
+
+    grid = cases.grid(x=2, y=2)
+    t = torch.ones(1000)
+    with grid.ledger.capture() as entries:
+        handle = comm.all_reduce(grid, t, "x", async_op=True)
+        watched = handle in grid.ledger.watched
+        while not handle._work.is_completed():       # completed, not yet seen so
+            time.sleep(0.001)
+        unseen = handle in grid.ledger.watched
+        before = time.perf_counter()
+        grid.ledger.probe()
+        after = time.perf_counter()
+        dropped = handle not in grid.ledger.watched
+        time.sleep(0.05)                               # the wait comes well after the probe
+        waiting = time.perf_counter()
+        handle.wait()
+        late = comm.all_reduce(grid, torch.ones(10), "x", async_op=True)   # waited before any probe saw it done
+        late.wait()
+    done = entries[0].issued_at + entries[0].in_flight
+    return {"watched": watched, "unseen": unseen, "dropped": dropped, "ended_at_probe": before <= done <= after,
+            "before_wait": done < waiting, "empty": grid.ledger.watched == [], "sum": t[0].item()}
+
+
+def test_a_collective_completes_when_a_probe_first_sees_it(pool4):
+    for out in pool4.run(_completed_before_its_wait):
+        assert out == {"watched": True, "unseen": True, "dropped": True, "ended_at_probe": True,
+                       "before_wait": True, "empty": True, "sum": 2.0}
