@@ -14,8 +14,8 @@ broadcast. Counts are exact, so tests pin them against the model's equations.
 
 from __future__ import annotations
 
-from collections import defaultdict
 import time
+from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
