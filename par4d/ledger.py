@@ -69,8 +69,8 @@ class Ledger:
         """Every watched collective that has completed, given its completion time (now: the first moment seen
         so, late by at most the time since the last probe) and no longer watched. Called where this rank's
         Python runs anyway (a collective issued or waited for, a gradient's hook): a callback on the backend's
-        thread at completion would need the GIL there, and took 0.8% of a comm-bound data=4 step on 4 CPU ranks
-        (docs/benchmarks.md)."""
+        thread at completion would need the GIL there (a comm-bound data=4 step on 4 CPU ranks runs 0.4-0.8%
+        faster without it, docs/benchmarks.md)."""
         if self.watched:
             now = time.perf_counter()
             self.watched = [w for w in self.watched if not w.seen_done(now)]

@@ -235,12 +235,13 @@ class GradientSync:
         # Into the buffer as they arrive, except where z > 1: there ORS writes weight gradients after backward, and
         # a bucket holding one would find its buffer lent to the views its hooks made (a new buffer every step).
         early = self.grid.size("z") == 1
-        probe = self.grid.ledger.probe       # the buckets in flight: whether they completed (their time in flight)
 
         def on_grad(param: torch.Tensor) -> None:
             if not self._armed or id(param) in owed:
                 return                       # not this step's, or its gradient is a deferred reduce-scatter
-            probe()
+            ledger = self.grid.ledger
+            if ledger.watched:               # buckets in flight: whether they completed (their time in flight)
+                ledger.probe()
             if early:
                 bucket.take(param)
             ready.add(id(param))
