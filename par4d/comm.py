@@ -61,10 +61,9 @@ class Handle:
         owner still calls :meth:`wait`, which then returns at once: a gloo receive's ``wait``
         must run once, a second would wait for another message)."""
         if self._work is not None and not self._blocked:
-            self.seen_done(time.perf_counter())
             self._work.wait()
             self._blocked = True
-            self.seen_done(time.perf_counter())
+            self.seen_done(time.perf_counter())     # (a probe may have seen it first)
 
     @eager
     def wait(self) -> torch.Tensor:
