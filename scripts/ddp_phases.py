@@ -1,8 +1,9 @@
 """Where a rank's CPU goes in par4d's data=4 step and in DDP's, phase by phase (docs/benchmarks.md, "data=4
 against DDP"): par4d's GPT and its single-device twin wrapped in DDP, on the same ranks and rows, stepped in
-turns; rank 0's ``time.process_time`` (every thread of the process, gloo's included) of the forward, backward
-(DDP's sync runs inside it), par4d's sync finishing, and AdamW with the zeroing; medians over the steps; every
-rank's CPU summed; each step's wall time (between barriers) and their ratio step by step.
+turns; the CPU of the forward, backward (DDP's sync runs inside it), par4d's sync finishing, and AdamW with the
+zeroing: rank 0's medians (``time.process_time``: every thread of the process, gloo's included), then every
+rank's summed, the rank's own thread (``time.thread_time``) apart from gloo's; each step's wall time (between
+barriers) and their ratio step by step.
 
 Stepped in turns, the two share one process's allocator: what one keeps allocated the other's freed memory lands
 on, so a step that alone would fault its pages in again each time (par4d's sync before its buffers were kept) shows
@@ -31,25 +32,30 @@ PHASES = ("forward", "backward", "sync", "optimizer")
 WARMUP = 10
 
 
-def _step_optimizer(optimizer: torch.optim.Optimizer, clock: list[float]) -> list[float]:
+def _now() -> tuple[float, float]:
+    """CPU seconds so far: the process's (every thread: gloo's too) and this thread's."""
+    return time.process_time(), time.thread_time()
+
+
+def _step_optimizer(optimizer: torch.optim.Optimizer, clock: list) -> list[tuple[float, float]]:
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return clock + [time.process_time()]
+    return clock + [_now()]
 
 
 def _par4d_step(step: TrainingStep):
     grid, model, optimizer = step.grid, step.model, step.optimizer
 
-    def run() -> list[float]:
-        clock = [time.process_time()]
+    def run() -> list[tuple[float, float]]:
+        clock = [_now()]
         sync = gradient_sync(model, grid)
         loss = model(step.x, step.y)
-        clock.append(time.process_time())
+        clock.append(_now())
         with sync.backward():
             loss.backward()
-        clock.append(time.process_time())
+        clock.append(_now())
         sync.finish()
-        clock.append(time.process_time())
+        clock.append(_now())
         return _step_optimizer(optimizer, clock)
 
     return run
@@ -59,12 +65,12 @@ def _ddp_step(x: torch.Tensor, y: torch.Tensor):
     model = DistributedDataParallel(ReferenceGPT(CONFIG))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-    def run() -> list[float]:
-        clock = [time.process_time()]
+    def run() -> list[tuple[float, float]]:
+        clock = [_now()]
         loss = model(x, y)
-        clock.append(time.process_time())
+        clock.append(_now())
         loss.backward()                     # DDP's all-reduces launched and waited for in here
-        clock += [time.process_time()] * 2  # (no sync of its own to finish)
+        clock += [_now()] * 2               # (no sync of its own to finish)
         return _step_optimizer(optimizer, clock)
 
     return run
@@ -82,7 +88,8 @@ def main() -> None:
     rows = block(sequences, grid.world_size, grid.rank)
     steps = {"par4d": _par4d_step(TrainingStep(grid, sequences, seq_len)),
              "torch DDP": _ddp_step(inputs[rows], targets[rows])}
-    seconds: dict[str, list[list[float]]] = {name: [] for name in steps}
+    # per step and phase: (CPU of every thread, of the rank's own thread)
+    seconds: dict[str, list[list[tuple[float, float]]]] = {name: [] for name in steps}
     walls: dict[str, list[float]] = {name: [] for name in steps}
     for i in range(WARMUP + args.steps):
         for name in (list(steps) if i % 2 else list(steps)[::-1]):      # in turns, each first every other step
@@ -91,20 +98,28 @@ def main() -> None:
             clock = steps[name]()
             dist.barrier()
             if i >= WARMUP:
-                seconds[name].append([b - a for a, b in zip(clock, clock[1:])])
+                seconds[name].append([(b[0] - a[0], b[1] - a[1]) for a, b in zip(clock, clock[1:])])
                 walls[name].append(time.perf_counter() - start)
-    # Every rank's CPU (gloo's threads included) summed: on 2 shared cores the step's time follows it.
-    total = torch.tensor([sum(sum(r) for r in rows_) for rows_ in seconds.values()], dtype=torch.float64)
-    dist.all_reduce(total)
+    # Every rank's CPU summed, phase by phase: on 2 shared cores the step's time follows it.
+    phases = len(PHASES)
+    means = torch.tensor([[sum(r[k][j] for r in rows_) / args.steps for j in (0, 1) for k in range(phases)]
+                          for rows_ in seconds.values()], dtype=torch.float64)
+    dist.all_reduce(means)
     if grid.rank == 0:
         print(f"rank 0's CPU ms per step, median of {args.steps} ({args.workload}):", " ".join(PHASES))
         for name, rows_ in seconds.items():
-            medians = [1e3 * statistics.median(r[k] for r in rows_) for k in range(len(PHASES))]
+            medians = [1e3 * statistics.median(r[k][0] for r in rows_) for k in range(phases)]
             print(f"{name:<10}", " ".join(f"{m:8.2f}" for m in medians), f"  sum {sum(medians):.2f}",
                   f"  wall {1e3 * statistics.median(walls[name]):.2f}")
-        par4d, ddp = total.tolist()
-        print(f"CPU of all ranks, ms per step: par4d {1e3 * par4d / args.steps:.2f}, DDP {1e3 * ddp / args.steps:.2f} "
-              f"({par4d / ddp:.4f}x)")
+        print("every rank's CPU ms per step, summed (mean):", " ".join(PHASES))
+        for name, row in zip(seconds, means.tolist()):
+            every, own = row[:phases], row[phases:]
+            for label, values in (("all threads", every), ("rank's own", own),
+                                  ("gloo's", [a - b for a, b in zip(every, own)])):
+                print(f"{name:<10} {label:<11}", " ".join(f"{1e3 * v:8.2f}" for v in values),
+                      f"  sum {1e3 * sum(values):.2f}")
+        par4d, ddp = (sum(row[:phases]) for row in means.tolist())
+        print(f"CPU of all ranks, ms per step: par4d {1e3 * par4d:.2f}, DDP {1e3 * ddp:.2f} ({par4d / ddp:.4f}x)")
         pairs = sorted(a / b for a, b in zip(*walls.values()))
         print(f"par4d / DDP wall, step by step: median {statistics.median(pairs):.4f}, "
               f"quartiles {pairs[len(pairs) // 4]:.4f}-{pairs[3 * len(pairs) // 4]:.4f}")
