@@ -58,18 +58,18 @@ def test_torchs_peers_compute_the_models_own_loss(pool4, kind, model):
         assert loss == pytest.approx(reference, rel=1e-6)
 
 
-def _ddp_row(model: str) -> dict:
+def _ddp_row(model: str, knob: dict) -> dict:
     from par4d.bench.peers import Workload
 
     settings = PeersSettings(nproc=4, nodes=None, iters=2, peak_flops=1e9)
-    return hf_peers._bench_torch("ddp", {}, None, model, Workload("comm-bound", 4, 8), settings)
+    return hf_peers._bench_torch("ddp", knob, None, model, Workload("comm-bound", 4, 8), settings)
 
 
 def test_ddps_row_times_par4ds_data_parallel_step_in_turns_with_it(pool4):
     """As bench peers' GPT rows: par4d on data=4 (parallelize, the loop's train_step) stepped in turns with DDP,
-    each timed as often."""
-    row = pool4.run(_ddp_row, "hf-gpt2", timeout=240)[0]
-    assert row["name"] == "torch DDP" and len(row["times"]) == len(row["par4d_in_turns_times"]) == 2
-    assert all(t > 0 for t in row["par4d_in_turns_times"])
+    each timed as often, summing in DDP's buckets (here 1 MB)."""
+    row = pool4.run(_ddp_row, "hf-gpt2", {"bucket_cap_mb": 1}, timeout=240)[0]
+    assert row["name"] == "torch DDP (1 MB buckets)" and len(row["times"]) == len(row["par4d_in_turns_times"]) == 2
+    assert all(t > 0 for t in row["par4d_in_turns_times"]) and row["par4d_bucket_mb"] == 1
     [line] = peers.in_turns(add_ratios([pooled([row])]), "comm-bound")
-    assert line.startswith("comm-bound: par4d data=4 against torch DDP stepped in turns: ")
+    assert line.startswith("comm-bound: par4d data=4 (1 MB buckets) against torch DDP (1 MB buckets) stepped in turns:")

@@ -1,4 +1,5 @@
-"""``par4d bench peers`` without launching ranks: argument checks, ratios and the TP attention's math."""
+"""``par4d bench peers``: argument checks, ratios and the TP attention's math without launching ranks; par4d's step
+beside DDP's on the pool's ranks."""
 
 import copy
 
@@ -249,3 +250,27 @@ def test_par4d_stepped_in_turns_with_ddp_is_pooled_and_reported():
         "0.2100 s/iter, 1.095x"]      # one round: no spread to give
     assert peers.in_turns(rows, "comm-bound") == []
     assert peers.in_turns(add_ratios([_row("torch", "demo", "torch DDP", 0.2)]), "demo") == []
+    small = dict(row, name="torch DDP (1 MB buckets)", par4d_bucket_mb=1)     # beside it, par4d's buckets are 1 MB
+    assert peers.in_turns([small], "demo")[0].startswith(
+        "demo: par4d data=4 (1 MB buckets) against torch DDP (1 MB buckets) stepped in turns: ")
+
+
+def _beside_all_reduces(bucket_mb: float) -> list[int]:
+    from par4d.measure.grids import step_collectives
+
+    settings = peers.PeersSettings(nproc=4, nodes=None, iters=1, peak_flops=1.0)
+    step = peers._par4d_beside(peers.Workload("comm-bound", 4, 8), settings, bucket_mb)
+    elements = [n for kind, axes, n in step_collectives(step.grid, step) if kind == "all_reduce"]
+    step.grid.close()
+    return elements
+
+
+def test_par4d_beside_ddp_sums_in_ddps_buckets(pool4):
+    """par4d's data-parallel step stepped beside a DDP row sums in that row's buckets (``bucket_cap_mb``, else DDP's
+    25 MB): the same algorithm. Every gradient once a step, in 2 all-reduces with 25 MB buckets (the first at most
+    1 MB, as DDP's), in at least 4 of at most 1 MB each with 1 MB buckets."""
+    gradients = sum(p.numel() for p in ReferenceGPT(CONFIG).parameters())
+    assert [peers.bucket_mb_of(k) for k in peers.KNOBS["ddp"]] == [25.0, 1, 25.0]
+    default, small = (pool4.run(_beside_all_reduces, mb)[0] for mb in (25.0, 1))
+    assert len(default) == 2 and default[0] <= 2**18 and sum(default) == gradients
+    assert len(small) >= 4 and max(small) <= 2**18 and sum(small) == gradients

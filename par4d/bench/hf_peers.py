@@ -57,6 +57,7 @@ from par4d.bench.peers import (
     PeersSettings,
     Workload,
     add_ratios,
+    bucket_mb_of,
     in_turns,
     markdown,
     peer_name,
@@ -246,7 +247,7 @@ class _Par4dStep(NamedTuple):
 
 
 def _par4d_step(model: str, sizes: dict, workload: Workload, settings: PeersSettings, hierarchical: str,
-                shard_stream: bool = True) -> _Par4dStep:
+                shard_stream: bool = True, bucket_mb: float | None = None) -> _Par4dStep:
     from par4d.adopt import parallelize
     from par4d.adopt.causal_lm import CausalLM
     from par4d.overlap import Overlap, set_overlap
@@ -255,7 +256,8 @@ def _par4d_step(model: str, sizes: dict, workload: Workload, settings: PeersSett
     grid = init(**sizes, hierarchical=hierarchical)
     lm = build_lm(model)
     flops = flops_per_token(lm, workload.seq_len)
-    net = set_overlap(CausalLM(parallelize(lm, grid, shard_stream=shard_stream), flops, 0), Overlap())   # as train
+    overlap = Overlap() if bucket_mb is None else Overlap(bucket_mb=bucket_mb)    # Overlap(): as train
+    net = set_overlap(CausalLM(parallelize(lm, grid, shard_stream=shard_stream), flops, 0), overlap)
     compile_afresh(net, settings.compile)       # its decoder layers, as the peers'
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
     inputs, targets = batch(workload.sequences, workload.seq_len)
@@ -341,7 +343,8 @@ def _bench_torch(kind: str, knob: dict, mesh, model: str, workload: Workload, se
     if kind == "ddp":
         # par4d's data-parallel step (collectives flat) timed in turns with DDP's, as bench peers does; stepped once
         # first (untimed: its optimizer's state made, compiled where compiling)
-        beside = _par4d_step(model, {"data": settings.world}, workload, settings, "off")
+        beside = _par4d_step(model, {"data": settings.world}, workload, settings, "off",
+                             bucket_mb=bucket_mb_of(knob))     # DDP's buckets: the same algorithm
         beside.step()
     timed = _time(step, net, optimizer, settings.iters, settings.compile != "none", beside.step if beside else None)
     if beside is not None:
@@ -356,7 +359,8 @@ def _bench_torch(kind: str, knob: dict, mesh, model: str, workload: Workload, se
     row = _row(peer_name(kind, knob), sizes, timed, per_rank, source, workload, flops, settings.peak_flops,
                settings.compile)
     return dict(row, link_bytes_per_iter=link_bytes(step),
-                **({"par4d_in_turns_times": timed.beside} if timed.beside is not None else {}))
+                **({"par4d_in_turns_times": timed.beside, "par4d_bucket_mb": bucket_mb_of(knob)}
+                   if timed.beside is not None else {}))
 
 
 def hf_peers_worker(model: str, settings: PeersSettings) -> list[dict]:

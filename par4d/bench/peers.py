@@ -12,9 +12,9 @@ counts are bench grid's (``bench.common.grid_row``), plus ``ratio_to_best_peer``
 s/iter over the fastest torch row's of the same workload), ``floor_s_per_iter`` (the limit
 for the setting: :func:`add_floor`) and, across emulated nodes, ``link_bytes_per_iter``
 (what the nodes' interfaces sent). Each DDP row (every knob: the fastest DDP differs by workload and machine)
-also steps par4d's data=N step in turns with its own (``par4d_in_turns_s``, each round's ratio in
-``par4d_in_turns_ratios``); ``--in-turns-only`` runs those rows alone, for as many rounds as a precise ratio needs
-(one round's moves by a few percent here).
+also steps par4d's data=N step in turns with its own, summing in that row's buckets (``par4d_in_turns_s``, each
+round's ratio in ``par4d_in_turns_ratios``, par4d's bucket size in ``par4d_bucket_mb``); ``--in-turns-only`` runs
+those rows alone, for as many rounds as a precise ratio needs (one round's moves by a few percent here).
 
 Two workloads, both always run:
 
@@ -73,6 +73,7 @@ from par4d.measure.grids import (
     time_iterations,
 )
 from par4d.models import ReferenceGPT
+from par4d.overlap import BUCKET_MB, Overlap
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -294,12 +295,19 @@ def _par4d_rows(workload: Workload, settings: PeersSettings) -> list[dict]:
     return rows
 
 
-def _par4d_beside(workload: Workload, settings: PeersSettings) -> TrainingStep:
-    """par4d's step on DDP's algorithm (data over every rank, its collectives flat), to be timed in turns with
-    DDP's: rows timed minutes apart moved by more than the two differ. Stepped once (untimed: its optimizer's state
-    made, compiled where compiling) before the timed turns."""
+def bucket_mb_of(knob: dict) -> float:
+    """A DDP row's bucket size (its ``bucket_cap_mb``, else DDP's default): par4d's data-parallel step stepped beside
+    it sums in buckets of that size (``Overlap.bucket_mb``), the same algorithm. Across a slow link the size decides
+    how much of the sum is left after backward (docs/benchmarks.md)."""
+    return knob.get("bucket_cap_mb", BUCKET_MB)
+
+
+def _par4d_beside(workload: Workload, settings: PeersSettings, bucket_mb: float = BUCKET_MB) -> TrainingStep:
+    """par4d's step on DDP's algorithm (data over every rank, its collectives flat, buckets of ``bucket_mb``), to be
+    timed in turns with DDP's: rows timed minutes apart moved by more than the two differ. Stepped once (untimed: its
+    optimizer's state made, compiled where compiling) before the timed turns."""
     step = TrainingStep(init(data=settings.world, hierarchical="off"), workload.sequences, workload.seq_len,
-                        compile=settings.compile)
+                        overlap=Overlap(bucket_mb=bucket_mb), compile=settings.compile)
     step()
     return step
 
@@ -327,10 +335,10 @@ def _bench_torch(kind: str, knob: dict, mesh: DeviceMesh | None, workload: Workl
     if kind == "ddp":
         # DDP's reducer all-reduces below Python: count its gradient bytes, all-reduced once per step.
         per_rank, source = sum(p.numel() * p.element_size() for p in model.parameters()), "gradient bytes"
-        beside = _par4d_beside(workload, settings)
+        beside = _par4d_beside(workload, settings, bucket_mb_of(knob))
         times, local, paired = in_turns_times([step, lambda: step(sync=False), beside], settings.iters)
         beside.grid.close()
-        extra["par4d_in_turns_times"] = paired
+        extra.update(par4d_in_turns_times=paired, par4d_bucket_mb=bucket_mb_of(knob))
         exposed = statistics.median(times) - statistics.median(local)
         extra.update(exposed_comm_s=exposed, exposed_comm_share=exposed / statistics.median(times),
                      compute_s=statistics.median(local), local_times=local)
@@ -405,11 +413,17 @@ def add_ratios(rows: list[dict]) -> list[dict]:
     return rows
 
 
+def _buckets(ddp: dict) -> str:
+    """par4d's bucket size in an in-turns line, where it is not the default (it is the DDP row's)."""
+    mb = ddp.get("par4d_bucket_mb", BUCKET_MB)
+    return "" if mb == BUCKET_MB else f" ({mb:g} MB buckets)"
+
+
 def in_turns(rows: list[dict], workload: str) -> list[str]:
     """A line per DDP row of ``workload`` that stepped par4d's data-parallel step in turns with its own
     (``par4d_in_turns_s``): both medians and their ratio, each round's ratio summarized."""
-    return [f"{workload}: par4d data={ddp['grid'].split('data=')[1]} against {ddp['name']} stepped in turns: "
-            f"{ddp['par4d_in_turns_s']:.4f} against {ddp['s_per_iter']:.4f} s/iter, "
+    return [f"{workload}: par4d data={ddp['grid'].split('data=')[1]}{_buckets(ddp)} against {ddp['name']} stepped "
+            f"in turns: {ddp['par4d_in_turns_s']:.4f} against {ddp['s_per_iter']:.4f} s/iter, "
             f"{ddp['par4d_in_turns_s'] / ddp['s_per_iter']:.3f}x" + spread(ddp.get("par4d_in_turns_ratios", []))
             for ddp in rows if ddp["workload"] == workload and ddp["name"].startswith(NAMES["ddp"])
             and ddp.get("par4d_in_turns_s") is not None]

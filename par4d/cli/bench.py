@@ -66,9 +66,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                             "against DDP, FSDP2, HSDP and (Llama) FSDP2 + TP with torch's Llama plan; hf-mixtral: "
                             "bench moe --model hf-mixtral")
     peers.add_argument("--in-turns-only", action="store_true",
-                       help="only DDP's rows, each stepping par4d's data-parallel step in turns with DDP's: the "
-                            "precise comparison, with many --rounds (the line gives each round's mean and standard "
-                            "error)")
+                       help="only DDP's rows, each stepping par4d's data-parallel step (in that row's buckets) in "
+                            "turns with DDP's: the precise comparison, with many --rounds (the line gives each "
+                            "round's mean and standard error)")
     _output(peers)
     overlap = sub.add_parser("overlap", help="each overlap's gain in the order of the 4D paper's Fig. 3 "
                                              "(none, +oar, +ors, +oag, +cache, all)")
