@@ -73,6 +73,7 @@ from par4d.launch.host import cpu_cores, threads_per_rank
 from par4d.launch.peak import measure_matmul_peak
 from par4d.layout import block, shard_batch
 from par4d.measure.grids import WARMUP, compile_seconds, time_iterations
+from par4d.overlap import BUCKET_MB
 from par4d.plan.cost import factorizations
 
 MODELS = ("hf-llama", "hf-gpt2")
@@ -247,7 +248,7 @@ class _Par4dStep(NamedTuple):
 
 
 def _par4d_step(model: str, sizes: dict, workload: Workload, settings: PeersSettings, hierarchical: str,
-                shard_stream: bool = True, bucket_mb: float | None = None) -> _Par4dStep:
+                shard_stream: bool = True, bucket_mb: float = BUCKET_MB) -> _Par4dStep:
     from par4d.adopt import parallelize
     from par4d.adopt.causal_lm import CausalLM
     from par4d.overlap import Overlap, set_overlap
@@ -256,7 +257,7 @@ def _par4d_step(model: str, sizes: dict, workload: Workload, settings: PeersSett
     grid = init(**sizes, hierarchical=hierarchical)
     lm = build_lm(model)
     flops = flops_per_token(lm, workload.seq_len)
-    overlap = Overlap() if bucket_mb is None else Overlap(bucket_mb=bucket_mb)    # Overlap(): as train
+    overlap = Overlap(bucket_mb=bucket_mb)      # every overlap on, as train
     net = set_overlap(CausalLM(parallelize(lm, grid, shard_stream=shard_stream), flops, 0), overlap)
     compile_afresh(net, settings.compile)       # its decoder layers, as the peers'
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
