@@ -340,12 +340,12 @@ def _bench_torch(kind: str, knob: dict, mesh, model: str, workload: Workload, se
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
-    beside = None
+    beside, bucket_mb = None, bucket_mb_of(knob)
     if kind == "ddp":
         # par4d's data-parallel step (collectives flat) timed in turns with DDP's, as bench peers does; stepped once
         # first (untimed: its optimizer's state made, compiled where compiling)
         beside = _par4d_step(model, {"data": settings.world}, workload, settings, "off",
-                             bucket_mb=bucket_mb_of(knob))     # DDP's buckets: the same algorithm
+                             bucket_mb=bucket_mb)      # DDP's buckets: the same algorithm
         beside.step()
     timed = _time(step, net, optimizer, settings.iters, settings.compile != "none", beside.step if beside else None)
     if beside is not None:
@@ -360,7 +360,7 @@ def _bench_torch(kind: str, knob: dict, mesh, model: str, workload: Workload, se
     row = _row(peer_name(kind, knob), sizes, timed, per_rank, source, workload, flops, settings.peak_flops,
                settings.compile)
     return dict(row, link_bytes_per_iter=link_bytes(step),
-                **({"par4d_in_turns_times": timed.beside, "par4d_bucket_mb": bucket_mb_of(knob)}
+                **({"par4d_in_turns_times": timed.beside, "par4d_bucket_mb": bucket_mb}
                    if timed.beside is not None else {}))
 
 

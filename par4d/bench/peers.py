@@ -335,10 +335,11 @@ def _bench_torch(kind: str, knob: dict, mesh: DeviceMesh | None, workload: Workl
     if kind == "ddp":
         # DDP's reducer all-reduces below Python: count its gradient bytes, all-reduced once per step.
         per_rank, source = sum(p.numel() * p.element_size() for p in model.parameters()), "gradient bytes"
-        beside = _par4d_beside(workload, settings, bucket_mb_of(knob))
+        bucket_mb = bucket_mb_of(knob)
+        beside = _par4d_beside(workload, settings, bucket_mb)
         times, local, paired = in_turns_times([step, lambda: step(sync=False), beside], settings.iters)
         beside.grid.close()
-        extra.update(par4d_in_turns_times=paired, par4d_bucket_mb=bucket_mb_of(knob))
+        extra.update(par4d_in_turns_times=paired, par4d_bucket_mb=bucket_mb)
         exposed = statistics.median(times) - statistics.median(local)
         extra.update(exposed_comm_s=exposed, exposed_comm_share=exposed / statistics.median(times),
                      compute_s=statistics.median(local), local_times=local)
