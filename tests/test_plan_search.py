@@ -200,6 +200,27 @@ def test_fixed_choices_are_kept():
         Space(microbatches=0)
 
 
+def test_the_syncs_bucket_size_is_priced_in_every_set_searched_and_in_a_fixed_one():
+    """``--bucket-mb``: each of the sync's buckets is an all-reduce (its arrival cost), and more of them hide more of
+    the sum behind backward. On data=8 the model's 234,880 gradients of 2 bytes (469,760) are one 25 MB bucket, or
+    5 buckets of 0.1 MB (104,857.6 bytes): 4 collectives more, whether the search picks the overlaps or is given
+    them; a given set keeps its own size unless the space names one."""
+    costly = replace(FLAT, sync_cost=1e-5)
+    grid = (1, 1, 1, 8, 1)
+
+    def on_data8(space: Space):
+        return next(p for p in search(SPEC, 8, costly, space)[0] if tuple(p.sizes.values()) == grid)
+
+    assert SPEC.params() * costly.bytes_per_element == 469_760
+    given = Overlap.parse("oar,ors,dp")
+    for space in (Space(pipe=1), Space(pipe=1, overlap=given)):
+        default, small = on_data8(space), on_data8(replace(space, bucket_mb=0.1))
+        assert (default.collectives, small.collectives) == (1, 5)
+        assert small.t_exposed < default.t_exposed
+    assert on_data8(Space(pipe=1, overlap=replace(given, bucket_mb=0.1))).collectives == 5
+    assert on_data8(Space(pipe=1, overlap=replace(given, bucket_mb=0.1), bucket_mb=25)).collectives == 1
+
+
 def test_plan_cli_searches_and_refuses_bad_choices(capsys):
     assert main(["plan", "--model", "gpt-5b", "--gpus", "64", "--batch-tokens", "4194304", "--top", "3"]) == 0
     out = capsys.readouterr().out

@@ -12,6 +12,7 @@ import pytest
 import par4d
 from par4d.bench.faults import RESTART, plan_faults
 from par4d.cli import main
+from par4d.cli.train import _finish
 from par4d.grid import default_grid
 from tests.helpers import SMALL, checked_config, run_losses, train_alone, train_in_pool, train_pooled, train_subprocess
 
@@ -127,6 +128,9 @@ def test_data_is_checked_before_any_process_starts(tmp_path, capsys, content, me
     ("--lr", "inf", "--lr must be a finite number > 0, got inf"),
     ("--grad-clip", "nan", "--grad-clip must be a finite number >= 0 (0 disables), got nan"),
     ("--save-every", "-1", "--save-every must be >= 0 (0: only at the end), got -1"),
+    ("--bucket-mb", "0", "--bucket-mb must be a finite size of at least one byte (2**-20 MB), got 0.0"),
+    ("--bucket-mb", "nan", "--bucket-mb must be a finite size of at least one byte (2**-20 MB), got nan"),
+    ("--bucket-mb", "inf", "--bucket-mb must be a finite size of at least one byte (2**-20 MB), got inf"),
     ("--offload-optimizer", "64", "--offload-optimizer 64: needs --precision bf16 or fp16 (got fp32)"),
     ("--pipeline-limit", "2", "--pipeline-limit 2: give a count >= 1 of microbatches in flight, on a grid with "
                               "pipe > 1 (this grid has pipe=1)"),
@@ -134,6 +138,40 @@ def test_data_is_checked_before_any_process_starts(tmp_path, capsys, content, me
 def test_settings_are_checked_before_any_process_starts(tmp_path, capsys, flag, value, message):
     assert main(["train", flag, value, *SMALL, "--out", str(tmp_path / "run")]) == 2
     assert message in capsys.readouterr().err
+
+
+def _counting_buckets(config) -> tuple[dict, list[tuple[int, int]]]:
+    """`par4d train` on a pool's rank: (rank 0's summary, (cap in bytes, buckets) of every run of gradients the
+    data-parallel sync cut into buckets)."""
+    from unittest import mock
+
+    from par4d.optim import data_parallel
+
+    with mock.patch.object(data_parallel, "_buckets", wraps=data_parallel._buckets) as cut:
+        summary = train_in_pool(config)
+    return summary, [(c.args[1], len(data_parallel._buckets(*c.args))) for c in cut.call_args_list]
+
+
+def test_bucket_mb_sizes_the_syncs_buckets_and_a_resume_keeps_or_changes_it(tmp_path, capsys, pool4):
+    """--bucket-mb is the sync's bucket size (DDP's bucket_cap_mb). On data=2, x=2 every sum has two terms, whose
+    order cannot round otherwise: 1 KB buckets train the same bits as the default 25 MB ones, in more buckets.
+    The run's config.toml and summary keep the size; a resume keeps it, or takes a new one."""
+    grid = ["--grid", "data=2,x=2", *SMALL, "--steps", "3"]
+    default, small = tmp_path / "default", tmp_path / "small"
+    runs = {}
+    for out, flags in ((default, []), (small, ["--bucket-mb", "0.0009765625"])):     # 2**-10 MB: 1 KB
+        summary, cuts = pool4.run(_counting_buckets, checked_config(*grid, *flags, "--out", str(out), world=4))[0]
+        assert _finish(summary) == 0
+        runs[out] = cuts
+    printed = capsys.readouterr().out
+    assert {cap for cap, _ in runs[default]} == {25 * 2**20} and {cap for cap, _ in runs[small]} == {1024}
+    assert sum(n for _, n in runs[small]) > sum(n for _, n in runs[default]) >= 1
+    assert run_losses(small) == run_losses(default) and len(run_losses(small)) == 3
+    assert "bucket_mb = 0.0009765625" in (small / "config.toml").read_text()
+    assert json.loads((small / "summary.json").read_text())["config"]["bucket_mb"] == 2**-10
+    assert "gradient buckets of 0.000976562 MB" in printed and printed.count("gradient buckets of") == 1
+    assert checked_config("--resume", str(small), "--steps", "5", world=4).bucket_mb == 2**-10
+    assert checked_config("--resume", str(small), "--steps", "5", "--bucket-mb", "4", world=4).bucket_mb == 4
 
 
 def _torchrun(*args: str, faults: str = "", restarts: int = 0) -> subprocess.CompletedProcess:

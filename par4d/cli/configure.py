@@ -19,9 +19,9 @@ from par4d.train.say import say
 # A resumed run keeps these (they decide the model and its batches); it takes HONOURED ones when given.
 FIXED = ("model", "batch_size", "seq_len", "document_mask", "restart_positions", "n_layer", "n_embd", "n_head",
          "mlp", "phantom_k", *MOE_SETTINGS, "image_size", "seed")
-HONOURED = ("lr", "grad_clip", "save_every", "keep", "overlap", "context_form", "compile", "float8", "hierarchical",
-            "recompute", "microbatches", "pipeline_limit", "precision", "grad_reduce", "offload_bsize", "eval_every",
-            "tensorboard", "matmul_peak")
+HONOURED = ("lr", "grad_clip", "save_every", "keep", "overlap", "bucket_mb", "context_form", "compile", "float8",
+            "hierarchical", "recompute", "microbatches", "pipeline_limit", "precision", "grad_reduce", "offload_bsize",
+            "eval_every", "tensorboard", "matmul_peak")
 Planner = Callable[..., object]   # par4d.measure.choose.planned_run (returns its Plan)
 PLANNED = ("microbatches", "recompute", "overlap")   # what --grid auto chooses besides the grid, unless a flag does
 
@@ -168,6 +168,7 @@ def _grid(args: argparse.Namespace, world: int, inside: bool, dims: dict, planne
         raise ValueError("--grid auto needs the planner (par4d train passes par4d.measure.choose.planned_run)")
     plan = planner(world, machine=args.machine, inside=inside, report=say, microbatches=args.microbatches,
                    recompute=args.recompute, overlap=args.overlap, offload_bsize=args.offload_bsize,
+                   bucket_mb=default("bucket_mb") if args.bucket_mb is None else args.bucket_mb,
                    **{k: dims[k] for k in ("n_layer", "n_embd", "n_head", "seq_len", "batch_size", "mlp")},
                    **({k: dims[k] for k in ("experts", "top_k", "shared_experts")} if dims["mlp"] == "moe" else {}))
     # What no flag gave (microbatches None: the default, which the search timed)

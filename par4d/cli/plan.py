@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections import Counter
@@ -70,6 +71,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     choices.add_argument("--overlap", default=None, metavar="auto|all|none|LIST",
                          help="overlap switches (oar, ors, oag, dp, cache): ranking default auto (the fastest set "
                               "that fits); validate measures with these (default all)")
+    choices.add_argument("--bucket-mb", type=float, default=None, metavar="MB",
+                         help="the data-parallel sync's gradient buckets (as par4d train's; default 25): ranking and "
+                              "validate")
     choices.add_argument("--offload-optimizer", dest="offload_bsize", nargs="?", type=int, const=1 << 22,
                          default=None, metavar="BSIZE",
                          help="masters and AdamW state in CPU memory, stepped BSIZE elements at a time (default "
@@ -85,7 +89,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def _overlap(args: argparse.Namespace):
     from par4d.overlap import Overlap
 
-    return Overlap.parse(args.overlap or "all")
+    return replace(Overlap.parse(args.overlap or "all"), bucket_mb=_bucket_mb(args))
+
+
+def _bucket_mb(args: argparse.Namespace) -> float:
+    """``--bucket-mb``, checked (naming the flag), else DDP's 25 MB."""
+    from par4d.overlap import BUCKET_MB
+
+    if args.bucket_mb is None:
+        return BUCKET_MB
+    if not (math.isfinite(args.bucket_mb) and args.bucket_mb * 2**20 >= 1):
+        raise ValueError(f"--bucket-mb must be a finite size of at least one byte (2**-20 MB), got {args.bucket_mb}")
+    return args.bucket_mb
 
 
 def _auto(text: str, flag: str) -> int | None:
@@ -113,7 +128,7 @@ def _space(args: argparse.Namespace, world: int) -> Space:
         raise ValueError(f"--offload-optimizer {args.offload_bsize}: give a bucket size >= 1 element")
     return Space(pipe=pipe, microbatches=_auto(args.microbatches, "--microbatches"),
                  checkpointing={"auto": None, "on": True, "off": False}[args.recompute], overlap=overlap,
-                 offload_bsize=args.offload_bsize)
+                 offload_bsize=args.offload_bsize, bucket_mb=_bucket_mb(args))
 
 
 def _paper(args: argparse.Namespace) -> int:
@@ -197,11 +212,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--imbalance: a setting of a mixture of experts ({', '.join(MOE_MODELS)}); --model "
                          f"{args.model} has none")
     spec = gpt_spec(args.model).with_batch(args.batch_tokens // args.seq_len, args.seq_len)
-    if args.variant != "full" and (args.pipe, args.microbatches, args.recompute, args.overlap,
-                                   args.offload_bsize) != ("auto", "auto", "auto", None, None):
+    if args.variant != "full" and (args.pipe, args.microbatches, args.recompute, args.overlap, args.bucket_mb,
+                                   args.offload_bsize) != ("auto", "auto", "auto", None, None, None):
         raise ValueError(f"--variant {args.variant} ranks (x, y, z, data) by communication time only; "
-                         f"--pipe, --microbatches, --recompute, --overlap and --offload-optimizer are the full "
-                         f"model's")
+                         f"--pipe, --microbatches, --recompute, --overlap, --bucket-mb and --offload-optimizer are "
+                         f"the full model's")
     space = _space(args, args.gpus) if args.variant == "full" else None
     began = time.perf_counter()
     # The paper's models rank grids by communication alone: no choices to search. The table times only what
@@ -266,7 +281,8 @@ def _mixture(args: argparse.Namespace, machine) -> int:
     """Rank the (x, z, data, expert) grids of a built-in mixture of experts (par4d.plan.experts)."""
     given = [f"--{name.replace('_', '-')}" for name, default in (("pipe", "auto"), ("microbatches", "auto"),
                                                                   ("recompute", "auto"), ("overlap", None),
-                                                                  ("offload_bsize", None), ("variant", "full"),
+                                                                  ("bucket_mb", None), ("offload_bsize", None),
+                                                                  ("variant", "full"),
                                                                   ("train_tokens", None))
              if getattr(args, name) != default]
     if given:
@@ -296,7 +312,8 @@ def _long(args: argparse.Namespace, machine) -> int:
     """Rank the (x, z, context, data) grids of a built-in long-sequence model (par4d.plan.context)."""
     given = [f"--{name.replace('_', '-')}" for name, default in (("pipe", "auto"), ("microbatches", "auto"),
                                                                   ("recompute", "auto"), ("overlap", None),
-                                                                  ("offload_bsize", None), ("variant", "full"),
+                                                                  ("bucket_mb", None), ("offload_bsize", None),
+                                                                  ("variant", "full"),
                                                                   ("train_tokens", None), ("imbalance", None))
              if getattr(args, name) != default]
     if given:

@@ -18,6 +18,14 @@ def _every(blocks: int) -> str:
     return f"every {blocks} blocks" if blocks else "none"
 
 
+def _buckets(config: dict) -> str:
+    """The sync's bucket size where ``--bucket-mb`` changed it (a run from before the flag has none)."""
+    from par4d.overlap import BUCKET_MB
+
+    size = config.get("bucket_mb", BUCKET_MB)
+    return "" if size == BUCKET_MB else f", gradient buckets of {size:g} MB"
+
+
 def _communication(summary: dict) -> str:
     issued, exposed, step = (summary[k] for k in ("comm_issued_s_per_step", "comm_exposed_s_per_step", "s_per_step"))
     hidden = 100 * (1 - exposed / issued) if issued > 0 else 0.0
@@ -99,7 +107,8 @@ def print_summary(summary: dict) -> None:
         ("matmul peak", f"{_rate(summary['matmul_peak_flops_per_s'])} "
                         f"({summary.get('matmul_peak_of') or 'fp32, every core; measured at start-up'})"),
         ("% of peak", f"{summary['percent_of_peak']:.1f}%"),
-        ("overlap", f"{summary['overlap']}, recompute {_every(summary['recompute_every'])}"),
+        ("overlap", f"{summary['overlap']}, recompute {_every(summary['recompute_every'])}"
+                    f"{_buckets(summary['config'])}"),
         ("optimizer", summary["optimizer"]),
         *([("compiled", _compiled(summary["compiled"]))] if summary.get("compiled") else []),
         *([("float8", _float8(summary["float8"], summary["grid"].get("pipe", 1)))] if summary.get("float8") else []),

@@ -106,6 +106,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     steps.add_argument("--overlap", default=None, metavar="all|none|LIST",
                        help=_help("overlap", "overlap communication with compute: all, none, or a comma list of "
                                              "oar,ors,oag,cache,dp,xy (cache needs --recompute)"))
+    steps.add_argument("--bucket-mb", type=float, default=None, metavar="MB",
+                       help=_help("bucket_mb", "the data-parallel sync's gradient buckets in MB (DDP's bucket_cap_mb; "
+                                               "the first at most 1 MB): each summed as soon as backward fills it. "
+                                               "Smaller ones leave less of the sum after backward (across a slow "
+                                               "link) for a collective each; where a gradient falls in a bucket "
+                                               "decides a ring's order of summing it, so another size may round "
+                                               "otherwise"))
     steps.add_argument("--context-form", choices=CHOICES["context_form"], default=None,
                        help=_help("context_form", "attention on a context axis: ring (keys and values around the "
                                                   "context ranks, hidden behind the attention) or gather (gathered "

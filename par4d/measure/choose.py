@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from par4d.models.config import GPTConfig
-from par4d.overlap import Overlap
+from par4d.overlap import BUCKET_MB, Overlap
 from par4d.plan.experts import gpt_spec, rank_grids
 from par4d.plan.machines import Machine, load_machine
 from par4d.plan.search import Space, search
@@ -34,13 +34,14 @@ class Plan:
 
 def planned_run(world: int, *, machine: str | None, inside: bool, n_layer: int, n_embd: int, n_head: int,
                 seq_len: int, batch_size: int, microbatches: int | None = None, recompute: str | None = None,
-                overlap: str | None = None, offload_bsize: int | None = None, mlp: str = "dense",
-                experts: int = 1, top_k: int = 1, shared_experts: int = 0,
+                overlap: str | None = None, offload_bsize: int | None = None, bucket_mb: float = BUCKET_MB,
+                mlp: str = "dense", experts: int = 1, top_k: int = 1, shared_experts: int = 0,
                 report: Callable[[str], None] = print) -> Plan:
     """The planner's first choice for training par4d's GPT on ``world`` ranks: dense, or with ``mlp="moe"`` a
     mixture of ``experts`` (:func:`planned_mixture`). ``microbatches``, ``recompute``
     (``none`` or a ``--recompute`` value), ``overlap`` (a ``--overlap`` value) and ``offload_bsize``: the choices
-    the user made with flags (None: searched); the search keeps them. An overlap with the cache and no
+    the user made with flags (None: searched); the search keeps them. ``bucket_mb``: the data-parallel sync's
+    buckets (``--bucket-mb``), in every overlap set it times. An overlap with the cache and no
     ``recompute`` given means recomputation (the cache keeps weights only for it; ``all`` includes it only under
     recomputation, as ``par4d train`` reads it).
 
@@ -62,7 +63,8 @@ def planned_run(world: int, *, machine: str | None, inside: bool, n_layer: int, 
     if settings is not None and settings.cache and overlap.strip().lower() != "all" and checkpointing is None:
         checkpointing = True            # the cache named (not "all", which means it only under recomputation)
     ranked, excluded = search(spec, world, profile, Space(microbatches=microbatches, checkpointing=checkpointing,
-                                                          overlap=settings, offload_bsize=offload_bsize))
+                                                          overlap=settings, offload_bsize=offload_bsize,
+                                                          bucket_mb=bucket_mb))
     if not ranked:
         reasons = "; ".join(sorted({p.excluded for p in excluded}))
         raise ValueError(f"--grid auto: no grid of {world} ranks runs this model ({reasons})")

@@ -34,6 +34,7 @@ No torch here: the CLI parses and checks these before any rank starts.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from functools import cached_property
 
@@ -67,8 +68,9 @@ class Overlap:
             raise ValueError(f"Overlap(prefetch={self.prefetch}): prefetch depth must be >= 1 layer")
         if self.cache_layers is not None and self.cache_layers < 0:
             raise ValueError(f"Overlap(cache_layers={self.cache_layers}): must be >= 0 (None: every layer)")
-        if not self.bucket_mb > 0:
-            raise ValueError(f"Overlap(bucket_mb={self.bucket_mb}): bucket size must be > 0 MB")
+        if not (math.isfinite(self.bucket_mb) and self.bucket_mb * 2**20 >= 1):
+            raise ValueError(f"Overlap(bucket_mb={self.bucket_mb}): a bucket holds at least one byte (2**-20 MB) "
+                             f"and a finite number")
         if self.row_chunks < 1:
             raise ValueError(f"Overlap(row_chunks={self.row_chunks}): must be >= 1 (1: rows not cut)")
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 from par4d.overlap import Overlap
 from par4d.plan.collectives import bandwidths, latencies
@@ -49,9 +50,6 @@ from par4d.plan.workload import GPTSpec, ModuleWorkload
 WITH_RECOMPUTE = (Overlap.parse("oar,ors,oag,dp,cache,xy,ep,cp"), Overlap.parse("oar,ors,oag,dp,xy,ep,cp"),
                   Overlap.parse("oar,ors,dp,xy,ep,cp"))
 WITHOUT_RECOMPUTE = (Overlap.parse("oar,ors,oag,dp,xy,ep,cp"),)
-# What acts in a pipeline (par4d.train.config.TrainConfig.overlap_run): the same sets, fewer switches.
-IN_PIPELINE = {sets: tuple(dict.fromkeys(overlap.in_pipeline() for overlap in sets))
-               for sets in (WITH_RECOMPUTE, WITHOUT_RECOMPUTE)}
 
 
 @dataclass(frozen=True)
@@ -61,19 +59,37 @@ class Space:
     ``pipe``: stages (searched: every divisor of the world up to the model's blocks);
     ``microbatches`` per step; ``checkpointing``: recomputation on or off; ``overlap``: the
     switches (:class:`Overlap`; ``Overlap.none()`` for the synchronous path);
-    ``offload_bsize``: the optimizer offloaded to the CPU in buckets of this many elements."""
+    ``offload_bsize``: the optimizer offloaded to the CPU in buckets of this many elements;
+    ``bucket_mb``: the data-parallel sync's buckets in every set tried (None: a given ``overlap``'s, else
+    DDP's 25 MB)."""
 
     pipe: int | None = None
     microbatches: int | None = None
     checkpointing: bool | None = None
     overlap: Overlap | None = None
     offload_bsize: int | None = None
+    bucket_mb: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("pipe", "microbatches", "offload_bsize"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}={value}: must be >= 1 (or searched)")
+
+    @cached_property
+    def overlap_sets(self) -> dict[tuple[bool, bool], tuple[Overlap, ...]]:
+        """(recomputation, a pipeline) -> the overlap sets to try, fastest first (their memory never grows down
+        the list); in a pipeline, what acts there (par4d.train.config.TrainConfig.overlap_run). Computed once:
+        the search asks for them per grid and choice."""
+        table = {}
+        for checkpointing in (False, True):
+            sets = (self.overlap,) if self.overlap is not None else (
+                WITH_RECOMPUTE if checkpointing else WITHOUT_RECOMPUTE)
+            if self.bucket_mb is not None:
+                sets = tuple(replace(overlap, bucket_mb=self.bucket_mb) for overlap in sets)
+            table[checkpointing, False] = sets
+            table[checkpointing, True] = tuple(dict.fromkeys(overlap.in_pipeline() for overlap in sets))
+        return table
 
 
 def search(spec: GPTSpec | ModuleWorkload, world: int, machine: Machine,
@@ -178,11 +194,7 @@ class _Grid:
 
     def sets(self, checkpointing: bool) -> tuple[Overlap, ...]:
         """The overlap sets to try, fastest first (their memory never grows down the list)."""
-        sets = (self.space.overlap,) if self.space.overlap is not None else (
-            WITH_RECOMPUTE if checkpointing else WITHOUT_RECOMPUTE)
-        if self.pipe > 1:
-            sets = IN_PIPELINE.get(sets) or (self.space.overlap.in_pipeline(),)
-        return sets
+        return self.space.overlap_sets[checkpointing, self.pipe > 1]
 
     def footprint(self, checkpointing: bool, overlap: Overlap, micro: int) -> float:
         """:func:`memory_bytes`, from two evaluations per setting: only the activations depend on the count,

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from par4d.folder import ABSURD_BYTES, is_count
 from par4d.hierarchy import MODES
-from par4d.overlap import Overlap
+from par4d.overlap import BUCKET_MB, Overlap
 from par4d.parallel import check_compile, check_context_form, check_float8
 from par4d.train.recipes import recipe
 
@@ -67,6 +67,7 @@ class TrainConfig:
     peak_flops: float | None = None  # measured by the launching process; None: rank 0 measures
     matmul_peak: float | None = None  # --peak-flops: the peak given (FLOP/s, the job's), not measured
     overlap: str = "all"             # --overlap: all, none, or a comma list of par4d.overlap.NAMES
+    bucket_mb: float = BUCKET_MB     # --bucket-mb: the data-parallel sync's gradient buckets, in MB
     hierarchical: str = "auto"       # --hierarchical: auto, on or off (par4d.hierarchy.MODES)
     recompute: str = "none"          # --recompute: none, auto, or every N blocks
     keep: int = 2                    # --keep: checkpoints kept
@@ -129,6 +130,9 @@ class TrainConfig:
             raise ValueError(f"--keep must be >= 1, got {self.keep}")
         if not (math.isfinite(self.grad_clip) and self.grad_clip >= 0):
             raise ValueError(f"--grad-clip must be a finite number >= 0 (0 disables), got {self.grad_clip}")
+        if not (math.isfinite(self.bucket_mb) and self.bucket_mb * 2**20 >= 1):
+            raise ValueError(f"--bucket-mb must be a finite size of at least one byte (2**-20 MB), got "
+                             f"{self.bucket_mb}")
         settings, every = self.overlap_settings(), self.recompute_every()   # both raise on bad values
         if settings.cache and not every:
             raise ValueError(f"--overlap {self.overlap}: the cache keeps gathered weights for recomputation; "
@@ -203,10 +207,11 @@ class TrainConfig:
                              f"that streams is not built yet: train on a part of the text)")
 
     def overlap_settings(self) -> Overlap:
-        """``--overlap all`` without recomputation means every overlap but the cache (it needs recomputation)."""
+        """``--overlap`` with ``--bucket-mb``'s buckets; ``all`` without recomputation means every overlap but the
+        cache (it needs recomputation)."""
         if self.overlap.strip().lower() == "all" and self.recompute_every() == 0:
-            return replace(Overlap(), cache_layers=0)
-        return Overlap.parse(self.overlap)
+            return replace(Overlap(), cache_layers=0, bucket_mb=self.bucket_mb)
+        return replace(Overlap.parse(self.overlap), bucket_mb=self.bucket_mb)
 
     def overlap_run(self) -> Overlap:
         """The overlaps that act in this run: ``--overlap``'s, but with a pipeline (pipe > 1) only those
