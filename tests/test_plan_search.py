@@ -219,6 +219,8 @@ def test_the_syncs_bucket_size_is_priced_in_every_set_searched_and_in_a_fixed_on
         assert small.t_exposed < default.t_exposed
     assert on_data8(Space(pipe=1, overlap=replace(given, bucket_mb=0.1))).collectives == 5
     assert on_data8(Space(pipe=1, overlap=replace(given, bucket_mb=0.1), bucket_mb=25)).collectives == 1
+    with pytest.raises(ValueError, match="bucket_mb=0"):
+        Space(bucket_mb=0)
 
 
 def test_plan_cli_searches_and_refuses_bad_choices(capsys):

@@ -75,6 +75,8 @@ class Space:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}={value}: must be >= 1 (or searched)")
+        if self.bucket_mb is not None:
+            Overlap(bucket_mb=self.bucket_mb)     # checked as a run's buckets are, before any search
 
     @cached_property
     def overlap_sets(self) -> dict[tuple[bool, bool], tuple[Overlap, ...]]:
