@@ -174,6 +174,31 @@ def test_bucket_mb_sizes_the_syncs_buckets_and_a_resume_keeps_or_changes_it(tmp_
     assert checked_config("--resume", str(small), "--steps", "5", "--bucket-mb", "4", world=4).bucket_mb == 4
 
 
+def _on_two_nodes(config) -> dict:
+    """`par4d train` on a pool's rank, as if ranks 0-1 and 2-3 were two nodes (the ranks find their nodes from
+    par4d.hierarchy.node_key)."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    with mock.patch("par4d.hierarchy.node_key", return_value=f"node-{dist.get_rank() // 2}"):
+        return train_in_pool(config)
+
+
+def test_the_summary_names_the_groups_summed_in_stages_across_nodes(tmp_path, capsys, pool4):
+    """Which collectives go in stages decides the order of summation, and under --hierarchical auto a probe at start
+    decides: the summary says which groups went so. data=4 over two nodes of 2, staged: "data"; on one node, none."""
+    from dataclasses import replace
+
+    flags = ["--grid", "data=4", *SMALL, "--steps", "2"]
+    two = replace(checked_config(*flags, "--out", str(tmp_path / "two"), world=4), hierarchical="on")   # (the CLI
+    summary = pool4.run(_on_two_nodes, two)[0]                            # refuses on for its own one-node ranks)
+    assert _finish(summary) == 0 and summary["staged"] == ["data"]
+    assert "; staged across nodes over data (--hierarchical on)" in capsys.readouterr().out
+    one = train_pooled(pool4, *flags, "--out", str(tmp_path / "one"))
+    assert one["staged"] == [] and "staged across nodes" not in capsys.readouterr().out
+
+
 def _torchrun(*args: str, faults: str = "", restarts: int = 0) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PAR4D_FAULTS=faults)
     return subprocess.run(

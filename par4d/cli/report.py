@@ -30,8 +30,12 @@ def _communication(summary: dict) -> str:
     issued, exposed, step = (summary[k] for k in ("comm_issued_s_per_step", "comm_exposed_s_per_step", "s_per_step"))
     hidden = 100 * (1 - exposed / issued) if issued > 0 else 0.0
     share = 100 * exposed / step if step > 0 else 0.0
+    staged = summary.get("staged")       # (a summary from before it was recorded has none)
+    how = {"auto": "--hierarchical auto measured them faster", "on": "--hierarchical on"}
     return (f"in flight {issued * 1e3:.1f} ms, exposed (waited) {exposed * 1e3:.1f} ms per step on rank 0: "
-            f"{hidden:.0f}% hidden, exposed = {share:.0f}% of the step")
+            f"{hidden:.0f}% hidden, exposed = {share:.0f}% of the step"
+            + (f"; staged across nodes over {' and '.join(staged)} ({how[summary['config']['hierarchical']]})"
+               if staged else ""))
 
 
 def _rate(flops: float) -> str:

@@ -322,6 +322,10 @@ def _summarize(job: _Job, grid, run: Folder, measured: _Measured, peak: float, p
         "overlap": config.overlap_run().describe(), "recompute_every": config.recompute_every(),
         "optimizer": job.precision.describe(config.grad_clip, config.overlap_settings().data_parallel),
         "s_per_step": step_s, "comm_issued_s_per_step": issued, "comm_exposed_s_per_step": exposed,
+        # Which groups summed in stages across nodes: under --hierarchical auto a probe at start chose, and the
+        # order of summation (the bits) follows the choice. Named by their axes of more than one rank (z,data
+        # with z = 1 is data's group).
+        "staged": sorted({",".join(a for a in axes if grid.size(a) > 1) for axes in grid.staged_axes()}),
         "initial_loss": history[0]["loss"], "final_loss": history[-1]["loss"],
         "val_loss": val_loss, "data": job.source, "rss_per_rank": measured.rss,
         "footprint_per_rank": measured.footprints, "config": asdict(config),
