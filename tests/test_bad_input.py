@@ -111,6 +111,9 @@ CASES = [
     (["train", "--model", "unet", "--float8", "rowwise"], "--model unet: --float8 rowwise is for par4d's GPT"),
     (["train", "--peak-flops", "0"], "--peak-flops must be a positive number of FLOP/s, got 0.0"),
     (["train", "--bucket-mb", "-1"], "--bucket-mb must be a finite size of at least one byte (2**-20 MB), got -1.0"),
+    (["train", "--grid", "auto", "--machine", "h100", "--bucket-mb", "nan"],
+     "--bucket-mb must be a finite size of at least one byte (2**-20 MB), got nan"),    # before the planner
+    (["plan", "--gpus", "8", "--bucket-mb", "1e308"], "--bucket-mb must be a finite size of at least one byte"),
     (["plan", "--gpus", "8", "--bucket-mb", "1e-9"],
      "--bucket-mb must be a finite size of at least one byte (2**-20 MB), got 1e-09"),
     (["plan", "--gpus", "8", "--variant", "aware", "--bucket-mb", "1"],

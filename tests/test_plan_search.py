@@ -219,7 +219,9 @@ def test_the_syncs_bucket_size_is_priced_in_every_set_searched_and_in_a_fixed_on
         assert small.t_exposed < default.t_exposed
     assert on_data8(Space(pipe=1, overlap=replace(given, bucket_mb=0.1))).collectives == 5
     assert on_data8(Space(pipe=1, overlap=replace(given, bucket_mb=0.1), bucket_mb=25)).collectives == 1
-    with pytest.raises(ValueError, match="bucket_mb=0"):
+    assert on_data8(Space(pipe=1, overlap=Overlap.none(), bucket_mb=0.1)).collectives == 5   # synchronous too
+    assert on_data8(Space(pipe=1, overlap=Overlap.none())).collectives == 1
+    with pytest.raises(ValueError, match=r"Space\(bucket_mb=\) must be a finite size of at least one byte"):
         Space(bucket_mb=0)
 
 

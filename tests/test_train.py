@@ -11,7 +11,8 @@ import pytest
 
 import par4d
 from par4d.bench.faults import RESTART, plan_faults
-from par4d.cli import main
+from par4d.cli import _parser, main
+from par4d.cli.configure import configure
 from par4d.cli.train import _finish
 from par4d.grid import default_grid
 from tests.helpers import SMALL, checked_config, run_losses, train_alone, train_in_pool, train_pooled, train_subprocess
@@ -172,6 +173,17 @@ def test_bucket_mb_sizes_the_syncs_buckets_and_a_resume_keeps_or_changes_it(tmp_
     assert "gradient buckets of 0.000976562 MB" in printed and printed.count("gradient buckets of") == 1
     assert checked_config("--resume", str(small), "--steps", "5", world=4).bucket_mb == 2**-10
     assert checked_config("--resume", str(small), "--steps", "5", "--bucket-mb", "4", world=4).bucket_mb == 4
+    planned = []
+
+    def planner(world: int, **choices):      # what --grid auto plans with, then no further
+        planned.append(choices["bucket_mb"])
+        raise ValueError("planned")
+
+    for flags, size in (([], 2**-10), (["--bucket-mb", "4"], 4)):
+        args = _parser().parse_args(["train", "--resume", str(small), "--steps", "5", "--grid", "auto", *flags])
+        with pytest.raises(ValueError, match="planned"):
+            configure(args, 4, inside=False, planner=planner)
+        assert planned.pop() == size
 
 
 def _on_two_nodes(config) -> dict:

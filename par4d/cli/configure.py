@@ -168,11 +168,20 @@ def _grid(args: argparse.Namespace, world: int, inside: bool, dims: dict, planne
         raise ValueError("--grid auto needs the planner (par4d train passes par4d.measure.choose.planned_run)")
     plan = planner(world, machine=args.machine, inside=inside, report=say, microbatches=args.microbatches,
                    recompute=args.recompute, overlap=args.overlap, offload_bsize=args.offload_bsize,
-                   bucket_mb=default("bucket_mb") if args.bucket_mb is None else args.bucket_mb,
+                   bucket_mb=_bucket_mb(args, dims),
                    **{k: dims[k] for k in ("n_layer", "n_embd", "n_head", "seq_len", "batch_size", "mlp")},
                    **({k: dims[k] for k in ("experts", "top_k", "shared_experts")} if dims["mlp"] == "moe" else {}))
     # What no flag gave (microbatches None: the default, which the search timed)
     return plan.grid, plan.peak, {k: getattr(plan, k) for k in PLANNED if getattr(args, k) is None}
+
+
+def _bucket_mb(args: argparse.Namespace, dims: dict) -> float:
+    """The run's bucket size for the planner, checked before it calibrates or plans: --bucket-mb's, else a resumed
+    run's own (``dims`` is its saved settings), else the default."""
+    from par4d.overlap import check_bucket_mb
+
+    return check_bucket_mb(args.bucket_mb if args.bucket_mb is not None else
+                           dims.get("bucket_mb", default("bucket_mb")))
 
 
 def _new_config(args: argparse.Namespace, world: int, inside: bool, planner: Planner | None):

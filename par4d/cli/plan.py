@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from collections import Counter
@@ -15,7 +14,7 @@ from par4d.cli.files import check_new_file
 from par4d.cli.values import number
 from par4d.parallel import COMPILE_BACKENDS
 from par4d.plan import context as long_sequences
-from par4d.plan.cost import VARIANTS, rank_configurations
+from par4d.plan.cost import VARIANTS, priced, rank_configurations
 from par4d.plan.experts import MOE_MODELS, batch_of, moe_spec, rank_grids
 from par4d.plan.machines import BUILTIN, load_machine
 from par4d.plan.search import Space, search, search_top
@@ -94,13 +93,9 @@ def _overlap(args: argparse.Namespace):
 
 def _bucket_mb(args: argparse.Namespace) -> float:
     """``--bucket-mb``, checked (naming the flag), else DDP's 25 MB."""
-    from par4d.overlap import BUCKET_MB
+    from par4d.overlap import BUCKET_MB, check_bucket_mb
 
-    if args.bucket_mb is None:
-        return BUCKET_MB
-    if not (math.isfinite(args.bucket_mb) and args.bucket_mb * 2**20 >= 1):
-        raise ValueError(f"--bucket-mb must be a finite size of at least one byte (2**-20 MB), got {args.bucket_mb}")
-    return args.bucket_mb
+    return BUCKET_MB if args.bucket_mb is None else check_bucket_mb(args.bucket_mb)
 
 
 def _auto(text: str, flag: str) -> int | None:
@@ -430,5 +425,5 @@ def _validate(args: argparse.Namespace) -> int:
     overlap = _overlap(args)   # parsed before anything is measured
     measured, scores = validate(args.nproc, machine, args.iters, Path(args.plot) if args.plot else None, cluster,
                                 args.passes, overlap)
-    print(report(measured, scores, args.json, memory_check(measured, machine, overlap if overlap.names else None)))
+    print(report(measured, scores, args.json, memory_check(measured, machine, priced(overlap))))
     return 0

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from par4d.overlap import Overlap
-from par4d.plan.cost import VARIANTS, predict
+from par4d.plan.cost import VARIANTS, predict, priced
 from par4d.plan.machines import Machine
 from par4d.plan.workload import MEASURED as SPEC  # the measured workload (measure/grids.py)
 
@@ -181,7 +181,7 @@ def validate(nproc: int, machine: Machine, iters: int, plot: Path | None,
         title = f"--nodes {cluster.nodes} --nproc {cluster.ranks_per_node} --link {cluster.link}"
     for row, seconds in zip(measured, compute):
         row["compute_s"] = seconds
-    scores = score(measured, machine, overlap if overlap.names else None)
+    scores = score(measured, machine, priced(overlap))
     if plot is not None:
         _plot(measured, scores, plot, title)
     return measured, scores

@@ -16,9 +16,9 @@
 
 from importlib import import_module
 
-from par4d.overlap.policy import BUCKET_MB, NAMES, Overlap
+from par4d.overlap.policy import BUCKET_MB, NAMES, Overlap, check_bucket_mb
 
-__all__ = ["BUCKET_MB", "NAMES", "LayerRuntime", "Overlap", "set_overlap"]
+__all__ = ["BUCKET_MB", "NAMES", "LayerRuntime", "Overlap", "check_bucket_mb", "set_overlap"]
 
 _LAZY = {"set_overlap": "par4d.overlap.apply", "LayerRuntime": "par4d.overlap.runtime"}
 

@@ -47,6 +47,14 @@ XY_CHUNKS = 2      # row chunks of the x/y all-reduces under ``xy``
 BUCKET_MB = 25.0   # DDP's default bucket size
 
 
+def check_bucket_mb(size: float, name: str = "--bucket-mb") -> float:
+    """``size``, a bucket's MB: at least one byte, and as bytes a finite number (1e308 MB is not); else a
+    ValueError naming ``name``, the flag or field it came from."""
+    if not (math.isfinite(size * 2**20) and size * 2**20 >= 1):     # (nan and inf fail the first)
+        raise ValueError(f"{name} must be a finite size of at least one byte (2**-20 MB), got {size}")
+    return size
+
+
 @dataclass(frozen=True)
 class Overlap:
     """The overlap switches (every one on by default) and their settings."""
@@ -68,9 +76,7 @@ class Overlap:
             raise ValueError(f"Overlap(prefetch={self.prefetch}): prefetch depth must be >= 1 layer")
         if self.cache_layers is not None and self.cache_layers < 0:
             raise ValueError(f"Overlap(cache_layers={self.cache_layers}): must be >= 0 (None: every layer)")
-        if not (math.isfinite(self.bucket_mb) and self.bucket_mb * 2**20 >= 1):
-            raise ValueError(f"Overlap(bucket_mb={self.bucket_mb}): a bucket holds at least one byte (2**-20 MB) "
-                             f"and a finite number")
+        check_bucket_mb(self.bucket_mb, "Overlap(bucket_mb=)")
         if self.row_chunks < 1:
             raise ValueError(f"Overlap(row_chunks={self.row_chunks}): must be >= 1 (1: rows not cut)")
 

@@ -345,8 +345,16 @@ SYNCHRONOUS = Overlap.none()
 
 
 def bucket_count(grad_bytes: float, overlap: Overlap | None) -> int:
-    """The data-parallel sync's buckets: as many with the overlap off (it only waits for them at the end)."""
-    return math.ceil(grad_bytes / (overlap or SYNCHRONOUS).bucket_bytes) + (1 if grad_bytes > 2**20 else 0)
+    """The data-parallel sync's buckets: as many with the overlap off (it only waits for them at the end); a first
+    one of at most 1 MB where buckets are larger (par4d.optim.data_parallel, as DDP's)."""
+    bucket = (overlap or SYNCHRONOUS).bucket_bytes
+    return math.ceil(grad_bytes / bucket) + (1 if grad_bytes > 2**20 and bucket > 2**20 else 0)
+
+
+def priced(overlap: Overlap) -> Overlap | None:
+    """What the predictions take for ``overlap``: None (the synchronous path, in DDP's buckets) where no switch is
+    on and the buckets are DDP's, else the set itself (with no switch on, the same step, in its own buckets)."""
+    return overlap if overlap.names or overlap.bucket_bytes != SYNCHRONOUS.bucket_bytes else None
 
 
 def _timed(pred: Prediction, spec, sizes: dict[str, int], machine: Machine, full: bool, checkpointing: bool,

@@ -28,7 +28,7 @@ import heapq
 from dataclasses import dataclass, replace
 from functools import cached_property
 
-from par4d.overlap import Overlap
+from par4d.overlap import Overlap, check_bucket_mb
 from par4d.plan.collectives import bandwidths, latencies
 from par4d.plan.compute import optimizer_seconds, stage_seconds, with_bubble
 from par4d.plan.cost import (
@@ -40,6 +40,7 @@ from par4d.plan.cost import (
     memory_bytes,
     p2p_seconds,
     predict,
+    priced,
     problem,
     timed_choice,
 )
@@ -76,7 +77,7 @@ class Space:
             if value is not None and value < 1:
                 raise ValueError(f"{name}={value}: must be >= 1 (or searched)")
         if self.bucket_mb is not None:
-            Overlap(bucket_mb=self.bucket_mb)     # checked as a run's buckets are, before any search
+            check_bucket_mb(self.bucket_mb, "Space(bucket_mb=)")
 
     @cached_property
     def overlap_sets(self) -> dict[tuple[bool, bool], tuple[Overlap, ...]]:
@@ -95,14 +96,14 @@ class Space:
 
 
 def search(spec: GPTSpec | ModuleWorkload, world: int, machine: Machine,
-           space: Space = Space()) -> tuple[list[Prediction], list[Prediction]]:
+           space: Space | None = None) -> tuple[list[Prediction], list[Prediction]]:
     """(every grid's fastest fitting choice, ranked by predicted step time; the grids where
     nothing fits, each with its smallest footprint or the reason it cannot run)."""
     ranked, excluded, _ = _search(spec, world, machine, space, None)
     return ranked, excluded
 
 
-def search_top(spec: GPTSpec | ModuleWorkload, world: int, machine: Machine, space: Space = Space(),
+def search_top(spec: GPTSpec | ModuleWorkload, world: int, machine: Machine, space: Space | None = None,
                top: int = 10) -> tuple[list[Prediction], list[Prediction], int]:
     """(the ``top`` fastest grids' choices: :func:`search`'s first ``top``, the same predictions in the same
     order; the grids where nothing fits, as :func:`search`'s; how many grids have a choice that fits).
@@ -117,8 +118,9 @@ def search_top(spec: GPTSpec | ModuleWorkload, world: int, machine: Machine, spa
     return _search(spec, world, machine, space, top)
 
 
-def _search(spec, world: int, machine: Machine, space: Space,
+def _search(spec, world: int, machine: Machine, space: Space | None,
             top: int | None) -> tuple[list[Prediction], list[Prediction], int]:
+    space = Space() if space is None else space      # a Space of its own: it caches its overlap sets
     if isinstance(spec, GPTSpec):
         pipes = (space.pipe,) if space.pipe is not None else tuple(p for p in range(1, spec.n_layer + 1))
     else:
@@ -274,7 +276,7 @@ class _Grid:
                     t_stage = t_least if micro == 1 else stage_seconds(spec, sizes, machine, checkpointing, micro)
                     for candidate in _with_and_without_xy(overlap, machine):
                         pred = timed_choice(spec, sizes, machine, checkpointing, micro,
-                                            candidate if candidate.names else None, need, t_stage,
+                                            priced(candidate), need, t_stage,
                                             self.terms.at(micro), self.optimizer)
                         if best is None or pred.t_iter < best.t_iter:
                             best = pred
@@ -286,5 +288,5 @@ class _Grid:
         if best is not None:
             return best
         _, checkpointing, micro, overlap = smallest
-        return predict(spec, sizes, machine, "full", checkpointing, overlap=overlap if overlap.names else None,
+        return predict(spec, sizes, machine, "full", checkpointing, overlap=priced(overlap),
                        microbatches=micro, offload_bsize=space.offload_bsize)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from par4d.folder import ABSURD_BYTES, is_count
 from par4d.hierarchy import MODES
-from par4d.overlap import BUCKET_MB, Overlap
+from par4d.overlap import BUCKET_MB, Overlap, check_bucket_mb
 from par4d.parallel import check_compile, check_context_form, check_float8
 from par4d.train.recipes import recipe
 
@@ -130,9 +130,7 @@ class TrainConfig:
             raise ValueError(f"--keep must be >= 1, got {self.keep}")
         if not (math.isfinite(self.grad_clip) and self.grad_clip >= 0):
             raise ValueError(f"--grad-clip must be a finite number >= 0 (0 disables), got {self.grad_clip}")
-        if not (math.isfinite(self.bucket_mb) and self.bucket_mb * 2**20 >= 1):
-            raise ValueError(f"--bucket-mb must be a finite size of at least one byte (2**-20 MB), got "
-                             f"{self.bucket_mb}")
+        check_bucket_mb(self.bucket_mb)
         settings, every = self.overlap_settings(), self.recompute_every()   # both raise on bad values
         if settings.cache and not every:
             raise ValueError(f"--overlap {self.overlap}: the cache keeps gathered weights for recomputation; "
