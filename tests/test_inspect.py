@@ -14,7 +14,7 @@ def test_inspect_says_what_a_resume_would_take_and_what_changed(tmp_path, capsys
     run = tmp_path / "run"
     train_alone(checked_config("--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--batch-size", "8",
                                "--seq-len", "16", "--steps", "2", "--save-every", "1", "--no-progress",
-                               "--peak-flops", "1e11", "--nproc", "1",
+                               "--peak-flops", "1e11", "--nproc", "1", "--bucket-mb", "0.5",
                                "--data", str(text), "--out", str(run), world=1))
     capsys.readouterr()
     assert main(["inspect", str(run)]) == 0
@@ -22,6 +22,7 @@ def test_inspect_says_what_a_resume_would_take_and_what_changed(tmp_path, capsys
     assert "step-00000002  intact  <- --resume goes on from here" in out and "step-00000001  intact\n" in out
     assert f"data       {text}: the same as recorded" in out and "tokenizer  bytes (256 tokens)" in out
     assert "step       2 of 2" in out and "grid       x=1 y=1 z=1 data=1 pipe=1" in out
+    assert "overlap all, gradient buckets of 0.5 MB, seed 0" in out
     with open(run / "checkpoints" / "step-00000002" / "rank-00000.safetensors", "r+b") as f:
         f.seek(200)
         f.write(b"\x00\x01\x02")

@@ -11,6 +11,7 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from par4d.cli.report import buckets
 from par4d.folder import Folder
 
 
@@ -76,7 +77,7 @@ def _meta(meta: dict) -> list[str]:
             f"grid       {grid}",
             f"model      {config.get('model', 'gpt')} ({sizes}; vocabulary {config.get('vocab_size', 256)})",
             f"training   lr {config.get('lr')}, precision {config.get('precision', 'fp32')}, "
-            f"overlap {config.get('overlap')}, seed {config.get('seed')}"]
+            f"overlap {config.get('overlap')}{buckets(config)}, seed {config.get('seed')}"]
 
 
 def _data(config: dict) -> tuple[list[str], bool]:

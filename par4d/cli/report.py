@@ -18,8 +18,9 @@ def _every(blocks: int) -> str:
     return f"every {blocks} blocks" if blocks else "none"
 
 
-def _buckets(config: dict) -> str:
-    """The sync's bucket size where ``--bucket-mb`` changed it (a run from before the flag has none)."""
+def buckets(config: dict) -> str:
+    """", gradient buckets of N MB" where a run's ``--bucket-mb`` changed the sync's bucket size, else nothing (a
+    run from before the flag has none): for its summary, and ``par4d inspect``."""
     from par4d.overlap import BUCKET_MB
 
     size = config.get("bucket_mb", BUCKET_MB)
@@ -112,7 +113,7 @@ def print_summary(summary: dict) -> None:
                         f"({summary.get('matmul_peak_of') or 'fp32, every core; measured at start-up'})"),
         ("% of peak", f"{summary['percent_of_peak']:.1f}%"),
         ("overlap", f"{summary['overlap']}, recompute {_every(summary['recompute_every'])}"
-                    f"{_buckets(summary['config'])}"),
+                    f"{buckets(summary['config'])}"),
         ("optimizer", summary["optimizer"]),
         *([("compiled", _compiled(summary["compiled"]))] if summary.get("compiled") else []),
         *([("float8", _float8(summary["float8"], summary["grid"].get("pipe", 1)))] if summary.get("float8") else []),
