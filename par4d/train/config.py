@@ -207,9 +207,10 @@ class TrainConfig:
     def overlap_settings(self) -> Overlap:
         """``--overlap`` with ``--bucket-mb``'s buckets; ``all`` without recomputation means every overlap but the
         cache (it needs recomputation)."""
+        settings = replace(Overlap.parse(self.overlap), bucket_mb=self.bucket_mb)
         if self.overlap.strip().lower() == "all" and self.recompute_every() == 0:
-            return replace(Overlap(), cache_layers=0, bucket_mb=self.bucket_mb)
-        return replace(Overlap.parse(self.overlap), bucket_mb=self.bucket_mb)
+            return replace(settings, cache_layers=0)
+        return settings
 
     def overlap_run(self) -> Overlap:
         """The overlaps that act in this run: ``--overlap``'s, but with a pipeline (pipe > 1) only those
